@@ -1,0 +1,121 @@
+"""Static configuration: frozen, hashable dataclasses usable as static jit arguments."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Tuple
+
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class ConfigError(ValueError):
+    """A model or run configuration is invalid or unsupported."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. kind in {"llama3", "linear"}."""
+    kind: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    sliding_window: Optional[int] = None  # Mistral; checked against the context length
+    bos_token_id: Optional[int] = None
+    eos_token_ids: Tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ConfigError(
+                f"unsupported architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def param_count(self) -> int:
+        h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * f + 2 * h
+        head = 0 if self.tie_word_embeddings else h * v
+        return v * h + head + h + self.num_layers * per_layer
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        """From a parsed HF `config.json`."""
+        archs = d.get("architectures") or [d.get("model_type", "?")]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHS:
+            raise ConfigError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+        try:
+            n_heads = int(d["num_attention_heads"])
+            hidden = int(d["hidden_size"])
+            eos = d.get("eos_token_id")
+            eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+            return cls(
+                arch=arch,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_layers=int(d["num_hidden_layers"]),
+                num_heads=n_heads,
+                num_kv_heads=int(d.get("num_key_value_heads") or n_heads),
+                head_dim=int(d.get("head_dim") or hidden // n_heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(d.get("rope_theta", 10000.0)),
+                rope_scaling=_rope_scaling_from_hf(d.get("rope_scaling")),
+                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                sliding_window=(d.get("sliding_window") if d.get("use_sliding_window", arch == "MistralForCausalLM")
+                                else None),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=tuple(int(e) for e in eos),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks required field {e.args[0]!r}") from None
+
+
+def _rope_scaling_from_hf(rs: Optional[Mapping[str, Any]]) -> Optional[RopeScaling]:
+    if not rs:
+        return None
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind == "llama3":
+        return RopeScaling("llama3", float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)),
+                           float(rs.get("high_freq_factor", 4.0)),
+                           int(rs.get("original_max_position_embeddings", 8192)))
+    if kind == "linear":
+        return RopeScaling("linear", float(rs["factor"]))
+    raise ConfigError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")

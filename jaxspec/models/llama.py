@@ -1,0 +1,149 @@
+"""Llama-family target model (Llama 2/3, Mistral, Qwen2, SmolLM2) as pure functions.
+
+Params pytree (stacked over layers so a `lax.scan` runs them and the jitted call has few leaves):
+  embed       [V, H]
+  layers      attn_norm [L, H], wqkv [L, H, Q + 2K], bqkv [L, Q + 2K] (Qwen2 only),
+              wo [L, Q, H], mlp_norm [L, H], w_gate_up [L, H, 2F], w_down [L, F, H]
+  final_norm  [H]
+  lm_head     [H, V] (absent when the embedding is tied)
+with Q = num_heads * head_dim, K = num_kv_heads * head_dim. q/k/v and gate/up are fused so a
+decode step launches fewer, larger matmuls (small models are launch-bound at batch 1).
+
+One forward serves prefill/extend, decode and tree verify: N new tokens per slot with explicit
+positions attend to the slot's cached prefix (rows < seq_lens) and to each other under
+`new_mask` [B, N, N]. The forward does not write the cache: it returns the new K/V and the caller
+writes the rows it keeps (`pallas_kernels.kv_compact`), which for a tree verify is only the
+accepted path.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import ModelConfig
+from pallas_kernels.tree_attention import tree_attention
+
+
+def rms_norm(x, w, eps):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """[D/2] inverse frequencies, with llama3 / linear scaling applied (numpy, static)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv.astype(np.float32)
+    if rs.kind == "linear":
+        return (inv / rs.factor).astype(np.float32)
+    # llama3: long wavelengths divided by factor, short kept, smooth blend between.
+    low_wl = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wl = rs.original_max_position_embeddings / rs.high_freq_factor
+    wl = 2 * np.pi / inv
+    smooth = (rs.original_max_position_embeddings / wl - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    blended = (1 - smooth) * inv / rs.factor + smooth * inv
+    out = np.where(wl > low_wl, inv / rs.factor, np.where(wl < high_wl, inv, blended))
+    return out.astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """x [B, N, H, D] (HF rotate-half layout), positions [B, N] int32."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq          # [B, N, D/2]
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer, seq_lens, new_mask):
+    """Returns (attention output [B, N, H], k_new, v_new [B, Hkv, N, D])."""
+    b, n, _ = x.shape
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    qkv = h @ lp["wqkv"]
+    if "bqkv" in lp:
+        qkv = qkv + lp["bqkv"]
+    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    q = apply_rope(q.reshape(b, n, cfg.num_heads, cfg.head_dim), positions, inv_freq)
+    k = apply_rope(k.reshape(b, n, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
+    k = k.transpose(0, 2, 1, 3)
+    v = v.reshape(b, n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 2, 1, 3)
+    o = tree_attention(q, cache_k, cache_v, layer, seq_lens, k, v, new_mask,
+                       sm_scale=cfg.head_dim ** -0.5)
+    return o.reshape(b, n, cfg.q_size) @ lp["wo"], k, v
+
+
+def _mlp_block(cfg, lp, x):
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    g, u = jnp.split(h @ lp["w_gate_up"], 2, axis=-1)
+    return (jax.nn.silu(g) * u) @ lp["w_down"]
+
+
+def forward(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, seq_lens, new_mask,
+            capture_layers: Sequence[int] = ()):
+    """Runs all layers over N new tokens per slot.
+
+    tokens, positions [B, N] int32; cache_k/v [L, B, Hkv, T, D]; seq_lens [B]; new_mask [B, N, N].
+    Returns (hidden [B, N, H] before the final norm, k_new, v_new [L, B, Hkv, N, D],
+    captured [len(capture_layers), B, N, H] = outputs of those layers, or None).
+    """
+    inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    x = params["embed"][tokens]
+
+    def layer_fn(x, inp):
+        lp, layer = inp
+        a, k, v = _attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer,
+                                   seq_lens, new_mask)
+        x = x + a
+        x = x + _mlp_block(cfg, lp, x)
+        return x, (k, v, x if capture_layers else None)
+
+    layers = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32))
+    x, (k_new, v_new, outs) = jax.lax.scan(layer_fn, x, layers)
+    captured = outs[jnp.asarray(capture_layers)] if capture_layers else None
+    return x, k_new, v_new, captured
+
+
+def lm_head(params, cfg: ModelConfig, hidden):
+    """hidden [..., H] (before the final norm) -> fp32 logits [..., V]."""
+    h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
+    w = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return jnp.dot(h, w, preferred_element_type=jnp.float32)
+
+
+def causal_mask(batch: int, n: int, n_valid=None):
+    """[B, N, N] lower-triangular mask; keys past n_valid[b] are hidden (padding)."""
+    m = jnp.tril(jnp.ones((n, n), dtype=bool))[None]
+    if n_valid is not None:
+        m = m & (jnp.arange(n)[None, None, :] < n_valid[:, None, None])
+    return jnp.broadcast_to(m, (batch, n, n))
+
+
+def init_random_params(cfg: ModelConfig, key, dtype=jnp.float32, scale=0.02):
+    """Random params of the layout above (tests and shape benchmarks)."""
+    h, f, l = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    ks = iter(jax.random.split(key, 16))
+
+    def rnd(shape):
+        return (scale * jax.random.normal(next(ks), shape, jnp.float32)).astype(dtype)
+
+    layers = {
+        "attn_norm": (1.0 + rnd((l, h))).astype(dtype), "wqkv": rnd((l, h, qkv)),
+        "wo": rnd((l, cfg.q_size, h)), "mlp_norm": (1.0 + rnd((l, h))).astype(dtype),
+        "w_gate_up": rnd((l, h, 2 * f)), "w_down": rnd((l, f, h)),
+    }
+    if cfg.attention_bias:
+        layers["bqkv"] = rnd((l, qkv))
+    params = {"embed": rnd((cfg.vocab_size, h)), "layers": layers,
+              "final_norm": (1.0 + rnd((h,))).astype(dtype)}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = rnd((h, cfg.vocab_size))
+    return params
