@@ -63,10 +63,13 @@ def apply_rope(x, positions, inv_freq):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer, seq_lens, new_mask):
-    """Returns (attention output [B, N, H], k_new, v_new [B, Hkv, N, D])."""
+def qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm=False):
+    """x [B, N, H] -> q [B, N, Hq, D], k, v [B, Hkv, N, D] (RoPE applied to q and k).
+
+    skip_norm: EAGLE-1 draft layers feed the fc output straight in, without the input norm.
+    """
     b, n, _ = x.shape
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    h = x if skip_norm else rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     qkv = h @ lp["wqkv"]
     if "bqkv" in lp:
         qkv = qkv + lp["bqkv"]
@@ -75,12 +78,20 @@ def _attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer, s
     k = apply_rope(k.reshape(b, n, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
     k = k.transpose(0, 2, 1, 3)
     v = v.reshape(b, n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 2, 1, 3)
+    return q, k, v
+
+
+def attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer, seq_lens, new_mask,
+                    skip_norm=False):
+    """Returns (attention output [B, N, H], k_new, v_new [B, Hkv, N, D])."""
+    b, n, _ = x.shape
+    q, k, v = qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm)
     o = tree_attention(q, cache_k, cache_v, layer, seq_lens, k, v, new_mask,
                        sm_scale=cfg.head_dim ** -0.5)
     return o.reshape(b, n, cfg.q_size) @ lp["wo"], k, v
 
 
-def _mlp_block(cfg, lp, x):
+def mlp_block(cfg, lp, x):
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     g, u = jnp.split(h @ lp["w_gate_up"], 2, axis=-1)
     return (jax.nn.silu(g) * u) @ lp["w_down"]
@@ -99,10 +110,10 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, seq_l
 
     def layer_fn(x, inp):
         lp, layer = inp
-        a, k, v = _attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer,
+        a, k, v = attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer,
                                    seq_lens, new_mask)
         x = x + a
-        x = x + _mlp_block(cfg, lp, x)
+        x = x + mlp_block(cfg, lp, x)
         return x, (k, v, x if capture_layers else None)
 
     layers = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32))
@@ -111,11 +122,20 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, seq_l
     return x, k_new, v_new, captured
 
 
+def final_norm(params, cfg: ModelConfig, hidden):
+    """hidden [..., H] from `forward` -> the normed state the lm_head reads (EAGLE-1's feature)."""
+    return rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
+
+
+def project_logits(params, normed):
+    """normed [..., H] -> fp32 logits [..., V] (the lm_head alone, as EAGLE-1 drafts use it)."""
+    w = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return jnp.dot(normed, w.astype(normed.dtype), preferred_element_type=jnp.float32)
+
+
 def lm_head(params, cfg: ModelConfig, hidden):
     """hidden [..., H] (before the final norm) -> fp32 logits [..., V]."""
-    h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
-    w = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return jnp.dot(h, w, preferred_element_type=jnp.float32)
+    return project_logits(params, final_norm(params, cfg, hidden))
 
 
 def causal_mask(batch: int, n: int, n_valid=None):
