@@ -1,0 +1,167 @@
+"""Plain (non-speculative) decoding: chunked prefill and multi-step decode, all on device.
+
+The host dispatches `decode_steps` chunks back to back and reads a chunk's tokens only after the
+next chunk is already queued, so the GPU never waits on the host (JAX dispatch is asynchronous).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import List, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import ModelConfig
+from jaxspec.kv import KVCache
+from jaxspec.models import llama
+from jaxspec.sampling import SamplingParams, SlotSampling, sample
+from pallas_kernels.kv_compact import kv_compact
+
+
+def _append(cache: KVCache, k_new, v_new, count) -> KVCache:
+    """Writes the first count[b] new rows of each slot at its end; lens += count."""
+    b, n = k_new.shape[1], k_new.shape[3]
+    src = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    k, v = kv_compact(cache.k, cache.v, k_new, v_new, cache.lens, src, count)
+    return KVCache(k, v, cache.lens + count)
+
+
+@functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(2,))
+def prefill_chunk(params, cfg: ModelConfig, cache: KVCache, tokens, n_valid):
+    """tokens [B, C] (padded), n_valid [B] -> (cache, hidden of each slot's last valid row [B, H]).
+
+    Extends each slot's cache by n_valid[b] rows (0 leaves a slot untouched).
+    """
+    b, c = tokens.shape
+    positions = cache.lens[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
+    mask = llama.causal_mask(b, c, n_valid)
+    hidden, k_new, v_new, _ = llama.forward(params, cfg, tokens, positions, cache.k, cache.v,
+                                            cache.lens, mask)
+    last = jnp.take_along_axis(hidden, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
+    return _append(cache, k_new, v_new, n_valid), last
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def sample_from_hidden(params, cfg: ModelConfig, hidden, sp: SlotSampling, key):
+    """hidden [B, H] (before the final norm) -> next tokens [B]."""
+    return sample(llama.lm_head(params, cfg, hidden), sp, key)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 6), donate_argnums=(2,))
+def decode_steps(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampling, key,
+                 n_steps: int):
+    """n_steps decode steps. tokens [B] sit at position cache.lens.
+
+    Returns (cache, next tokens [B, n_steps], key).
+    """
+    b = tokens.shape[0]
+    mask = jnp.ones((b, 1, 1), bool)
+
+    def step(carry, _):
+        cache, tok, key = carry
+        key, sub = jax.random.split(key)
+        hidden, k_new, v_new, _ = llama.forward(params, cfg, tok[:, None], cache.lens[:, None],
+                                                cache.k, cache.v, cache.lens, mask)
+        cache = _append(cache, k_new, v_new, jnp.ones((b,), jnp.int32))
+        nxt = sample(llama.lm_head(params, cfg, hidden[:, 0]), sp, sub)
+        return (cache, nxt, key), nxt
+
+    (cache, _, key), out = jax.lax.scan(step, (cache, tokens, key), None, length=n_steps)
+    return cache, out.T, key
+
+
+def prefill_bucket(n: int, chunk: int) -> int:
+    """Padded prefill width: the next power of two >= n (at least 16), capped at chunk."""
+    return min(chunk, max(16, 1 << (max(n, 1) - 1).bit_length()))
+
+
+@dataclasses.dataclass
+class Generation:
+    token_ids: List[int]
+    finish_reason: str       # "stop" (EOS / stop token, included) or "length"
+    ttft_s: float
+    latency_s: float
+
+
+def finish(tokens: Sequence[int], max_tokens: int, stop_ids) -> tuple[list, str | None]:
+    """Cuts a token stream at the first stop token (kept) or at max_tokens."""
+    for i, t in enumerate(tokens[:max_tokens]):
+        if t in stop_ids:
+            return list(tokens[:i + 1]), "stop"
+    if len(tokens) >= max_tokens:
+        return list(tokens[:max_tokens]), "length"
+    return list(tokens), None
+
+
+class PlainRunner:
+    """Batched plain decoding over a fixed set of slots."""
+
+    def __init__(self, cfg: ModelConfig, params, cache: KVCache, *, prefill_chunk_size=512,
+                 decode_chunk=16, seed=0):
+        self.cfg, self.params, self.cache = cfg, params, cache
+        self.prefill_chunk_size, self.decode_chunk = prefill_chunk_size, decode_chunk
+        self.key = jax.random.PRNGKey(seed)
+
+    @property
+    def slots(self) -> int:
+        return self.cache.lens.shape[0]
+
+    def prefill(self, prompts: Sequence[Sequence[int]]):
+        """Resets the cache and prefills prompts into slots 0..len-1; returns last hidden [B, H]."""
+        b, c = self.slots, self.prefill_chunk_size
+        self.cache = dataclasses.replace(self.cache, lens=jnp.zeros((b,), jnp.int32))
+        lens = np.zeros(b, np.int64)
+        lens[:len(prompts)] = [len(p) for p in prompts]
+        width = prefill_bucket(int(lens.max()), c)
+        last = None
+        for start in range(0, int(lens.max()), width):
+            toks = np.zeros((b, width), np.int32)
+            for i, p in enumerate(prompts):
+                seg = p[start:start + width]
+                toks[i, :len(seg)] = seg
+            n_valid = np.clip(lens - start, 0, width).astype(np.int32)
+            self.cache, h = prefill_chunk(self.params, self.cfg, self.cache, jnp.asarray(toks),
+                                          jnp.asarray(n_valid))
+            last = h if last is None else jnp.where(jnp.asarray(n_valid > 0)[:, None], h, last)
+        return last
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+                 stop_ids: Sequence[set]) -> List[Generation]:
+        t0 = time.perf_counter()
+        sp = SlotSampling.from_params(params, self.slots)
+        last = self.prefill(prompts)
+        self.key, sub = jax.random.split(self.key)
+        tok = sample_from_hidden(self.params, self.cfg, last, sp, sub)
+        first = np.asarray(tok)
+        ttft = time.perf_counter() - t0
+        streams = [[int(first[i])] for i in range(len(prompts))]
+        results: List[Generation | None] = [None] * len(prompts)
+        pending = []
+
+        def absorb(out):
+            now = time.perf_counter()
+            for i, s in enumerate(streams):
+                if results[i] is None:
+                    s.extend(out[i].tolist())
+            self._settle(streams, results, params, stop_ids, ttft, now - t0)
+
+        self._settle(streams, results, params, stop_ids, ttft, ttft)
+        while any(r is None for r in results):
+            self.cache, out, self.key = decode_steps(self.params, self.cfg, self.cache, tok, sp,
+                                                     self.key, self.decode_chunk)
+            tok = out[:, -1]
+            pending.append(out)
+            if len(pending) > 1:   # read the previous chunk while this one runs
+                absorb(np.asarray(pending.pop(0)))
+        return results
+
+    @staticmethod
+    def _settle(streams, results, params, stop_ids, ttft, elapsed):
+        for i, s in enumerate(streams):
+            if results[i] is None:
+                toks, reason = finish(s, params[i].max_tokens, stop_ids[i])
+                if reason:
+                    results[i] = Generation(toks, reason, ttft, elapsed)
