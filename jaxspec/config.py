@@ -119,3 +119,53 @@ def _rope_scaling_from_hf(rs: Optional[Mapping[str, Any]]) -> Optional[RopeScali
     if kind == "linear":
         return RopeScaling("linear", float(rs["factor"]))
     raise ConfigError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
+
+
+# GGUF `general.architecture` -> the HF class whose semantics the tensors follow. Mistral files use
+# "llama". Others (e.g. "gemma", "phi3") need a different forward and are refused.
+GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def model_config_from_gguf(meta: Mapping[str, Any], *, vocab_size: int, tie_word_embeddings: bool,
+                           rope_scaling: Optional[RopeScaling] = None) -> ModelConfig:
+    """From GGUF metadata (key -> plain value). The vocabulary size and tying come from the tensors
+    and the token list, which the caller has; llama3 RoPE scaling is stored as a tensor
+    (`rope_freqs.weight`), so the caller infers it too."""
+    g = meta.get("general.architecture")
+    if g not in GGUF_ARCHS:
+        raise ConfigError(
+            f"unsupported GGUF architecture {g!r}; supported: {', '.join(GGUF_ARCHS)}")
+
+    def key(name, default=KeyError):
+        v = meta.get(f"{g}.{name}")
+        if v is None:
+            if default is KeyError:
+                raise ConfigError(f"GGUF metadata lacks required key {g}.{name!s}")
+            return default
+        return v
+
+    hidden, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
+    if rope_scaling is None and key("rope.scaling.type", None) == "linear":
+        rope_scaling = RopeScaling("linear", float(key("rope.scaling.factor")))
+    elif rope_scaling is None and key("rope.scaling.type", None) not in (None, "none"):
+        raise ConfigError(f"unsupported GGUF rope scaling type {key('rope.scaling.type')!r}")
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+           if meta.get(k) is not None]
+    return ModelConfig(
+        arch=GGUF_ARCHS[g],
+        vocab_size=int(vocab_size),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=n_heads,
+        num_kv_heads=int(key("attention.head_count_kv", n_heads)),
+        head_dim=int(key("attention.key_length", hidden // n_heads)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(key("context_length", 4096)),
+        tie_word_embeddings=bool(tie_word_embeddings),
+        attention_bias=g == "qwen2",
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+    )
