@@ -4,11 +4,31 @@ Semantics (`kv_compact_reference`): for every layer l, slot b and d < count[b],
   cache[l, b, :, seq_lens[b] + d] = new[l, b, :, src_idx[b, d]]
 and nothing else changes (rows past T are dropped, never wrapped). With src_idx = 0..N-1 this is
 the plain KV append of prefill/decode; after a tree verify, src_idx is the accepted path.
+
+Kernel (Pallas, Triton lowering): one program per (layer, slot, KV head, block of kept rows). It
+gathers the kept rows of `new` and stores them into the cache rows seq_lens[b] + d with a masked
+scatter; the cache is aliased input-to-output, so only the moved rows are written (no copy of the
+cache). Programs whose block lies past count[b] return at once.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# Pallas moved between jax releases: `pl.load/pl.store` became `plgpu.load/store`, and the
+# compiler-params class was renamed.
+_load = getattr(plgpu, "load", None) or getattr(pl, "load")
+_store = getattr(plgpu, "store", None) or getattr(pl, "store")
+_CompilerParams = (getattr(plgpu, "CompilerParams", None)
+                   or getattr(plgpu, "TritonCompilerParams"))
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 def _compact_one(cache, new, seq_lens, src_idx, count):
@@ -37,6 +57,80 @@ def kv_compact_reference(
             _compact_one(v_cache, v_new, seq_lens, src_idx, count))
 
 
+def _kv_compact_kernel(
+    seq_lens_ref,  # [B] int32
+    src_ref,       # [B, M] int32
+    count_ref,     # [B] int32
+    kn_ref,        # [L, B, Hkv, N, D]
+    vn_ref,        # [L, B, Hkv, N, D]
+    kc_in_ref,     # [L, B, Hkv, T, D]  aliased to kc_ref
+    vc_in_ref,     # [L, B, Hkv, T, D]  aliased to vc_ref
+    kc_ref,        # [L, B, Hkv, T, D]
+    vc_ref,        # [L, B, Hkv, T, D]
+    *,
+    block_m: int,
+):
+    del kc_in_ref, vc_in_ref  # Same buffers as the outputs.
+    _, num_slots, num_kv_heads, t_max, head_dim = kc_ref.shape
+    num_new, num_src = kn_ref.shape[3], src_ref.shape[1]
+    lbh, j = pl.program_id(0), pl.program_id(1)
+    layer = lbh // (num_slots * num_kv_heads)
+    b = (lbh // num_kv_heads) % num_slots
+    h = lbh % num_kv_heads
+    count = count_ref[b]
+
+    @pl.when(j * block_m < count)
+    def _():
+        d = j * block_m + jnp.arange(block_m)
+        dst = seq_lens_ref[b] + d
+        keep = (d < count) & (d < num_src) & (dst < t_max)
+        # Index arrays on every axis (gather/scatter form): interpret mode cannot mix them with
+        # slices. Dropped rows point one past the end, so interpret mode drops them too.
+        src = _load(src_ref.at[b, jnp.minimum(d, num_src - 1)])
+        src = jnp.clip(src, 0, num_new - 1)[:, None]
+        dst = jnp.where(keep, dst, t_max)[:, None]
+        col = jnp.arange(head_dim)[None, :]
+        for new_ref, cache_ref in ((kn_ref, kc_ref), (vn_ref, vc_ref)):
+            rows = _load(new_ref.at[layer, b, h, src, col], mask=keep[:, None], other=0)
+            _store(cache_ref.at[layer, b, h, dst, col], rows, mask=keep[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "num_warps", "interpret"),
+                   donate_argnums=(0, 1))
+def kv_compact_pallas(
+    k_cache,   # [L, B, Hkv, T, D]  donated: updated in place
+    v_cache,   # [L, B, Hkv, T, D]  donated
+    k_new,     # [L, B, Hkv, N, D]
+    v_new,     # [L, B, Hkv, N, D]
+    seq_lens,  # [B] int32
+    src_idx,   # [B, M] int32
+    count,     # [B] int32
+    *,
+    block_m: int | None = None,
+    num_warps: int = 4,
+    interpret: bool = False,
+):
+    num_layers, b, hkv, _, d = k_cache.shape
+    m = src_idx.shape[1]
+    assert d == _next_pow2(d), f"head dim {d=} must be a power of 2"
+    block_m = block_m or min(_next_pow2(m), 32)
+    kernel = functools.partial(_kv_compact_kernel, block_m=block_m)
+    return pl.pallas_call(
+        kernel,
+        grid=(num_layers * b * hkv, pl.cdiv(m, block_m)),
+        out_shape=[jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
+        input_output_aliases={5: 0, 6: 1},
+        compiler_params=_CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="kv_compact",
+    )(seq_lens.astype(jnp.int32), src_idx.astype(jnp.int32), count.astype(jnp.int32),
+      k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype), k_cache, v_cache)
+
+
 def kv_compact(k_cache, v_cache, k_new, v_new, seq_lens, src_idx, count):
     """Dispatch: the Pallas kernel on GPU, the reference elsewhere."""
+    d = k_cache.shape[-1]
+    if jax.default_backend() == "gpu" and d == _next_pow2(d) and src_idx.shape[1] > 0:
+        return tuple(kv_compact_pallas(k_cache, v_cache, k_new, v_new, seq_lens, src_idx, count))
     return kv_compact_reference(k_cache, v_cache, k_new, v_new, seq_lens, src_idx, count)

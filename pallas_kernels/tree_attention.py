@@ -3,16 +3,48 @@
 Semantics (`tree_attention_reference`): for slot b, query n attends to cache rows t < seq_lens[b]
 of layer `layer`, and to new keys m with tree_mask[b, n, m]. GQA: query head h reads KV head
 h // (Hq // Hkv). Softmax in fp32.
+
+Kernel (Pallas, Triton lowering), flash-decoding style:
+  * one program per (row block, prefix split, slot * KV head). The rows of a tile are the N tree
+    queries times the G query heads of one KV head (row r = n * G + g), so each KV block is loaded
+    once for all of them;
+  * the live prefix of slot b (rows < seq_lens[b]) is cut into `num_splits` equal chunks at run
+    time, so a short slot costs short loops and batch 1 with a long prefix still fills the GPU.
+    The loop is bounded by seq_lens[b]: rows past it are never loaded;
+  * split 0 also attends to the N new keys under the tree mask;
+  * each program writes an unnormalised partial (o, running max m, sum l); a small XLA combine
+    merges the splits (log-sum-exp in base 2).
+The cache is passed whole and the layer is indexed inside the kernel: slicing it outside would
+materialise a copy of the layer.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 # Large finite negative rather than -inf: a fully masked row must not produce NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_LOG2E = 1.4426950408889634
+# Programs wanted per launch: a few per SM (132 on H100) so loads of one hide the latency of another.
+_TARGET_PROGRAMS = 528
+
+
+# Pallas moved between jax releases: `pl.load/pl.store` became `plgpu.load/store`, and the
+# compiler-params class was renamed.
+_load = getattr(plgpu, "load", None) or getattr(pl, "load")
+_store = getattr(plgpu, "store", None) or getattr(pl, "store")
+_CompilerParams = (getattr(plgpu, "CompilerParams", None)
+                   or getattr(plgpu, "TritonCompilerParams"))
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
@@ -45,7 +77,198 @@ def tree_attention_reference(
     return o.reshape(b, n, hq, d).astype(q.dtype)
 
 
+def _flash_step(q, k, v, valid, carry, scale_log2):
+    """One online-softmax step over a key block; `valid` [rows, keys] or broadcastable."""
+    o, m, l = carry
+    prec = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=prec) * scale_log2
+    s = jnp.where(valid, s, MASK_VALUE)
+    m_next = jnp.maximum(m, s.max(axis=-1))
+    corr = jnp.exp2(m - m_next)
+    p = jnp.exp2(s - m_next[:, None])
+    l_next = corr * l + p.sum(axis=-1)
+    o_next = corr[:, None] * o + jnp.dot(p.astype(v.dtype), v,
+                                         preferred_element_type=jnp.float32, precision=prec)
+    return o_next, m_next, l_next
+
+
+def _tree_attention_kernel(
+    layer_ref,     # [1] int32
+    seq_lens_ref,  # [B] int32
+    q_ref,         # [B, Hkv, R_pad, D]   rows r = n * G + g
+    k_ref,         # [L, B, Hkv, T, D]
+    v_ref,         # [L, B, Hkv, T, D]
+    kn_ref,        # [B, Hkv, N_pad, D]
+    vn_ref,        # [B, Hkv, N_pad, D]
+    mask_ref,      # [B, N, N_pad] int8
+    o_ref,         # [B * Hkv, S, R_pad, D] f32, unnormalised
+    m_ref,         # [B * Hkv, S, R_pad] f32, running max (base-2 logits)
+    l_ref,         # [B * Hkv, S, R_pad] f32, softmax denominator
+    *,
+    scale_log2: float,
+    num_kv_heads: int,
+    num_splits: int,
+    group: int,
+    num_new: int,
+    block_r: int,
+    block_k: int,
+    block_n: int,
+):
+    rb, split, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, h = bh // num_kv_heads, bh % num_kv_heads
+    t_max = k_ref.shape[3]
+    layer = layer_ref[0]
+    seq_len = jnp.clip(seq_lens_ref[b], 0, t_max)
+    # This split's share of the live prefix, a whole number of key blocks.
+    chunk = pl.cdiv(pl.cdiv(seq_len, num_splits), block_k) * block_k
+    start = split * chunk
+    end = jnp.minimum(start + chunk, seq_len)
+    num_blocks = pl.cdiv(jnp.maximum(end - start, 0), block_k)
+
+    rows = pl.ds(rb * block_r, block_r)
+    q = _load(q_ref.at[b, h, rows, :])
+    head_dim = q.shape[-1]
+    carry = (jnp.zeros((block_r, head_dim), jnp.float32),
+             jnp.full((block_r,), MASK_VALUE, jnp.float32),
+             jnp.zeros((block_r,), jnp.float32))
+    key_iota = jnp.arange(block_k)
+
+    def prefix_body(i, carry):
+        t0 = start + i * block_k
+        live = (t0 + key_iota) < end
+        k = _load(k_ref.at[layer, b, h, pl.ds(t0, block_k), :], mask=live[:, None], other=0.0)
+        v = _load(v_ref.at[layer, b, h, pl.ds(t0, block_k), :], mask=live[:, None], other=0.0)
+        return _flash_step(q, k, v, live[None, :], carry, scale_log2)
+
+    carry = lax.fori_loop(0, num_blocks, prefix_body, carry)
+
+    # Tree queries' rows into the mask; padded rows read the last query and are dropped later.
+    query = jnp.minimum((rb * block_r + jnp.arange(block_r)) // group, num_new - 1)
+    new_iota = jnp.arange(block_n)
+
+    def new_body(j, carry):
+        m0 = j * block_n
+        k = _load(kn_ref.at[b, h, pl.ds(m0, block_n), :])
+        v = _load(vn_ref.at[b, h, pl.ds(m0, block_n), :])
+        # Index arrays on both axes (a gather): interpret mode cannot mix them with slices.
+        allowed = _load(mask_ref.at[b, query[:, None], (m0 + new_iota)[None, :]]) != 0
+        allowed = allowed & ((m0 + new_iota) < num_new)[None, :]
+        return _flash_step(q, k, v, allowed, carry, scale_log2)
+
+    num_new_blocks = jnp.where(split == 0, pl.cdiv(num_new, block_n), 0)
+    o, m, l = lax.fori_loop(0, num_new_blocks, new_body, carry)
+
+    _store(o_ref.at[bh, split, rows, :], o)
+    _store(m_ref.at[bh, split, rows], m)
+    _store(l_ref.at[bh, split, rows], l)
+
+
+def _pad_axis(x, axis, size):
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad) if size != x.shape[axis] else x
+
+
+def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_len):
+    """Static block sizes for a shape: (block_r, block_k, num_splits, num_warps, num_stages)."""
+    rows = num_new * (num_q_heads // num_kv_heads)
+    block_r = min(max(16, _next_pow2(rows)), 64 if head_dim > 64 else 128)
+    block_k = 64
+    programs = batch * num_kv_heads * pl.cdiv(rows, block_r)
+    # Enough splits to reach the target program count, but no split shorter than 4 key blocks.
+    num_splits = max(1, min(pl.cdiv(_TARGET_PROGRAMS, programs), cache_len // (4 * block_k)))
+    num_warps = 4 if block_r <= 32 else 8
+    return block_r, block_k, num_splits, num_warps, 3
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
+    "interpret"))
+def tree_attention_pallas(
+    q,          # [B, N, Hq, D]
+    k_cache,    # [L, B, Hkv, T, D]
+    v_cache,    # [L, B, Hkv, T, D]
+    layer,      # int32 scalar
+    seq_lens,   # [B] int32
+    k_new,      # [B, Hkv, N, D]
+    v_new,      # [B, Hkv, N, D]
+    tree_mask,  # [B, N, N] bool
+    *,
+    sm_scale: float,
+    block_r: int | None = None,
+    block_k: int | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+):
+    b, n, hq, d = q.shape
+    _, _, hkv, t, _ = k_cache.shape
+    assert hq % hkv == 0, f"{hq=} must be a multiple of {hkv=}"
+    assert d == _next_pow2(d) and d >= 16, f"head dim {d=} must be a power of 2 >= 16"
+    g = hq // hkv
+    rows = n * g
+    cfg = default_config(b, n, hq, hkv, d, t)
+    block_r = block_r or cfg[0]
+    block_k = block_k or cfg[1]
+    num_splits = num_splits or cfg[2]
+    num_warps = num_warps or cfg[3]
+    num_stages = num_stages or cfg[4]
+    block_n = block_n or min(64, max(16, _next_pow2(n)))
+    assert block_r == _next_pow2(block_r) and block_k == _next_pow2(block_k), (
+        f"{block_r=} and {block_k=} must be powers of 2")
+    r_pad = pl.cdiv(rows, block_r) * block_r
+    n_pad = pl.cdiv(n, block_n) * block_n
+
+    # Rows r = n * G + g of KV head h; q is small next to the cache, so the transpose is cheap.
+    q_rows = q.reshape(b, n, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
+    q_rows = _pad_axis(q_rows, 2, r_pad)
+    k_new = _pad_axis(k_new.astype(k_cache.dtype), 2, n_pad)
+    v_new = _pad_axis(v_new.astype(v_cache.dtype), 2, n_pad)
+    mask = _pad_axis(tree_mask.astype(jnp.int8), 2, n_pad)
+    layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
+
+    kernel = functools.partial(
+        _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv,
+        num_splits=num_splits, group=g, num_new=n, block_r=block_r, block_k=block_k,
+        block_n=block_n)
+    f32 = jnp.float32
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(r_pad // block_r, num_splits, b * hkv),
+        out_shape=[
+            jax.ShapeDtypeStruct((b * hkv, num_splits, r_pad, d), f32),
+            jax.ShapeDtypeStruct((b * hkv, num_splits, r_pad), f32),
+            jax.ShapeDtypeStruct((b * hkv, num_splits, r_pad), f32),
+        ],
+        compiler_params=_CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="tree_attention",
+    )(layer, seq_lens.astype(jnp.int32), q_rows, k_cache, v_cache, k_new, v_new, mask)
+
+    if num_splits == 1:
+        out = o[:, 0] / l[:, 0, :, None]
+    else:
+        m_all = m.max(axis=1, keepdims=True)
+        w = jnp.exp2(m - m_all)                                   # [BH, S, R_pad]
+        out = (w[..., None] * o).sum(axis=1) / (w * l).sum(axis=1)[..., None]
+    out = out[:, :rows].reshape(b, hkv, n, g, d).transpose(0, 2, 1, 3, 4)
+    return out.reshape(b, n, hq, d).astype(q.dtype)
+
+
+def kernel_supported(q, k_cache) -> bool:
+    """Shapes the kernel is built and checked for; the reference covers the rest."""
+    d = q.shape[-1]
+    return (jax.default_backend() == "gpu" and d in (64, 128, 256)
+            and q.shape[2] % k_cache.shape[2] == 0 and q.shape[1] <= 4096
+            and k_cache.dtype == q.dtype)
+
+
 def tree_attention(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask, *, sm_scale):
     """Dispatch: the Pallas kernel on GPU, the reference elsewhere."""
+    if kernel_supported(q, k_cache):
+        return tree_attention_pallas(q, k_cache, v_cache, layer, seq_lens, k_new, v_new,
+                                     tree_mask, sm_scale=sm_scale)
     return tree_attention_reference(q, k_cache, v_cache, layer, seq_lens, k_new, v_new,
                                     tree_mask, sm_scale=sm_scale)
