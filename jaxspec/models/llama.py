@@ -116,8 +116,16 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, seq_l
         x = x + mlp_block(cfg, lp, x)
         return x, (k, v, x if capture_layers else None)
 
-    layers = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32))
-    x, (k_new, v_new, outs) = jax.lax.scan(layer_fn, x, layers)
+    if isinstance(params["layers"], (list, tuple)):
+        # Per-layer leaves, unrolled: no dynamic slicing of stacked weights (see bench/).
+        ys = [None] * cfg.num_layers
+        for i, lp in enumerate(params["layers"]):
+            x, ys[i] = layer_fn(x, (lp, jnp.int32(i)))
+        k_new, v_new, outs = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ys) if capture_layers \
+            else (jnp.stack([y[0] for y in ys]), jnp.stack([y[1] for y in ys]), None)
+    else:
+        layers = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32))
+        x, (k_new, v_new, outs) = jax.lax.scan(layer_fn, x, layers)
     captured = outs[jnp.asarray(capture_layers)] if capture_layers else None
     return x, k_new, v_new, captured
 
@@ -152,8 +160,8 @@ def init_random_params(cfg: ModelConfig, key, dtype=jnp.float32, scale=0.02):
     qkv = cfg.q_size + 2 * cfg.kv_size
     ks = iter(jax.random.split(key, 16))
 
-    def rnd(shape):
-        return (scale * jax.random.normal(next(ks), shape, jnp.float32)).astype(dtype)
+    def rnd(shape):  # drawn in the target dtype: an 8B model in fp32 would not fit beside it
+        return (scale * jax.random.normal(next(ks), shape, dtype)).astype(dtype)
 
     layers = {
         "attn_norm": (1.0 + rnd((l, h))).astype(dtype), "wqkv": rnd((l, h, qkv)),
@@ -167,3 +175,10 @@ def init_random_params(cfg: ModelConfig, key, dtype=jnp.float32, scale=0.02):
     if not cfg.tie_word_embeddings:
         params["lm_head"] = rnd((h, cfg.vocab_size))
     return params
+
+
+def unstack_layers(params):
+    """Stacked layer params -> a list of per-layer dicts (the unrolled layout)."""
+    layers = params["layers"]
+    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    return {**params, "layers": [jax.tree_util.tree_map(lambda a: a[i], layers) for i in range(n)]}

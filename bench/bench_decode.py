@@ -1,0 +1,96 @@
+"""Plain decode speed against its bytes floor (issue: Foundation).
+
+For each shape and batch: ms per decode step with the layers scanned (stacked weights) and
+unrolled (per-layer weights), at 1 and `--steps` decode steps per dispatch, beside the floor
+(weight bytes + live KV bytes) / copy bandwidth measured in the same run.
+Usage: python bench/bench_decode.py [--tiny]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+from bench.common import SHAPES, copy_bandwidth, device_name, median, param_bytes, write_json
+from jaxspec.config import ModelConfig
+from jaxspec.decode import decode_steps
+from jaxspec.kv import KVCache, kv_bytes_per_token
+from jaxspec.models import llama
+from jaxspec.sampling import SamplingParams, SlotSampling
+
+
+def random_cache(cfg, batch, ctx, max_len, dtype, key):
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    k = jax.random.normal(key, shape, dtype)
+    return KVCache(k, k * 0.5, jnp.full((batch,), ctx, jnp.int32))
+
+
+def time_decode(params, cfg, batch, ctx, steps_per_call, calls, dtype):
+    total = steps_per_call * (calls + 2)
+    max_len = -(-(ctx + total) // 128) * 128
+    cache = random_cache(cfg, batch, ctx, max_len, dtype, jax.random.PRNGKey(1))
+    sp = SlotSampling.from_params([SamplingParams()] * batch, batch)
+    tok, key = jnp.ones((batch,), jnp.int32), jax.random.PRNGKey(0)
+    for _ in range(2):  # compile + warm
+        cache, out, key = decode_steps(params, cfg, cache, tok, sp, key, steps_per_call)
+        tok = out[:, -1]
+    tok.block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        cache, out, key = decode_steps(params, cfg, cache, tok, sp, key, steps_per_call)
+        tok = out[:, -1]
+    tok.block_until_ready()
+    dt = (time.perf_counter() - t0) / (calls * steps_per_call)
+    del cache
+    return dt
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny shape")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--only", default="", help="comma list of case names")
+    args = ap.parse_args()
+    dtype = jnp.float32 if args.tiny else jnp.bfloat16
+    bw = copy_bandwidth(64 << 20 if args.tiny else 2 << 30)
+    cases = [("smollm2-135m", 1, 512), ("llama3-8b", 1, 512), ("llama3-8b", 64, 512)]
+    if args.tiny:
+        tiny = ModelConfig(arch="LlamaForCausalLM", vocab_size=512, hidden_size=64,
+                           intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                           head_dim=16)
+        SHAPES["tiny"] = tiny
+        cases = [("tiny", 1, 64), ("tiny", 4, 64)]
+    rows = []
+    for shape, batch, ctx in cases:
+        if args.only and shape not in args.only.split(","):
+            continue
+        cfg = SHAPES[shape]
+        stacked = llama.init_random_params(cfg, jax.random.PRNGKey(0), dtype=dtype)
+        wbytes = param_bytes(stacked)
+        kv = batch * ctx * kv_bytes_per_token(cfg, dtype)
+        floor = (wbytes + kv) / bw
+        for layout in ("scan", "unrolled"):
+            params = stacked if layout == "scan" else llama.unstack_layers(stacked)
+            for spc in (1, args.steps):
+                dt = time_decode(params, cfg, batch, ctx, spc, max(4, 256 // spc), dtype)
+                rows.append(dict(shape=shape, batch=batch, ctx=ctx, layout=layout,
+                                 steps_per_call=spc, ms_per_step=dt * 1e3, floor_ms=floor * 1e3,
+                                 ratio_to_floor=dt / floor))
+                print(rows[-1], flush=True)
+            if layout == "unrolled":
+                del params
+        del stacked
+    write_json("bench_decode.json", dict(device=device_name(), copy_bw=bw, rows=rows))
+    print(f"\ndevice {device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"{'shape':14s} {'B':>3s} {'ctx':>5s} {'layout':9s} {'steps/call':>10s} "
+          f"{'ms/step':>8s} {'floor':>7s} {'x floor':>7s}")
+    for r in rows:
+        print(f"{r['shape']:14s} {r['batch']:3d} {r['ctx']:5d} {r['layout']:9s} "
+              f"{r['steps_per_call']:10d} {r['ms_per_step']:8.3f} {r['floor_ms']:7.3f} "
+              f"{r['ratio_to_floor']:7.3f}")
+
+
+if __name__ == "__main__":
+    main()
