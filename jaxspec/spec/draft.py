@@ -1,0 +1,145 @@
+"""Drafting: the catch-up (draft step 0) and draft steps 1..S-1 that grow the candidate tree.
+
+Positions (EAGLE's convention): draft row t pairs the target feature of position t with the token
+of position t+1 and runs at RoPE position t. With the root (last emitted token) at position L,
+the catch-up's last row is (f_{L-1}, root) at L-1 and seeds the depth-1 candidates; draft step i
+feeds the depth-i frontier at position L + i - 1 and yields the depth-(i+1) candidates.
+
+Candidates are kept in static arrays in generation order (depth 1: K, then K*K per step), with
+`parent` = index of the parent candidate (-1 for the root's children) and cumulative
+log-probability scores. With topk == 1 (and argmax_topk1) every pick is an argmax and no
+full-vocab softmax is formed: a chain's ranking never needs the scores.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.config import ModelConfig
+from jaxspec.models import eagle
+from jaxspec.spec.config import SpecConfig
+from pallas_kernels.kv_compact import kv_compact
+
+
+class Candidates(NamedTuple):
+    tokens: jax.Array  # [B, C] int32
+    scores: jax.Array  # [B, C] fp32 cumulative log-probability (zeros on the argmax path)
+    parent: jax.Array  # [B, C] int32 parent candidate, -1 for the root's children
+
+
+class DraftSeed(NamedTuple):
+    """What the catch-up hands to the next cycle's drafting."""
+    tokens: jax.Array  # [B, K] the root's top-k children
+    logp: jax.Array    # [B, K] their log-probabilities (zeros on the argmax path)
+    hidden: jax.Array  # [B, H] draft hidden of the root's row: the children's input feature
+
+
+def top_children(logits, spec: SpecConfig):
+    """logits [..., V] -> (tokens [..., K], log-probabilities [..., K])."""
+    if spec.uses_argmax:
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)[..., None]
+        return tok, jnp.zeros(tok.shape, jnp.float32)
+    vals, tok = jax.lax.top_k(logits, spec.topk)
+    # top-k first, then one logsumexp: the K log-probs without a [.., V] log-softmax array.
+    logp = vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    return tok.astype(jnp.int32), logp.astype(jnp.float32)
+
+
+def _last_live(x, n_live):
+    """x [B, R, ...] -> row n_live - 1 of each slot [B, 1, ...]."""
+    idx = jnp.maximum(n_live - 1, 0).reshape((-1, 1) + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, idx, axis=1)
+
+
+def catch_up(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k, draft_v, base,
+             features, tokens, n_live):
+    """Draft rows (features[:, r], tokens[:, r]) at positions base + r for r < n_live.
+
+    draft_k/v [1, B, Hkv, T, D]: the committed draft cache, base [B] rows long.
+    features [B, R, H] target features; tokens [B, R]; n_live [B] live rows (0 = slot idle).
+    Writes the draft KV of all live rows at base..base+n_live-1 and returns
+    (draft_k, draft_v, DraftSeed from the last live row).
+    """
+    b, r = tokens.shape
+    positions = base[:, None] + jnp.arange(r, dtype=jnp.int32)[None]
+    rows = jnp.broadcast_to(jnp.arange(r, dtype=jnp.int32)[None], (b, r))
+    if spec.skip_dead_rows:
+        x = eagle.fuse_input(params, draft_params, tokens, features)
+        q, k, v = eagle.qkv(cfg, draft_params, x, positions)
+        draft_k, draft_v = kv_compact(draft_k, draft_v, k[None], v[None], base, rows, n_live)
+        # Only the last live row goes on: its query sees the rows just written (through the cache,
+        # lengths base + n_live - 1) and itself (as the one new key).
+        q1 = _last_live(q, n_live)                                          # [B, 1, Hq, D]
+        k1 = _last_live(k.transpose(0, 2, 1, 3), n_live).transpose(0, 2, 1, 3)  # [B, Hkv, 1, D]
+        v1 = _last_live(v.transpose(0, 2, 1, 3), n_live).transpose(0, 2, 1, 3)
+        lens = base + jnp.maximum(n_live - 1, 0)
+        o = eagle.attend(cfg, q1, draft_k, draft_v, lens, k1, v1, jnp.ones((b, 1, 1), bool))
+        hidden = eagle.finish_layer(cfg, draft_params, _last_live(x, n_live), o)[:, 0]
+    else:
+        mask = jnp.tril(jnp.ones((r, r), bool))[None] & (rows < n_live[:, None])[:, None, :]
+        hid, k, v = eagle.forward(params, draft_params, cfg, tokens, features, positions, draft_k,
+                                  draft_v, base, mask)
+        draft_k, draft_v = kv_compact(draft_k, draft_v, k, v, base, rows, n_live)
+        hidden = _last_live(hid, n_live)[:, 0]
+    tok, logp = top_children(eagle.logits(params, hidden), spec)
+    return draft_k, draft_v, DraftSeed(tok, logp, hidden)
+
+
+def draft_tree(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k, draft_v, lens,
+               seed: DraftSeed) -> Candidates:
+    """Draft steps 1..S-1 from the catch-up's seed; returns all K + (S-1)K^2 candidates.
+
+    lens [B] = L: the committed draft rows (the root's row is the last of them). The tree rows of
+    this cycle's earlier steps live in a small buffer passed to attention as the new keys, under a
+    mask of self + ancestors; nothing is written to the draft cache.
+    """
+    s, kk = spec.num_steps, spec.topk
+    b, h = seed.hidden.shape
+    tok, score = seed.tokens, seed.logp                                     # [B, K]
+    feat = jnp.broadcast_to(seed.hidden[:, None], (b, kk, h))
+    cand_tok, cand_score = [tok], [score]
+    cand_parent = [jnp.full((b, kk), -1, jnp.int32)]
+    front = jnp.broadcast_to(jnp.arange(kk, dtype=jnp.int32)[None], (b, kk))  # candidate ids
+    m = (s - 1) * kk
+    kv_shape = (b, cfg.num_kv_heads, m, cfg.head_dim)
+    k_buf = jnp.zeros(kv_shape, seed.hidden.dtype)
+    v_buf = jnp.zeros(kv_shape, seed.hidden.dtype)
+    anc = jnp.zeros((b, kk, m), bool)            # buffer rows that are ancestors of the frontier
+    for i in range(1, s):
+        lo, hi = (i - 1) * kk, i * kk
+        x = eagle.fuse_input(params, draft_params, tok, feat)
+        pos = jnp.broadcast_to(lens[:, None] + (i - 1), (b, kk)).astype(jnp.int32)
+        q, k, v = eagle.qkv(cfg, draft_params, x, pos)
+        k_buf = k_buf.at[:, :, lo:hi].set(k)
+        v_buf = v_buf.at[:, :, lo:hi].set(v)
+        self_rows = jnp.zeros((kk, m), bool).at[jnp.arange(kk), lo + jnp.arange(kk)].set(True)
+        anc = anc | self_rows[None]
+        # tree_attention takes a square [n, n] mask: the queries sit at their buffer rows 0..hi-1,
+        # earlier rows get zero queries whose outputs are dropped (at most (S-2)K wasted rows).
+        q_sq = jnp.zeros((b, hi) + q.shape[2:], q.dtype).at[:, lo:hi].set(q)
+        mask = jnp.zeros((b, hi, hi), bool).at[:, lo:hi].set(anc[:, :, :hi])
+        o = eagle.attend(cfg, q_sq, draft_k, draft_v, lens, k_buf[:, :, :hi], v_buf[:, :, :hi],
+                         mask)[:, lo:hi]
+        hid = eagle.finish_layer(cfg, draft_params, x, o)                   # [B, K, H]
+        ctok, clogp = top_children(eagle.logits(params, hid), spec)         # [B, K, K]
+        cum = score[:, :, None] + clogp
+        base = kk + (i - 1) * kk * kk
+        cand_tok.append(ctok.reshape(b, kk * kk))
+        cand_score.append(cum.reshape(b, kk * kk))
+        cand_parent.append(jnp.repeat(front, kk, axis=1))
+        if i == s - 1:
+            break
+        if kk == 1:
+            sel = jnp.zeros((b, 1), jnp.int32)
+        else:
+            _, sel = jax.lax.top_k(cum.reshape(b, kk * kk), kk)             # [B, K]
+        par = sel // kk
+        tok = jnp.take_along_axis(ctok.reshape(b, kk * kk), sel, axis=1)
+        score = jnp.take_along_axis(cum.reshape(b, kk * kk), sel, axis=1)
+        feat = jnp.take_along_axis(hid, par[..., None], axis=1)
+        anc = jnp.take_along_axis(anc, par[..., None], axis=1)
+        front = base + sel
+    return Candidates(jnp.concatenate(cand_tok, 1), jnp.concatenate(cand_score, 1),
+                      jnp.concatenate(cand_parent, 1))
