@@ -80,6 +80,8 @@ class ModelConfig:
         try:
             n_heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
+            # transformers >= 5 writes `rope_parameters` (theta included) instead of rope_scaling.
+            rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
             eos = d.get("eos_token_id")
             eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
             return cls(
@@ -92,8 +94,8 @@ class ModelConfig:
                 num_kv_heads=int(d.get("num_key_value_heads") or n_heads),
                 head_dim=int(d.get("head_dim") or hidden // n_heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(d.get("rope_theta", 10000.0)),
-                rope_scaling=_rope_scaling_from_hf(d.get("rope_scaling")),
+                rope_theta=float(d.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                rope_scaling=_rope_scaling_from_hf(rope),
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
