@@ -162,8 +162,8 @@ def model_config_from_gguf(meta: Mapping[str, Any], *, vocab_size: int, tie_word
         num_heads=n_heads,
         num_kv_heads=int(key("attention.head_count_kv", n_heads)),
         head_dim=int(key("attention.key_length", hidden // n_heads)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=_from_f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=_from_f32(key("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         max_position_embeddings=int(key("context_length", 4096)),
         tie_word_embeddings=bool(tie_word_embeddings),
@@ -171,3 +171,11 @@ def model_config_from_gguf(meta: Mapping[str, Any], *, vocab_size: int, tie_word
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
     )
+
+
+def _from_f32(v) -> float:
+    """GGUF stores floats as f32: 1e-5 reads back as 9.9999997e-06. The shortest decimal that
+    rounds to the same f32 is the value the model was configured with."""
+    import numpy as np
+
+    return float(str(np.float32(v)))
