@@ -21,6 +21,14 @@ from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams, SlotSampling
 
 
+def use_reference_kernels():
+    """Routes the model's attention and KV writes to the pure-jnp references."""
+    import jaxspec.decode
+    from pallas_kernels import kv_compact, tree_attention
+    llama.tree_attention = tree_attention.tree_attention_reference
+    jaxspec.decode.kv_compact = kv_compact.kv_compact_reference
+
+
 def random_cache(cfg, batch, ctx, max_len, dtype, key):
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     k = jax.random.normal(key, shape, dtype)
@@ -52,7 +60,12 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny shape")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--only", default="", help="comma list of case names")
+    ap.add_argument("--attn", choices=("auto", "reference"), default="auto",
+                    help="reference: force the pure-jnp attention and KV write (no Pallas)")
+    ap.add_argument("--layouts", default="scan,unrolled")
     args = ap.parse_args()
+    if args.attn == "reference":
+        use_reference_kernels()
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
     bw = copy_bandwidth(64 << 20 if args.tiny else 2 << 30)
     cases = [("smollm2-135m", 1, 512), ("llama3-8b", 1, 512), ("llama3-8b", 64, 512)]
@@ -71,11 +84,11 @@ def main():
         wbytes = param_bytes(stacked)
         kv = batch * ctx * kv_bytes_per_token(cfg, dtype)
         floor = (wbytes + kv) / bw
-        for layout in ("scan", "unrolled"):
+        for layout in args.layouts.split(","):
             params = stacked if layout == "scan" else llama.unstack_layers(stacked)
             for spc in (1, args.steps):
                 dt = time_decode(params, cfg, batch, ctx, spc, max(4, 256 // spc), dtype)
-                rows.append(dict(shape=shape, batch=batch, ctx=ctx, layout=layout,
+                rows.append(dict(attn=args.attn, shape=shape, batch=batch, ctx=ctx, layout=layout,
                                  steps_per_call=spc, ms_per_step=dt * 1e3, floor_ms=floor * 1e3,
                                  ratio_to_floor=dt / floor))
                 print(rows[-1], flush=True)
