@@ -2,6 +2,8 @@
 Mistral checkpoints, and the GGUF tokenizer."""
 from __future__ import annotations
 
+import shutil
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -97,3 +99,27 @@ def test_gguf_tokenizer_splits_digits_like_smollm2(smollm2_loaded):
     _, _, tok = smollm2_loaded
     ids = tok.encode("year 2024")
     assert [tok.decode([i]) for i in ids[-4:]] == ["2", "0", "2", "4"]
+
+
+def test_hf_dir_tokenizer(tmp_path, smollm2_loaded, tiny_hf):
+    """An HF directory brings its own tokenizer files: load_model wraps what transformers loads
+    from them (which may rebuild parts of it from the model type, as it does for Qwen2)."""
+    from transformers import AutoTokenizer
+
+    from jaxspec.weights import load_model
+
+    _, _, gguf_tok = smollm2_loaded
+    src, _ = tiny_hf("qwen2")
+    d = tmp_path / "with-tokenizer"
+    shutil.copytree(src, d)
+    gguf_tok.hf.save_pretrained(d)
+    ref = AutoTokenizer.from_pretrained(d)
+    cfg, params, tok = load_model(d, dtype=jnp.float32)
+    assert cfg.arch == "Qwen2ForCausalLM" and "bqkv" in params["layers"]
+    for text in TOKENIZER_TEXTS:
+        assert tok.encode(text) == ref.encode(text)
+        assert tok.decode(tok.encode(text)) == text
+    msgs = [{"role": "user", "content": "Hi there"}]
+    want = ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(msgs) == ref.encode(want, add_special_tokens=False)
+    assert tok.eos_token_ids[0] == ref.convert_tokens_to_ids("<|im_end|>")

@@ -54,7 +54,8 @@ def open_gguf(path: Path):
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # noqa: BLE001 - the reader raises many types on a damaged file
-        raise WeightsError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise WeightsError(f"{path}: not a readable GGUF file, corrupt or truncated ({size} bytes; "
+                           f"{type(e).__name__}: {e})") from None
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)
         if end > size or t.data.nbytes != int(t.n_bytes):
