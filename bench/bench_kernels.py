@@ -1,0 +1,391 @@
+"""GPU benchmark of the Pallas kernels (issue 4): tree attention and KV compaction.
+
+One run does, in order: a device-to-device copy (the bandwidth yardstick), correctness of the
+compiled kernels against the jnp references on fresh random inputs, a small sweep of block
+configurations on a few shapes, the main table (kernel vs the XLA reference, same run), and the
+compaction timings. Results go to $OUT/kernels.json (rewritten after every row, so a run cut
+short still leaves what it measured); a compact table is printed last.
+
+    export PYTHONPATH=$PWD; python3 bench/bench_kernels.py [--quick] [--no-sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.88")
+
+HQ, HKV, D = 32, 8, 128
+SM_SCALE = 1.0 / math.sqrt(D)
+OUT = os.environ.get("OUT", "/tmp/bench_out")
+RESULTS: dict = {"copy": {}, "check": [], "sweep": [], "attention": [], "compact": []}
+# --smoke: tiny shapes, kernels in interpret mode, to check this script on a CPU.
+SMOKE = False
+
+
+def save():
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, "kernels.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+
+
+def torch_copy_bandwidth():
+    """Device-to-device copy through PyTorch, timed with CUDA events; bytes read + written."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3)
+    times.sort()
+    bw = 2 * n / times[len(times) // 2]
+    del src, dst
+    torch.cuda.empty_cache()
+    return bw
+
+
+# ---- everything below uses JAX -------------------------------------------------------------
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pallas_kernels import kv_compact as kvc  # noqa: E402
+from pallas_kernels import tree_attention as ta  # noqa: E402
+
+
+def median_time(f, *args, iters=10, warmup=2):
+    for _ in range(warmup):
+        jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return ts[len(ts) // 2], (ts[-1] - ts[0]) / ts[len(ts) // 2]
+
+
+def jax_copy_bandwidth():
+    x = jax.random.normal(jax.random.key(0), (1 << (20 if SMOKE else 29),), jnp.bfloat16)
+    f = jax.jit(lambda x: x * 2)
+    t, _ = median_time(f, x, iters=20)
+    return 2 * x.nbytes / t
+
+
+def make_inputs(key, b, n, t, num_layers, dtype=jnp.bfloat16, hq=HQ, hkv=HKV, d=D,
+                seq_lens=None):
+    ks = jax.random.split(key, 8)
+    q = jax.random.normal(ks[0], (b, n, hq, d), dtype)
+    kc = jax.random.normal(ks[1], (num_layers, b, hkv, t, d), dtype)
+    vc = jax.random.normal(ks[2], (num_layers, b, hkv, t, d), dtype)
+    kn = jax.random.normal(ks[3], (b, hkv, n, d), dtype)
+    vn = jax.random.normal(ks[4], (b, hkv, n, d), dtype)
+    # A tree: each node sees itself and a random subset of earlier nodes.
+    mask = jax.random.bernoulli(ks[5], 0.5, (b, n, n)) & jnp.tril(jnp.ones((n, n), bool))
+    mask = mask | jnp.eye(n, dtype=bool)
+    if seq_lens is None:
+        seq_lens = jnp.full((b,), t, jnp.int32)
+    return q, kc, vc, seq_lens, kn, vn, mask
+
+
+def rel_err(out, ref):
+    out = np.asarray(out, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def multi_call(fn, reps, num_layers):
+    """One executable holding `reps` independent calls on rotating layers (amortises dispatch)."""
+    def f(q, kc, vc, sl, kn, vn, mask):
+        return [fn(q, kc, vc, jnp.int32(i % num_layers), sl, kn, vn, mask) for i in range(reps)]
+    return jax.jit(f)
+
+
+def checks():
+    """Compiled kernels vs the references on fresh random inputs (GPU)."""
+    key = jax.random.key(1)
+    cases = [  # b, n, hq, hkv, d, t, dtype
+        (3, 1, 32, 8, 128, 1024, jnp.bfloat16),
+        (3, 7, 32, 8, 128, 777, jnp.bfloat16),
+        (2, 16, 8, 8, 64, 513, jnp.bfloat16),
+        (2, 64, 32, 4, 128, 2048, jnp.bfloat16),
+        (2, 16, 16, 2, 64, 300, jnp.float32),
+        (1, 300, 32, 8, 128, 1500, jnp.bfloat16),
+        (4, 5, 8, 1, 128, 4096, jnp.float32),
+    ]
+    if SMOKE:
+        cases = [(2, 7, 8, 2, 64, 100, jnp.bfloat16), (2, 3, 4, 4, 64, 50, jnp.float32)]
+    for b, n, hq, hkv, d, t, dtype in cases:
+        key, k1, k2 = jax.random.split(key, 3)
+        sl = jax.random.randint(k2, (b,), 0, t + 1).at[0].set(t).at[-1].set(0)
+        args = make_inputs(k1, b, n, t, 3, dtype, hq, hkv, d, sl)
+        q, kc, vc, sl, kn, vn, mask = args
+        scale = 1 / math.sqrt(d)
+        ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(2), sl, kn, vn, mask,
+                                          sm_scale=scale)
+        try:
+            out = ta.tree_attention_pallas(q, kc, vc, jnp.int32(2), sl, kn, vn, mask,
+                                           sm_scale=scale, interpret=SMOKE)
+            err = rel_err(out, ref)
+            finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
+        except Exception as e:  # keep going: the rest of the run is still worth having
+            traceback.print_exc()
+            err, finite = float("nan"), False
+        tol = 1e-4 if dtype == jnp.float32 else 2e-2
+        row = dict(op="tree_attention", b=b, n=n, hq=hq, hkv=hkv, d=d, t=t,
+                   dtype=jnp.dtype(dtype).name, rel_err=err, ok=bool(finite and err < tol))
+        RESULTS["check"].append(row)
+        print("check", row, flush=True)
+
+    for (nl, b, hkv, t, d, n, m) in [(3, 4, 8, 64, 128, 16, 8), (2, 3, 2, 40, 64, 64, 64)]:
+        key, *ks = jax.random.split(key, 7)
+        kc = jnp.full((nl, b, hkv, t, d), jnp.nan, jnp.bfloat16)
+        vc = jnp.full((nl, b, hkv, t, d), 7.0, jnp.bfloat16)
+        kn = jax.random.normal(ks[0], (nl, b, hkv, n, d), jnp.bfloat16)
+        vn = jax.random.normal(ks[1], (nl, b, hkv, n, d), jnp.bfloat16)
+        sl = jax.random.randint(ks[2], (b,), 0, t).at[0].set(t - 3)
+        src = jax.random.randint(ks[3], (b, m), 0, n)
+        cnt = jax.random.randint(ks[4], (b,), 0, m + 1).at[1].set(0).at[0].set(m)
+        ref = kvc.kv_compact_reference(kc, vc, kn, vn, sl, src, cnt)
+        try:
+            out = kvc.kv_compact_pallas(jnp.copy(kc), jnp.copy(vc), kn, vn, sl, src, cnt,
+                                        interpret=SMOKE)
+            same = all(bool((np.asarray(o).view(np.uint16) == np.asarray(r).view(np.uint16)).all())
+                       for o, r in zip(out, ref))
+        except Exception:
+            traceback.print_exc()
+            same = False
+        row = dict(op="kv_compact", nl=nl, b=b, t=t, n=n, m=m, bit_exact=same, ok=same)
+        RESULTS["check"].append(row)
+        print("check", row, flush=True)
+    save()
+
+
+def bench_attention(b, n, length, fns, key, tag="table"):
+    per_layer = 2 * b * HKV * length * D * 2
+    num_layers = int(min(32, max(2, math.ceil(256e6 / per_layer))))
+    args = make_inputs(key, b, n, length, num_layers)
+    kv_bytes = per_layer + 2 * b * HKV * n * D * 2
+    row = dict(b=b, n=n, L=length, layers=num_layers, kv_bytes=kv_bytes)
+    for name, fn in fns.items():
+        if fn is None:
+            row[name + "_us"] = None
+            continue
+        reps = 2 if SMOKE else int(min(48, max(2, math.ceil(1.5e-3 / (kv_bytes / 2.0e12)))))
+        try:
+            t, spread = median_time(multi_call(fn, reps, num_layers), *args)
+            row[name + "_us"] = t / reps * 1e6
+            row[name + "_TBs"] = kv_bytes / (t / reps) / 1e12
+            row[name + "_spread"] = spread
+        except Exception as e:
+            print(f"FAILED {name} b={b} n={n} L={length}: {type(e).__name__}: {str(e)[:300]}")
+            row[name + "_us"] = None
+    del args
+    return row
+
+
+def kernel_fn(**cfg):
+    def fn(q, kc, vc, layer, sl, kn, vn, mask):
+        return ta.tree_attention_pallas(q, kc, vc, layer, sl, kn, vn, mask, sm_scale=SM_SCALE,
+                                        interpret=SMOKE, **cfg)
+    return fn
+
+
+def ref_fn(q, kc, vc, layer, sl, kn, vn, mask):
+    return ta.tree_attention_reference(q, kc, vc, layer, sl, kn, vn, mask, sm_scale=SM_SCALE)
+
+
+def xla_bf16_fn(q, kc, vc, layer, sl, kn, vn, mask):
+    """A plain XLA version kept in bf16 (fp32 accumulation): a fairer XLA baseline."""
+    b, n, hq, d = q.shape
+    hkv, t = kc.shape[2], kc.shape[3]
+    k = jax.lax.dynamic_index_in_dim(kc, layer, 0, keepdims=False)
+    v = jax.lax.dynamic_index_in_dim(vc, layer, 0, keepdims=False)
+    qg = q.reshape(b, n, hkv, hq // hkv, d)
+    f32 = jnp.float32
+    s = jnp.concatenate([
+        jnp.einsum("bnhgd,bhtd->bhgnt", qg, k, preferred_element_type=f32),
+        jnp.einsum("bnhgd,bhmd->bhgnm", qg, kn, preferred_element_type=f32)], -1) * SM_SCALE
+    live = jnp.concatenate([jnp.broadcast_to(jnp.arange(t)[None, None, :] < sl[:, None, None],
+                                             (b, n, t)), mask], -1)
+    p = jax.nn.softmax(jnp.where(live[:, None, None], s, ta.MASK_VALUE), -1).astype(q.dtype)
+    o = (jnp.einsum("bhgnt,bhtd->bnhgd", p[..., :t], v, preferred_element_type=f32)
+         + jnp.einsum("bhgnm,bhmd->bnhgd", p[..., t:], vn, preferred_element_type=f32))
+    return o.reshape(b, n, hq, d).astype(q.dtype)
+
+
+def ref_fits(b, n, length):
+    # The reference upcasts the layer's K and V to f32 and keeps [B, Hq, N, T] f32 scores.
+    need = 2 * b * HKV * length * D * 4 + 3 * b * HQ * n * length * 4
+    return need < 24e9
+
+
+def sweep(quick):
+    shapes = [(1, 1, 8192), (8, 16, 8192), (64, 1, 8192), (8, 64, 8192)]
+    configs = [dict(), dict(block_k=32), dict(block_k=128), dict(num_stages=2),
+               dict(num_stages=4), dict(num_warps=8), dict(num_warps=2)]
+    if quick:
+        shapes, configs = shapes[:1], configs[:2]
+    if SMOKE:
+        shapes = [(1, 1, 512)]
+    key = jax.random.key(3)
+    for b, n, length in shapes:
+        key, k = jax.random.split(key)
+        base = ta.default_config(b, n, HQ, HKV, D, length)
+        extra = [dict(num_splits=max(1, base[2] // 2)), dict(num_splits=base[2] * 2)]
+        fns = {json.dumps(c): kernel_fn(**c) for c in configs + extra}
+        row = bench_attention(b, n, length, fns, k)
+        row["default"] = base
+        RESULTS["sweep"].append(row)
+        best = min((v, k) for k, v in row.items() if k.endswith("_us") and v)
+        print("sweep", b, n, length, "default", base, {k: round(v, 1) for k, v in row.items()
+              if k.endswith("_us") and v}, "best", best, flush=True)
+        save()
+
+
+def table(quick):
+    key = jax.random.key(4)
+    bs, lens, ns = (1, 8, 64), (8192, 32768, 1024), (1, 16, 64)
+    if quick:
+        bs, lens, ns = (1, 8), (8192,), (1, 16)
+    if SMOKE:
+        bs, lens, ns = (1, 2), (512,), (1, 16)
+    for length in lens:
+        for b in bs:
+            for n in ns:
+                key, k = jax.random.split(key)
+                fns = {"kernel": kernel_fn(),
+                       "xla_ref": ref_fn if ref_fits(b, n, length) else None}
+                if length == lens[0] and n <= 16:
+                    fns["xla_bf16"] = xla_bf16_fn
+                row = bench_attention(b, n, length, fns, k)
+                if row.get("kernel_us") and row.get("xla_ref_us"):
+                    row["speedup_vs_ref"] = row["xla_ref_us"] / row["kernel_us"]
+                RESULTS["attention"].append(row)
+                print("attn", {k: (round(v, 3) if isinstance(v, float) else v)
+                               for k, v in row.items()}, flush=True)
+                save()
+
+
+def bench_compact():
+    key = jax.random.key(5)
+    nl = 32
+    cases = [(1, 1, 1), (64, 1, 1), (1, 64, 8), (64, 64, 8), (8, 512, 512)]
+    if SMOKE:
+        nl, cases = 2, [(2, 16, 4)]
+    for b, n, m in cases:
+        t = 4096 if b <= 8 and not SMOKE else 1024
+        key, *ks = jax.random.split(key, 6)
+        kc = jax.random.normal(ks[0], (nl, b, HKV, t, D), jnp.bfloat16)
+        vc = jax.random.normal(ks[1], (nl, b, HKV, t, D), jnp.bfloat16)
+        kn = jax.random.normal(ks[2], (nl, b, HKV, n, D), jnp.bfloat16)
+        vn = jax.random.normal(ks[3], (nl, b, HKV, n, D), jnp.bfloat16)
+        src = jax.random.randint(ks[4], (b, m), 0, n)
+        cnt = jnp.full((b,), m, jnp.int32)
+        reps = 2 if SMOKE else 16
+        row = dict(nl=nl, b=b, n=n, m=m, t=t, moved_bytes=2 * 2 * nl * b * HKV * m * D * 2)
+        kernel = functools.partial(kvc.kv_compact_pallas, interpret=SMOKE)
+        for name, fn in (("kernel", kernel), ("xla_ref", kvc.kv_compact_reference)):
+            def chain(kc, vc, kn, vn, src, cnt, fn=fn):
+                for i in range(reps):
+                    sl = jnp.full((b,), 100 + i * m, jnp.int32)
+                    kc, vc = fn(kc, vc, kn, vn, sl, src, cnt)
+                return kc, vc
+            f = jax.jit(chain, donate_argnums=(0, 1))
+            try:
+                for _ in range(2):
+                    kc, vc = f(kc, vc, kn, vn, src, cnt)
+                jax.block_until_ready(kc)
+                ts = []
+                for _ in range(10):
+                    t0 = time.perf_counter()
+                    kc, vc = f(kc, vc, kn, vn, src, cnt)
+                    jax.block_until_ready(kc)
+                    ts.append(time.perf_counter() - t0)
+                ts.sort()
+                row[name + "_us"] = ts[len(ts) // 2] / reps * 1e6
+            except Exception as e:
+                print(f"FAILED compact {name}: {type(e).__name__}: {str(e)[:300]}")
+                row[name + "_us"] = None
+        RESULTS["compact"].append(row)
+        print("compact", row, flush=True)
+        del kc, vc
+        save()
+
+
+def print_tables():
+    copy_bw = RESULTS["copy"].get("torch_TBs") or RESULTS["copy"].get("jax_TBs")
+    print(f"\ndevice: {RESULTS['device']}  jax {jax.__version__}  copy (read+write): "
+          + ", ".join(f"{k}={v:.2f}" for k, v in RESULTS["copy"].items() if v))
+    print("checks:", "all ok" if all(r["ok"] for r in RESULTS["check"]) else
+          [r for r in RESULTS["check"] if not r["ok"]])
+    print(f"{'B':>3} {'N':>3} {'L':>6} | {'kern us':>8} {'TB/s':>5} {'%copy':>5} | "
+          f"{'ref us':>8} {'TB/s':>5} {'x ref':>5} | {'bf16 us':>8}")
+    for r in RESULTS["attention"]:
+        k, x, xb = r.get("kernel_us"), r.get("xla_ref_us"), r.get("xla_bf16_us")
+        kt = r.get("kernel_TBs")
+        print(f"{r['b']:>3} {r['n']:>3} {r['L']:>6} | "
+              f"{k or float('nan'):>8.1f} {kt or float('nan'):>5.2f} "
+              f"{100 * (kt or float('nan')) / copy_bw:>5.0f} | "
+              f"{x or float('nan'):>8.1f} {r.get('xla_ref_TBs') or float('nan'):>5.2f} "
+              f"{(x / k) if (x and k) else float('nan'):>5.2f} | {xb or float('nan'):>8.1f}")
+    print(f"{'L':>3} {'B':>3} {'N':>4} {'M':>4} | {'kern us':>8} {'ref us':>8}")
+    for r in RESULTS["compact"]:
+        print(f"{r['nl']:>3} {r['b']:>3} {r['n']:>4} {r['m']:>4} | "
+              f"{r['kernel_us'] or float('nan'):>8.1f} {r['xla_ref_us'] or float('nan'):>8.1f}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--skip", default="", help="comma list of: check,sweep,table,compact")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    a = p.parse_args()
+    global SMOKE, HQ, HKV, D
+    if a.smoke:
+        SMOKE, HQ, HKV = True, 8, 2
+    skip = set(a.skip.split(","))
+    t0 = time.time()
+    if not SMOKE:
+        RESULTS["copy"]["torch_TBs"] = (torch_copy_bandwidth() or 0) / 1e12 or None
+    RESULTS["device"] = str(jax.devices()[0].device_kind)
+    RESULTS["jax"] = jax.__version__
+    RESULTS["copy"]["jax_TBs"] = jax_copy_bandwidth() / 1e12
+    print("copy", RESULTS["copy"], RESULTS["device"], flush=True)
+    for name, f in (("check", checks), ("table", lambda: table(a.quick)),
+                    ("sweep", lambda: sweep(a.quick)), ("compact", bench_compact)):
+        if name in skip or (name == "sweep" and a.no_sweep):
+            continue
+        s = time.time()
+        try:
+            f()
+        except Exception:
+            traceback.print_exc()
+        print(f"== {name} took {time.time() - s:.0f} s (total {time.time() - t0:.0f} s)",
+              flush=True)
+    save()
+    print_tables()
+
+
+if __name__ == "__main__":
+    main()
