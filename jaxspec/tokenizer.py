@@ -96,6 +96,9 @@ def fast_tokenizer_from_gguf_metadata(meta: Mapping, origin: str = "GGUF"):
     from transformers import PreTrainedTokenizerFast
 
     kind = meta.get("tokenizer.ggml.model")
+    if kind is None or "tokenizer.ggml.tokens" not in meta:
+        raise WeightsError(f"{origin}: the GGUF file carries no tokenizer (tokenizer.ggml.*); "
+                           f"use jaxspec.weights.load_params for the weights alone")
     if kind != "gpt2":
         raise WeightsError(f"{origin}: tokenizer model {kind!r} is not supported (only byte-level "
                            f"BPE, 'gpt2')")

@@ -12,7 +12,7 @@ import importlib.util
 import logging
 import time
 from pathlib import Path
-from typing import Optional, Tuple, Union
+from typing import Tuple, Union
 
 import jax
 import jax.numpy as jnp

@@ -349,3 +349,9 @@ def test_unexpected_bias_is_refused(tmp_path):
     write_hf_dir(tmp_path / "hf", TINY, tensors)
     with pytest.raises(WeightsError, match="o_proj.bias' is a bias"):
         load_params(tmp_path / "hf", use_cache=False)
+
+
+def test_gguf_without_tokenizer(tmp_path):
+    write_gguf(tmp_path / "m.gguf", TINY, random_hf_tensors(TINY))
+    with pytest.raises(WeightsError, match="carries no tokenizer"):
+        load_model(tmp_path / "m.gguf", use_cache=False)
