@@ -1,0 +1,82 @@
+"""Tree attention kernel (Pallas interpret mode on CPU) against the jnp reference."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import tree_attention as ta
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def _inputs(seed, b, n, hq, hkv, d, t, num_layers, dtype, seq_lens):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(ks[0], (b, n, hq, d), dtype)
+    kc = jax.random.normal(ks[1], (num_layers, b, hkv, t, d), dtype)
+    vc = jax.random.normal(ks[2], (num_layers, b, hkv, t, d), dtype)
+    kn = jax.random.normal(ks[3], (b, hkv, n, d), dtype)
+    vn = jax.random.normal(ks[4], (b, hkv, n, d), dtype)
+    # A random tree-like mask: every node sees itself (no query is left with no key at all).
+    mask = jax.random.bernoulli(ks[5], 0.5, (b, n, n)) | jnp.eye(n, dtype=bool)
+    return q, kc, vc, jnp.asarray(seq_lens, jnp.int32), kn, vn, mask
+
+
+def _rel_err(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+# b, n, hq, hkv, d, t, seq_lens: GQA groups 1/4/8; N 1/7/16/64; prefixes ending at the last row,
+# slots of very different lengths (0 included).
+CASES = [
+    (2, 1, 8, 2, 64, 96, [96, 0]),
+    (3, 7, 8, 8, 64, 80, [0, 80, 13]),
+    (2, 16, 8, 1, 64, 64, [64, 5]),
+    (1, 64, 4, 1, 64, 40, [40]),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}n{c[1]}g{c[2] // c[3]}")
+def test_kernel_matches_reference(case, dtype):
+    b, n, hq, hkv, d, t, seq_lens = case
+    q, kc, vc, sl, kn, vn, mask = _inputs(0, b, n, hq, hkv, d, t, 2, dtype, seq_lens)
+    scale = 1 / math.sqrt(d)
+    layer = jnp.int32(1)
+    # Small blocks and several splits so a handful of rows already cross block/split edges.
+    out = ta.tree_attention_pallas(q, kc, vc, layer, sl, kn, vn, mask, sm_scale=scale,
+                                   block_k=16, num_splits=3, interpret=True)
+    ref = ta.tree_attention_reference(q, kc, vc, layer, sl, kn, vn, mask, sm_scale=scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert _rel_err(out, ref) < TOL[dtype]
+
+
+def test_reads_only_the_given_layer_and_live_rows():
+    # Poison everything the kernel must not read: other layers and rows at or past seq_lens.
+    b, n, hq, hkv, d, t = 2, 4, 8, 2, 64, 48
+    sl = [20, 33]
+    q, kc, vc, sl, kn, vn, mask = _inputs(1, b, n, hq, hkv, d, t, 3, jnp.float32, sl)
+    live = jnp.arange(t)[None, None, None, :, None] < sl[None, :, None, None, None]
+    is_layer = (jnp.arange(3) == 2)[:, None, None, None, None]
+    kc_p = jnp.where(live & is_layer, kc, jnp.nan)
+    vc_p = jnp.where(live & is_layer, vc, jnp.nan)
+    layer = jnp.int32(2)
+    out = ta.tree_attention_pallas(q, kc_p, vc_p, layer, sl, kn, vn, mask, sm_scale=0.1,
+                                   block_k=16, num_splits=2, interpret=True)
+    ref = ta.tree_attention_reference(q, kc, vc, layer, sl, kn, vn, mask, sm_scale=0.1)
+    assert _rel_err(out, ref) < TOL[jnp.float32]
+
+
+def test_dispatch_uses_reference_off_gpu():
+    q, kc, vc, sl, kn, vn, mask = _inputs(2, 1, 2, 4, 2, 64, 16, 1, jnp.float32, [9])
+    out = ta.tree_attention(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=0.125)
+    ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=0.125)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+def test_default_config_fills_gpu_at_batch_one():
+    block_r, block_k, splits, _, _ = ta.default_config(1, 1, 32, 8, 128, 32768)
+    assert block_r == 16 and 8 * splits >= 132
