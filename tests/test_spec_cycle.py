@@ -1,0 +1,372 @@
+"""The speculative cycle: greedy speculative output == plain greedy, token for token; draft
+positions against a step-by-step reference; the topk == 1 path forms no vocab softmax; the
+catch-up's dead-row skip changes nothing; a second cycle call does not recompile."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.config import ModelConfig
+from jaxspec.kv import init_cache
+from jaxspec.models import eagle, llama
+from jaxspec.spec import SpecConfig, SpecRunner, init_state, jit_cycle, jit_prefill
+from jaxspec.spec import draft as draft_lib
+from pallas_kernels.kv_compact import kv_compact
+
+# vocab 331 appears in no other dimension, so the jaxpr test can spot vocab-sized arrays.
+CFG = ModelConfig(arch="LlamaForCausalLM", vocab_size=331, hidden_size=64, intermediate_size=96,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+MAX_LEN = 192
+PROMPTS = [[5, 17, 42, 8, 99], [3] * 11 + [250, 7], list(range(60, 80))]
+NEW = 64
+SPECS = [(1, 1, 2), (3, 1, 4), (5, 4, 16), (6, 8, 32), (6, 10, 60)]
+
+
+@functools.lru_cache(maxsize=None)
+def target_params():
+    return llama.init_random_params(CFG, jax.random.PRNGKey(0), scale=0.2)
+
+
+@functools.lru_cache(maxsize=None)
+def random_head():
+    return eagle.init_eagle_params(CFG, jax.random.PRNGKey(1), scale=0.2)
+
+
+@functools.lru_cache(maxsize=None)
+def agreeing_pair():
+    """A target whose next token depends mostly on the current one (large embeddings, small
+    layers, unit final norm) and a head whose fc passes the token embedding straight through to
+    the lm_head: the draft usually predicts the target's next token, so accepts are long."""
+    p = llama.init_random_params(CFG, jax.random.PRNGKey(2), scale=0.02)
+    p = dict(p, embed=jax.random.normal(jax.random.PRNGKey(3), p["embed"].shape),
+             lm_head=0.5 * jax.random.normal(jax.random.PRNGKey(7), p["lm_head"].shape),
+             final_norm=jnp.ones_like(p["final_norm"]))
+    h = CFG.hidden_size
+    d = eagle.init_eagle_params(CFG, jax.random.PRNGKey(4), scale=0.02)
+    d = dict(d, fc=jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], 0),
+             fc_bias=jnp.zeros((h,)),
+             layers=dict(d["layers"], wo=jnp.zeros_like(d["layers"]["wo"]),
+                         w_down=jnp.zeros_like(d["layers"]["w_down"])))
+    return p, d
+
+
+def plain_greedy(params, cfg, prompt, n, max_len=MAX_LEN):
+    """Reference: one token at a time through llama.forward with a KV cache."""
+    @jax.jit
+    def step(k, v, lens, tok):
+        h, kn, vn, _ = llama.forward(params, cfg, tok[:, None], lens[:, None], k, v, lens,
+                                     jnp.ones((1, 1, 1), bool))
+        k, v = kv_compact(k, v, kn, vn, lens, jnp.zeros((1, 1), jnp.int32),
+                          jnp.ones((1,), jnp.int32))
+        nxt = jnp.argmax(llama.lm_head(params, cfg, h[:, 0]), -1).astype(jnp.int32)
+        return k, v, lens + 1, nxt
+
+    c = init_cache(cfg, 1, max_len, params["embed"].dtype)
+    k, v, lens = c.k, c.v, c.lens
+    for t in prompt:
+        k, v, lens, nxt = step(k, v, lens, jnp.array([t], jnp.int32))
+    out = []
+    for _ in range(n):
+        out.append(int(nxt[0]))
+        k, v, lens, nxt = step(k, v, lens, nxt)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def reference_outputs(which):
+    params = target_params() if which == "random" else agreeing_pair()[0]
+    return [plain_greedy(params, CFG, p, NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("which", ["random", "agreeing"])
+@pytest.mark.parametrize("shape", SPECS, ids=lambda s: "s%d_k%d_n%d" % s)
+def test_greedy_spec_equals_plain_greedy(shape, which):
+    params, head = (target_params(), random_head()) if which == "random" else agreeing_pair()
+    spec = SpecConfig(*shape)
+    runner = SpecRunner(CFG, params, head, spec, max_slots=4, max_len=MAX_LEN)
+    res = runner.generate(PROMPTS, [NEW] * 3, eos_ids=())
+    for r, ref in zip(res, reference_outputs(which)):
+        assert r.token_ids == ref
+        assert r.finish_reason == "length"
+        assert all(0 <= a <= spec.num_steps for a in r.accept_lens)
+        # every cycle emits accept_len + 1 tokens; the first token comes from the prefill
+        assert 1 + sum(a + 1 for a in r.accept_lens) >= NEW
+    mean_accept = np.mean([a for r in res for a in r.accept_lens])
+    if which == "agreeing":
+        assert mean_accept >= 0.7 * spec.num_steps, mean_accept
+    assert runner._cycle._cache_size() == 1
+
+
+def test_eos_and_max_tokens_inside_an_accepted_chain():
+    params, head = agreeing_pair()
+    ref = reference_outputs("agreeing")[0]
+    runner = SpecRunner(CFG, params, head, SpecConfig(6, 1, 7), max_slots=2, max_len=MAX_LEN)
+    eos = ref[9]
+    first = ref.index(eos)
+    res = runner.generate([PROMPTS[0], PROMPTS[0]], [40, 5], eos_ids=(eos,))
+    assert res[0].token_ids == ref[:first + 1] and res[0].finish_reason == "stop"
+    assert res[1].token_ids == ref[:min(5, first + 1)]
+    assert res[1].finish_reason == ("stop" if first < 5 else "length")
+    assert max(res[0].accept_lens) > 1   # the EOS sat inside a multi-token accept
+
+
+# ---------------------------------------------------------------- draft positions
+
+
+def _draft_rows_reference(params, head, cfg, feats, toks, pos_offset=0):
+    """Uncached: all rows (feats[t], toks[t]) at positions t + pos_offset, causal; last row's
+    hidden. feats [R, H], toks [R]."""
+    r = toks.shape[0]
+    empty = jnp.zeros((1, 1, cfg.num_kv_heads, 8, cfg.head_dim), feats.dtype)
+    pos = (jnp.arange(r, dtype=jnp.int32) + pos_offset)[None]
+    hid, _, _ = eagle.forward(params, head, cfg, toks[None], feats[None], pos, empty, empty,
+                              jnp.zeros((1,), jnp.int32), llama.causal_mask(1, r))
+    return hid[0, -1]
+
+
+def _committed_features(params, cfg, seq):
+    toks = jnp.asarray(seq, jnp.int32)[None]
+    empty = init_cache(cfg, 1, 8, jnp.float32)
+    hid, *_ = llama.forward(params, cfg, toks, jnp.arange(len(seq))[None], empty.k, empty.v,
+                            empty.lens, llama.causal_mask(1, len(seq)))
+    return llama.final_norm(params, cfg, hid)[0]
+
+
+def _reference_tree(params, head, cfg, seq, root, spec, tree_pos_offset=0):
+    """Step by step, EAGLE's convention, no cache: committed rows (f_t, x_{t+1}) at position t
+    (x_L = root); a depth-d node's row is (draft hidden of its parent's row, its token) at
+    L + d - 1, and it sees only its ancestors' rows. tree_pos_offset shifts the tree rows (1 =
+    the off-by-one SGLang shipped). Returns {token path: cumulative log-prob} for every drafted
+    candidate, frontier chosen as the K best of K*K children."""
+    feats = _committed_features(params, cfg, seq)
+    base_t = jnp.asarray(list(seq[1:]) + [root], jnp.int32)
+    n_base = len(seq)
+
+    def row_hidden(extra_f, extra_t):
+        f = jnp.concatenate([feats] + [x[None] for x in extra_f], 0)
+        t = jnp.concatenate([base_t, jnp.asarray(extra_t, jnp.int32)])
+        r = t.shape[0]
+        pos = np.arange(r)
+        pos[n_base:] += tree_pos_offset
+        empty = jnp.zeros((1, 1, cfg.num_kv_heads, 8, cfg.head_dim), f.dtype)
+        hid, _, _ = eagle.forward(params, head, cfg, t[None], f[None], jnp.asarray(pos)[None],
+                                  empty, empty, jnp.zeros((1,), jnp.int32),
+                                  llama.causal_mask(1, r))
+        return hid[0, -1]
+
+    def children(h, path, score, rows_f, rows_t):
+        logp = np.asarray(jax.nn.log_softmax(eagle.logits(params, h)))
+        top = np.argsort(-logp, kind="stable")[:spec.topk]
+        return [(path + (int(t),), score + float(logp[t]), rows_f + [h], rows_t + [int(t)])
+                for t in top]
+
+    out = {}
+    frontier = children(row_hidden([], []), (), 0.0, [], [])
+    out.update({c[0]: c[1] for c in frontier})
+    for _ in range(1, spec.num_steps):
+        kids = []
+        for path, score, rows_f, rows_t in frontier:
+            kids += children(row_hidden(rows_f, rows_t), path, score, rows_f, rows_t)
+        out.update({c[0]: c[1] for c in kids})
+        order = np.argsort(-np.array([c[1] for c in kids]), kind="stable")[:spec.topk]
+        frontier = [kids[j] for j in order]
+    return out
+
+
+def _cycle_paths(cands, slot):
+    tok, score, par = (np.asarray(x[slot]) for x in cands)
+    out = {}
+    for c in range(tok.shape[0]):
+        path, j = [], c
+        while j >= 0:
+            path.append(int(tok[j]))
+            j = int(par[j])
+        out[tuple(reversed(path))] = float(score[c])
+    return out
+
+
+def _position_pair():
+    """Agreeing target and head, with attention switched back on in the head: accepts stay long
+    (so the catch-up runs several rows) while positions change the draft's outputs."""
+    params, head = agreeing_pair()
+    lay = dict(head["layers"], wo=0.01 * jax.random.normal(jax.random.PRNGKey(5),
+                                                          head["layers"]["wo"].shape),
+               wqkv=0.3 * jax.random.normal(jax.random.PRNGKey(6), head["layers"]["wqkv"].shape))
+    return params, dict(head, layers=lay)
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 10), (4, 1, 5)], ids=["tree", "chain"])
+def test_draft_positions_match_step_by_step_reference(shape):
+    spec = SpecConfig(*shape)
+    params, head = _position_pair()
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    b, p = 2, 32
+    toks = np.zeros((b, p), np.int32)
+    lens = np.array([len(x) for x in prompts], np.int32)
+    for j, x in enumerate(prompts):
+        toks[j, :len(x)] = x
+    state = init_state(CFG, spec, b, 96, jnp.float32)
+    state, root = jit_prefill(CFG, spec)(params, head, state, jnp.asarray(toks), jnp.asarray(lens))
+    draft = jax.jit(functools.partial(draft_lib.draft_tree, cfg=CFG, spec=spec))
+    seqs = [list(x) for x in prompts]
+    roots = [int(r) for r in np.asarray(root)]
+    cyc = jit_cycle(CFG, spec)
+    accepted = 0
+    for rnd in range(3):  # after the prefill, then after two cycles (catch-up over accepts)
+        cands = draft(params, head, draft_k=state.draft_k, draft_v=state.draft_v,
+                      lens=state.target.lens, seed=state.seed)
+        for j in range(b):
+            got = _cycle_paths(cands, j)
+            ref = _reference_tree(params, head, CFG, seqs[j], roots[j], spec)
+            assert set(got) == set(ref), (rnd, j)
+            if spec.topk > 1:
+                np.testing.assert_allclose([got[k] for k in ref], list(ref.values()),
+                                           rtol=1e-4, atol=1e-4)
+                bad = _reference_tree(params, head, CFG, seqs[j], roots[j], spec,
+                                      tree_pos_offset=1)
+                diff = [abs(got[k] - bad[k]) for k in bad if k in got]
+                assert set(bad) != set(got) or max(diff) > 1e-3, "test cannot see positions"
+        state, out = cyc(params, head, state, jnp.ones((b,), bool))
+        toks_out, acc = np.asarray(out.tokens), np.asarray(out.accept_len)
+        accepted += int(acc.sum())
+        for j in range(b):
+            emitted = [int(t) for t in toks_out[j, :acc[j] + 1]]
+            seqs[j] = seqs[j] + [roots[j]] + emitted[:-1]
+            roots[j] = emitted[-1]
+    assert accepted >= 4  # the catch-up ran over several rows
+
+
+# ---------------------------------------------------------------- topk == 1: no vocab softmax
+
+_SOFTMAX_PRIMS = {"exp", "exp2", "log", "log1p", "logistic"}
+
+
+def _vocab_transcendentals(jaxpr, vocab):
+    """Primitives among exp/log (what softmax, log_softmax and logsumexp lower to) applied to an
+    array with a vocab-sized axis, searched through nested jaxprs (pjit, scan, cond, ...)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _SOFTMAX_PRIMS and any(
+                vocab in getattr(v.aval, "shape", ()) for v in eqn.invars):
+            found.append(eqn.primitive.name)
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _vocab_transcendentals(inner, vocab)
+    return found
+
+
+def _cycle_jaxpr(spec):
+    state = init_state(CFG, spec, 2, 64, jnp.float32)
+    f = functools.partial(jax.jit(functools.partial(
+        __import__("jaxspec.spec.cycle", fromlist=["cycle"]).cycle, cfg=CFG, spec=spec)))
+    return jax.make_jaxpr(f)(target_params(), random_head(), state, jnp.ones((2,), bool))
+
+
+def _prefill_jaxpr(spec):
+    state = init_state(CFG, spec, 2, 64, jnp.float32)
+    return jax.make_jaxpr(jit_prefill(CFG, spec))(target_params(), random_head(), state,
+                                                  jnp.zeros((2, 16), jnp.int32),
+                                                  jnp.array([5, 16], jnp.int32))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 2), (3, 1, 4)], ids=["naive", "chain"])
+def test_topk1_cycle_has_no_vocab_softmax(shape):
+    spec = SpecConfig(*shape)
+    # The whole cycle (draft steps, greedy verify, catch-up) and the draft prefill.
+    assert _vocab_transcendentals(_cycle_jaxpr(spec).jaxpr, CFG.vocab_size) == []
+    assert _vocab_transcendentals(_prefill_jaxpr(spec).jaxpr, CFG.vocab_size) == []
+    # The check can see a softmax: with the argmax path off, the draft forms one per step.
+    slow = SpecConfig(*shape, argmax_topk1=False)
+    assert len(_vocab_transcendentals(_cycle_jaxpr(slow).jaxpr, CFG.vocab_size)) >= shape[0]
+
+
+# ---------------------------------------------------------------- catch-up dead-row skip
+
+
+def test_catch_up_dead_row_skip_matches_full_computation():
+    params, head = _position_pair()
+    b, r, t = 3, 7, 64
+    key = jax.random.split(jax.random.PRNGKey(11), 5)
+    dk = jax.random.normal(key[0], (1, b, CFG.num_kv_heads, t, CFG.head_dim))
+    dv = jax.random.normal(key[1], (1, b, CFG.num_kv_heads, t, CFG.head_dim))
+    base = jnp.array([9, 20, 3], jnp.int32)
+    feats = jax.random.normal(key[2], (b, r, CFG.hidden_size))
+    toks = jax.random.randint(key[3], (b, r), 0, CFG.vocab_size)
+    n_live = jnp.array([7, 1, 4], jnp.int32)
+    outs = {}
+    for skip in (True, False):
+        spec = SpecConfig(3, 4, 8, skip_dead_rows=skip)
+        f = jax.jit(functools.partial(draft_lib.catch_up, cfg=CFG, spec=spec))
+        outs[skip] = f(params, head, draft_k=dk, draft_v=dv, base=base, features=feats,
+                       tokens=toks, n_live=n_live)
+    (k1, v1, s1), (k0, v0, s0) = outs[True], outs[False]
+    np.testing.assert_allclose(k1, k0, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v1, v0, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(s1.tokens, s0.tokens)
+    np.testing.assert_allclose(s1.logp, s0.logp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s1.hidden, s0.hidden, rtol=1e-5, atol=1e-5)
+    # rows outside base .. base + n_live are untouched
+    for j in range(b):
+        lo, hi = int(base[j]), int(base[j] + n_live[j])
+        np.testing.assert_array_equal(k1[:, j, :, :lo], dk[:, j, :, :lo])
+        np.testing.assert_array_equal(k1[:, j, :, hi:], dk[:, j, :, hi:])
+
+
+def test_cycle_with_and_without_dead_row_skip_seeds_the_same_next_draft():
+    params, head = _position_pair()
+    res = {}
+    for skip in (True, False):
+        spec = SpecConfig(4, 3, 10, skip_dead_rows=skip)
+        runner = SpecRunner(CFG, params, head, spec, max_slots=4, max_len=MAX_LEN)
+        out = runner.generate(PROMPTS, [24] * 3)
+        # slot 3 never held a request: its seed is whatever the idle prefill left there
+        res[skip] = ([r.token_ids for r in out], [r.accept_lens for r in out],
+                     np.asarray(runner._state.seed.tokens)[:3],
+                     np.asarray(runner._state.seed.logp)[:3])
+    assert res[True][0] == res[False][0] and res[True][1] == res[False][1]
+    np.testing.assert_array_equal(res[True][2], res[False][2])
+    np.testing.assert_allclose(res[True][3], res[False][3], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- no recompilation
+
+
+def test_second_cycle_call_does_not_recompile():
+    spec = SpecConfig(3, 2, 5)
+    params, head = target_params(), random_head()
+    cyc, pre = jit_cycle(CFG, spec), jit_prefill(CFG, spec)
+    state = init_state(CFG, spec, 2, 64, jnp.float32)
+    state, _ = pre(params, head, state, jnp.asarray(np.arange(32).reshape(2, 16) % 97),
+                   jnp.array([5, 16], jnp.int32))
+    state, _ = cyc(params, head, state, jnp.array([True, True]))
+    assert cyc._cache_size() == 1
+    # new values everywhere: other lengths, other roots, one slot idle, other params
+    params2 = jax.tree_util.tree_map(lambda x: x * 1.01, params)
+    with jax.log_compiles():
+        state, out = cyc(params2, head, state, jnp.array([True, False]))
+        state, out = cyc(params, head, state, jnp.array([False, True]))
+    jax.block_until_ready(out)
+    assert cyc._cache_size() == 1
+    assert int(out.accept_len[0]) == 0 and (np.asarray(out.tokens[0]) == -1).all()
+
+
+# ---------------------------------------------------------------- real weights
+
+
+def test_smollm2_greedy_spec_equals_plain_greedy():
+    weights = pytest.importorskip("jaxspec.weights")
+    try:
+        cfg, params = weights.load_params(None, jnp.float32)
+    except FileNotFoundError as e:
+        pytest.skip(f"SmolLM2 GGUF not available: {e}")
+    head = eagle.init_eagle_params(cfg, jax.random.PRNGKey(0), scale=0.02)
+    prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 2], [1, 4093, 314, 260, 3575, 282]]
+    n = 20
+    refs = [plain_greedy(params, cfg, p, n, max_len=64) for p in prompts]
+    runner = SpecRunner(cfg, params, head, SpecConfig(3, 2, 5), max_slots=2, max_len=64)
+    res = runner.generate(prompts, [n, n])
+    assert [r.token_ids for r in res] == refs
