@@ -1,0 +1,83 @@
+"""The public API on the real SmolLM2 weights: greedy equals HF transformers; bad input."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf):
+    return LLM(str(smollm2_gguf), dtype=jnp.float32, max_batch=2, max_model_len=256)
+
+
+def hf_greedy(model, prompt, n):
+    """HF transformers greedy with its KV cache, EOS not special (generate()'s min_new_tokens
+    would mask EOS and change the argmax)."""
+    import torch
+    out, ids, past = [], torch.tensor([prompt]), None
+    with torch.no_grad():
+        for _ in range(n):
+            r = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = r.past_key_values
+            out.append(int(r.logits[0, -1].argmax()))
+            ids = torch.tensor([[out[-1]]])
+    return out
+
+
+def test_greedy_32_tokens_equal_hf_transformers(llm, hf_smollm2):
+    import torch
+    model, _ = hf_smollm2
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "user", "content": "Write a haiku about the sea, please."}]]
+    outs = llm.generate(chats, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    for out in outs:
+        ref = hf_greedy(model, out.prompt_token_ids, 32)
+        assert out.token_ids == ref
+        assert out.finish_reason == "length"
+        assert out.text == llm.tokenizer.decode(ref)
+
+
+def test_stops_at_eos_with_reason(llm):
+    out = llm.generate([[{"role": "user", "content": "Say hi."}]],
+                       SamplingParams(max_tokens=200))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] in llm.tokenizer.eos_token_ids
+    assert out.metrics["ttft_s"] > 0 and out.metrics["latency_s"] >= out.metrics["ttft_s"]
+
+
+def test_sampling_is_reproducible_and_varies(llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, ignore_eos=True)
+    a = llm.generate(["Once upon a time"] * 2, sp)
+    assert all(len(o.token_ids) == 12 for o in a)
+    assert a[0].token_ids != a[1].token_ids   # two slots draw different streams
+
+
+def test_more_prompts_than_slots(llm):
+    outs = llm.generate(["a", "b", "c"], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [o.request_id for o in outs] == [0, 1, 2] and all(len(o.token_ids) == 3 for o in outs)
+
+
+@pytest.mark.parametrize("prompt,needle", [("", "empty prompt"), ([], "no prompts"),
+                                           ([[10**9]], "out of range")])
+def test_bad_prompts_rejected(llm, prompt, needle):
+    with pytest.raises(ValueError, match=needle):
+        llm.generate(prompt, SamplingParams(max_tokens=4))
+
+
+def test_prompt_longer_than_context_rejected_before_any_work(llm):
+    long = "hello " * 400
+    with pytest.raises(ValueError, match="exceeds the context"):
+        llm.generate(["fine", long], SamplingParams(max_tokens=4))
+    # the instance still works afterwards
+    assert len(llm.generate("fine", SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
+
+
+def test_max_tokens_must_be_positive():
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+
+
+def test_missing_model_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        LLM(str(tmp_path / "nope.gguf"))
