@@ -1,0 +1,267 @@
+"""Cost of one speculative cycle at Llama-3-8B shape (random bf16 weights, batch 1, ~1K prefix).
+
+For each (steps, topk, tokens): cycle time (median over repeats of back-to-back dispatches,
+blocked at the end), its ratio to a plain decode step measured in the same run, and the bytes
+floor (target weights + steps x (draft layer + lm_head)) / copy bandwidth, the bandwidth taken from
+a large device-to-device copy in the same run. Then the draft steps and the catch-up alone, with
+and without the topk == 1 argmax path and the catch-up's dead-row skip.
+
+    python bench/bench_cycle.py            # GPU, Llama-3-8B shape
+    python bench/bench_cycle.py --tiny     # any backend, tiny shape: checks the script runs
+JSON goes to $OUT/bench_cycle.json when OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jaxspec.config import ModelConfig  # noqa: E402
+from jaxspec.kv import KVCache  # noqa: E402
+from jaxspec.models import llama  # noqa: E402
+from jaxspec.spec import SpecConfig, init_state, jit_cycle  # noqa: E402
+from jaxspec.spec import draft as draft_lib  # noqa: E402
+from pallas_kernels.kv_compact import kv_compact  # noqa: E402
+
+LLAMA3_8B = ModelConfig(arch="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
+                        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                        head_dim=128, rope_theta=500000.0, max_position_embeddings=8192)
+TINY = ModelConfig(arch="LlamaForCausalLM", vocab_size=4096, hidden_size=256,
+                   intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64)
+SHAPES = [(1, 1, 2), (3, 1, 4), (5, 8, 32), (6, 10, 60)]
+
+
+def random_params(cfg: ModelConfig, key, dtype, scale=0.02):
+    """llama.py's layout, each leaf drawn straight in `dtype` (no fp32 copy of an 8B model)."""
+    h, f, l, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    shapes = {"embed": (v, h), "final_norm": (h,), "lm_head": (h, v),
+              "layers": {"attn_norm": (l, h), "wqkv": (l, h, qkv), "wo": (l, cfg.q_size, h),
+                         "mlp_norm": (l, h), "w_gate_up": (l, h, 2 * f), "w_down": (l, f, h)}}
+    leaves, tree = jax.tree_util.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for k, shp in zip(keys, leaves):
+        gen = jax.jit(lambda k, shp=shp: (scale * jax.random.normal(k, shp, jnp.float32)).astype(dtype))
+        out.append(gen(k))
+    p = jax.tree_util.tree_unflatten(tree, out)
+    p["final_norm"] = jnp.ones_like(p["final_norm"])
+    p["layers"]["attn_norm"] = jnp.ones_like(p["layers"]["attn_norm"])
+    p["layers"]["mlp_norm"] = jnp.ones_like(p["layers"]["mlp_norm"])
+    return p
+
+
+def random_head(cfg: ModelConfig, key, dtype):
+    one = dataclasses.replace(cfg, num_layers=1, vocab_size=8)
+    lay = random_params(one, key, dtype)["layers"]
+    k1, k2 = jax.random.split(jax.random.fold_in(key, 1))
+    h = cfg.hidden_size
+    return {"fc": (0.02 * jax.random.normal(k1, (2 * h, h))).astype(dtype),
+            "fc_bias": (0.02 * jax.random.normal(k2, (h,))).astype(dtype), "layers": lay}
+
+
+def nbytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+def timed(step, carry, n, repeats, reset=None):
+    """Median over `repeats` of (n back-to-back dispatches, blocked at the end) / n, in ms."""
+    carry = step(reset(carry) if reset else carry)   # warm (compiles)
+    jax.block_until_ready(carry)
+    ts = []
+    for _ in range(repeats):
+        if reset:
+            carry = reset(carry)
+            jax.block_until_ready(carry)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            carry = step(carry)
+        jax.block_until_ready(carry)
+        ts.append((time.perf_counter() - t0) / n * 1e3)
+    return statistics.median(ts), carry
+
+
+def copy_bandwidth(nbytes_: int, n, repeats) -> float:
+    """Bytes read + written per second by a large elementwise copy."""
+    x = jnp.zeros((nbytes_ // 2,), jnp.bfloat16)
+    f = jax.jit(lambda x: x + jnp.bfloat16(1), donate_argnums=0)
+    ms, _ = timed(f, x, n, repeats)
+    return 2 * x.size * 2 / (ms / 1e3)
+
+
+def plain_decode_ms(cfg, params, prefix, max_len, n, repeats):
+    dt = params["embed"].dtype
+    shape = (cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(c):
+        k, v, lens, tok = c
+        h, kn, vn, _ = llama.forward(params, cfg, tok[:, None], lens[:, None], k, v, lens,
+                                     jnp.ones((1, 1, 1), bool))
+        k, v = kv_compact(k, v, kn, vn, lens, jnp.zeros((1, 1), jnp.int32),
+                          jnp.ones((1,), jnp.int32))
+        nxt = jnp.argmax(llama.lm_head(params, cfg, h[:, 0]), -1).astype(jnp.int32)
+        return k, v, lens + 1, nxt
+
+    reset = jax.jit(lambda c: (c[0], c[1], jnp.full((1,), prefix, jnp.int32), c[3]),
+                    donate_argnums=0)
+    carry = (jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.full((1,), prefix, jnp.int32),
+             jnp.zeros((1,), jnp.int32))
+    ms, _ = timed(step, carry, n, repeats, reset)
+    return ms
+
+
+def spec_state(cfg, spec, prefix, max_len, dtype, key):
+    st = init_state(cfg, spec, 1, max_len, dtype)
+    k1, k2 = jax.random.split(key)
+    seed = draft_lib.DraftSeed(
+        jax.random.randint(k1, (1, spec.topk), 0, cfg.vocab_size, jnp.int32),
+        -jnp.arange(spec.topk, dtype=jnp.float32)[None],
+        (jax.random.normal(k2, (1, cfg.hidden_size))).astype(dtype))
+    return st.replace(target=KVCache(st.target.k, st.target.v, jnp.full((1,), prefix, jnp.int32)),
+                      seed=seed)
+
+
+def cycle_ms(cfg, params, head, spec, prefix, max_len, n, repeats):
+    cyc = jit_cycle(cfg, spec)
+    active = jnp.ones((1,), bool)
+    st = spec_state(cfg, spec, prefix, max_len, params["embed"].dtype, jax.random.PRNGKey(3))
+    reset = jax.jit(lambda s: s.replace(target=KVCache(s.target.k, s.target.v,
+                                                       jnp.full((1,), prefix, jnp.int32))),
+                    donate_argnums=0)
+    ms, _ = timed(lambda s: cyc(params, head, s, active)[0], st, n, repeats, reset)
+    return ms
+
+
+def draft_steps_ms(cfg, params, head, spec, prefix, max_len, n, repeats):
+    st = spec_state(cfg, spec, prefix, max_len, params["embed"].dtype, jax.random.PRNGKey(4))
+    f = jax.jit(functools.partial(draft_lib.draft_tree, cfg=cfg, spec=spec))
+    # The draft cache is read only; chaining the root token keeps dispatches dependent.
+    step = lambda seed: seed._replace(tokens=f(params, head, draft_k=st.draft_k,  # noqa: E731
+                                               draft_v=st.draft_v, lens=st.target.lens,
+                                               seed=seed).tokens[:, :spec.topk])
+    ms, _ = timed(step, st.seed, n, repeats)
+    return ms
+
+
+def catch_up_ms(cfg, params, head, spec, prefix, max_len, n, repeats):
+    st = spec_state(cfg, spec, prefix, max_len, params["embed"].dtype, jax.random.PRNGKey(5))
+    r = spec.num_steps + 1
+    feats = jnp.ones((1, r, cfg.hidden_size), params["embed"].dtype)
+    toks = jnp.zeros((1, r), jnp.int32)
+    n_live = jnp.full((1,), r, jnp.int32)   # a full accept: every row live, all but one dead after KV
+    base = st.target.lens
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(c):
+        dk, dv, _ = c
+        return draft_lib.catch_up(params, head, cfg, spec, dk, dv, base, feats, toks, n_live)
+
+    ms, _ = timed(step, (st.draft_k, st.draft_v, st.seed), n, repeats)
+    return ms
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny shape (CPU check)")
+    ap.add_argument("--prefix", type=int, default=None, help="committed tokens (default 1024)")
+    ap.add_argument("--cycles", type=int, default=None, help="dispatches per repeat")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--shapes", default=None, help="e.g. 1,1,2;3,1,4")
+    ap.add_argument("--no-ablation", action="store_true",
+                    help="skip the argmax / dead-row ablations")
+    a = ap.parse_args(argv)
+    cfg = TINY if a.tiny else LLAMA3_8B
+    dtype = jnp.float32 if a.tiny and jax.default_backend() == "cpu" else jnp.bfloat16
+    prefix = a.prefix or (128 if a.tiny else 1024)
+    n = a.cycles or (5 if a.tiny else 30)
+    repeats = a.repeats or (3 if a.tiny else 7)
+    shapes = ([tuple(int(x) for x in s.split(",")) for s in a.shapes.split(";")]
+              if a.shapes else SHAPES)
+    max_len = prefix + 128
+
+    key = jax.random.PRNGKey(0)
+    params = random_params(cfg, key, dtype)
+    head = random_head(cfg, jax.random.fold_in(key, 1), dtype)
+    target_read = nbytes(params) - nbytes(params["embed"])   # a step gathers rows, not the table
+    lm_head_b = nbytes(params["lm_head"])
+    draft_layer_b = nbytes(head)
+    bw = copy_bandwidth((64 << 20) if a.tiny else (2 << 30), 10 if a.tiny else 20, repeats)
+    res = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+           "jax": jax.__version__, "model": "tiny" if a.tiny else "llama3-8b-shape",
+           "dtype": jnp.dtype(dtype).name, "batch": 1, "prefix": prefix,
+           "copy_bw_GBps": bw / 1e9, "target_read_bytes": target_read,
+           "target_all_bytes": nbytes(params), "draft_layer_bytes": draft_layer_b,
+           "lm_head_bytes": lm_head_b, "cycles": []}
+    print(f"# {res['device']} {res['model']} {res['dtype']} prefix {prefix}; copy "
+          f"{bw / 1e9:.0f} GB/s; target {target_read / 1e9:.2f} GB, draft layer "
+          f"{draft_layer_b / 1e9:.3f} GB, lm_head {lm_head_b / 1e9:.3f} GB", flush=True)
+
+    decode = plain_decode_ms(cfg, params, prefix, max_len, n, repeats)
+    res["decode_ms"] = decode
+    res["decode_floor_ms"] = target_read / bw * 1e3
+    print(f"# plain decode {decode:.3f} ms (floor {res['decode_floor_ms']:.3f})", flush=True)
+
+    for s, k, t in shapes:
+        spec = SpecConfig(s, k, t)
+        row = {"shape": [s, k, t]}
+        row["cycle_ms"] = cycle_ms(cfg, params, head, spec, prefix, max_len, n, repeats)
+        row["floor_ms"] = (target_read + s * (draft_layer_b + lm_head_b)) / bw * 1e3
+        row["cycle_over_decode"] = row["cycle_ms"] / decode
+        row["floor_over_decode"] = row["floor_ms"] / decode
+        if not a.no_ablation:
+            off_skip = dataclasses.replace(spec, skip_dead_rows=False)
+            row["catch_up_ms"] = catch_up_ms(cfg, params, head, spec, prefix, max_len, n, repeats)
+            row["catch_up_no_skip_ms"] = catch_up_ms(cfg, params, head, off_skip, prefix,
+                                                     max_len, n, repeats)
+            if s > 1:
+                row["draft_steps_ms"] = draft_steps_ms(cfg, params, head, spec, prefix, max_len,
+                                                       n, repeats)
+            if k == 1:
+                soft = dataclasses.replace(spec, argmax_topk1=False)
+                row["catch_up_softmax_ms"] = catch_up_ms(cfg, params, head, soft, prefix,
+                                                         max_len, n, repeats)
+                if s > 1:
+                    row["draft_steps_softmax_ms"] = draft_steps_ms(cfg, params, head, soft, prefix,
+                                                                   max_len, n, repeats)
+                both = dataclasses.replace(spec, argmax_topk1=False, skip_dead_rows=False)
+                row["cycle_no_opt_ms"] = cycle_ms(cfg, params, head, both, prefix, max_len, n,
+                                                  repeats)
+        res["cycles"].append(row)
+        print("# " + json.dumps(row), flush=True)
+
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        Path(os.environ["OUT"], "bench_cycle.json").write_text(json.dumps(res, indent=1))
+
+    def f(row, key):
+        return f"{row[key]:8.3f}" if key in row else "       -"
+
+    print(f"\ndecode {decode:.3f} ms  floor {res['decode_floor_ms']:.3f} ms  copy "
+          f"{bw / 1e9:.0f} GB/s  ({res['device']}, {res['model']}, prefix {prefix})")
+    print(" S  K   N |  cycle ms  x decode |  floor ms  x decode | draft ms (softmax) | "
+          "catch-up ms (no skip) (softmax) | cycle no-opt")
+    for row in res["cycles"]:
+        s, k, t = row["shape"]
+        print(f"{s:2d} {k:2d} {t:3d} | {row['cycle_ms']:9.3f} {row['cycle_over_decode']:8.2f} | "
+              f"{row['floor_ms']:9.3f} {row['floor_over_decode']:8.2f} | "
+              f"{f(row, 'draft_steps_ms')} {f(row, 'draft_steps_softmax_ms')} | "
+              f"{f(row, 'catch_up_ms')} {f(row, 'catch_up_no_skip_ms')} "
+              f"{f(row, 'catch_up_softmax_ms')} | {f(row, 'cycle_no_opt_ms')}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
