@@ -38,7 +38,8 @@ class LLM:
 
     def __init__(self, model: Optional[str] = None, *, dtype=None, max_batch: int = 8,
                  max_model_len: Optional[int] = None, kv_budget_gb: Optional[float] = None,
-                 decode_chunk: int = 16, seed: int = 0, layer_layout: Optional[str] = None):
+                 decode_chunk: int = 16, seed: int = 0, layer_layout: Optional[str] = None,
+                 draft: Any = None, spec: Any = None):
         from jaxspec.models.llama import unstack_layers
         from jaxspec.weights import load_model
         if max_batch <= 0:
@@ -65,6 +66,28 @@ class LLM:
         self.runner = PlainRunner(self.config, self.params, cache, decode_chunk=decode_chunk,
                                   seed=seed)
         self.max_batch = max_batch
+        self.spec_runner = None
+        if spec is not None or draft is not None:
+            self._init_spec(draft, spec)
+
+    def _load_draft(self, draft: Optional[str]):
+        from jaxspec.loading import eagle_ckpt
+        if draft in (None, "default"):
+            return eagle_ckpt.load_default_head(self.config, dtype=self.dtype)
+        return eagle_ckpt.load_eagle1(draft, self.config, dtype=self.dtype)
+
+    def _init_spec(self, draft, spec):
+        """draft: None/'default' (the shipped head for the default model), a checkpoint path,
+        or a draft params pytree. spec: a SpecConfig or a preset name ('naive', 'chain', 'tree')."""
+        from jaxspec.spec.config import resolve_spec
+        from jaxspec.spec.runner import SpecRunner
+        spec = resolve_spec(spec if spec is not None else "chain")
+        if draft is None or isinstance(draft, str):
+            draft = self._load_draft(draft)
+        self.spec = spec
+        # Rows for one cycle's worth of speculative tokens past a request's end.
+        self.spec_runner = SpecRunner(self.config, self.params, draft, spec, self.max_batch,
+                                      self.max_model_len + spec.num_steps + 1)
 
     # -- input handling ------------------------------------------------------------------
     def _encode(self, prompt: Prompt) -> List[int]:
@@ -112,6 +135,8 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         for i, (ids, sp) in enumerate(zip(encoded, sps)):
             self._check_fits(ids, sp, i)
+        if self.spec_runner is not None:
+            return self._generate_spec(encoded, sps)
         outputs: List[RequestOutput] = []
         for start in range(0, len(encoded), self.max_batch):
             ids, sp = encoded[start:start + self.max_batch], sps[start:start + self.max_batch]
@@ -123,3 +148,19 @@ class LLM:
                     metrics={"ttft_s": g.ttft_s, "latency_s": g.latency_s,
                              "tokens_per_s": len(g.token_ids) / max(g.latency_s, 1e-9)}))
         return outputs
+
+    def _generate_spec(self, encoded, sps) -> List[RequestOutput]:
+        if any(sp.temperature > 0 for sp in sps):
+            raise ValueError("speculative decoding is greedy only in this version: use "
+                             "temperature=0, or an LLM without spec= to sample")
+        stop = set().union(*(self._stop_ids(sp) for sp in sps))
+        if any(self._stop_ids(sp) != stop for sp in sps):
+            raise ValueError("speculative batches need the same stop tokens for every request")
+        t0 = time.perf_counter()
+        results = self.spec_runner.generate(encoded, [sp.max_tokens for sp in sps], tuple(stop))
+        dt = time.perf_counter() - t0
+        return [RequestOutput(
+            request_id=i, prompt_token_ids=ids, token_ids=r.token_ids,
+            text=self.tokenizer.decode(r.token_ids), finish_reason=r.finish_reason,
+            metrics={"latency_s": dt, "tokens_per_s": len(r.token_ids) / max(dt, 1e-9)},
+            accept_lens=r.accept_lens) for i, (ids, r) in enumerate(zip(encoded, results))]

@@ -81,3 +81,20 @@ def test_max_tokens_must_be_positive():
 def test_missing_model_file_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         LLM(str(tmp_path / "nope.gguf"))
+
+
+def test_speculative_llm_equals_plain_greedy(smollm2_gguf, llm):
+    import jax
+    from jaxspec.models.eagle import init_eagle_params
+    draft = init_eagle_params(llm.config, jax.random.PRNGKey(0))
+    spec_llm = LLM(str(smollm2_gguf), dtype=jnp.float32, max_batch=2, max_model_len=256,
+                   draft=draft, spec="chain")
+    chats = [[{"role": "user", "content": "Name three colors."}], "The sky is"]
+    sp = SamplingParams(max_tokens=24)
+    plain = llm.generate(chats, sp)
+    spec = spec_llm.generate(chats, sp)
+    for a, b in zip(plain, spec):
+        assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
+        assert b.accept_lens and sum(x + 1 for x in b.accept_lens) >= len(b.token_ids) - 1
+    with pytest.raises(ValueError, match="greedy only"):
+        spec_llm.generate("hi", SamplingParams(temperature=0.5))
