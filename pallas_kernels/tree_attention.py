@@ -92,19 +92,24 @@ def _flash_step(q, k, v, valid, carry, scale_log2):
     return o_next, m_next, l_next
 
 
+def _store_rows(out_ref, o, b, h, r, live, group):
+    """Store rows r = n * G + g of KV head h to out[b, n, h * G + g, :] (final layout)."""
+    col = jnp.arange(o.shape[-1])[None, :]
+    n, g = r // group, r % group
+    _store(out_ref.at[b, n[:, None], (h * group + g)[:, None], col], o.astype(out_ref.dtype),
+           mask=live[:, None])
+
+
 def _tree_attention_kernel(
     layer_ref,     # [1] int32
     seq_lens_ref,  # [B] int32
-    q_ref,         # [B, Hkv, R_pad, D]   rows r = n * G + g
+    q_ref,         # [B, Hkv, R, D]   rows r = n * G + g
     k_ref,         # [L, B, Hkv, T, D]
     v_ref,         # [L, B, Hkv, T, D]
-    kn_ref,        # [B, Hkv, N_pad, D]
-    vn_ref,        # [B, Hkv, N_pad, D]
-    mask_ref,      # [B, N, N_pad] int8
-    o_ref,         # [B * Hkv, S, R_pad, D] f32, unnormalised
-    m_ref,         # [B * Hkv, S, R_pad] f32, running max (base-2 logits)
-    l_ref,         # [B * Hkv, S, R_pad] f32, softmax denominator
-    *,
+    kn_ref,        # [B, Hkv, N, D]
+    vn_ref,        # [B, Hkv, N, D]
+    mask_ref,      # [B, N, N] int8
+    *out_refs,     # S == 1: out [B, N, Hq, D]; else o [BH, S, R, D], m, l [BH, S, R] (f32)
     scale_log2: float,
     num_kv_heads: int,
     num_splits: int,
@@ -117,6 +122,7 @@ def _tree_attention_kernel(
     rb, split, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = bh // num_kv_heads, bh % num_kv_heads
     t_max = k_ref.shape[3]
+    num_rows = q_ref.shape[2]
     layer = layer_ref[0]
     seq_len = jnp.clip(seq_lens_ref[b], 0, t_max)
     # This split's share of the live prefix, a whole number of key blocks.
@@ -125,8 +131,12 @@ def _tree_attention_kernel(
     end = jnp.minimum(start + chunk, seq_len)
     num_blocks = pl.cdiv(jnp.maximum(end - start, 0), block_k)
 
+    # Inputs are not padded to the block sizes: loads past the end are masked instead (no extra
+    # XLA pad ops around the kernel, which cost as much as the kernel at batch 1).
+    r = rb * block_r + jnp.arange(block_r)
+    row_live = r < num_rows
     rows = pl.ds(rb * block_r, block_r)
-    q = _load(q_ref.at[b, h, rows, :])
+    q = _load(q_ref.at[b, h, rows, :], mask=row_live[:, None], other=0.0)
     head_dim = q.shape[-1]
     carry = (jnp.zeros((block_r, head_dim), jnp.float32),
              jnp.full((block_r,), MASK_VALUE, jnp.float32),
@@ -142,31 +152,70 @@ def _tree_attention_kernel(
 
     carry = lax.fori_loop(0, num_blocks, prefix_body, carry)
 
-    # Tree queries' rows into the mask; padded rows read the last query and are dropped later.
-    query = jnp.minimum((rb * block_r + jnp.arange(block_r)) // group, num_new - 1)
+    # Rows past the last query read the last query's mask row; they are never stored.
+    query = jnp.minimum(r // group, num_new - 1)
     new_iota = jnp.arange(block_n)
 
     def new_body(j, carry):
         m0 = j * block_n
-        k = _load(kn_ref.at[b, h, pl.ds(m0, block_n), :])
-        v = _load(vn_ref.at[b, h, pl.ds(m0, block_n), :])
+        key_live = (m0 + new_iota) < num_new
+        k = _load(kn_ref.at[b, h, pl.ds(m0, block_n), :], mask=key_live[:, None], other=0.0)
+        v = _load(vn_ref.at[b, h, pl.ds(m0, block_n), :], mask=key_live[:, None], other=0.0)
         # Index arrays on both axes (a gather): interpret mode cannot mix them with slices.
-        allowed = _load(mask_ref.at[b, query[:, None], (m0 + new_iota)[None, :]]) != 0
-        allowed = allowed & ((m0 + new_iota) < num_new)[None, :]
-        return _flash_step(q, k, v, allowed, carry, scale_log2)
+        cols = jnp.minimum(m0 + new_iota, num_new - 1)
+        allowed = _load(mask_ref.at[b, query[:, None], cols[None, :]]) != 0
+        return _flash_step(q, k, v, allowed & key_live[None, :], carry, scale_log2)
 
-    num_new_blocks = jnp.where(split == 0, pl.cdiv(num_new, block_n), 0)
+    # Explicit int32: a select of two Python ints lowered to i1 under the Triton backend.
+    num_new_blocks = (split == 0).astype(jnp.int32) * jnp.int32(pl.cdiv(num_new, block_n))
     o, m, l = lax.fori_loop(0, num_new_blocks, new_body, carry)
 
-    _store(o_ref.at[bh, split, rows, :], o)
-    _store(m_ref.at[bh, split, rows], m)
-    _store(l_ref.at[bh, split, rows], l)
+    if num_splits == 1:  # No combine pass: normalise and write the final layout here.
+        _store_rows(out_refs[0], o / l[:, None], b, h, r, row_live, group)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        _store(o_ref.at[bh, split, rows, :], o, mask=row_live[:, None])
+        _store(m_ref.at[bh, split, rows], m, mask=row_live)
+        _store(l_ref.at[bh, split, rows], l, mask=row_live)
 
 
-def _pad_axis(x, axis, size):
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad) if size != x.shape[axis] else x
+def _combine_kernel(
+    o_ref,     # [BH, S, R, D] f32, unnormalised partials
+    m_ref,     # [BH, S, R] f32
+    l_ref,     # [BH, S, R] f32
+    out_ref,   # [B, N, Hq, D]
+    *,
+    num_kv_heads: int,
+    group: int,
+    block_r: int,
+    splits_pow2: int,
+):
+    """Merge the splits' partial softmaxes (base-2 log-sum-exp) into the final layout."""
+    bh, rb = pl.program_id(0), pl.program_id(1)
+    b, h = bh // num_kv_heads, bh % num_kv_heads
+    num_splits, num_rows = m_ref.shape[1], m_ref.shape[2]
+    r = rb * block_r + jnp.arange(block_r)
+    row_live = r < num_rows
+    rows = pl.ds(rb * block_r, block_r)
+    sp = jnp.minimum(jnp.arange(splits_pow2), num_splits - 1)
+    sp_live = (jnp.arange(splits_pow2) < num_splits)[:, None] & row_live[None, :]
+    rr = jnp.minimum(r, num_rows - 1)
+    m_all = _load(m_ref.at[bh, sp[:, None], rr[None, :]], mask=sp_live, other=MASK_VALUE)
+    m_max = m_all.max(axis=0)
+
+    def body(s, carry):
+        acc, den = carry
+        m = _load(m_ref.at[bh, s, rows], mask=row_live, other=MASK_VALUE)
+        l = _load(l_ref.at[bh, s, rows], mask=row_live, other=0.0)
+        o = _load(o_ref.at[bh, s, rows, :], mask=row_live[:, None], other=0.0)
+        w = jnp.exp2(m - m_max)
+        return acc + w[:, None] * o, den + w * l
+
+    acc = jnp.zeros((block_r, o_ref.shape[-1]), jnp.float32)
+    den = jnp.zeros((block_r,), jnp.float32)
+    acc, den = lax.fori_loop(0, num_splits, body, (acc, den))
+    den = jnp.where(row_live, den, 1.0)
+    _store_rows(out_ref, acc / den[:, None], b, h, r, row_live, group)
 
 
 def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_len):
@@ -218,43 +267,42 @@ def tree_attention_pallas(
     block_n = block_n or min(64, max(16, _next_pow2(n)))
     assert block_r == _next_pow2(block_r) and block_k == _next_pow2(block_k), (
         f"{block_r=} and {block_k=} must be powers of 2")
-    r_pad = pl.cdiv(rows, block_r) * block_r
-    n_pad = pl.cdiv(n, block_n) * block_n
-
-    # Rows r = n * G + g of KV head h; q is small next to the cache, so the transpose is cheap.
+    # Rows r = n * G + g of KV head h (a bitcast when N == 1; q is small next to the cache).
     q_rows = q.reshape(b, n, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
-    q_rows = _pad_axis(q_rows, 2, r_pad)
-    k_new = _pad_axis(k_new.astype(k_cache.dtype), 2, n_pad)
-    v_new = _pad_axis(v_new.astype(v_cache.dtype), 2, n_pad)
-    mask = _pad_axis(tree_mask.astype(jnp.int8), 2, n_pad)
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
-
+    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    f32 = jnp.float32
+    if num_splits > 1:
+        out_shape = [jax.ShapeDtypeStruct((b * hkv, num_splits, rows, d), f32),
+                     jax.ShapeDtypeStruct((b * hkv, num_splits, rows), f32),
+                     jax.ShapeDtypeStruct((b * hkv, num_splits, rows), f32)]
     kernel = functools.partial(
         _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv,
         num_splits=num_splits, group=g, num_new=n, block_r=block_r, block_k=block_k,
         block_n=block_n)
-    f32 = jnp.float32
-    o, m, l = pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
-        grid=(r_pad // block_r, num_splits, b * hkv),
-        out_shape=[
-            jax.ShapeDtypeStruct((b * hkv, num_splits, r_pad, d), f32),
-            jax.ShapeDtypeStruct((b * hkv, num_splits, r_pad), f32),
-            jax.ShapeDtypeStruct((b * hkv, num_splits, r_pad), f32),
-        ],
+        grid=(pl.cdiv(rows, block_r), num_splits, b * hkv),
+        out_shape=out_shape,
         compiler_params=_CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_attention",
-    )(layer, seq_lens.astype(jnp.int32), q_rows, k_cache, v_cache, k_new, v_new, mask)
-
+    )(layer, seq_lens.astype(jnp.int32), q_rows, k_cache, v_cache,
+      k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype), tree_mask.astype(jnp.int8))
     if num_splits == 1:
-        out = o[:, 0] / l[:, 0, :, None]
-    else:
-        m_all = m.max(axis=1, keepdims=True)
-        w = jnp.exp2(m - m_all)                                   # [BH, S, R_pad]
-        out = (w[..., None] * o).sum(axis=1) / (w * l).sum(axis=1)[..., None]
-    out = out[:, :rows].reshape(b, hkv, n, g, d).transpose(0, 2, 1, 3, 4)
-    return out.reshape(b, n, hq, d).astype(q.dtype)
+        return out
+
+    combine_r = min(max(16, _next_pow2(rows)), 32)
+    combine = functools.partial(_combine_kernel, num_kv_heads=hkv, group=g, block_r=combine_r,
+                                splits_pow2=_next_pow2(num_splits))
+    return pl.pallas_call(
+        combine,
+        grid=(b * hkv, pl.cdiv(rows, combine_r)),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="tree_attention_combine",
+    )(*out)
 
 
 def kernel_supported(q, k_cache) -> bool:
