@@ -3,7 +3,7 @@ with jaxspec's plain batched decoding (on-device multi-step decode)."""
 from __future__ import annotations
 
 import time
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import jax
 
@@ -14,9 +14,10 @@ from jaxspec.sampling import SamplingParams
 
 
 def generate_responses(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new: int,
-                       batch: int = 256, decode_chunk: int = 32, progress: bool = True
-                       ) -> List[List[int]]:
-    """Greedy responses (EOS included when reached, else cut at max_new) for every prompt.
+                       batch: int = 256, decode_chunk: int = 32, progress: bool = True,
+                       max_seconds: Optional[float] = None) -> List[List[int]]:
+    """Greedy responses (EOS included when reached, else cut at max_new) for the prompts, in
+    order; with max_seconds, stops starting new batches after that long (fewer responses).
 
     params: the target's params; on GPU pass the unrolled layout (llama.unstack_layers), which
     decodes much faster than the stacked one under lax.scan.
@@ -33,6 +34,8 @@ def generate_responses(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]
     out: List[List[int]] = []
     t0 = time.perf_counter()
     for i in tqdm(range(0, len(prompts), batch), disable=not progress, desc="self-distill"):
+        if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+            break
         group = prompts[i:i + batch]
         gens = runner.generate(group, [sp] * len(group), [stop] * len(group))
         out += [g.token_ids for g in gens]

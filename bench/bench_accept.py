@@ -1,0 +1,91 @@
+"""Acceptance of a draft head: mean tokens per speculative cycle (accepted + bonus, "tau") on the
+MT-bench questions (first turn, chat template, greedy), per speculation preset.
+
+    python -m bench.bench_accept [--model M] [--head H.safetensors] [--presets chain tree]
+        [--questions 80] [--max-new 256] [--out results.json]
+
+--head defaults to the shipped head of the default model. tau depends only on the head and the
+target (greedy, static shapes), not on the batch: all questions run as one batch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+MT_BENCH = Path(__file__).resolve().parents[1] / "shared" / "data" / "mt_bench.jsonl"
+MT_BENCH_FALLBACK = Path("/work/shared/data/mt_bench.jsonl")
+
+
+def mt_bench_questions(path=None, n: int = 80) -> List[str]:
+    p = Path(path) if path else (MT_BENCH if MT_BENCH.is_file() else MT_BENCH_FALLBACK)
+    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return [r["turns"][0] for r in rows[:n]]
+
+
+def measure_acceptance(cfg, params, draft, prompts: Sequence[Sequence[int]], presets=("chain", "tree"),
+                       max_new: int = 256, max_slots: int = 0) -> Dict[str, dict]:
+    """{preset: {tau, cycles, tokens, wall_s, accept_hist}} with SpecRunner, greedy."""
+    from jaxspec.spec import SpecRunner, resolve_spec
+
+    out = {}
+    slots = max_slots or len(prompts)
+    longest = max(len(p) for p in prompts)
+    for name in presets:
+        spec = resolve_spec(name)
+        max_len = _round_up(max(16, 1 << (longest - 1).bit_length()) + max_new + spec.num_steps + 2,
+                            128)
+        runner = SpecRunner(cfg, params, draft, spec, max_slots=slots, max_len=max_len)
+        t0 = time.perf_counter()
+        res = runner.generate(prompts, [max_new] * len(prompts), tuple(cfg.eos_token_ids))
+        wall = time.perf_counter() - t0
+        acc = np.concatenate([np.asarray(r.accept_lens, np.int64) for r in res])
+        out[name] = {"tau": float((acc + 1).mean()), "cycles": int(acc.size),
+                     "tokens": int(sum(len(r.token_ids) for r in res)), "wall_s": round(wall, 2),
+                     "accept_hist": np.bincount(acc, minlength=spec.num_steps + 1).tolist(),
+                     "spec": [spec.num_steps, spec.topk, spec.num_draft_tokens]}
+    return out
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def main(argv=None) -> int:
+    import jax
+
+    from jaxspec.loading.eagle_ckpt import load_default_head, load_head
+    from jaxspec.models import llama
+    from jaxspec.weights import load_model
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--head", default=None, help="head .safetensors (default: the shipped head)")
+    ap.add_argument("--presets", nargs="+", default=["chain", "tree"])
+    ap.add_argument("--questions", type=int, default=80)
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    cfg, params, tok = load_model(a.model)
+    dtype = params["embed"].dtype
+    draft = load_head(a.head, cfg, dtype) if a.head else load_default_head(cfg, dtype)
+    if jax.default_backend() == "gpu":
+        params = llama.unstack_layers(params)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
+               for q in mt_bench_questions(n=a.questions)]
+    res = measure_acceptance(cfg, params, draft, prompts, a.presets, a.max_new)
+    print(f"{'preset':8s} {'(S,K,N)':12s} {'tau':>6s} {'cycles':>7s} {'tokens':>7s} {'wall_s':>7s}")
+    for name, r in res.items():
+        print(f"{name:8s} {str(tuple(r['spec'])):12s} {r['tau']:6.3f} {r['cycles']:7d} "
+              f"{r['tokens']:7d} {r['wall_s']:7.1f}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

