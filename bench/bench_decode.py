@@ -8,6 +8,7 @@ Usage: python bench/bench_decode.py [--tiny]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import jax
@@ -62,7 +63,9 @@ def main():
     ap.add_argument("--only", default="", help="comma list of case names")
     ap.add_argument("--attn", choices=("auto", "reference"), default="auto",
                     help="reference: force the pure-jnp attention and KV write (no Pallas)")
-    ap.add_argument("--layouts", default="scan,unrolled")
+    ap.add_argument("--layouts", default="static,scan,leaves",
+                    help="static: stacked weights, unrolled loop (the GPU default); scan: "
+                         "lax.scan over stacked weights; leaves: one leaf per layer weight")
     args = ap.parse_args()
     if args.attn == "reference":
         use_reference_kernels()
@@ -85,15 +88,15 @@ def main():
         kv = batch * ctx * kv_bytes_per_token(cfg, dtype)
         floor = (wbytes + kv) / bw
         for layout in args.layouts.split(","):
-            params = stacked if layout == "scan" else llama.unstack_layers(stacked)
+            params = llama.unstack_layers(stacked) if layout == "leaves" else stacked
+            lcfg = dataclasses.replace(cfg, unroll_layers=layout == "static")
             for spc in (1, args.steps):
-                dt = time_decode(params, cfg, batch, ctx, spc, max(4, 256 // spc), dtype)
+                dt = time_decode(params, lcfg, batch, ctx, spc, max(4, 256 // spc), dtype)
                 rows.append(dict(attn=args.attn, shape=shape, batch=batch, ctx=ctx, layout=layout,
                                  steps_per_call=spc, ms_per_step=dt * 1e3, floor_ms=floor * 1e3,
                                  ratio_to_floor=dt / floor))
                 print(rows[-1], flush=True)
-            if layout == "unrolled":
-                del params
+            del params
         del stacked
     write_json("bench_decode.json", dict(device=device_name(), copy_bw=bw, rows=rows))
     print(f"\ndevice {device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")

@@ -40,6 +40,11 @@ class ModelConfig:
     sliding_window: Optional[int] = None  # Mistral; checked against the context length
     bos_token_id: Optional[int] = None
     eos_token_ids: Tuple[int, ...] = ()
+    # Execution, not architecture: run the layers as an unrolled Python loop over static slices
+    # of the stacked weights (GPU: XLA reads them in place) instead of a lax.scan (whose dynamic
+    # slices XLA copies out every step: 2.6x slower on the H100, bench/RESULTS.md). The scan
+    # compiles much faster, which is what the CPU wants.
+    unroll_layers: bool = False
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:

@@ -40,19 +40,15 @@ class LLM:
                  max_model_len: Optional[int] = None, kv_budget_gb: Optional[float] = None,
                  decode_chunk: int = 16, seed: int = 0, layer_layout: Optional[str] = None,
                  draft: Any = None, spec: Any = None):
-        from jaxspec.models.llama import unstack_layers
         from jaxspec.weights import load_model
         if max_batch <= 0:
             raise ConfigError(f"max_batch must be positive, got {max_batch}")
         self.config, self.params, self.tokenizer = load_model(model, dtype=dtype)
-        # GPU: per-layer weights, unrolled. Under lax.scan XLA copies each layer's weights out
-        # of the stacked arrays every step (2.7x slower decode on the H100, bench/RESULTS.md).
-        # CPU: the scan compiles much faster and costs nothing.
+        # GPU: layers unrolled over static slices of the stacked weights (see ModelConfig).
         layer_layout = layer_layout or ("unrolled" if jax.default_backend() == "gpu" else "scan")
         if layer_layout not in ("scan", "unrolled"):
             raise ConfigError(f"layer_layout must be 'scan' or 'unrolled', got {layer_layout!r}")
-        if layer_layout == "unrolled":
-            self.params = unstack_layers(self.params)
+        self.config = dataclasses.replace(self.config, unroll_layers=layer_layout == "unrolled")
         self.dtype = jax.tree_util.tree_leaves(self.params)[0].dtype
         limit = self.config.max_position_embeddings
         if kv_budget_gb is not None:

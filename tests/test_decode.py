@@ -90,3 +90,17 @@ def test_finish_cuts_at_stop_or_length():
     assert finish([4, 5, 6, 7], 10, {6}) == ([4, 5, 6], "stop")
     assert finish([4, 5, 6, 7], 2, {6}) == ([4, 5], "length")
     assert finish([4, 5], 3, set()) == ([4, 5], None)
+
+
+def test_unrolled_layers_equal_scan(params):
+    import dataclasses
+    toks = jax.random.randint(jax.random.PRNGKey(7), (2, 6), 0, CFG.vocab_size)
+    pos = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+    cache = init_cache(CFG, 2, 16, jnp.float32)
+    args = (toks, pos, cache.k, cache.v, cache.lens, llama.causal_mask(2, 6))
+    ref = llama.forward(params, CFG, *args, capture_layers=(0, 1))
+    for p, cfg in [(params, dataclasses.replace(CFG, unroll_layers=True)),
+                   (llama.unstack_layers(params), CFG)]:
+        got = llama.forward(p, cfg, *args, capture_layers=(0, 1))
+        for a, b in zip(ref, got):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=3e-5)  # fp32, other fusion order

@@ -116,10 +116,10 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, seq_l
         x = x + mlp_block(cfg, lp, x)
         return x, (k, v, x if capture_layers else None)
 
-    if isinstance(params["layers"], (list, tuple)):
-        # Per-layer leaves, unrolled: no dynamic slicing of stacked weights (see bench/).
+    if cfg.unroll_layers or isinstance(params["layers"], (list, tuple)):
         ys = [None] * cfg.num_layers
-        for i, lp in enumerate(params["layers"]):
+        for i in range(cfg.num_layers):
+            lp = layer_slice(params["layers"], i)
             x, ys[i] = layer_fn(x, (lp, jnp.int32(i)))
         k_new, v_new, outs = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ys) if capture_layers \
             else (jnp.stack([y[0] for y in ys]), jnp.stack([y[1] for y in ys]), None)
@@ -175,6 +175,13 @@ def init_random_params(cfg: ModelConfig, key, dtype=jnp.float32, scale=0.02):
     if not cfg.tie_word_embeddings:
         params["lm_head"] = rnd((h, cfg.vocab_size))
     return params
+
+
+def layer_slice(layers, i: int):
+    """Layer i's params from the stacked layout (static slices) or a per-layer list."""
+    if isinstance(layers, (list, tuple)):
+        return layers[i]
+    return jax.tree_util.tree_map(lambda a: a[i], layers)
 
 
 def unstack_layers(params):
