@@ -188,32 +188,49 @@ def _combine_kernel(
     num_kv_heads: int,
     group: int,
     block_r: int,
-    splits_pow2: int,
+    block_s: int,
 ):
-    """Merge the splits' partial softmaxes (base-2 log-sum-exp) into the final layout."""
+    """Merge the splits' partial softmaxes (base-2 log-sum-exp) into the final layout.
+
+    The splits are read `block_s` at a time as one [block_s, block_r, D] gather, so the loads of
+    a chunk are in flight together: a loop of one dependent load per split was latency-bound
+    (about 0.4 us per split at batch 1).
+    """
     bh, rb = pl.program_id(0), pl.program_id(1)
     b, h = bh // num_kv_heads, bh % num_kv_heads
     num_splits, num_rows = m_ref.shape[1], m_ref.shape[2]
     r = rb * block_r + jnp.arange(block_r)
     row_live = r < num_rows
-    rows = pl.ds(rb * block_r, block_r)
-    sp = jnp.minimum(jnp.arange(splits_pow2), num_splits - 1)
-    sp_live = (jnp.arange(splits_pow2) < num_splits)[:, None] & row_live[None, :]
-    rr = jnp.minimum(r, num_rows - 1)
-    m_all = _load(m_ref.at[bh, sp[:, None], rr[None, :]], mask=sp_live, other=MASK_VALUE)
-    m_max = m_all.max(axis=0)
+    rr = jnp.minimum(r, num_rows - 1)[None, :]
+    col = jnp.arange(o_ref.shape[-1])[None, None, :]
 
-    def body(s, carry):
+    def split_chunk(c):
+        s = c * block_s + jnp.arange(block_s)
+        live = (s < num_splits)[:, None] & row_live[None, :]
+        return jnp.minimum(s, num_splits - 1)[:, None], live
+
+    def max_body(c, m_max):
+        s, live = split_chunk(c)
+        m = _load(m_ref.at[bh, s, rr], mask=live, other=MASK_VALUE)
+        return jnp.maximum(m_max, m.max(axis=0))
+
+    num_chunks = pl.cdiv(num_splits, block_s)
+    m_max = lax.fori_loop(0, num_chunks, max_body,
+                          jnp.full((block_r,), MASK_VALUE, jnp.float32))
+
+    def sum_body(c, carry):
         acc, den = carry
-        m = _load(m_ref.at[bh, s, rows], mask=row_live, other=MASK_VALUE)
-        l = _load(l_ref.at[bh, s, rows], mask=row_live, other=0.0)
-        o = _load(o_ref.at[bh, s, rows, :], mask=row_live[:, None], other=0.0)
-        w = jnp.exp2(m - m_max)
-        return acc + w[:, None] * o, den + w * l
+        s, live = split_chunk(c)
+        m = _load(m_ref.at[bh, s, rr], mask=live, other=MASK_VALUE)
+        l = _load(l_ref.at[bh, s, rr], mask=live, other=0.0)
+        o = _load(o_ref.at[bh, s[:, :, None], rr[:, :, None], col], mask=live[:, :, None],
+                  other=0.0)
+        w = jnp.where(live, jnp.exp2(m - m_max[None, :]), 0.0)
+        return acc + (w[:, :, None] * o).sum(axis=0), den + (w * l).sum(axis=0)
 
     acc = jnp.zeros((block_r, o_ref.shape[-1]), jnp.float32)
     den = jnp.zeros((block_r,), jnp.float32)
-    acc, den = lax.fori_loop(0, num_splits, body, (acc, den))
+    acc, den = lax.fori_loop(0, num_chunks, sum_body, (acc, den))
     den = jnp.where(row_live, den, 1.0)
     _store_rows(out_ref, acc / den[:, None], b, h, r, row_live, group)
 
@@ -221,7 +238,9 @@ def _combine_kernel(
 def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_len):
     """Static block sizes for a shape: (block_r, block_k, num_splits, num_warps, num_stages)."""
     rows = num_new * (num_q_heads // num_kv_heads)
-    block_r = min(max(16, _next_pow2(rows)), 64 if head_dim > 64 else 128)
+    # Up to 128 rows per tile: at N * G = 256 this halved the time against 64-row tiles (fewer
+    # re-reads of each KV block, and larger dots).
+    block_r = min(max(16, _next_pow2(rows)), 128)
     block_k = 64
     programs = batch * num_kv_heads * pl.cdiv(rows, block_r)
     # Enough splits to reach the target program count, but no split shorter than 4 key blocks.
@@ -292,14 +311,16 @@ def tree_attention_pallas(
     if num_splits == 1:
         return out
 
-    combine_r = min(max(16, _next_pow2(rows)), 32)
+    # No dot in the combine, so its row block need not be 16: G rows at N == 1.
+    combine_r = min(_next_pow2(rows), 16)
+    block_s = max(1, min(_next_pow2(num_splits), 8192 // (combine_r * d)))
     combine = functools.partial(_combine_kernel, num_kv_heads=hkv, group=g, block_r=combine_r,
-                                splits_pow2=_next_pow2(num_splits))
+                                block_s=block_s)
     return pl.pallas_call(
         combine,
         grid=(b * hkv, pl.cdiv(rows, combine_r)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=_CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="tree_attention_combine",
     )(*out)
