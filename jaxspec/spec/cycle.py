@@ -116,11 +116,15 @@ def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, s
                                jnp.where(active, acc.accept_len, 0))
 
 
+@functools.lru_cache(maxsize=None)
 def jit_cycle(cfg: ModelConfig, spec: SpecConfig):
-    """cycle(params, draft_params, state, active) -> (state, CycleOut); the state is donated."""
+    """cycle(params, draft_params, state, active) -> (state, CycleOut); the state is donated.
+
+    One jitted function per (cfg, spec), so runners of the same shapes share executables."""
     return jax.jit(functools.partial(cycle, cfg=cfg, spec=spec), donate_argnums=(2,))
 
 
+@functools.lru_cache(maxsize=None)
 def jit_prefill(cfg: ModelConfig, spec: SpecConfig):
     """prefill(params, draft_params, state, tokens, prompt_lens) -> (state, root); state donated."""
     return jax.jit(functools.partial(prefill, cfg=cfg, spec=spec), donate_argnums=(2,))
