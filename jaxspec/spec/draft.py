@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.models import eagle
@@ -114,7 +115,8 @@ def draft_tree(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k
         q, k, v = eagle.qkv(cfg, draft_params, x, pos)
         k_buf = k_buf.at[:, :, lo:hi].set(k)
         v_buf = v_buf.at[:, :, lo:hi].set(v)
-        self_rows = jnp.zeros((kk, m), bool).at[jnp.arange(kk), lo + jnp.arange(kk)].set(True)
+        self_rows = np.zeros((kk, m), bool)
+        self_rows[np.arange(kk), lo + np.arange(kk)] = True
         anc = anc | self_rows[None]
         # tree_attention takes a square [n, n] mask: the queries sit at their buffer rows 0..hi-1,
         # earlier rows get zero queries whose outputs are dropped (at most (S-2)K wasted rows).
