@@ -17,12 +17,16 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-MT_BENCH = Path(__file__).resolve().parents[1] / "shared" / "data" / "mt_bench.jsonl"
-MT_BENCH_FALLBACK = Path("/work/shared/data/mt_bench.jsonl")
+_ROOT = Path(__file__).resolve().parents[1]
+# The shared data folder beside the checkout does not travel to the GPU machine: a copy under the
+# git-ignored .gpu/ is carried instead.
+MT_BENCH_PATHS = (_ROOT / "shared" / "data" / "mt_bench.jsonl", _ROOT / ".gpu" / "mt_bench.jsonl",
+                  _ROOT.parent / "shared" / "data" / "mt_bench.jsonl",
+                  Path("/work/shared/data/mt_bench.jsonl"))
 
 
 def mt_bench_questions(path=None, n: int = 80) -> List[str]:
-    p = Path(path) if path else (MT_BENCH if MT_BENCH.is_file() else MT_BENCH_FALLBACK)
+    p = Path(path) if path else next((c for c in MT_BENCH_PATHS if c.is_file()), MT_BENCH_PATHS[0])
     rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
     return [r["turns"][0] for r in rows[:n]]
 
