@@ -329,7 +329,7 @@ def tree_attention_pallas(
 def kernel_supported(q, k_cache) -> bool:
     """Shapes the kernel is built and checked for; the reference covers the rest."""
     d = q.shape[-1]
-    return (jax.default_backend() == "gpu" and d in (64, 128, 256)
+    return (jax.default_backend() == "gpu" and d in (64, 128)
             and q.shape[2] % k_cache.shape[2] == 0 and q.shape[1] <= 4096
             and k_cache.dtype == q.dtype)
 
