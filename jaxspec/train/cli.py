@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--noise", type=float, default=0.2)
+    p.add_argument("--ttt-steps", type=int, default=1,
+                   help="also train on the head's own predictions for this many chained steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, help="target dtype (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -104,7 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                      warmup_steps=args.warmup, noise=args.noise, seed=args.seed,
                      log_every=args.log_every, ckpt_every=args.ckpt_every,
-                     max_seconds=args.max_seconds)
+                     max_seconds=args.max_seconds, ttt_steps=args.ttt_steps)
     draft, records = train(params, cfg, batches, tc, out, eval_batch=eval_batch,
                            progress=not args.no_progress)
     last = records[-1] if records else {}

@@ -58,6 +58,19 @@ def first_turns(convs, min_chars: int = 8) -> Iterator[Tuple[str, str]]:
             yield q, a
 
 
+def later_turns(convs, min_chars: int = 24) -> Iterator[Tuple[str, str]]:
+    """(human message, the answer to it) for the human turns after the first, as standalone
+    single-turn chats: more prompts for self-distillation (many lean on the earlier turns, which
+    is still text the target answers)."""
+    for c in convs:
+        turns = c.get("conversations") or []
+        for i in range(2, len(turns) - 1):
+            if turns[i].get("from") == "human" and turns[i + 1].get("from") == "gpt":
+                q, a = turns[i].get("value", "").strip(), turns[i + 1].get("value", "").strip()
+                if len(q) >= min_chars and len(a) >= 8:
+                    yield q, a
+
+
 def tokenize_examples(tok, pairs, n: int, max_prompt_len: int, max_response_len: int,
                       eos_id: int) -> Tuple[List[List[int]], List[List[int]]]:
     """Chat-template prompts and dataset responses (ending with EOS, cut at max_response_len).

@@ -44,6 +44,8 @@ class TrainConfig:
     max_seconds: Optional[float] = None   # stop after this much training time; sets `steps`
     calibrate_steps: int = 30      # steps timed before `steps` is set from max_seconds
     compute_dtype: Optional[str] = None   # "bfloat16" for the head's matmuls; None: feature dtype
+    ttt_steps: int = 1             # > 1: also train on the head's own predicted features
+    ttt_decay: float = 0.8
 
 
 def init_head(cfg: ModelConfig, key, scale: float = 0.02):
@@ -81,7 +83,7 @@ def make_train_step(cfg: ModelConfig, tc: TrainConfig, opt):
     def step_fn(draft, opt_state, params, tokens, features, loss_mask, key, step, total):
         grad_fn = jax.value_and_grad(eagle1_loss, has_aux=True)
         (_, metrics), grads = grad_fn(draft, params, cfg, tokens, features, loss_mask, key,
-                                      tc.noise, cdt)
+                                      tc.noise, cdt, tc.ttt_steps, tc.ttt_decay)
         updates, opt_state = opt.update(grads, opt_state, draft)
         lr = lr_at(step, total, tc)
         draft = jax.tree_util.tree_map(lambda p, u: p - lr * u, draft, updates)
@@ -91,10 +93,10 @@ def make_train_step(cfg: ModelConfig, tc: TrainConfig, opt):
     return step_fn
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def eval_loss(draft, params, cfg: ModelConfig, tokens, features, loss_mask):
+@functools.partial(jax.jit, static_argnums=(2, 6))
+def eval_loss(draft, params, cfg: ModelConfig, tokens, features, loss_mask, ttt_steps: int = 1):
     return eagle1_loss(draft, params, cfg, tokens, features, loss_mask, jax.random.PRNGKey(0),
-                       0.0)[1]
+                       0.0, ttt_steps=ttt_steps)[1]
 
 
 class Batches:
@@ -210,7 +212,7 @@ def train(params, cfg: ModelConfig, batches: Batches, tc: TrainConfig, out_dir,
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 rec = {"step": step, **m, "time_s": round(time.perf_counter() - t_start, 2)}
                 if eval_batch is not None:
-                    ev = jax.device_get(eval_loss(draft, params, cfg, *eval_batch))
+                    ev = jax.device_get(eval_loss(draft, params, cfg, *eval_batch, tc.ttt_steps))
                     rec.update({f"eval_{k}": float(v) for k, v in ev.items()})
                 records.append(rec)
                 logf.write(json.dumps(rec) + "\n")
@@ -244,11 +246,11 @@ def plot_losses(records, path, title: str = "EAGLE-1 head training"):
     axes[0].set_xlabel("step")
     axes[0].legend()
     axes[0].set_title(title)
-    for k in ("acc", "eval_acc"):
+    for k in [k for k in records[-1] if k.startswith(("acc", "eval_acc"))]:
         if k in records[0]:
             axes[1].plot(steps, [r[k] for r in records], label=k)
     axes[1].set_xlabel("step")
-    axes[1].set_ylabel("draft top-1 == target top-1")
+    axes[1].set_ylabel("draft top-1 == target top-1 (_k: k-th chained step)")
     axes[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
