@@ -174,7 +174,7 @@ def run(a):
     # Teacher forcing vs self-distillation, same prompts, same short recipe, if time is left.
     if a.compare_seconds and a.mode == "sd":
         spare = a.deadline - (time.perf_counter() - T0)
-        secs = min(a.compare_seconds, (spare - 90) / 2 - 30)
+        secs = min(a.compare_seconds, (spare - 80) / 2 - 25)
         if secs < 20:
             log(f"no time left for the comparison ({spare:.0f}s to the deadline)")
         else:
