@@ -105,15 +105,18 @@ def plain_decode_ms(cfg, params, prefix, max_len, n, repeats):
     dt = params["embed"].dtype
     shape = (cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim)
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def step(c):
+    # Weights are arguments, never closed over: a closure would bake them in as constants.
+    @functools.partial(jax.jit, donate_argnums=1)
+    def step_fn(p, c):
         k, v, lens, tok = c
-        h, kn, vn, _ = llama.forward(params, cfg, tok[:, None], lens[:, None], k, v, lens,
+        h, kn, vn, _ = llama.forward(p, cfg, tok[:, None], lens[:, None], k, v, lens,
                                      jnp.ones((1, 1, 1), bool))
         k, v = kv_compact(k, v, kn, vn, lens, jnp.zeros((1, 1), jnp.int32),
                           jnp.ones((1,), jnp.int32))
-        nxt = jnp.argmax(llama.lm_head(params, cfg, h[:, 0]), -1).astype(jnp.int32)
+        nxt = jnp.argmax(llama.lm_head(p, cfg, h[:, 0]), -1).astype(jnp.int32)
         return k, v, lens + 1, nxt
+
+    step = functools.partial(step_fn, params)
 
     reset = jax.jit(lambda c: (c[0], c[1], jnp.full((1,), prefix, jnp.int32), c[3]),
                     donate_argnums=0)
@@ -164,11 +167,12 @@ def catch_up_ms(cfg, params, head, spec, prefix, max_len, n, repeats):
     n_live = jnp.full((1,), r, jnp.int32)   # a full accept: every row live, all but one dead after KV
     base = st.target.lens
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def step(c):
+    @functools.partial(jax.jit, donate_argnums=2)
+    def step_fn(p, hd, c):
         dk, dv, _ = c
-        return draft_lib.catch_up(params, head, cfg, spec, dk, dv, base, feats, toks, n_live)
+        return draft_lib.catch_up(p, hd, cfg, spec, dk, dv, base, feats, toks, n_live)
 
+    step = functools.partial(step_fn, params, head)
     ms, _ = timed(step, (st.draft_k, st.draft_v, st.seed), n, repeats)
     return ms
 
