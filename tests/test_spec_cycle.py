@@ -373,3 +373,14 @@ def test_smollm2_greedy_spec_equals_plain_greedy():
     runner = SpecRunner(cfg, params, head, SpecConfig(3, 2, 5), max_slots=2, max_len=64)
     res = runner.generate(prompts, [n, n])
     assert [r.token_ids for r in res] == refs
+
+
+def test_runner_rejects_what_does_not_fit():
+    from jaxspec.config import ConfigError
+    runner = SpecRunner(CFG, target_params(), random_head(), "chain", max_slots=2, max_len=32)
+    with pytest.raises(ConfigError, match="needs 34 cache rows, max_len is 32"):
+        runner.generate([[1] * 10], [20])
+    with pytest.raises(ConfigError, match="2 prompts but 1 max_tokens"):
+        runner.generate([[1], [2]], [4])
+    with pytest.raises(ConfigError, match="exceeds the vocabulary"):
+        SpecRunner(CFG, target_params(), random_head(), SpecConfig(2, 400, 4), 1, 32)
