@@ -46,8 +46,8 @@ def init_eagle_params(cfg: ModelConfig, key, dtype=jnp.float32, scale=0.02):
 
 
 def layer_params(draft_params):
-    """The single decoder layer, unstacked."""
-    return jax.tree_util.tree_map(lambda a: a[0], draft_params["layers"])
+    """The single decoder layer (from the stacked layout or a one-element list)."""
+    return llama.layer_slice(draft_params["layers"], 0)
 
 
 def fuse_input(params, draft_params, tokens, features):
