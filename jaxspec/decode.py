@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import List, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,9 @@ import numpy as np
 from jaxspec.config import ModelConfig
 from jaxspec.kv import KVCache
 from jaxspec.models import llama
-from jaxspec.sampling import SamplingParams, SlotSampling, sample
+from jaxspec.sampling import (MAX_LOGPROBS, SamplingParams, SlotSampling, TokenCounts,
+                               apply_penalties, logprob_dicts, sample, sample_slots, slot_keys,
+                               split_slot_keys, token_logprobs)
 from pallas_kernels.kv_compact import kv_compact
 
 
@@ -73,6 +75,66 @@ def decode_steps(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampl
     return cache, out.T, key
 
 
+class Emitted(NamedTuple):
+    """What a sampling step reports per slot: the tokens and their logprobs (zeros when no slot
+    asked for logprobs). Leading dims [B] or [B, n_steps]."""
+    tokens: jax.Array        # int32
+    logprob: jax.Array       # fp32, from the processed distribution
+    top_ids: jax.Array       # [..., k] int32, k = min(num_top, V)
+    top_logprobs: jax.Array  # [..., k] fp32
+
+
+def _emit(logits, sp: SlotSampling, hist: TokenCounts, keys, forced, num_top: int):
+    """logits [B, V] raw -> (Emitted [B], hist with the token counted, next keys).
+
+    forced [B] (or None): emit these tokens instead of sampling, reporting their logprobs."""
+    pen = jax.lax.cond(sp.any_penalty(), lambda: apply_penalties(logits, sp, hist),
+                       lambda: logits)
+    keys, sub = split_slot_keys(keys, 2)
+    tok = sample_slots(pen, sp, sub) if forced is None else forced.astype(jnp.int32)
+    lp, ids, tlp = token_logprobs(pen[:, None], sp, tok[:, None], num_top)
+    hist = hist.add(tok[:, None], jnp.ones(tok.shape + (1,), bool))
+    return Emitted(tok, lp[:, 0], ids[:, 0], tlp[:, 0]), hist, keys
+
+
+@functools.partial(jax.jit, static_argnums=(1,), static_argnames=("num_top",))
+def first_token(params, cfg: ModelConfig, hidden, sp: SlotSampling, hist: TokenCounts, keys,
+                forced=None, num_top: int = MAX_LOGPROBS):
+    """hidden [B, H] of the last prompt row -> (Emitted [B], hist, keys). hist holds the prompt
+    (TokenCounts.from_prompts); keys [B, 2] per-slot rng keys."""
+    return _emit(llama.lm_head(params, cfg, hidden), sp, hist, keys, forced, num_top)
+
+
+@functools.partial(jax.jit, static_argnums=(1,), static_argnames=("n_steps", "num_top"),
+                   donate_argnums=(2, 5))
+def sample_steps(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampling,
+                 hist: TokenCounts, keys, forced=None, *, n_steps: int,
+                 num_top: int = MAX_LOGPROBS):
+    """n_steps decode steps with penalties, per-slot keys and logprobs. tokens [B] sit at
+    position cache.lens and are already counted in hist.
+
+    forced [B, n_steps] (or None): teacher forcing, to score a given continuation.
+    Returns (cache, hist, keys, Emitted [B, n_steps]).
+    """
+    b = tokens.shape[0]
+    mask = jnp.ones((b, 1, 1), bool)
+    xs = None if forced is None else forced.T
+
+    def step(carry, f):
+        cache, tok, hist, keys = carry
+        hidden, k_new, v_new, _ = llama.forward(params, cfg, tok[:, None], cache.lens[:, None],
+                                                cache.k, cache.v, cache.lens, mask)
+        cache = _append(cache, k_new, v_new, jnp.ones((b,), jnp.int32))
+        em, hist, keys = _emit(llama.lm_head(params, cfg, hidden[:, 0]), sp, hist, keys, f,
+                               num_top)
+        return (cache, em.tokens, hist, keys), em
+
+    (cache, _, hist, keys), out = jax.lax.scan(step, (cache, tokens, hist, keys), xs,
+                                               length=n_steps)
+    out = jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 1), out)
+    return cache, hist, keys, out
+
+
 def prefill_bucket(n: int, chunk: int) -> int:
     """Padded prefill width: the next power of two >= n (at least 16), capped at chunk."""
     return min(chunk, max(16, 1 << (max(n, 1) - 1).bit_length()))
@@ -84,6 +146,7 @@ class Generation:
     finish_reason: str       # "stop" (EOS / stop token, included) or "length"
     ttft_s: float
     latency_s: float
+    logprobs: Optional[List[Dict[int, float]]] = None   # per token, when the request asked
 
 
 def finish(tokens: Sequence[int], max_tokens: int, stop_ids) -> tuple[list, str | None]:
@@ -131,37 +194,57 @@ class PlainRunner:
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
                  stop_ids: Sequence[set]) -> List[Generation]:
         t0 = time.perf_counter()
-        sp = SlotSampling.from_params(params, self.slots)
-        last = self.prefill(prompts)
+        b = self.slots
+        sp = SlotSampling.from_params(params, b)
         self.key, sub = jax.random.split(self.key)
-        tok = sample_from_hidden(self.params, self.cfg, last, sp, sub)
-        first = np.asarray(tok)
+        keys = slot_keys(params, b, sub)
+        hist = TokenCounts.from_prompts(*_padded(prompts, b), self.cfg.vocab_size)
+        last = self.prefill(prompts)
+        em, hist, keys = first_token(self.params, self.cfg, last, sp, hist, keys)
+        tok = em.tokens
+        first = jax.device_get(jax.tree_util.tree_map(lambda x: x[:, None], em))
         ttft = time.perf_counter() - t0
-        streams = [[int(first[i])] for i in range(len(prompts))]
+        streams = [[] for _ in prompts]
+        lps: List[list] = [[] for _ in prompts]
         results: List[Generation | None] = [None] * len(prompts)
         pending = []
 
-        def absorb(out):
-            now = time.perf_counter()
+        def absorb(out: Emitted):
             for i, s in enumerate(streams):
                 if results[i] is None:
-                    s.extend(out[i].tolist())
-            self._settle(streams, results, params, stop_ids, ttft, now - t0)
+                    s.extend(out.tokens[i].tolist())
+                    if params[i].logprobs is not None:
+                        lps[i] += logprob_dicts(out.tokens[i], out.logprob[i], out.top_ids[i],
+                                                out.top_logprobs[i], params[i].logprobs)
+            self._settle(streams, lps, results, params, stop_ids, ttft,
+                         time.perf_counter() - t0)
 
-        self._settle(streams, results, params, stop_ids, ttft, ttft)
+        absorb(first)
         while any(r is None for r in results):
-            self.cache, out, self.key = decode_steps(self.params, self.cfg, self.cache, tok, sp,
-                                                     self.key, self.decode_chunk)
-            tok = out[:, -1]
+            self.cache, hist, keys, out = sample_steps(self.params, self.cfg, self.cache, tok, sp,
+                                                       hist, keys, n_steps=self.decode_chunk)
+            tok = out.tokens[:, -1]
             pending.append(out)
             if len(pending) > 1:   # read the previous chunk while this one runs
-                absorb(np.asarray(pending.pop(0)))
+                absorb(jax.device_get(pending.pop(0)))
         return results
 
     @staticmethod
-    def _settle(streams, results, params, stop_ids, ttft, elapsed):
+    def _settle(streams, lps, results, params, stop_ids, ttft, elapsed):
         for i, s in enumerate(streams):
             if results[i] is None:
                 toks, reason = finish(s, params[i].max_tokens, stop_ids[i])
                 if reason:
-                    results[i] = Generation(toks, reason, ttft, elapsed)
+                    lp = lps[i][:len(toks)] if params[i].logprobs is not None else None
+                    results[i] = Generation(toks, reason, ttft, elapsed, lp)
+
+
+def _padded(prompts: Sequence[Sequence[int]], slots: int):
+    """-> (tokens [slots, P] int32 zero-padded, lens [slots] int32) as device arrays."""
+    p = max(len(x) for x in prompts)
+    toks = np.zeros((slots, p), np.int32)
+    lens = np.zeros((slots,), np.int32)
+    for i, x in enumerate(prompts):
+        toks[i, :len(x)] = x
+        lens[i] = len(x)
+    return jnp.asarray(toks), jnp.asarray(lens)

@@ -1,91 +1,287 @@
 """Sampling parameters (host side, validated) and the on-device sampler.
 
-Per-request parameters travel to the device as per-slot arrays, so a batch that mixes greedy and
-sampled requests, or changes parameters between calls, never recompiles.
+Per-request parameters travel to the device as per-slot arrays (`SlotSampling`), and each slot
+has its own rng key, so a batch that mixes greedy and sampled requests, or changes parameters
+between calls, never recompiles, and a seeded request draws the same stream in any batch.
+
+The processed distribution of the next token, in vLLM's order:
+  1. penalties on the raw logits (`apply_penalties`), from per-slot token counts on the device;
+  2. temperature;
+  3. top-k, top-p, min-p (`processed_logprobs`).
+Temperature 0 is greedy: the argmax of the penalized logits.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+# Top alternatives a request may ask for per token (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """What to generate. temperature 0 is greedy; top_k 0 (or -1) and top_p 1 disable those."""
+    """What to generate.
+
+    temperature         0 is greedy (argmax of the penalized logits)
+    top_k               keep the k most likely tokens; 0 or -1 disable it
+    top_p               keep the smallest set of tokens whose mass reaches top_p; 1 disables it
+    min_p               drop tokens less likely than min_p times the most likely one; 0 disables it
+    repetition_penalty  > 0, 1 disables it. Tokens seen in the prompt or the output so far: a
+                        positive logit is divided by it, a negative one multiplied (HF and vLLM)
+    frequency_penalty   in [-2, 2]: subtracts count * frequency_penalty from the logit of each
+                        token, count = its occurrences in the output so far (not the prompt; vLLM)
+    presence_penalty    in [-2, 2]: subtracts presence_penalty from each token that occurs in the
+                        output so far (not the prompt; vLLM)
+    max_tokens          tokens to generate at most
+    seed                per-request rng seed; None draws from the engine's key
+    stop_token_ids      generation stops after emitting one of these (kept in the output)
+    stop                strings: the text is cut before the first occurrence (not included)
+    ignore_eos          keep going past the model's EOS tokens
+    logprobs            None: no logprobs; n >= 0: the log-probability of every emitted token and
+                        of the n most likely alternatives, from the processed distribution
+    """
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     max_tokens: int = 16
     seed: Optional[int] = None
     stop_token_ids: Tuple[int, ...] = ()
+    stop: Tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: Optional[int] = None
 
     def __post_init__(self):
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not (isinstance(self.max_tokens, (int, np.integer)) and self.max_tokens > 0):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        ids = tuple(self.stop_token_ids)
+        if not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        if not (_is_int(self.max_tokens) and self.max_tokens > 0):
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not (np.isfinite(self.temperature) and self.temperature >= 0):
+        if not (_finite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (isinstance(self.top_k, (int, np.integer)) and self.top_k >= -1):
+        if not (_is_int(self.top_k) and self.top_k >= -1):
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
+        if not (_finite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (0.0 <= self.min_p <= 1.0):
+        if not (_finite(self.min_p) and 0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not (_finite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), "
+                             f"got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not (_finite(v) and -2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs)
+                                              and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _finite(x) -> bool:
+    try:
+        return bool(np.isfinite(float(x)))
+    except (TypeError, ValueError):
+        return False
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SlotSampling:
-    """Per-slot device arrays: temperature [B] f32, top_k [B] i32 (0 = off), top_p, min_p [B]."""
+    """Per-slot device arrays, all [B]: temperature (0 = greedy), top_k (0 = off), top_p, min_p,
+    the three penalties, and logprobs (alternatives wanted per token; -1 = no logprobs)."""
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     min_p: jax.Array
+    repetition_penalty: jax.Array
+    frequency_penalty: jax.Array
+    presence_penalty: jax.Array
+    logprobs: jax.Array
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], slots: int) -> "SlotSampling":
-        pad = [SamplingParams()] * (slots - len(params))
-        ps = list(params) + pad
+        """Slots past len(params) get greedy defaults."""
+        ps = list(params) + [SamplingParams()] * (slots - len(params))
+        f32 = lambda xs: jnp.asarray(np.asarray(xs, np.float32))
+        i32 = lambda xs: jnp.asarray(np.asarray(xs, np.int32))
         return cls(
-            temperature=jnp.asarray([p.temperature for p in ps], jnp.float32),
-            top_k=jnp.asarray([max(p.top_k, 0) for p in ps], jnp.int32),
-            top_p=jnp.asarray([p.top_p for p in ps], jnp.float32),
-            min_p=jnp.asarray([p.min_p for p in ps], jnp.float32),
+            temperature=f32([p.temperature for p in ps]),
+            top_k=i32([max(p.top_k, 0) for p in ps]),
+            top_p=f32([p.top_p for p in ps]),
+            min_p=f32([p.min_p for p in ps]),
+            repetition_penalty=f32([p.repetition_penalty for p in ps]),
+            frequency_penalty=f32([p.frequency_penalty for p in ps]),
+            presence_penalty=f32([p.presence_penalty for p in ps]),
+            logprobs=i32([-1 if p.logprobs is None else p.logprobs for p in ps]),
         )
+
+    @classmethod
+    def greedy(cls, slots: int) -> "SlotSampling":
+        return cls.from_params([], slots)
+
+    def any_sampled(self):
+        return jnp.any(self.temperature > 0)
+
+    def any_penalty(self):
+        return jnp.any((self.repetition_penalty != 1) | (self.frequency_penalty != 0)
+                       | (self.presence_penalty != 0))
+
+    def any_logprobs(self):
+        return jnp.any(self.logprobs >= 0)
+
+
+def slot_keys(params: Sequence[SamplingParams], slots: int, key) -> jax.Array:
+    """[B, 2] uint32 per-slot rng keys: PRNGKey(seed) for seeded requests, else key folded with
+    the slot index (so unseeded slots of one call draw different streams)."""
+    out = np.zeros((slots, 2), np.uint32)
+    for i in range(slots):
+        s = params[i].seed if i < len(params) else None
+        k = jax.random.PRNGKey(s) if s is not None else jax.random.fold_in(key, i)
+        out[i] = np.asarray(jax.random.key_data(k) if jnp.issubdtype(k.dtype, jax.dtypes.prng_key)
+                            else k)
+    return jnp.asarray(out)
+
+
+def split_slot_keys(keys, num: int):
+    """keys [B, 2] -> num arrays of [B, 2] (the first is the slot's next key)."""
+    parts = jax.vmap(lambda k: jax.random.split(k, num))(keys)               # [B, num, 2]
+    return [parts[:, i] for i in range(num)]
+
+
+# ---------------------------------------------------------------- token counts and penalties
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TokenCounts:
+    """Per-slot token history for the penalties, on the device.
+
+    prompt_seen [B, V] bool: the token occurs in the prompt (repetition penalty only)
+    counts      [B, V] int32: occurrences in the output so far (all three penalties)
+    """
+    prompt_seen: jax.Array
+    counts: jax.Array
+
+    @classmethod
+    def zeros(cls, slots: int, vocab: int) -> "TokenCounts":
+        return cls(jnp.zeros((slots, vocab), bool), jnp.zeros((slots, vocab), jnp.int32))
+
+    @classmethod
+    def from_prompts(cls, tokens, lens, vocab: int) -> "TokenCounts":
+        """tokens [B, P] padded, lens [B] -> prompt_seen of the first lens[b] tokens, no output."""
+        b, p = tokens.shape
+        live = jnp.arange(p)[None] < lens[:, None]
+        idx = jnp.where(live, tokens, vocab)                                  # vocab: dropped
+        seen = jnp.zeros((b, vocab), bool).at[jnp.arange(b)[:, None], idx].set(True, mode="drop")
+        return cls(seen, jnp.zeros((b, vocab), jnp.int32))
+
+    def add(self, tokens, live) -> "TokenCounts":
+        """Counts tokens [B, R] where live [B, R] as output."""
+        b, v = self.counts.shape
+        idx = jnp.where(live, tokens, v)
+        counts = self.counts.at[jnp.arange(b)[:, None], idx].add(1, mode="drop")
+        return TokenCounts(self.prompt_seen, counts)
+
+
+def _col(x, ndim: int):
+    """Per-slot [B] array -> [B, 1, ...] broadcasting against an ndim-dim [B, ..., V] array."""
+    return x.reshape((-1,) + (1,) * (ndim - 1))
+
+
+def _penalize(logits, count, prompt_seen, pen):
+    """The penalties at given counts; pen = (repetition, frequency, presence), all arrays
+    broadcasting together."""
+    rep, freq, pres = pen
+    seen = prompt_seen | (count > 0)
+    x = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return x - count.astype(x.dtype) * freq - (count > 0).astype(x.dtype) * pres
+
+
+def apply_penalties(logits, sp: SlotSampling, hist: TokenCounts):
+    """logits [B, V] fp32 -> penalized logits [B, V]."""
+    pen = tuple(_col(a, 2) for a in (sp.repetition_penalty, sp.frequency_penalty,
+                                      sp.presence_penalty))
+    return _penalize(logits, hist.counts, hist.prompt_seen, pen)
+
+
+def apply_tree_penalties(logits, sp: SlotSampling, hist: TokenCounts, path_tokens, path_live):
+    """logits [B, N, V] of N tree rows -> penalized [B, N, V], exactly as if each row's counts
+    held the slot's counts plus the tokens on its path (path_tokens [B, N, P] where path_live).
+
+    No [B, N, V] counts: the base penalty broadcasts over the rows, then each row's at most P
+    path entries are recomputed with their corrected counts and scattered in.
+    """
+    b, n, v = logits.shape
+    pen3 = tuple(_col(a, 3) for a in (sp.repetition_penalty, sp.frequency_penalty,
+                                      sp.presence_penalty))
+    out = _penalize(logits, hist.counts[:, None], hist.prompt_seen[:, None], pen3)
+    tok = jnp.where(path_live, path_tokens, 0)
+    same = (tok[..., :, None] == tok[..., None, :]) & path_live[..., None, :]   # [B, N, P, P]
+    extra = jnp.sum(same, axis=-1).astype(jnp.int32)                         # [B, N, P]
+    bi = jnp.arange(b)[:, None, None]
+    count = hist.counts[bi, tok] + extra
+    raw = jnp.take_along_axis(logits, tok, axis=-1)
+    val = _penalize(raw, count, hist.prompt_seen[bi, tok], pen3)
+    # Repeated path tokens get the same value at every occurrence, so the scatter is well defined.
+    idx = jnp.where(path_live, tok, v)
+    return out.at[bi, jnp.arange(n)[None, :, None], idx].set(val, mode="drop")
+
+
+# ---------------------------------------------------------------- the processed distribution
 
 
 def processed_logprobs(logits, sp: SlotSampling):
-    """logits [B, V] fp32 -> log-probabilities after temperature, top-k, top-p, min-p.
+    """logits [B, ..., V] fp32 (penalized) -> log-probabilities after temperature, top-k, top-p,
+    min-p; sp holds [B] arrays.
 
-    Rows with temperature 0 are returned as plain log-softmax (callers take the argmax).
+    Rows with temperature 0 are returned as the plain log-softmax of the logits (their token is
+    the argmax; the filters do not change it), which is what greedy requests report as logprobs.
     """
-    t = jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None]
+    nd = logits.ndim
+    greedy = _col(sp.temperature <= 0, nd)
+    t = _col(jnp.where(sp.temperature > 0, sp.temperature, 1.0), nd)
     lp = jax.nn.log_softmax(logits / t, axis=-1)
-    srt = jnp.sort(lp, axis=-1)[:, ::-1]                                  # descending
+    srt = jnp.flip(jnp.sort(lp, axis=-1), axis=-1)                          # descending
     v = lp.shape[-1]
-    k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, v), v)
-    kth = jnp.take_along_axis(srt, (k - 1)[:, None], axis=-1)              # [B, 1]
+    k = _col(jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, v), v), nd)
+    kth = jnp.take_along_axis(srt, jnp.broadcast_to(k - 1, lp.shape[:-1] + (1,)), axis=-1)
     # top-p: keep the smallest prefix whose mass reaches top_p (the token crossing it included).
-    cum = jnp.cumsum(jnp.exp(srt), axis=-1)
-    n_p = jnp.sum(cum - jnp.exp(srt) < sp.top_p[:, None], axis=-1)
-    pth = jnp.take_along_axis(srt, (jnp.maximum(n_p, 1) - 1)[:, None], axis=-1)
-    mth = srt[:, :1] + jnp.log(jnp.maximum(sp.min_p, 1e-38))[:, None]
-    keep = (lp >= kth) & (lp >= pth) & (lp >= mth)
-    lp = jnp.where(keep, lp, -jnp.inf)
-    return jax.nn.log_softmax(lp, axis=-1)
+    ps = jnp.exp(srt)
+    n_p = jnp.sum(jnp.cumsum(ps, axis=-1) - ps < _col(sp.top_p, nd), axis=-1, keepdims=True)
+    pth = jnp.take_along_axis(srt, jnp.maximum(n_p, 1) - 1, axis=-1)
+    mth = srt[..., :1] + jnp.log(jnp.maximum(_col(sp.min_p, nd), 1e-38))
+    keep = greedy | ((lp >= kth) & (lp >= pth) & (lp >= mth))
+    return jax.nn.log_softmax(jnp.where(keep, lp, -jnp.inf), axis=-1)
 
 
 def sample(logits, sp: SlotSampling, key):
-    """logits [B, V] fp32 -> tokens [B] int32; greedy where temperature == 0.
-
-    The sort behind top-k/top-p runs only when some slot samples (lax.cond on device).
-    """
+    """logits [B, V] fp32 -> tokens [B] int32 with one key for the batch; greedy where
+    temperature == 0. The sort behind top-k/top-p runs only when some slot samples."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sampled(_):
@@ -93,4 +289,62 @@ def sample(logits, sp: SlotSampling, key):
         draw = jax.random.categorical(key, lp, axis=-1).astype(jnp.int32)
         return jnp.where(sp.temperature > 0, draw, greedy)
 
-    return jax.lax.cond(jnp.any(sp.temperature > 0), sampled, lambda _: greedy, None)
+    return jax.lax.cond(sp.any_sampled(), sampled, lambda _: greedy, None)
+
+
+def sample_slots(logits, sp: SlotSampling, keys):
+    """logits [B, V] fp32 (penalized), keys [B, 2] -> tokens [B] int32, each slot drawing with
+    its own key; greedy where temperature == 0."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled(_):
+        lp = processed_logprobs(logits, sp)
+        draw = jax.vmap(jax.random.categorical)(keys, lp).astype(jnp.int32)
+        return jnp.where(sp.temperature > 0, draw, greedy)
+
+    return jax.lax.cond(sp.any_sampled(), sampled, lambda _: greedy, None)
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def token_logprobs(logits, sp: SlotSampling, tokens, num_top: int):
+    """logits [B, R, V] (penalized) of the rows that emitted tokens [B, R] ->
+    (logprob [B, R], top_ids [B, R, k], top_logprobs [B, R, k]), k = min(num_top, V), from the
+    processed distribution. Computed only when some slot asked for logprobs (zeros otherwise)."""
+    b, r, v = logits.shape
+    k = min(num_top, v)
+
+    def compute(_):
+        lp = processed_logprobs(logits, sp)
+        tok = jnp.take_along_axis(lp, jnp.clip(tokens, 0, v - 1)[..., None], axis=-1)[..., 0]
+        top_lp, top_ids = jax.lax.top_k(lp, k) if k else (jnp.zeros((b, r, 0)),
+                                                          jnp.zeros((b, r, 0), jnp.int32))
+        return tok, top_ids.astype(jnp.int32), top_lp
+
+    def skip(_):
+        return (jnp.zeros((b, r), jnp.float32), jnp.zeros((b, r, k), jnp.int32),
+                jnp.zeros((b, r, k), jnp.float32))
+
+    return jax.lax.cond(sp.any_logprobs(), compute, skip, None)
+
+
+def logprob_dicts(tokens, logprob, top_ids, top_logprobs, n: int) -> List[Dict[int, float]]:
+    """Host side: per emitted token, {token: logprob} plus its n best alternatives (vLLM's
+    layout: the sampled token is always present, alternatives may include it)."""
+    out = []
+    for t, lp, ids, tlp in zip(tokens, logprob, top_ids, top_logprobs):
+        d = {int(i): float(x) for i, x in zip(ids[:n], tlp[:n])}
+        d[int(t)] = float(lp)
+        out.append(d)
+    return out
+
+
+# ---------------------------------------------------------------- stop strings (host)
+
+
+def apply_stop_strings(text: str, stops: Sequence[str]) -> Tuple[str, bool]:
+    """Cuts text before the earliest occurrence of any stop string (the stop string is not
+    included, as vLLM). Returns (text, whether a stop string occurred)."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
