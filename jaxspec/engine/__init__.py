@@ -1,0 +1,5 @@
+"""Continuous batching over a static set of slots: see loop.py for the scheduling."""
+from jaxspec.engine.backends import PlainBackend, SpecBackend
+from jaxspec.engine.loop import Engine, EngineStats, Request, StreamDelta
+
+__all__ = ["Engine", "EngineStats", "PlainBackend", "Request", "SpecBackend", "StreamDelta"]

@@ -1,0 +1,404 @@
+"""Continuous batching: the host loop that keeps the device busy while requests come and go.
+
+One `step()`:
+  1 admit     waiting requests into free slots (prefill chunks, dispatched, not waited on)
+  2 budget    if the next cycle could need more KV rows than the budget, retract the most
+              recently admitted requests (back to the head of the queue, resumed later by
+              recomputing their prefix: prompt + the tokens already streamed)
+  3 dispatch  cycle n+1 over all slots, `active` = what the host knew after reading cycle n-1
+  4 read      everything dispatched before cycle n+1 (admissions' first tokens, cycle n):
+              stop conditions, detokenizing, streaming; finished slots are freed
+Steps 4 and then 1-2 of the next step run while the device works on cycle n+1 (JAX dispatch is
+asynchronous). A slot that finished in cycle n runs in cycle n+1 too; its output is dropped:
+every dispatched output carries the run ids of its slots, and a run that has finished, been
+aborted or retracted no longer exists. That one extra cycle needs KV rows: each slot has 2E rows
+of slack past max_model_len (E = tokens per cycle), which the budget counts as well.
+
+KV budget: `kv_budget` rows in all (default: slots x max rows, never binding). A live slot
+reserves its committed rows, plus E for each dispatched cycle not yet read, plus E for the cycle
+about to go. Admission waits while the newcomer's prompt + E would not fit beside the running
+requests; a request that alone could never fit is rejected when added.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
+
+import numpy as np
+
+from jaxspec.sampling import SamplingParams
+
+RequestId = Union[int, str]
+
+
+@dataclasses.dataclass
+class StreamDelta:
+    """What a step produced for one request: the new tokens and text since the last delta."""
+    request_id: RequestId
+    token_ids: List[int]
+    text: str
+    finished: bool
+    finish_reason: Optional[str]      # "stop", "length", "abort" once finished
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: RequestId
+    prompt: List[int]
+    sp: SamplingParams
+    stop_ids: frozenset
+    stop: tuple                         # stop strings (cut from the text, never streamed)
+    output: List[int] = dataclasses.field(default_factory=list)
+    accept_lens: List[int] = dataclasses.field(default_factory=list)
+    text: str = ""                      # final text once finished
+    sent_text: int = 0                  # characters of text already streamed
+    finish_reason: Optional[str] = None
+    retracts: int = 0
+    t_arrival: float = 0.0
+    t_first: Optional[float] = None
+    t_finish: Optional[float] = None
+    pending_tokens: List[int] = dataclasses.field(default_factory=list)  # not yet in a delta
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class _Run:
+    """One admission of a request into a slot; ends at finish, abort or retract."""
+    run_id: int
+    req: Request
+    slot: int
+    order: int                          # admission order: retract takes the largest
+
+
+@dataclasses.dataclass
+class EngineStats:
+    cycles: int = 0
+    admissions: int = 0                 # requests admitted (resumes included)
+    prefill_chunks: int = 0             # admission dispatches
+    retracts: int = 0
+    host_s: float = 0.0                 # time in step() not spent waiting on the device
+    wait_s: float = 0.0                 # time blocked reading device outputs
+    step_s: List[float] = dataclasses.field(default_factory=list)
+
+
+def _bucket(n: int, smallest: int, largest: int) -> int:
+    """The next power of two >= n (at least `smallest`), capped at `largest`."""
+    b = smallest
+    while b < n:
+        b *= 2
+    return min(b, largest)
+
+
+class Engine:
+    """backend: SpecBackend or PlainBackend. max_model_len: prompt + max_tokens per request.
+    The backend's state has max_model_len + 2 * emit rows per slot.
+
+    chunk: the longest prefill chunk (a power of two); chunk widths are powers of two from
+    min_chunk. Admission slot counts are powers of two up to the slot count (and it).
+    detokenize: token ids -> text (needed for text deltas and stop strings).
+    """
+
+    def __init__(self, backend, *, max_model_len: int, vocab_size: int, eos_ids: Iterable[int] = (),
+                 kv_budget: Optional[int] = None, chunk: int = 512, min_chunk: int = 16,
+                 detokenize: Optional[Callable[[List[int]], str]] = None):
+        self.backend = backend
+        self.slots, self.emit = backend.slots, backend.emit
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        if backend.max_len < max_model_len + 2 * self.emit:
+            raise ValueError(f"backend rows per slot ({backend.max_len}) must be at least "
+                             f"max_model_len + 2 * {self.emit}")
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
+        self.kv_budget = kv_budget if kv_budget is not None else self.slots * backend.max_len
+        if chunk & (chunk - 1) or min_chunk & (min_chunk - 1) or min_chunk > chunk:
+            raise ValueError(f"chunk={chunk} and min_chunk={min_chunk} must be powers of two, "
+                             "min_chunk <= chunk")
+        self.chunk, self.min_chunk = chunk, min_chunk
+        self.detokenize = detokenize
+        self.state = backend.init_state()
+        self.waiting: collections.deque = collections.deque()
+        self.requests: Dict[RequestId, Request] = {}       # live: waiting or running
+        self.slot_run: List[Optional[int]] = [None] * self.slots
+        self.runs: Dict[int, _Run] = {}
+        self.rows = np.zeros(self.slots, np.int64)         # reserved KV rows per slot
+        self.pending: collections.deque = collections.deque()
+        self._next_run = 0
+        self._next_id = 0
+        self._order = 0
+        self._deltas: List[StreamDelta] = []
+        self.finished_requests: Dict[RequestId, Request] = {}   # until popped
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: Sequence[int], sp: Optional[SamplingParams] = None, *,
+                    request_id: Optional[RequestId] = None, stop: Sequence[str] = ()) -> RequestId:
+        """Queues a request; raises ValueError (and changes nothing) if it can never run."""
+        sp = sp if sp is not None else SamplingParams()
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(sp).__name__}")
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("empty prompt")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if len(prompt) + sp.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={sp.max_tokens} "
+                             f"exceeds the context of {self.max_model_len} tokens (max_model_len)")
+        need = len(prompt) + sp.max_tokens + 2 * self.emit
+        if need > self.kv_budget:
+            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens={sp.max_tokens} needs "
+                             f"{need} KV rows, more than the budget of {self.kv_budget}")
+        stop = tuple(stop) + tuple(getattr(sp, "stop", None) or ())
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+        if stop and self.detokenize is None:
+            raise ValueError("stop strings need a detokenizer")
+        self.backend.check(sp)
+        if request_id is None:
+            while self._next_id in self.requests:
+                self._next_id += 1
+            request_id, self._next_id = self._next_id, self._next_id + 1
+        elif request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_ids))
+        req = Request(request_id, prompt, sp, frozenset(stop_ids), stop,
+                      t_arrival=time.perf_counter())
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return request_id
+
+    def abort(self, request_id: RequestId) -> bool:
+        """Ends a waiting or running request; its stream ends with finish_reason 'abort'.
+        False if there is no such live request."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if req in self.waiting:
+            self.waiting.remove(req)
+        for rid, run in list(self.runs.items()):
+            if run.req is req:
+                self._free(rid)
+        self._finish(req, "abort")
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.requests) or bool(self._deltas) or bool(self.pending)
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> List[StreamDelta]:
+        t0 = time.perf_counter()
+        wait0 = self.stats.wait_s
+        self._admit()
+        self._fit_budget()
+        active = np.array([r is not None for r in self.slot_run])
+        keep = 0
+        if active.any():
+            self.state, toks, acc = self.backend.cycle(self.state, active)
+            self.pending.append(("cycle", (toks, acc), list(self.slot_run)))
+            self.rows[active] += self.emit
+            self.stats.cycles += 1
+            keep = 1
+        while len(self.pending) > keep:
+            self._absorb(self.pending.popleft())
+        out, self._deltas = self._deltas, []
+        dt = time.perf_counter() - t0
+        self.stats.step_s.append(dt)
+        self.stats.host_s += dt - (self.stats.wait_s - wait0)
+        return out
+
+    def drain(self) -> Iterable[StreamDelta]:
+        """Steps until every request has finished, yielding deltas as they come."""
+        while self.has_work():
+            yield from self.step()
+
+    def warmup(self):
+        """Compiles every admission bucket and the cycle with all-padding calls (nothing
+        changes), so serving never compiles."""
+        widths, a_sizes = [], []
+        w = self.min_chunk
+        while w <= self.chunk:
+            widths.append(w)
+            w *= 2
+        a = 1
+        while a < self.slots:
+            a_sizes.append(a)
+            a *= 2
+        a_sizes.append(self.slots)
+        for a in a_sizes:
+            for w in widths:
+                pad = np.full(a, self.slots, np.int32)
+                z = np.zeros(a, np.int32)
+                self.state, first = self.backend.admit(self.state, pad, np.zeros((a, w), np.int32),
+                                                       z, z, z - 1)
+        self.state, toks, _ = self.backend.cycle(self.state, np.zeros(self.slots, bool))
+        np.asarray(toks)
+
+    # ------------------------------------------------------------------ admission
+    def _need(self) -> int:
+        """Rows the live slots may hold once the next cycle has run."""
+        live = [s for s, r in enumerate(self.slot_run) if r is not None]
+        return int(self.rows[live].sum()) + self.emit * len(live)
+
+    def _admit(self):
+        free = [s for s, r in enumerate(self.slot_run) if r is None]
+        batch = []
+        need = self._need()
+        while free and self.waiting:
+            req = self.waiting[0]
+            ids = req.prompt + req.output
+            cost = len(ids) + self.emit
+            if need + cost > self.kv_budget and (need > 0 or batch):
+                break
+            self.waiting.popleft()
+            slot = free.pop(0)
+            run_id = self._next_run
+            self._next_run += 1
+            self.runs[run_id] = _Run(run_id, req, slot, self._order)
+            self._order += 1
+            self.slot_run[slot] = run_id
+            self.rows[slot] = len(ids)
+            self.backend.set_sampling(slot, req.sp)
+            need += cost
+            batch.append((run_id, slot, ids))
+            self.stats.admissions += 1
+        if batch:
+            self._prefill(batch)
+
+    def _prefill(self, batch):
+        """Dispatches the prefill chunks of newly admitted runs, all requests' chunk k together."""
+        k = 0
+        while True:
+            rows = [(rid, slot, ids) for rid, slot, ids in batch if len(ids) > k * self.chunk]
+            if not rows:
+                return
+            a = _bucket(len(rows), 1, self.slots)
+            start = k * self.chunk
+            n_valid = [min(self.chunk, len(ids) - start) for _, _, ids in rows]
+            width = _bucket(max(n_valid), self.min_chunk, self.chunk)
+            slot_idx = np.full(a, self.slots, np.int32)
+            tokens = np.zeros((a, width), np.int32)
+            starts = np.zeros(a, np.int32)
+            nv = np.zeros(a, np.int32)
+            nxt = np.full(a, -1, np.int32)
+            for i, ((rid, slot, ids), n) in enumerate(zip(rows, n_valid)):
+                slot_idx[i], starts[i], nv[i] = slot, start, n
+                tokens[i, :n] = ids[start:start + n]
+                if start + n < len(ids):
+                    nxt[i] = ids[start + n]
+            self.state, first = self.backend.admit(self.state, slot_idx, tokens, starts, nv, nxt)
+            self.stats.prefill_chunks += 1
+            self.pending.append(("admit", first, [rid for rid, _, _ in rows]))
+            k += 1
+
+    # ------------------------------------------------------------------ retract
+    def _fit_budget(self):
+        while self._need() > self.kv_budget:
+            live = [rid for rid in self.slot_run if rid is not None]
+            if len(live) <= 1:
+                return  # one request alone always fits (checked when it was added)
+            victim = max(live, key=lambda rid: self.runs[rid].order)
+            req = self.runs[victim].req
+            self._free(victim)
+            req.retracts += 1
+            self.stats.retracts += 1
+            # Resumed by recomputing prompt + the tokens streamed so far; outputs of its cycles
+            # in flight are dropped (its run id is gone), so nothing is streamed twice.
+            self.waiting.appendleft(req)
+
+    def _free(self, run_id: int):
+        run = self.runs.pop(run_id)
+        self.slot_run[run.slot] = None
+        self.rows[run.slot] = 0
+
+    # ------------------------------------------------------------------ reading outputs
+    def _absorb(self, item):
+        kind, dev, runs = item
+        t = time.perf_counter()
+        if kind == "admit":
+            first = np.asarray(dev)
+            self.stats.wait_s += time.perf_counter() - t
+            for rid, tok in zip(runs, first):
+                if tok >= 0 and rid in self.runs:
+                    self._take(self.runs[rid], [int(tok)])
+        else:
+            toks, acc = dev
+            toks = np.asarray(toks)
+            acc = None if acc is None else np.asarray(acc)
+            self.stats.wait_s += time.perf_counter() - t
+            for slot, rid in enumerate(runs):
+                if rid is None or rid not in self.runs:
+                    continue
+                row = toks[slot]
+                got = [int(x) for x in row if x >= 0]
+                self.rows[slot] -= self.emit - len(got)   # rows actually written
+                if acc is not None:
+                    self.runs[rid].req.accept_lens.append(int(acc[slot]))
+                self._take(self.runs[rid], got)
+        self._flush()
+
+    def _take(self, run: _Run, tokens: List[int]):
+        req = run.req
+        if req.t_first is None:
+            req.t_first = time.perf_counter()
+        for tok in tokens:
+            req.output.append(tok)
+            req.pending_tokens.append(tok)
+            if tok in req.stop_ids:
+                reason = "stop"
+            elif len(req.output) >= req.sp.max_tokens:
+                reason = "length"
+            else:
+                reason = self._stop_string(req)
+            if reason:
+                # The rest of the accepted chain is dropped: never streamed.
+                self._free(run.run_id)
+                self._finish(req, reason)
+                return
+
+    def _stop_string(self, req: Request) -> Optional[str]:
+        if not req.stop:
+            return None
+        text = self.detokenize(req.output)
+        window = max(len(s) for s in req.stop) + 16   # a new token adds few characters
+        tail = text[max(0, len(text) - window):]
+        return "stop" if any(s in tail for s in req.stop) else None
+
+    def _finish(self, req: Request, reason: str):
+        req.finish_reason = reason
+        req.t_finish = time.perf_counter()
+        self.requests.pop(req.request_id, None)
+        if self.detokenize is not None:
+            text = self.detokenize(req.output)
+            if reason == "stop" and req.stop:
+                cut = [text.find(s) for s in req.stop if s in text]
+                text = text[:min(cut)] if cut else text
+            req.text = text
+        self.finished_requests[req.request_id] = req
+        self._delta(req)
+
+    def pop_finished(self, request_id: RequestId) -> Request:
+        return self.finished_requests.pop(request_id)
+
+    def _flush(self):
+        for req in list(self.requests.values()):
+            if req.pending_tokens:
+                self._delta(req)
+
+    def _delta(self, req: Request):
+        text = ""
+        if self.detokenize is not None:
+            if req.finished:
+                full = req.text
+            else:
+                full = self.detokenize(req.output).rstrip("\ufffd")   # incomplete UTF-8 held
+                hold = max((len(s) for s in req.stop), default=1) - 1  # a stop string may grow
+                full = full[:max(req.sent_text, len(full) - hold)]
+            text, req.sent_text = full[req.sent_text:], max(req.sent_text, len(full))
+        self._deltas.append(StreamDelta(req.request_id, req.pending_tokens, text, req.finished,
+                                        req.finish_reason))
+        req.pending_tokens = []
