@@ -73,7 +73,7 @@ def test_multi_step_passes_match_chained_inference_drafts():
                                rtol=1e-5, atol=1e-5)
     k_cache, v_cache = _empty_cache(2, layers=1)
     zeros = jnp.zeros((2,), jnp.int32)
-    for t in (5, 11, T - 2):
+    for t in (5, T - 2):
         # Committed draft KV: true-feature rows 0..t-3 (pass 0).
         c = t - 2
         pos = jnp.broadcast_to(jnp.arange(c)[None], (2, c))
@@ -203,3 +203,27 @@ def test_pack_and_examples_file(tmp_path):
     path = data.save_examples(tmp_path / "ex.npz", prompts, responses, source="test")
     p2, r2, meta = data.load_examples(path)
     assert (p2, r2, meta) == (prompts, responses, {"source": "test"})
+
+
+def test_cli_trains_exports_and_resumes(tmp_path, monkeypatch):
+    import jaxspec.weights
+    from jaxspec.train import cli
+
+    monkeypatch.setattr(jaxspec.weights, "load_model", lambda *a, **k: (CFG, target(), None))
+    toks, _ = corpus(12)
+    prompts = [t[:6].tolist() for t in toks]
+    responses = [t[6:].tolist() for t in toks]
+    data.save_examples(tmp_path / "ex.npz", prompts, responses, source="markov")
+    argv = ["--out", str(tmp_path / "run"), "--data", str(tmp_path / "ex.npz"), "--steps", "6",
+            "--batch-size", "4", "--seq-len", str(T), "--log-every", "2", "--ckpt-every", "3",
+            "--warmup", "2", "--no-progress", "--save-dtype", "float32"]
+    assert cli.main(argv) == 0
+    out = tmp_path / "run"
+    head = load_head(out / "head.safetensors", CFG)
+    assert read_head_meta(out / "head.safetensors")["steps"] == 6
+    assert (out / "loss.png").is_file()
+    assert [json.loads(x)["step"] for x in (out / "train_log.jsonl").read_text().splitlines()] == [2, 4, 6]
+    # The same command again finds the finished checkpoint: no more steps, the same head.
+    assert cli.main(argv) == 0
+    again = load_head(out / "head.safetensors", CFG)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, head, again)
