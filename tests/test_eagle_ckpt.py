@@ -224,3 +224,57 @@ def test_eagle3_bad_tensor_is_named(tmp_path, name, value, match):
         sd[name] = value
     with pytest.raises(WeightsError, match=match):
         load_eagle3(write(tmp_path, sd, "safetensors", EAGLE3_CONFIG), CFG)
+
+
+def torch_reference_eagle3(sd, embed, tokens, aux, eps=1e-5, theta=10000.0):
+    """The published EAGLE-3 midlayer (norm after residual), causal, no cache, in torch."""
+    torch = pytest.importorskip("torch")
+    t = {k: torch.from_numpy(np.asarray(v, np.float32)) for k, v in sd.items()
+         if np.asarray(v).dtype.kind == "f"}
+    rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w  # noqa: E731
+    n = len(tokens)
+    h = torch.from_numpy(aux) @ t["fc.weight"].T
+    residual = h
+    x = torch.cat([rms(torch.from_numpy(embed[tokens]), t["midlayer.input_layernorm.weight"]),
+                   rms(h, t["midlayer.hidden_norm.weight"])], -1)
+    a = "midlayer.self_attn."
+    q = (x @ t[a + "q_proj.weight"].T).view(n, 4, 8)
+    k = (x @ t[a + "k_proj.weight"].T).view(n, 2, 8)
+    v = (x @ t[a + "v_proj.weight"].T).view(n, 2, 8)
+    inv = 1.0 / (theta ** (torch.arange(0, 8, 2).float() / 8))
+    ang = torch.arange(n).float()[:, None] * inv[None]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None]
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    rot = lambda z: torch.cat([-z[..., 4:], z[..., :4]], -1)  # noqa: E731
+    q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+    k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) / 8 ** 0.5
+    s = s.masked_fill(~torch.tril(torch.ones(n, n, dtype=torch.bool)), float("-inf"))
+    o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, Q) @ t[a + "o_proj.weight"].T
+    residual = residual + o
+    m = rms(residual, t["midlayer.post_attention_layernorm.weight"])
+    m = (torch.nn.functional.silu(m @ t["midlayer.mlp.gate_proj.weight"].T)
+         * (m @ t["midlayer.mlp.up_proj.weight"].T)) @ t["midlayer.mlp.down_proj.weight"].T
+    out = m + residual
+    return out.numpy(), (rms(out, t["norm.weight"]) @ t["lm_head.weight"].T).numpy()
+
+
+def test_eagle3_forward_matches_reference(tmp_path):
+    from jaxspec.train import eagle3
+
+    rng = np.random.default_rng(8)
+    sd = eagle3_state_dict(rng)
+    sd = {k: (0.2 * v if v.ndim == 2 else 1 + 0.1 * v) if v.dtype == np.float32 else v
+          for k, v in sd.items()}
+    p, hc = load_eagle3(write(tmp_path, sd, "safetensors", EAGLE3_CONFIG), CFG)
+    embed = rnd(rng, 67, H)
+    n = 9
+    tokens = rng.integers(0, 67, n)
+    aux = rnd(rng, n, 3 * H)
+    out, logits = eagle3.forward(p, hc, CFG, jnp.asarray(embed), jnp.asarray(tokens)[None],
+                                 jnp.asarray(aux)[None], jnp.arange(n)[None])
+    ref_out, ref_logits = torch_reference_eagle3(sd, embed, tokens, aux)
+    np.testing.assert_allclose(np.asarray(out[0]), ref_out, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(logits[0]), ref_logits, rtol=1e-4, atol=1e-4)
+    ids = eagle3.draft_to_target(p["d2t"])
+    np.testing.assert_array_equal(ids, np.flatnonzero(np.asarray(p["t2d"])))

@@ -25,6 +25,8 @@ converted to EAGLE3 params (our layout; its forward is not written yet):
     final_norm [H]; lm_head [H, Vd]; d2t [Vd] int32 (target id = draft id + d2t[draft id]);
     t2d [V] bool (target id is in the draft vocabulary)
 Shapes come from the head's own config.json (its intermediate size may differ from the target's).
+The forward these params mean is `jaxspec.train.eagle3.forward` (sequence form, tested against a
+torch port of the published module); the cached tree-drafting path for EAGLE-3 is not written.
 """
 from __future__ import annotations
 
@@ -295,7 +297,10 @@ def eagle3_head_config(config: Mapping, cfg: ModelConfig) -> dict:
                 intermediate_size=config.get("intermediate_size", cfg.intermediate_size),
                 vocab_size=config.get("vocab_size", cfg.vocab_size),
                 draft_vocab_size=config.get("draft_vocab_size",
-                                            config.get("vocab_size", cfg.vocab_size)))
+                                            config.get("vocab_size", cfg.vocab_size)),
+                rms_norm_eps=config.get("rms_norm_eps", cfg.rms_norm_eps),
+                rope_theta=config.get("rope_theta", cfg.rope_theta),
+                norm_before_residual=bool(config.get("norm_before_residual", False)))
 
 
 def convert_eagle3(sd: Mapping[str, np.ndarray], hc: Mapping, origin: str = "EAGLE-3 head",
