@@ -120,7 +120,11 @@ def matches_default_target(cfg: ModelConfig) -> bool:
 
 
 def default_head_path() -> Path:
-    return DEFAULT_HEAD_DIR / DEFAULT_HEAD_FILE
+    """checkpoints/ of the source tree; JAXSPEC_DRAFT_HEAD names another file (an installed
+    wheel does not carry checkpoints/)."""
+    import os
+    env = os.environ.get("JAXSPEC_DRAFT_HEAD")
+    return Path(env).expanduser() if env else DEFAULT_HEAD_DIR / DEFAULT_HEAD_FILE
 
 
 def load_default_head(cfg: ModelConfig, dtype=None):
