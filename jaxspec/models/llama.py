@@ -9,6 +9,13 @@ Params pytree (stacked over layers so a `lax.scan` runs them and the jitted call
 with Q = num_heads * head_dim, K = num_kv_heads * head_dim. q/k/v and gate/up are fused so a
 decode step launches fewer, larger matmuls (small models are launch-bound at batch 1).
 
+Blocked layout (tensor parallel, `jaxspec.parallel.tensor_parallel.shard_params`): wqkv
+[L, H, M, (Q + 2K) / M], bqkv [L, M, (Q + 2K) / M] and w_gate_up [L, H, M, 2F / M], where block m
+holds q heads, kv heads, gate and up columns of shard m only ([q_m | k_m | v_m], [gate_m | up_m]).
+With the block axis sharded over M devices each device computes whole heads and matching gate/up
+columns, so no activation is resharded between the fused matmul and its split. The code below
+reads both layouts; the flat one is the M = 1 case.
+
 One forward serves prefill/extend, decode and tree verify: N new tokens per slot with explicit
 positions attend to the slot's cached prefix (rows < seq_lens) and to each other under
 `new_mask` [B, N, N]. The forward does not write the cache: it returns the new K/V and the caller
@@ -70,10 +77,11 @@ def qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm=False):
     """
     b, n, _ = x.shape
     h = x if skip_norm else rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    qkv = h @ lp["wqkv"]
+    qkv = _fused_matmul(h, lp["wqkv"])                                   # [B, N, M, C]
     if "bqkv" in lp:
-        qkv = qkv + lp["bqkv"]
-    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+        qkv = qkv + lp["bqkv"].reshape(qkv.shape[-2:])
+    m = qkv.shape[-2]
+    q, k, v = jnp.split(qkv, [cfg.q_size // m, (cfg.q_size + cfg.kv_size) // m], axis=-1)
     q = apply_rope(q.reshape(b, n, cfg.num_heads, cfg.head_dim), positions, inv_freq)
     k = apply_rope(k.reshape(b, n, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
     k = k.transpose(0, 2, 1, 3)
@@ -91,10 +99,18 @@ def attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer, se
     return o.reshape(b, n, cfg.q_size) @ lp["wo"], k, v
 
 
+def _fused_matmul(x, w):
+    """x [..., H] @ w: flat [H, C] or blocked [H, M, C / M] -> [..., M, C / M] (M = 1 if flat)."""
+    if w.ndim == 2:
+        return (x @ w)[..., None, :]
+    return jnp.einsum("...h,hmc->...mc", x, w)
+
+
 def mlp_block(cfg, lp, x):
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    g, u = jnp.split(h @ lp["w_gate_up"], 2, axis=-1)
-    return (jax.nn.silu(g) * u) @ lp["w_down"]
+    g, u = jnp.split(_fused_matmul(h, lp["w_gate_up"]), 2, axis=-1)      # [..., M, F / M] each
+    act = jax.nn.silu(g) * u
+    return act.reshape(act.shape[:-2] + (-1,)) @ lp["w_down"]
 
 
 def forward(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, seq_lens, new_mask,

@@ -1,0 +1,236 @@
+"""Tensor parallel: target and draft weights and KV caches sharded over a `Mesh` model axis.
+
+The model code is unchanged: `shard_params` places each weight with a `NamedSharding` and the
+jitted functions (`spec.cycle.jit_cycle`, `decode.*`) are compiled by GSPMD, which inserts the
+collectives (Megatron style: one all-reduce after the attention output projection and one after
+the MLP down projection per layer, plus the vocab reductions of the lm_head).
+
+Layout, per layer (M = size of the model axis):
+  wqkv [H, Q+2K]   re-laid out as the blocked [H, M, (Q+2K)/M] (see `models/llama.py`), block m =
+                   [q heads of shard m | its kv heads | their v heads], sharded on M. The fused
+                   flat layout puts all q columns before k and v, so sharding its columns directly
+                   would give device 0 only q and the last device only v; the blocked layout gives
+                   each device whole q heads with the kv heads they read (q head h reads kv head
+                   h // (Hq / Hkv), and both are cut into M contiguous ranges), so attention runs
+                   without communication.
+  bqkv [Q+2K]      the same blocks, [M, (Q+2K)/M].
+  wo [Q, H]        row-sharded (its rows are the q heads of the shard): partial sums, all-reduce.
+  w_gate_up [H,2F] blocked [H, M, 2F/M], block m = [gate_m | up_m] (matching columns), sharded on M.
+  w_down [F, H]    row-sharded.
+  embed [V, H]     vocab-sharded (rows), lm_head [H, V] vocab-sharded (columns) when V % M == 0,
+                   else replicated. Norms, the draft fc and biases other than bqkv: replicated.
+  KV caches        [L, B, Hkv, T, D] sharded on Hkv (each device keeps the kv heads it computes).
+Everything else in the decode state (lengths, roots, sampling, counts) is small and replicated.
+
+The draft head's decoder layer is sharded by the same rules (it is a Llama layer).
+
+Requirements: num_kv_heads % M == 0 (then num_heads too) and intermediate_size % M == 0.
+
+GPU note: the Pallas kernels (tree attention, KV compaction) are custom calls that GSPMD cannot
+split, so it gathers their operands around each call (correct, but it moves the KV cache); they
+want a `shard_map` over the kv-head axis (each device runs the kernel on its own heads, no
+communication), see `sharded_kernels`.
+
+Multi-host: see `jaxspec.parallel.distributed`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxspec.config import ConfigError, ModelConfig
+from jaxspec.kv import KVCache
+from jaxspec.spec.config import SpecConfig
+from jaxspec.spec.runner import SpecRunner
+
+AXIS = "model"
+
+
+def make_mesh(model_parallel: Optional[int] = None, devices: Optional[Sequence] = None,
+              axis: str = AXIS) -> Mesh:
+    """A one-axis mesh over the first `model_parallel` devices (all global devices if None)."""
+    devs = list(jax.devices() if devices is None else devices)
+    n = len(devs) if model_parallel is None else model_parallel
+    if not 1 <= n <= len(devs):
+        raise ConfigError(f"tensor_parallel={n} needs that many devices; {len(devs)} available")
+    return Mesh(np.asarray(devs[:n]), (axis,))
+
+
+def check_shardable(cfg: ModelConfig, m: int) -> None:
+    if cfg.num_kv_heads % m:
+        raise ConfigError(
+            f"tensor parallel over {m} devices needs num_kv_heads={cfg.num_kv_heads} to be a "
+            f"multiple of {m} (each device holds whole kv heads and the q heads that read them)")
+    if cfg.intermediate_size % m:
+        raise ConfigError(f"tensor parallel over {m} devices needs intermediate_size="
+                          f"{cfg.intermediate_size} to be a multiple of {m}")
+
+
+# ------------------------------------------------------------------------------------ layout
+
+
+def block_qkv(w, cfg: ModelConfig, m: int):
+    """[..., Q + 2K] flat fused q/k/v columns -> [..., M, (Q + 2K) / M] per-shard blocks."""
+    if w.shape[-1] != cfg.q_size + 2 * cfg.kv_size:
+        raise ConfigError(f"wqkv/bqkv last dim {w.shape[-1]} != Q + 2K = "
+                          f"{cfg.q_size + 2 * cfg.kv_size} (already blocked?)")
+    q, k, v = jnp.split(w, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    lead = w.shape[:-1]
+    return jnp.concatenate([x.reshape(lead + (m, x.shape[-1] // m)) for x in (q, k, v)], axis=-1)
+
+
+def block_gate_up(w, m: int):
+    """[..., 2F] = [gate | up] -> [..., M, 2F / M], block m = [gate_m | up_m]."""
+    g, u = jnp.split(w, 2, axis=-1)
+    lead = w.shape[:-1]
+    return jnp.concatenate([x.reshape(lead + (m, x.shape[-1] // m)) for x in (g, u)], axis=-1)
+
+
+def unblock_qkv(w, cfg: ModelConfig):
+    """Inverse of block_qkv: [..., M, C] -> [..., Q + 2K]."""
+    m = w.shape[-2]
+    q, k, v = jnp.split(w, [cfg.q_size // m, (cfg.q_size + cfg.kv_size) // m], axis=-1)
+    return jnp.concatenate([x.reshape(x.shape[:-2] + (-1,)) for x in (q, k, v)], axis=-1)
+
+
+def _blocked_layer(lp: dict, cfg: ModelConfig, m: int) -> dict:
+    out = dict(lp, wqkv=block_qkv(lp["wqkv"], cfg, m),
+               w_gate_up=block_gate_up(lp["w_gate_up"], m))
+    if "bqkv" in lp:
+        out["bqkv"] = block_qkv(lp["bqkv"], cfg, m)
+    return out
+
+
+def _layer_specs(lp: dict, axis: str) -> dict:
+    """PartitionSpecs of one layer dict (stacked or not) in the blocked layout."""
+    def on(x, dim_from_end):
+        spec = [None] * x.ndim
+        spec[x.ndim - dim_from_end] = axis
+        return P(*spec)
+
+    specs = {}
+    for name, x in lp.items():
+        if name in ("wqkv", "w_gate_up", "wo", "w_down"):
+            specs[name] = on(x, 2)          # block axis / rows
+        elif name == "bqkv":
+            specs[name] = on(x, 2)
+        else:
+            specs[name] = P()
+    return specs
+
+
+def _map_layers(layers, fn):
+    if isinstance(layers, (list, tuple)):
+        return [fn(lp) for lp in layers]
+    return fn(layers)
+
+
+def _vocab_ok(cfg: ModelConfig, m: int, vocab: str) -> bool:
+    if vocab not in ("auto", "shard", "replicate"):
+        raise ConfigError(f"vocab must be 'auto', 'shard' or 'replicate', got {vocab!r}")
+    if vocab == "shard" and cfg.vocab_size % m:
+        raise ConfigError(f"vocab_size={cfg.vocab_size} is not a multiple of {m}")
+    return vocab != "replicate" and cfg.vocab_size % m == 0
+
+
+def param_specs(params, cfg: ModelConfig, m: int, axis: str = AXIS, vocab: str = "auto"):
+    """PartitionSpec pytree for target params already in the blocked layout."""
+    shard_v = _vocab_ok(cfg, m, vocab)
+    specs = {k: P() for k in params if k != "layers"}
+    specs["layers"] = _map_layers(params["layers"], lambda lp: _layer_specs(lp, axis))
+    if shard_v:
+        specs["embed"] = P(axis, None)
+        if "lm_head" in params:
+            specs["lm_head"] = P(None, axis)
+    return specs
+
+
+def _place(tree, specs, mesh: Mesh):
+    shardings = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                       is_leaf=lambda s: isinstance(s, P))
+    return jax.device_put(tree, shardings)
+
+
+def shard_params(params, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS, vocab: str = "auto"):
+    """Target params -> blocked layout, placed with NamedShardings over mesh[axis].
+
+    vocab: 'auto' shards embed/lm_head over the vocab when it divides evenly, 'shard' insists,
+    'replicate' keeps them whole on every device."""
+    m = mesh.shape[axis]
+    check_shardable(cfg, m)
+    blocked = dict(params, layers=_map_layers(params["layers"],
+                                              lambda lp: _blocked_layer(lp, cfg, m)))
+    return _place(blocked, param_specs(blocked, cfg, m, axis, vocab), mesh)
+
+
+def shard_draft_params(draft_params, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS):
+    """EAGLE-1 draft params: its decoder layer as the target's; fc and fc_bias replicated."""
+    m = mesh.shape[axis]
+    check_shardable(cfg, m)
+    blocked = dict(draft_params, layers=_map_layers(draft_params["layers"],
+                                                    lambda lp: _blocked_layer(lp, cfg, m)))
+    specs = {k: P() for k in blocked if k != "layers"}
+    specs["layers"] = _map_layers(blocked["layers"], lambda lp: _layer_specs(lp, axis))
+    return _place(blocked, specs, mesh)
+
+
+def state_shardings(state, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS):
+    """NamedSharding pytree for a decode state: KV caches ([L, B, Hkv, T, D], the only 5-D
+    arrays of SpecState / PlainState / KVCache) on the kv-head axis, the rest replicated."""
+    kv = NamedSharding(mesh, P(None, None, axis, None, None))
+    rep = NamedSharding(mesh, P())
+
+    def pick(x):
+        return kv if x.ndim == 5 and x.shape[2] == cfg.num_kv_heads else rep
+
+    return jax.tree_util.tree_map(pick, state)
+
+
+def shard_state(state, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS):
+    """Places a decode state (SpecState, PlainState, KVCache) per `state_shardings`."""
+    check_shardable(cfg, mesh.shape[axis])
+    return jax.device_put(state, state_shardings(state, cfg, mesh, axis))
+
+
+# ------------------------------------------------------------------------------ jitted entries
+
+
+def tp_cycle(cfg: ModelConfig, spec: SpecConfig, mesh: Mesh, state, greedy_only: bool = False):
+    """jit of spec.cycle.cycle whose state keeps its sharding across calls (KV on kv heads) and
+    whose CycleOut comes back replicated (the host reads it); the state is donated."""
+    from jaxspec.spec.cycle import cycle
+    rep = NamedSharding(mesh, P())
+    st = state_shardings(state, cfg, mesh)
+    return jax.jit(functools.partial(cycle, cfg=cfg, spec=spec, greedy_only=greedy_only),
+                   out_shardings=(st, rep), donate_argnums=(2,))
+
+
+def tp_prefill(cfg: ModelConfig, spec: SpecConfig, mesh: Mesh, state,
+               with_logprobs: bool = True):
+    from jaxspec.spec.cycle import prefill
+    rep = NamedSharding(mesh, P())
+    st = state_shardings(state, cfg, mesh)
+    return jax.jit(functools.partial(prefill, cfg=cfg, spec=spec, with_logprobs=with_logprobs),
+                   out_shardings=(st, rep), donate_argnums=(2,))
+
+
+class TensorParallelSpecRunner(SpecRunner):
+    """`SpecRunner` with target, draft and state sharded over mesh[axis] (same `generate`)."""
+
+    def __init__(self, cfg: ModelConfig, params, draft_params, spec: Union[SpecConfig, str],
+                 max_slots: int, max_len: int, mesh: Mesh, seed: int = 0, vocab: str = "auto"):
+        from jaxspec.spec.cycle import init_state
+        check_shardable(cfg, mesh.shape[AXIS])
+        super().__init__(cfg, params, draft_params, spec, max_slots, max_len, seed)
+        self.mesh = mesh
+        self.params = shard_params(params, cfg, mesh, vocab=vocab)
+        self.draft_params = shard_draft_params(draft_params, cfg, mesh)
+        state = shard_state(init_state(cfg, self.spec, max_slots, max_len, self.dtype), cfg, mesh)
+        self._state = state
+        self._cycle = tp_cycle(cfg, self.spec, mesh, state)
+        self._prefill = tp_prefill(cfg, self.spec, mesh, state)

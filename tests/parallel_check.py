@@ -1,0 +1,159 @@
+"""Multi-device checks, run by test_parallel.py in a subprocess whose XLA_FLAGS fakes N CPU
+devices (the flag must be set before jax initialises, so it cannot run inside pytest's process).
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/parallel_check.py dp tp
+
+Each check compares greedy outputs with the single-device runners, token for token, and prints
+`ok <name>`; a mismatch raises.
+"""
+import dataclasses
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.config import ModelConfig
+from jaxspec.decode import PlainRunner
+from jaxspec.kv import init_cache
+from jaxspec.models import eagle, llama
+from jaxspec.parallel import (DataParallelPlainRunner, DataParallelSpecRunner,
+                              TensorParallelSpecRunner, make_mesh, shard_draft_params,
+                              shard_params, shard_state)
+from jaxspec.sampling import SamplingParams
+from jaxspec.spec import SpecConfig, SpecRunner, init_state, jit_cycle, jit_prefill
+
+# 8 q heads over 4 kv heads (GQA 2), q/k/v biases: 4 devices hold one kv head and two q heads.
+CFG = ModelConfig(arch="Qwen2ForCausalLM", vocab_size=320, hidden_size=64, intermediate_size=96,
+                  num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16, attention_bias=True)
+CFG_TIED = dataclasses.replace(CFG, arch="LlamaForCausalLM", attention_bias=False,
+                               tie_word_embeddings=True)
+SPEC = SpecConfig(num_steps=3, topk=2, num_draft_tokens=6)
+MAX_LEN = 96
+PROMPTS = [[5, 17, 42, 8, 99], [3] * 11 + [250, 7], list(range(60, 80)), [1, 2],
+           [300, 301, 7, 7, 7, 9], [44] * 3, list(range(100, 130, 3))]
+NEW = [24, 17, 30, 9, 24, 12, 20]
+
+
+@functools.lru_cache(maxsize=None)
+def pair(cfg=CFG):
+    """Target and a head that mostly agrees with it (accepts are long, so the tree paths and the
+    compaction of several rows per cycle are exercised)."""
+    p = llama.init_random_params(cfg, jax.random.PRNGKey(2), scale=0.02)
+    p = dict(p, embed=jax.random.normal(jax.random.PRNGKey(3), p["embed"].shape),
+             final_norm=jnp.ones_like(p["final_norm"]))
+    if "lm_head" in p:
+        p["lm_head"] = 0.5 * jax.random.normal(jax.random.PRNGKey(7), p["lm_head"].shape)
+    h = cfg.hidden_size
+    d = eagle.init_eagle_params(cfg, jax.random.PRNGKey(4), scale=0.02)
+    d = dict(d, fc=jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], 0), fc_bias=jnp.zeros((h,)))
+    return p, d
+
+
+@functools.lru_cache(maxsize=None)
+def spec_reference():
+    p, d = pair()
+    r = SpecRunner(CFG, p, d, SPEC, max_slots=2, max_len=MAX_LEN)
+    return [x.token_ids for x in r.generate(PROMPTS, NEW)]
+
+
+@functools.lru_cache(maxsize=None)
+def plain_reference(cfg=CFG):
+    p, _ = pair(cfg)
+    r = PlainRunner(cfg, p, init_cache(cfg, 4, MAX_LEN, jnp.float32), decode_chunk=8)
+    out = []
+    for i in range(0, len(PROMPTS), 4):
+        sps = [SamplingParams(max_tokens=m) for m in NEW[i:i + 4]]
+        out += [g.token_ids for g in r.generate(PROMPTS[i:i + 4], sps, [set()] * len(sps))]
+    return out
+
+
+def check(name, got, want):
+    for i, (a, b) in enumerate(zip(got, want)):
+        if list(a) != list(b):
+            raise AssertionError(f"{name}: prompt {i} differs\n got  {list(a)}\n want {list(b)}")
+    assert len(got) == len(want), (name, len(got), len(want))
+    print("ok", name, flush=True)
+
+
+def check_dp(n):
+    p, d = pair()
+    r = DataParallelSpecRunner(CFG, p, d, SPEC, slots=2, max_len=MAX_LEN, replicas=n)
+    res = r.generate(PROMPTS, NEW)
+    check(f"dp{n}-spec", [x.token_ids for x in res], spec_reference())
+    assert all(sum(a + 1 for a in x.accept_lens) >= len(x.token_ids) - 1 for x in res)
+    # The same runner again (state reused, nothing recompiled) with fewer prompts than slots.
+    check(f"dp{n}-spec-again", [x.token_ids for x in r.generate(PROMPTS[:1], NEW[:1])],
+          spec_reference()[:1])
+    pr = DataParallelPlainRunner(CFG, p, slots=2, max_len=MAX_LEN, replicas=n, decode_chunk=8)
+    gens = pr.generate(PROMPTS, [SamplingParams(max_tokens=m) for m in NEW], [set()] * 7)
+    check(f"dp{n}-plain", [g.token_ids for g in gens], plain_reference())
+    check(f"dp{n}-plain-vs-spec", [g.token_ids for g in gens], spec_reference())
+
+
+def check_tp(n):
+    mesh = make_mesh(n)
+    p, d = pair()
+    sp = shard_params(p, CFG, mesh)
+    wqkv = sp["layers"]["wqkv"]
+    assert wqkv.shape == (2, 64, n, (128 + 2 * 64) // n), wqkv.shape
+    assert wqkv.addressable_shards[0].data.shape == (2, 64, 1, (128 + 2 * 64) // n)
+    # Forward (prefill shape): logits equal the single-device ones.
+    toks = jnp.asarray([PROMPTS[2][:16], PROMPTS[6][:10] + [0] * 6], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 16))
+    kv = init_cache(CFG, 2, 32, jnp.float32)
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def logits(params, cfg, k, v):
+        h, _, _, _ = llama.forward(params, cfg, toks, pos, k, v, jnp.zeros((2,), jnp.int32),
+                                   llama.causal_mask(2, 16))
+        return llama.lm_head(params, cfg, h)
+
+    want = logits(p, CFG, kv.k, kv.v)
+    skv = shard_state(kv, CFG, mesh)
+    got = logits(sp, CFG, skv.k, skv.v)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    print("ok", f"tp{n}-forward", flush=True)
+
+    # The speculative runner, sharded end to end.
+    r = TensorParallelSpecRunner(CFG, p, d, SPEC, max_slots=2, max_len=MAX_LEN, mesh=mesh)
+    check(f"tp{n}-spec", [x.token_ids for x in r.generate(PROMPTS, NEW)], spec_reference())
+    k = r._state.target.k
+    assert k.sharding.spec[2] == "model" and k.addressable_shards[0].data.shape[2] == 4 // n
+
+    # jit_cycle / jit_prefill as they are (no sharding arguments): GSPMD follows the inputs.
+    sd = shard_draft_params(d, CFG, mesh)
+    state = shard_state(init_state(CFG, SPEC, 2, MAX_LEN, jnp.float32), CFG, mesh)
+    tokens = np.zeros((2, 32), np.int32)
+    tokens[0, :20], tokens[1, :13] = PROMPTS[2], PROMPTS[1]
+    state, root = jit_prefill(CFG, SPEC, greedy_only=True)(
+        sp, sd, state, jnp.asarray(tokens), jnp.asarray([20, 13], jnp.int32))
+    outs = [[int(root[0])], [int(root[1])]]
+    active = jnp.ones((2,), bool)
+    for _ in range(6):
+        state, co = jit_cycle(CFG, SPEC, greedy_only=True)(sp, sd, state, active)
+        co = jax.device_get(co)
+        for j in range(2):
+            outs[j] += [int(t) for t in co.tokens[j, :co.accept_len[j] + 1]]
+    ref = spec_reference()
+    check(f"tp{n}-jit-cycle", [o[:len(r_)] for o, r_ in zip(outs, [ref[2], ref[1]])],
+          [ref[2][:len(outs[0])], ref[1][:len(outs[1])]])
+
+    # Plain decoding with a tied embedding (vocab-sharded embed read as the lm_head).
+    pt, _ = pair(CFG_TIED)
+    pr = PlainRunner(CFG_TIED, shard_params(pt, CFG_TIED, mesh),
+                     shard_state(init_cache(CFG_TIED, 4, MAX_LEN, jnp.float32), CFG_TIED, mesh),
+                     decode_chunk=8)
+    out = []
+    for i in range(0, len(PROMPTS), 4):
+        sps = [SamplingParams(max_tokens=m) for m in NEW[i:i + 4]]
+        out += [g.token_ids for g in pr.generate(PROMPTS[i:i + 4], sps, [set()] * len(sps))]
+    check(f"tp{n}-plain-tied", out, plain_reference(CFG_TIED))
+
+
+if __name__ == "__main__":
+    n = jax.device_count()
+    assert n > 1, "set XLA_FLAGS=--xla_force_host_platform_device_count=N"
+    for what in sys.argv[1:] or ["dp", "tp"]:
+        {"dp": check_dp, "tp": check_tp}[what](n)
