@@ -1,17 +1,18 @@
-"""The public API, in the style of vLLM: `LLM(...).generate(prompts, SamplingParams(...))`."""
+"""The public API, in the style of vLLM: `LLM(...).generate(prompts, SamplingParams(...))`,
+`LLM.stream(...)` and `LLM.abort(request_id)`, all on the continuous-batching engine."""
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Iterator, List, Optional, Sequence, Union
 
 import jax
-import jax.numpy as jnp
 
 from jaxspec.config import ConfigError
 from jaxspec.decode import PlainRunner
+from jaxspec.engine import Engine, PlainBackend, SpecBackend, StreamDelta
 from jaxspec.kv import init_cache, kv_bytes_per_token
-from jaxspec.sampling import SamplingParams
+from jaxspec.sampling import SamplingParams, apply_stop_strings
 
 Chat = List[dict]
 Prompt = Union[str, Chat, Sequence[int]]
@@ -23,9 +24,10 @@ class RequestOutput:
     prompt_token_ids: List[int]
     token_ids: List[int]
     text: str
-    finish_reason: str                 # "stop" or "length"
-    metrics: dict                      # ttft_s, latency_s, tokens_per_s
+    finish_reason: str                 # "stop", "length" or "abort"
+    metrics: dict                      # ttft_s, latency_s, tokens_per_s (retracts)
     accept_lens: Optional[List[int]] = None   # speculative runs: accepted tokens per cycle
+    logprobs: Optional[list] = None    # per token {token id: logprob}, when asked for
 
 
 class LLM:
@@ -57,14 +59,20 @@ class LLM:
         self.max_model_len = int(min(max_model_len or 2048, limit))
         if self.max_model_len < 16:
             raise ConfigError(f"max_model_len={self.max_model_len} leaves no room to generate")
-        # Slack rows: a decode chunk may run past a request's end before the host sees it.
-        cache = init_cache(self.config, max_batch, self.max_model_len + 2 * decode_chunk, self.dtype)
-        self.runner = PlainRunner(self.config, self.params, cache, decode_chunk=decode_chunk,
-                                  seed=seed)
-        self.max_batch = max_batch
-        self.spec_runner = None
+        self.max_batch, self.decode_chunk, self.seed = max_batch, decode_chunk, seed
+        self.spec = None
+        self.runner = None          # the batch runner, for parameters the engine lacks
         if spec is not None or draft is not None:
-            self._init_spec(draft, spec)
+            backend = self._spec_backend(draft, spec)
+        else:
+            # Slack rows: a cycle may run past a request's end before the host sees it.
+            backend = PlainBackend(self.config, self.params, max_batch,
+                                   self.max_model_len + 2 * decode_chunk, n_steps=decode_chunk,
+                                   seed=seed)
+        self.engine = Engine(backend, max_model_len=self.max_model_len,
+                             vocab_size=self.config.vocab_size, eos_ids=self._eos_ids(),
+                             chunk=512, detokenize=self.tokenizer.decode)
+        self._inbox: dict = {}
 
     def _load_draft(self, draft: Optional[str]):
         from jaxspec.loading import eagle_ckpt
@@ -72,18 +80,17 @@ class LLM:
             return eagle_ckpt.load_default_head(self.config, dtype=self.dtype)
         return eagle_ckpt.load_eagle1(draft, self.config, dtype=self.dtype)
 
-    def _init_spec(self, draft, spec):
+    def _spec_backend(self, draft, spec):
         """draft: None/'default' (the shipped head for the default model), a checkpoint path,
         or a draft params pytree. spec: a SpecConfig or a preset name ('naive', 'chain', 'tree')."""
         from jaxspec.spec.config import resolve_spec
-        from jaxspec.spec.runner import SpecRunner
         spec = resolve_spec(spec if spec is not None else "chain")
         if draft is None or isinstance(draft, str):
             draft = self._load_draft(draft)
         self.spec = spec
-        # Rows for one cycle's worth of speculative tokens past a request's end.
-        self.spec_runner = SpecRunner(self.config, self.params, draft, spec, self.max_batch,
-                                      self.max_model_len + spec.num_steps + 1)
+        # Rows for the speculative tokens of the cycles that may run past a request's end.
+        return SpecBackend(self.config, self.params, draft, spec, self.max_batch,
+                           self.max_model_len + 2 * spec.max_emit)
 
     # -- input handling ------------------------------------------------------------------
     def _encode(self, prompt: Prompt) -> List[int]:
@@ -109,17 +116,14 @@ class LLM:
                 f"request {i}: prompt of {len(ids)} tokens + max_tokens={sp.max_tokens} exceeds "
                 f"the context of {self.max_model_len} tokens (max_model_len)")
 
+    def _eos_ids(self) -> set:
+        return set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
+
     def _stop_ids(self, sp: SamplingParams) -> set:
-        ids = set(sp.stop_token_ids)
-        if not sp.ignore_eos:
-            ids |= set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
-        return ids
+        return set(sp.stop_token_ids) | (set() if sp.ignore_eos else self._eos_ids())
 
     # -- generation ----------------------------------------------------------------------
-    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
-                 ) -> List[RequestOutput]:
-        """Generates for each prompt. All requests are validated before any work starts."""
+    def _normalize(self, prompts, sampling_params):
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (dict, int))):
             prompts = [prompts]
         if not prompts:
@@ -131,32 +135,123 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         for i, (ids, sp) in enumerate(zip(encoded, sps)):
             self._check_fits(ids, sp, i)
-        if self.spec_runner is not None:
-            return self._generate_spec(encoded, sps)
+            self.engine.backend.check(sp)
+        return encoded, list(sps)
+
+    def _submit(self, encoded, sps, request_ids=None) -> list:
+        """Adds the requests to the engine; all or none (a failure aborts the ones added)."""
+        added = []
+        try:
+            for i, (ids, sp) in enumerate(zip(encoded, sps)):
+                rid = None if request_ids is None else request_ids[i]
+                added.append(self.engine.add_request(ids, sp, request_id=rid))
+        except Exception:
+            for rid in added:
+                self.engine.abort(rid)
+                self.engine.finished_requests.pop(rid, None)
+            raise
+        return added
+
+    def _pump(self):
+        """One engine step; deltas are filed per request for whoever consumes them."""
+        for d in self.engine.step():
+            self._inbox.setdefault(d.request_id, []).append(d)
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
+                 ) -> List[RequestOutput]:
+        """Generates for each prompt. All requests are validated before any work starts.
+        request_id of each output is its index in `prompts`."""
+        encoded, sps = self._normalize(prompts, sampling_params)
+        if any(_needs_runner(sp) for sp in sps):
+            return self._generate_runner(encoded, sps)
+        ids = self._submit(encoded, sps)
+        pending = set(ids)
+        while pending:
+            self._pump()
+            pending -= {i for i in pending if i in self.engine.finished_requests}
+        outs = []
+        for i, rid in enumerate(ids):
+            self._inbox.pop(rid, None)
+            outs.append(self._output(i, self.engine.pop_finished(rid)))
+        return outs
+
+    def stream(self, prompts: Union[Prompt, Sequence[Prompt]],
+               sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+               request_ids: Optional[Sequence[Any]] = None) -> Iterator[StreamDelta]:
+        """Yields StreamDelta(request_id, token_ids, text, finished, finish_reason) as tokens
+        come: per request, the deltas concatenate to the final output (tokens past a stop are
+        never sent; text is held back while it could still become a stop string). request_ids
+        (unique, default: the engine's) may be passed to `abort` while iterating."""
+        encoded, sps = self._normalize(prompts, sampling_params)
+        if any(_needs_runner(sp) for sp in sps):
+            raise ValueError("stream() does not support penalties, logprobs or seeds yet: "
+                             "use generate()")
+        if request_ids is not None and len(request_ids) != len(encoded):
+            raise ValueError(f"{len(request_ids)} request ids for {len(encoded)} prompts")
+        ids = self._submit(encoded, sps, request_ids)
+        return self._stream(ids)
+
+    def _stream(self, ids) -> Iterator[StreamDelta]:
+        pending = set(ids)
+        try:
+            while pending:
+                self._pump()
+                for rid in ids:
+                    for d in self._inbox.pop(rid, ()):
+                        yield d
+                        if d.finished:
+                            pending.discard(rid)
+                            self.engine.finished_requests.pop(rid, None)
+        finally:   # a consumer that stops early leaves nothing running
+            for rid in pending:
+                self.engine.abort(rid)
+                self.engine.finished_requests.pop(rid, None)
+                self._inbox.pop(rid, None)
+
+    def abort(self, request_id) -> bool:
+        """Ends a streaming request; its stream ends with finish_reason 'abort'."""
+        return self.engine.abort(request_id)
+
+    def _output(self, index: int, r) -> RequestOutput:
+        latency = (r.t_finish or r.t_arrival) - r.t_arrival
+        ttft = (r.t_first or r.t_finish or r.t_arrival) - r.t_arrival
+        return RequestOutput(
+            request_id=index, prompt_token_ids=r.prompt, token_ids=r.output, text=r.text,
+            finish_reason=r.finish_reason,
+            metrics={"ttft_s": ttft, "latency_s": latency, "retracts": r.retracts,
+                     "tokens_per_s": len(r.output) / max(latency, 1e-9)},
+            accept_lens=r.accept_lens if self.spec is not None else None)
+
+    def _generate_runner(self, encoded, sps) -> List[RequestOutput]:
+        """Requests with penalties, logprobs or a seed: the batch runner, group by group, until
+        the engine's plain backend carries per-slot token counts and keys."""
+        if self.spec is not None:
+            raise ValueError("speculative decoding does not support penalties, logprobs or "
+                             "seeds yet")
+        if self.runner is None:
+            cache = init_cache(self.config, self.max_batch,
+                               self.max_model_len + 2 * self.decode_chunk, self.dtype)
+            self.runner = PlainRunner(self.config, self.params, cache,
+                                      decode_chunk=self.decode_chunk, seed=self.seed)
         outputs: List[RequestOutput] = []
         for start in range(0, len(encoded), self.max_batch):
             ids, sp = encoded[start:start + self.max_batch], sps[start:start + self.max_batch]
             gens = self.runner.generate(ids, sp, [self._stop_ids(s) for s in sp])
             for j, g in enumerate(gens):
+                text, hit = apply_stop_strings(self.tokenizer.decode(g.token_ids), sp[j].stop)
                 outputs.append(RequestOutput(
                     request_id=start + j, prompt_token_ids=ids[j], token_ids=g.token_ids,
-                    text=self.tokenizer.decode(g.token_ids), finish_reason=g.finish_reason,
+                    text=text, finish_reason="stop" if hit else g.finish_reason,
                     metrics={"ttft_s": g.ttft_s, "latency_s": g.latency_s,
-                             "tokens_per_s": len(g.token_ids) / max(g.latency_s, 1e-9)}))
+                             "tokens_per_s": len(g.token_ids) / max(g.latency_s, 1e-9)},
+                    logprobs=getattr(g, "logprobs", None)))
         return outputs
 
-    def _generate_spec(self, encoded, sps) -> List[RequestOutput]:
-        if any(sp.temperature > 0 for sp in sps):
-            raise ValueError("speculative decoding is greedy only in this version: use "
-                             "temperature=0, or an LLM without spec= to sample")
-        stop = set().union(*(self._stop_ids(sp) for sp in sps))
-        if any(self._stop_ids(sp) != stop for sp in sps):
-            raise ValueError("speculative batches need the same stop tokens for every request")
-        t0 = time.perf_counter()
-        results = self.spec_runner.generate(encoded, [sp.max_tokens for sp in sps], tuple(stop))
-        dt = time.perf_counter() - t0
-        return [RequestOutput(
-            request_id=i, prompt_token_ids=ids, token_ids=r.token_ids,
-            text=self.tokenizer.decode(r.token_ids), finish_reason=r.finish_reason,
-            metrics={"latency_s": dt, "tokens_per_s": len(r.token_ids) / max(dt, 1e-9)},
-            accept_lens=r.accept_lens) for i, (ids, r) in enumerate(zip(encoded, results))]
+
+def _needs_runner(sp: SamplingParams) -> bool:
+    """Parameters the engine's backends do not carry yet."""
+    return (getattr(sp, "repetition_penalty", 1.0) != 1.0
+            or getattr(sp, "frequency_penalty", 0.0) != 0.0
+            or getattr(sp, "presence_penalty", 0.0) != 0.0
+            or getattr(sp, "logprobs", None) is not None or sp.seed is not None)

@@ -1,0 +1,264 @@
+"""The continuous-batching engine on tiny random models: requests arriving over time, aborts and
+retracts give exactly each request's plain greedy output; streams equal the final outputs; stops
+inside accepted chains; bad requests rejected without disturbing running ones; no compilation
+after warm-up."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.config import ModelConfig
+from jaxspec.engine import Engine, PlainBackend, SpecBackend
+from jaxspec.kv import init_cache
+from jaxspec.models import eagle, llama
+from jaxspec.sampling import SamplingParams
+from jaxspec.spec import SpecConfig
+from pallas_kernels.kv_compact import kv_compact
+
+CFG = ModelConfig(arch="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=96,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+SLOTS = 4
+MAX_MODEL_LEN = 56        # prompts 1..40 + max_tokens 1..12
+CHUNK = 16                # prompts over 16 tokens are prefilled in chunks
+SPEC = SpecConfig(3, 1, 4)
+PLAIN_STEPS = 3
+
+
+@functools.lru_cache(maxsize=None)
+def agreeing_pair():
+    """A target whose next token depends mostly on the current one and a head that passes the
+    token embedding through to the lm_head: the draft usually agrees, so chains are long."""
+    p = llama.init_random_params(CFG, jax.random.PRNGKey(2), scale=0.02)
+    p = dict(p, embed=jax.random.normal(jax.random.PRNGKey(3), p["embed"].shape),
+             lm_head=0.5 * jax.random.normal(jax.random.PRNGKey(7), p["lm_head"].shape),
+             final_norm=jnp.ones_like(p["final_norm"]))
+    h = CFG.hidden_size
+    d = eagle.init_eagle_params(CFG, jax.random.PRNGKey(4), scale=0.02)
+    d = dict(d, fc=jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], 0), fc_bias=jnp.zeros((h,)),
+             layers=dict(d["layers"], wo=jnp.zeros_like(d["layers"]["wo"]),
+                         w_down=jnp.zeros_like(d["layers"]["w_down"])))
+    return p, d
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _plain_step(params, cfg, k, v, lens, tok):
+    b = tok.shape[0]
+    h, kn, vn, _ = llama.forward(params, cfg, tok[:, None], lens[:, None], k, v, lens,
+                                 jnp.ones((b, 1, 1), bool))
+    k, v = kv_compact(k, v, kn, vn, lens, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32))
+    return k, v, lens + 1, jnp.argmax(llama.lm_head(params, cfg, h[:, 0]), -1).astype(jnp.int32)
+
+
+_REF = {}
+_NEW = 12
+
+
+def greedy_refs(prompts):
+    """Plain greedy, one token at a time with a KV cache, all prompts as one batch (each slot
+    feeds its prompt, then its own argmax); cached per prompt."""
+    todo = list({tuple(p) for p in prompts if tuple(p) not in _REF})
+    if not todo:
+        return
+    params = agreeing_pair()[0]
+    lens_p = np.array([len(p) for p in todo])
+    steps = int(lens_p.max()) + _NEW
+    feed = np.zeros((len(todo), steps), np.int32)
+    for i, p in enumerate(todo):
+        feed[i, :len(p)] = p
+    c = init_cache(CFG, len(todo), steps, jnp.float32)
+    k, v, lens = c.k, c.v, c.lens
+    outs = [[] for _ in todo]
+    nxt = np.zeros(len(todo), np.int32)
+    for t in range(steps):
+        tok = np.where(t < lens_p, feed[:, t], nxt)
+        k, v, lens, nxt = _plain_step(params, CFG, k, v, lens, jnp.asarray(tok, jnp.int32))
+        nxt = np.asarray(nxt)
+        for i in np.flatnonzero((t >= lens_p - 1) & (t < lens_p - 1 + _NEW)):
+            outs[i].append(int(nxt[i]))
+    for p, o in zip(todo, outs):
+        _REF[p] = o
+
+
+def greedy_ref(prompt):
+    greedy_refs([prompt])
+    return _REF[tuple(prompt)]
+
+
+def expected(prompt, sp: SamplingParams, eos):
+    ref = greedy_ref(prompt)[:sp.max_tokens]
+    stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos))
+    for i, t in enumerate(ref):
+        if t in stops:
+            return ref[:i + 1], "stop"
+    return ref, "length"
+
+
+def make_engine(kind, kv_budget=None, eos=(), detokenize=None):
+    params, head = agreeing_pair()
+    if kind == "spec":
+        backend = SpecBackend(CFG, params, head, SPEC, SLOTS, MAX_MODEL_LEN + 2 * SPEC.max_emit)
+    else:
+        backend = PlainBackend(CFG, params, SLOTS, MAX_MODEL_LEN + 2 * PLAIN_STEPS,
+                               n_steps=PLAIN_STEPS)
+    return Engine(backend, max_model_len=MAX_MODEL_LEN, vocab_size=CFG.vocab_size, eos_ids=eos,
+                  kv_budget=kv_budget, chunk=CHUNK, detokenize=detokenize)
+
+
+class CompileCounter:
+    """Counts XLA compilations (any function) while active."""
+
+    def __init__(self):
+        self.n, self.on = 0, False
+        jax.monitoring.register_event_duration_secs_listener(self._event)
+
+    def _event(self, name, _dur, **_kw):
+        if self.on and name == "/jax/core/compile/backend_compile_duration":
+            self.n += 1
+
+
+_COUNTER = CompileCounter()
+
+
+@pytest.mark.parametrize("kind", ["spec", "plain"])
+def test_requests_over_time_with_aborts_and_retracts(kind):
+    rng = np.random.default_rng(0 if kind == "spec" else 1)
+    n = 200 if kind == "spec" else 120
+    # A common token of the references serves as EOS, so many requests stop early.
+    prompts = [[int(t) for t in rng.integers(0, CFG.vocab_size, rng.integers(1, 41))]
+               for _ in range(n)]
+    greedy_refs(prompts)
+    counts = np.bincount([t for p in prompts for t in greedy_ref(p)], minlength=CFG.vocab_size)
+    eos = (int(np.argsort(counts)[-3]),)
+    sps = [SamplingParams(max_tokens=int(rng.integers(1, 13)), ignore_eos=bool(rng.random() < 0.3))
+           for _ in range(n)]
+    engine = make_engine(kind, kv_budget=110, eos=eos)
+    engine.warmup()
+    sizes = [f._cache_size() for f in engine.backend.jitted()]
+    arrive = np.sort(rng.integers(0, n // 2, n))          # step at which each request arrives
+    abort_at = {i: int(arrive[i] + rng.integers(0, 8)) for i in rng.choice(n, n // 10, False)}
+    streams, finals, ids, step = {}, {}, {}, 0
+    _COUNTER.on = True
+    try:
+        while len(ids) < n or engine.has_work():
+            for i in np.flatnonzero(arrive == step):
+                ids[int(i)] = engine.add_request(prompts[i], sps[i])
+            for i, at in abort_at.items():
+                if at == step and i in ids:
+                    engine.abort(ids[i])
+            for d in engine.step():
+                assert d.request_id not in finals, "delta after the final one"
+                streams.setdefault(d.request_id, []).extend(d.token_ids)
+                if d.finished:
+                    finals[d.request_id] = d.finish_reason
+            step += 1
+            assert step < 5000
+    finally:
+        _COUNTER.on = False
+    assert _COUNTER.n == 0, "compiled after warm-up"
+    assert [f._cache_size() for f in engine.backend.jitted()] == sizes
+    assert engine.stats.retracts > 0 and engine.stats.prefill_chunks > n
+    n_aborted = n_one = 0
+    for i, rid in ids.items():
+        r = engine.pop_finished(rid)
+        assert streams.get(rid, []) == r.output and finals[rid] == r.finish_reason
+        want, reason = expected(prompts[i], sps[i], eos)
+        if r.finish_reason == "abort":
+            assert i in abort_at and r.output == want[:len(r.output)]
+            n_aborted += 1
+            continue
+        assert (r.output, r.finish_reason) == (want, reason), (i, r.retracts)
+        n_one += sps[i].max_tokens == 1
+    assert n_aborted > 0 and n_one > 0
+    assert not engine.requests and not engine.runs and not engine.finished_requests
+
+
+def test_eos_and_max_tokens_inside_an_accepted_chain():
+    prompt = [5, 17, 42, 8, 99]
+    ref = greedy_ref(prompt)
+    eos = ref[7]
+    first = ref.index(eos)
+    engine = make_engine("spec", eos=(eos,))
+    a = engine.add_request(prompt, SamplingParams(max_tokens=12))
+    b = engine.add_request(prompt, SamplingParams(max_tokens=1))
+    c = engine.add_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    deltas = list(engine.drain())
+    ra, rb, rc = (engine.pop_finished(x) for x in (a, b, c))
+    assert (ra.output, ra.finish_reason) == (ref[:first + 1], "stop")
+    assert (rb.output, rb.finish_reason) == (ref[:1], "length") and rb.accept_lens == []
+    assert (rc.output, rc.finish_reason) == (ref[:3], "length")
+    # the stops fell inside multi-token accepts, whose extra tokens were never streamed
+    assert max(ra.accept_lens) > 1 and 1 + sum(x + 1 for x in rc.accept_lens) > 3
+    for r in (ra, rb, rc):
+        assert [t for d in deltas if d.request_id == r.request_id for t in d.token_ids] == r.output
+
+
+def _detok(ids):
+    return "".join(chr(0x41 + t % 58) for t in ids)
+
+
+def test_stop_strings_cut_text_and_stream_equals_final():
+    engine = make_engine("spec", detokenize=_detok)
+    prompts = [[3, 9, 27], [100, 1, 2, 3, 4], list(range(30, 60))]
+    stops = []
+    for p in prompts:
+        text = _detok(greedy_ref(p))
+        stops.append(text[5:7])
+    ids = [engine.add_request(p, SamplingParams(max_tokens=12, stop=(s,)))
+           for p, s in zip(prompts, stops)]
+    text = {}
+    for d in engine.drain():
+        text[d.request_id] = text.get(d.request_id, "") + d.text
+    for rid, p, s in zip(ids, prompts, stops):
+        r = engine.pop_finished(rid)
+        full = _detok(greedy_ref(p))
+        cut = full.find(s)
+        assert r.finish_reason == "stop" and r.text == full[:cut] == text[rid]
+        assert r.output == greedy_ref(p)[:cut + len(s)]   # up to the token completing it
+
+
+def test_bad_requests_rejected_without_disturbing_running_ones():
+    engine = make_engine("spec", kv_budget=55)
+    good = [[7, 8, 9], list(range(20, 50))]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in good]
+    engine.step()
+    engine.step()
+    for prompt, sp, needle in [
+            ([], None, "empty prompt"),
+            ([1] * 50, SamplingParams(max_tokens=10), "exceeds the context"),
+            ([1, 500], None, "out of range"),
+            ([1, 2], SamplingParams(temperature=0.7), "greedy only"),
+            ([1] * 40, SamplingParams(max_tokens=12), "more than the budget")]:
+        with pytest.raises(ValueError, match=needle):
+            engine.add_request(prompt, sp)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([1, 2], request_id=ids[0])
+    list(engine.drain())
+    for rid, p in zip(ids, good):
+        assert engine.pop_finished(rid).output == greedy_ref(p)[:10]
+
+
+def test_admission_equals_the_batch_prefill():
+    """One chunk of admission into slot 2 == the cycle's own prefill of the same prompt."""
+    from jaxspec.spec.admit import batch_axes, take_slots
+    from jaxspec.spec.cycle import init_state, jit_prefill
+    params, head = agreeing_pair()
+    prompt = [5, 17, 42, 8, 99, 3]
+    engine = make_engine("spec")
+    rows = engine.backend.max_len
+    state = init_state(CFG, SPEC, SLOTS, rows, jnp.float32)
+    tokens = np.zeros((SLOTS, 16), np.int32)
+    tokens[2, :6] = prompt
+    lens = np.array([0, 0, 6, 0], np.int32)
+    ref, root = jit_prefill(CFG, SPEC)(params, head, state, tokens, lens)
+    got, first = engine.backend.admit(engine.state, np.array([2], np.int32), tokens[2:3],
+                                      np.zeros(1, np.int32), np.array([6], np.int32),
+                                      np.array([-1], np.int32))
+    assert int(first[0]) == int(root[2]) == greedy_ref(prompt)[0]
+    axes = batch_axes(lambda b: init_state(CFG, SPEC, b, rows, jnp.float32), SLOTS)
+    slot = np.array([2], np.int32)   # the prefill also fills idle slots' seeds: compare slot 2
+    owned = lambda s: (s.target, s.draft_k, s.draft_v, s.root, s.seed)   # what admission writes
+    for a, b in zip(jax.tree_util.tree_leaves(owned(take_slots(ref, axes, slot))),
+                    jax.tree_util.tree_leaves(owned(take_slots(got, axes, slot)))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
