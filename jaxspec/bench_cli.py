@@ -1,78 +1,382 @@
-"""`jaxspec-bench`: plain vs speculative decoding on a prompt set, side by side.
+"""`jaxspec-bench`: should you speculate, and how? Plain vs speculative decoding, side by side.
 
-With no arguments: the default model and shipped draft head, a handful of MT-bench questions,
-greedy, batch 1. Prints a table (tokens/s, mean accept length, speedup); --json writes it.
+With no arguments: the default model (SmolLM2-135M-Instruct) and its shipped EAGLE head on a
+handful of MT-bench questions, greedy, batch 1: a table of tokens/s, accept length (tokens per
+cycle, bonus included) and speedup over plain decoding.
+
+Modes:
+  sweep     (default) batch sizes x configs; --adaptive picks a config per batch size;
+            HF transformers peers (static cache, prompt lookup) when torch has CUDA or --peer-hf
+  serve     Poisson arrivals at --request-rate: throughput, TTFT, TPOT, latency percentiles
+  accuracy  GSM8K: accuracy of plain and speculative answers, and whether they are identical
+  cycle     Llama-3-8B-shaped random weights: cycle cost vs a decode step; acceptance is only
+            ever assumed (--assume-accept) or replayed (--replay-accept), never measured
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-import time
 from typing import List, Optional
 
 from tqdm import tqdm
 
-
-def _prompts(args):
-    from jaxspec.datasets import load_jsonl_prompts, mt_bench
-    if args.dataset == "mt-bench":
-        return mt_bench(args.num_prompts)
-    return load_jsonl_prompts(args.dataset, args.num_prompts)
+SCHEMA = "jaxspec-bench/1"
 
 
-def _run(llm, prompts, sp, batch, label):
-    """Generates in groups of `batch`; returns (outputs, seconds)."""
-    outs = []
-    t0 = time.perf_counter()
-    for i in tqdm(range(0, len(prompts), batch), desc=label, leave=False):
-        outs += llm.generate([p["chat"] for p in prompts[i:i + batch]], sp)
-    return outs, time.perf_counter() - t0
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="jaxspec-bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=("sweep", "serve", "accuracy", "cycle"), default=None,
+                    help="default: serve if --request-rate is given, else sweep")
+    ap.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2-135M)")
+    ap.add_argument("--draft", default=None,
+                    help="EAGLE head checkpoint (default: the shipped head of the default model)")
+    ap.add_argument("--dataset", default=None,
+                    help="mt-bench, gsm8k, sharegpt, or a jsonl of prompts or chats "
+                         "(default: mt-bench; gsm8k in accuracy mode)")
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="prompts from the dataset (default: 8 on GPU, 4 on CPU)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="new tokens per request (default: 128 on GPU, 64 on CPU)")
+    ap.add_argument("--batch-sizes", "--batch-size", dest="batch_sizes", default="1",
+                    help="comma list of batch sizes to sweep, e.g. 1,4,16")
+    ap.add_argument("--spec", default=None,
+                    help="comma list of presets (naive, chain, tree) or STEPSxTOPKxTOKENS "
+                         "(default: chain,tree on GPU, chain on CPU)")
+    ap.add_argument("--no-spec", action="store_true", help="plain decoding only")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--adaptive", action="store_true",
+                    help="choose the config (or plain) per batch size from measured costs")
+    ap.add_argument("--peer-hf", action="store_true",
+                    help="run the HF transformers peers on CPU too (always on with CUDA)")
+    ap.add_argument("--no-peers", action="store_true", help="skip the HF transformers peers")
+    serve = ap.add_argument_group("serve mode")
+    serve.add_argument("--request-rate", type=float, default=None,
+                       help="requests per second (inf: all at once)")
+    serve.add_argument("--num-requests", type=int, default=None,
+                       help="requests to send (default: --num-prompts; prompts repeat)")
+    serve.add_argument("--serve-how", choices=("stream", "waves"), default=None,
+                       help=argparse.SUPPRESS)
+    cyc = ap.add_argument_group("cycle mode")
+    cyc.add_argument("--shape", choices=("llama3-8b", "tiny"), default="llama3-8b")
+    cyc.add_argument("--prefix", type=int, default=None, help="committed tokens (default 1024)")
+    cyc.add_argument("--assume-accept", default=None,
+                     help="comma list of ASSUMED accept lengths to project speedups with")
+    cyc.add_argument("--replay-accept", default=None,
+                     help="an earlier --json result whose measured accept lengths are REPLAYED")
+    ap.add_argument("--json", default=None, help="write the results here ('-': stdout)")
+    ap.add_argument("--plot", default=None, help="write a PNG (sweep: speedup vs batch size, "
+                    "accept-length histogram, per-category table)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    return ap
+
+
+def _defaults(args):
+    import jax
+    gpu = jax.default_backend() == "gpu"
+    args.num_prompts = args.num_prompts or (8 if gpu else 4)
+    args.max_tokens = args.max_tokens or (128 if gpu else 64)
+    if args.spec is None:
+        args.spec = "chain,tree" if gpu else "chain"
+    if args.mode is None:
+        args.mode = "serve" if args.request_rate is not None else "sweep"
+    if args.dataset is None:
+        args.dataset = "gsm8k" if args.mode == "accuracy" else "mt-bench"
+    try:
+        args.batch_list = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
+    except ValueError:
+        raise SystemExit(f"--batch-sizes {args.batch_sizes!r}: a comma list of integers") from None
+    if not args.batch_list or min(args.batch_list) < 1:
+        raise SystemExit(f"--batch-sizes {args.batch_sizes!r}: batch sizes must be >= 1")
+    return args
+
+
+def _header(args) -> dict:
+    import jax
+    d = jax.devices()[0]
+    return {"schema": SCHEMA, "mode": args.mode, "backend": jax.default_backend(),
+            "device": f"{d.platform}:{getattr(d, 'device_kind', '?')}", "jax": jax.__version__,
+            "model": args.model, "model_label": args.model or "SmolLM2-135M-Instruct (default)",
+            "dataset": args.dataset,
+            "args": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+            "notes": []}
+
+
+def _say(args, *a):
+    # The table goes to stderr when the JSON goes to stdout.
+    print(*a, file=sys.stderr if args.json == "-" else sys.stdout, flush=True)
+
+
+# ----------------------------------------------------------------------------- sweep
+def _setup(args, result):
+    from jaxspec.benchmark import prompts as P
+    from jaxspec.benchmark.runner import PLAIN, Target, parse_specs
+    prompts = P.load_prompts(args.dataset, args.num_prompts)
+    if not prompts:
+        raise SystemExit(f"--dataset {args.dataset}: no prompts")
+    modes = [PLAIN] + ([] if args.no_spec else parse_specs(args.spec))
+    target = Target(args.model, args.draft, args.max_model_len, args.seed)
+    result["draft_label"] = target.draft_label if len(modes) > 1 else None
+    if args.draft == "random":
+        result["notes"].append("draft: a RANDOM EAGLE head; accept lengths and speedups measure "
+                               "the machinery, not a trained head")
+    return prompts, modes, target
+
+
+def _sampling(args):
+    from jaxspec import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                          max_tokens=args.max_tokens)
+
+
+def _fit(args, result, target, prompts):
+    from jaxspec.benchmark.runner import fit_prompts
+    kept, dropped = fit_prompts(target.tokenizer, prompts, args.max_tokens, args.max_model_len)
+    if dropped:
+        result["notes"].append(f"{dropped} prompts longer than max_model_len - max_tokens "
+                               "were left out")
+    if not kept:
+        raise SystemExit("no prompt fits in --max-model-len with --max-tokens")
+    return kept
+
+
+def run_sweep(args, result):
+    from jaxspec.benchmark import adaptive
+    from jaxspec.benchmark import runner as R
+    prompts, modes, target = _setup(args, result)
+    sp = _sampling(args)
+    rows, requests, decisions, plain_first = [], {}, {}, None
+    bar = tqdm(total=len(args.batch_list) * len(modes), desc="runs", disable=args.quiet)
+    for b in args.batch_list:
+        plain_outs, base, probes = None, None, {}
+        for m in modes:
+            bar.set_postfix_str(f"batch {b}, {m.label}: load")
+            llm = target.llm(b, m)
+            if m is R.PLAIN and plain_first is None:
+                prompts = _fit(args, result, target, prompts)
+            chats = [p["chat"] for p in prompts]
+            bar.set_postfix_str(f"batch {b}, {m.label}: warm-up")
+            R.warm(llm, chats, sp)
+            if args.adaptive:
+                bar.set_postfix_str(f"batch {b}, {m.label}: probe")
+                probes[m.label] = adaptive.probe(llm, adaptive.probe_chats(prompts, b), sp,
+                                                 m.spec is not None)
+            bar.set_postfix_str(f"batch {b}, {m.label}: timed")
+            outs, secs = R.timed_generate(llm, chats, sp)
+            row = R.summarize(m, b, outs, secs, target.draft_label)
+            if m is R.PLAIN:
+                plain_outs, base = outs, row["tokens_per_s"]
+                plain_first = plain_first or outs
+            row["speedup"] = row["tokens_per_s"] / base if base else None
+            if m is not R.PLAIN and args.temperature == 0.0:
+                row["equals_plain"] = R.agreement(plain_outs, outs)
+            rows.append(row)
+            requests[f"b{b}/{m.label}"] = R.per_request(prompts, outs)
+            del llm
+            bar.update()
+        if args.adaptive:
+            decisions[b] = adaptive.choose(probes)
+    bar.close()
+    result["rows"] = rows
+    b0 = args.batch_list[0]
+    result["categories"] = R.categories(
+        prompts, {m.label: requests[f"b{b0}/{m.label}"] for m in modes})
+    result["requests"] = requests
+    if args.adaptive:
+        result["adaptive"] = adaptive.attach_measured(decisions, rows)
+    result["peers"] = _peers(args, result, prompts, plain_first, rows, target)
+    _print_sweep(args, result)
+
+
+def _peers(args, result, prompts, plain_outs, rows, target) -> List[dict]:
+    from jaxspec.benchmark import peers
+    if args.no_peers:
+        return []
+    why = peers.available(args.peer_hf)
+    if why:
+        result["notes"].append(f"HF transformers peers skipped: {why}")
+        return []
+    ids = [o.prompt_token_ids for o in plain_outs]
+    eos = sorted(set(target.tokenizer.eos_token_ids) | set(target.config.eos_token_ids))
+    model = peers.load_hf(args.model)
+    base = next((r["tokens_per_s"] for r in rows if r["batch"] == 1 and r["mode"] == "plain"),
+                None)
+    out = []
+    for name in tqdm(list(peers.PEERS), desc="peers", disable=args.quiet):
+        r = peers.run_peer(model, name, ids, args.max_tokens, eos)
+        toks = r.pop("token_ids")
+        r["jaxspec_plain_speedup"] = base / r["tokens_per_s"] if base and r["tokens_per_s"] else None
+        r["speedup"] = r["tokens_per_s"] / base if base else None
+        if args.temperature == 0.0:
+            same = sum(list(a.token_ids) == b for a, b in zip(plain_outs, toks))
+            r["equals_jaxspec_plain"] = same / max(len(toks), 1)
+        out.append(r)
+    return out
+
+
+def _fmt(x, f="{:.2f}", none="-"):
+    return none if x is None else f.format(x)
+
+
+def _print_sweep(args, result):
+    _say(args, f"\n{result['model_label']} | {result['dataset']} | {result['device']} | "
+               f"temperature {args.temperature} | {args.max_tokens} new tokens | draft: "
+               f"{result.get('draft_label') or '-'}")
+    _say(args, f"{'batch':>5s} {'mode':10s} {'reqs':>4s} {'tokens':>7s} {'tok/s':>9s} "
+               f"{'accept':>7s} {'speedup':>8s} {'=plain':>7s}")
+    for r in result["rows"] + result.get("peers", []):
+        eq = r.get("equals_plain", r.get("equals_jaxspec_plain"))
+        _say(args, f"{r['batch']:5d} {r['mode']:10s} {r['requests']:4d} {r['tokens']:7d} "
+                   f"{r['tokens_per_s']:9.1f} {_fmt(r.get('accept_len')):>7s} "
+                   f"{_fmt(r.get('speedup'), '{:.2f}x'):>8s} {_fmt(eq, '{:.0%}'):>7s}")
+    if result.get("adaptive"):
+        _say(args, "\nadaptive: per batch size, the config with the highest expected tokens/s")
+        for a in result["adaptive"]:
+            _say(args, f"  batch {a['batch']:3d}: {a['choice']:10s} expected "
+                       f"{a['expected_speedup']:.2f}x, measured "
+                       f"{_fmt(a['measured_speedup'], '{:.2f}x')}")
+    cats = result.get("categories") or []
+    if len(cats) > 1:
+        modes = [k for k in cats[0] if k not in ("category", "requests")]
+        _say(args, f"\nper category (batch {args.batch_list[0]}): tok/s per request "
+                   "[accept length, speedup]")
+        for c in cats:
+            parts = []
+            for m in modes:
+                v = c[m]
+                extra = "" if m == "plain" else \
+                    f" [{_fmt(v['accept_len'])}, {_fmt(v['speedup'], '{:.2f}x')}]"
+                parts.append(f"{m} {v['tokens_per_s']:.1f}{extra}")
+            _say(args, f"  {c['category']:12s} " + "  ".join(parts))
+    for n in result["notes"]:
+        _say(args, f"note: {n}")
+
+
+# ----------------------------------------------------------------------------- serve
+def run_serve(args, result):
+    from jaxspec.benchmark import serving
+    from jaxspec.benchmark import runner as R
+    prompts, modes, target = _setup(args, result)
+    sp = _sampling(args)
+    rate = math.inf if args.request_rate is None else args.request_rate
+    b = max(args.batch_list)
+    n = args.num_requests or len(prompts)
+    rows = []
+    for m in tqdm(modes, desc="serve", disable=args.quiet):
+        llm = target.llm(b, m)
+        if m is R.PLAIN:
+            prompts = _fit(args, result, target, prompts)
+        chats = [prompts[i % len(prompts)]["chat"] for i in range(n)]
+        R.warm(llm, chats[:len(prompts)], sp)
+        res = serving.serve(llm, chats, sp, rate, seed=args.seed, tag=f"bench-{m.label}",
+                            how=args.serve_how)
+        rows.append({"mode": m.label, "batch": b, "spec": m.describe(), **res})
+        del llm
+    result["serving"] = rows
+    ms = 1e3
+    _say(args, f"\nserving: {n} requests at {rate} req/s, batch {b} | {result['model_label']} | "
+               f"{result['dataset']} | {result['device']} | timestamps: {rows[0]['how']}")
+    _say(args, f"{'mode':10s} {'req/s':>7s} {'tok/s':>8s} {'TTFT p50/p90/p99 ms':>22s} "
+               f"{'TPOT p50/p90/p99 ms':>22s} {'E2E p50 ms':>10s}")
+    for r in rows:
+        def trio(k):
+            return "/".join(_fmt(r[f"p{q}_{k}"] and r[f"p{q}_{k}"] * ms, "{:.0f}")
+                            for q in (50, 90, 99))
+        _say(args, f"{r['mode']:10s} {r['request_throughput']:7.2f} "
+                   f"{r['output_throughput']:8.1f} {trio('ttft_s'):>22s} {trio('tpot_s'):>22s} "
+                   f"{_fmt(r['p50_e2e_s'] and r['p50_e2e_s'] * ms, '{:.0f}'):>10s}")
+    for note in result["notes"]:
+        _say(args, f"note: {note}")
+
+
+# ----------------------------------------------------------------------------- accuracy
+def run_accuracy(args, result):
+    from jaxspec.benchmark import prompts as P
+    from jaxspec.benchmark import runner as R
+    if args.temperature != 0.0:
+        result["notes"].append("accuracy mode decodes greedily: --temperature ignored")
+        args.temperature = 0.0
+    prompts, modes, target = _setup(args, result)
+    if not any(p.get("answer") for p in prompts):
+        raise SystemExit(f"--dataset {args.dataset}: accuracy mode needs reference answers "
+                         "(GSM8K-style rows with 'answer')")
+    sp = _sampling(args)
+    b = max(args.batch_list)
+    rows, plain_outs = [], None
+    for m in tqdm(modes, desc="accuracy", disable=args.quiet):
+        llm = target.llm(b, m)
+        if m is R.PLAIN:
+            prompts = _fit(args, result, target, prompts)
+        outs, secs = R.timed_generate(llm, [p["chat"] for p in prompts], sp)
+        got = [P.last_number(o.text) for o in outs]
+        correct = sum(g is not None and g == p["answer"] for g, p in zip(got, prompts))
+        row = {**R.summarize(m, b, outs, secs, target.draft_label),
+               "accuracy": correct / len(prompts), "correct": correct,
+               "answers": got}
+        if m is R.PLAIN:
+            plain_outs = outs
+        else:
+            row["identical_answers"] = R.agreement(plain_outs, outs)
+        rows.append(row)
+        del llm
+    result["accuracy"] = rows
+    _say(args, f"\nGSM8K accuracy, greedy, {len(prompts)} questions, {args.max_tokens} new "
+               f"tokens | {result['model_label']} | {result['device']}")
+    for r in rows:
+        same = r.get("identical_answers")
+        _say(args, f"  {r['mode']:10s} accuracy {r['accuracy']:.1%} ({r['correct']}/"
+                   f"{r['requests']})  tok/s {r['tokens_per_s']:.1f}  accept "
+                   f"{_fmt(r.get('accept_len'))}" +
+             ("" if same is None else f"  identical to plain: {same:.0%}"))
+    for note in result["notes"]:
+        _say(args, f"note: {note}")
+
+
+# ----------------------------------------------------------------------------- cycle
+def run_cycle(args, result):
+    from jaxspec.benchmark import large
+    from jaxspec.benchmark.runner import parse_specs
+    modes = parse_specs(args.spec)
+    assume = [float(x) for x in args.assume_accept.split(",")] if args.assume_accept else None
+    bar = tqdm(total=len(modes), desc="cycle", disable=args.quiet)
+    res = large.run(modes, args.shape, args.prefix, assume, args.replay_accept,
+                    progress=lambda _: bar.update())
+    bar.close()
+    result["cycle"] = res
+    _say(args, f"\ncycle cost at {res['shape']}, {res['dtype']}, batch 1, prefix "
+               f"{res['prefix']} | {result['device']}")
+    _say(args, f"plain decode step {res['decode_ms']:.3f} ms; acceptance {res['acceptance']}")
+    for r in res["rows"]:
+        proj = "; ".join(f"{p['projected_speedup']:.2f}x at accept {p['accept_len']:.2f} "
+                         f"({p['source'].upper()})" for p in r["projections"])
+        _say(args, f"  {r['mode']:10s} cycle {r['cycle_ms']:.3f} ms = "
+                   f"{r['cycle_over_decode']:.2f} steps; breaks even at accept length "
+                   f"{r['break_even_accept_len']:.2f}" + (f"; projected {proj}" if proj else ""))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="jaxspec-bench", description=__doc__)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--draft", default=None, help="draft head checkpoint (default: shipped head)")
-    ap.add_argument("--dataset", default="mt-bench", help="mt-bench or a jsonl path")
-    ap.add_argument("--num-prompts", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--spec", default="chain", help="comma list of presets (naive,chain,tree)")
-    ap.add_argument("--no-spec", action="store_true", help="plain decoding only")
-    ap.add_argument("--json", default=None, help="write results to this file")
-    args = ap.parse_args(argv)
-
-    from jaxspec import LLM, SamplingParams
-    prompts = _prompts(args)
-    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    plain = LLM(args.model, max_batch=args.batch_size, max_model_len=2048)
-    _run(plain, prompts[:1], sp, args.batch_size, "warm-up")
-    outs, secs = _run(plain, prompts, sp, args.batch_size, "plain")
-    ntok = sum(len(o.token_ids) for o in outs)
-    rows = [dict(mode="plain", tokens=ntok, seconds=secs, tokens_per_s=ntok / secs,
-                 accept_len=None, speedup=1.0)]
-    base_tps = ntok / secs
-    if not args.no_spec:
-        for preset in args.spec.split(","):
-            llm = LLM(args.model, max_batch=args.batch_size, max_model_len=2048,
-                      draft=args.draft, spec=preset)
-            _run(llm, prompts[:1], sp, args.batch_size, "warm-up")
-            souts, ssecs = _run(llm, prompts, sp, args.batch_size, preset)
-            same = all(a.token_ids == b.token_ids for a, b in zip(outs, souts))
-            stok = sum(len(o.token_ids) for o in souts)
-            acc = [a + 1 for o in souts for a in o.accept_lens]
-            rows.append(dict(mode=preset, tokens=stok, seconds=ssecs, tokens_per_s=stok / ssecs,
-                             accept_len=sum(acc) / max(len(acc), 1),
-                             speedup=(stok / ssecs) / base_tps, equals_plain=same))
-    print(f"{'mode':8s} {'tokens':>7s} {'tok/s':>9s} {'accept':>7s} {'speedup':>8s}")
-    for r in rows:
-        acc = f"{r['accept_len']:.2f}" if r["accept_len"] is not None else "-"
-        print(f"{r['mode']:8s} {r['tokens']:7d} {r['tokens_per_s']:9.1f} {acc:>7s} "
-              f"{r['speedup']:7.2f}x")
+    args = _defaults(build_parser().parse_args(argv))
+    result = _header(args)
+    {"sweep": run_sweep, "serve": run_serve, "accuracy": run_accuracy,
+     "cycle": run_cycle}[args.mode](args, result)
+    if args.plot:
+        if args.mode != "sweep":
+            raise SystemExit("--plot draws a sweep (the default mode)")
+        from jaxspec.benchmark.plots import plot
+        plot(result, args.plot)
+        _say(args, f"plot: {args.plot}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        text = json.dumps(result, indent=1, default=str)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text)
     return 0
 
 

@@ -1,0 +1,185 @@
+"""Plain vs speculative decoding over batch sizes, through the public `LLM` API only.
+
+Each (batch size, mode) gets its own `LLM` with `max_batch` = the batch size, so the engine never
+runs more requests at once than the batch being measured. A warm-up pass over the same prompts
+(few tokens) compiles the prefill buckets and the cycle before the timed pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from jaxspec.config import ConfigError
+
+WARMUP_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """A decoding mode: plain (spec None) or speculative with a SpecConfig."""
+    label: str
+    spec: Any = None
+
+    def describe(self) -> Optional[dict]:
+        if self.spec is None:
+            return None
+        s = self.spec
+        return {"num_steps": s.num_steps, "topk": s.topk, "num_draft_tokens": s.num_draft_tokens}
+
+
+PLAIN = Mode("plain")
+
+
+def parse_specs(text: str) -> List[Mode]:
+    """'chain,tree,3x1x4': presets or num_steps x topk x num_draft_tokens."""
+    from jaxspec.spec.config import PRESETS, SpecConfig
+    modes = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        if item in PRESETS:
+            modes.append(Mode(item, PRESETS[item]))
+            continue
+        parts = item.lower().split("x")
+        try:
+            s, k, n = (int(p) for p in parts)
+        except ValueError:
+            raise ConfigError(f"--spec {item!r}: a preset ({', '.join(PRESETS)}) or "
+                              "STEPSxTOPKxTOKENS such as 3x1x4") from None
+        modes.append(Mode(item, SpecConfig(num_steps=s, topk=k, num_draft_tokens=n)))
+    if len({m.label for m in modes}) != len(modes):
+        raise ConfigError(f"--spec {text!r} names a config twice")
+    return modes
+
+
+class Target:
+    """The model under test and its draft; builds one LLM per (batch size, mode)."""
+
+    def __init__(self, model: Optional[str], draft: Optional[str], max_model_len: int,
+                 seed: int = 0):
+        self.model, self.draft_arg, self.max_model_len, self.seed = model, draft, max_model_len, seed
+        self._draft_params = None
+        self.config = None
+        self.tokenizer = None
+
+    @property
+    def draft_label(self) -> str:
+        if self.draft_arg in (None, "default"):
+            return "shipped head"
+        if self.draft_arg == "random":
+            return "RANDOM head (untrained: accept lengths say nothing about a real head)"
+        return self.draft_arg
+
+    def llm(self, batch: int, mode: Mode):
+        from jaxspec import LLM
+        if mode.spec is None:
+            llm = LLM(self.model, max_batch=batch, max_model_len=self.max_model_len,
+                      seed=self.seed)
+            self.config, self.tokenizer = llm.config, llm.tokenizer
+            return llm
+        draft = self.draft_arg
+        if draft == "random":
+            draft = self._random_draft()
+        try:
+            return LLM(self.model, max_batch=batch, max_model_len=self.max_model_len,
+                       seed=self.seed, draft=draft, spec=mode.spec)
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"cannot load the draft head ({e}); pass --draft PATH, or "
+                             "--draft random to time the cycle with an untrained head") from None
+
+    def _random_draft(self):
+        if self._draft_params is None:
+            import jax
+
+            from jaxspec.models.eagle import init_eagle_params
+            from jaxspec.weights import default_dtype
+            if self.config is None:
+                raise RuntimeError("build a plain LLM first (its config sizes the random head)")
+            self._draft_params = init_eagle_params(self.config, jax.random.PRNGKey(self.seed),
+                                                   dtype=default_dtype())
+        return self._draft_params
+
+
+def warm(llm, chats, sp):
+    """Compiles what the timed pass will use: the engine's own warm-up when the API has one,
+    then the same prompts with few tokens (the prefill buckets they fall in)."""
+    if hasattr(llm, "warmup"):
+        llm.warmup()
+    llm.generate(chats, dataclasses.replace(sp, max_tokens=min(sp.max_tokens, WARMUP_TOKENS)))
+
+
+def timed_generate(llm, chats, sp):
+    t0 = time.perf_counter()
+    outs = llm.generate(chats, sp)
+    return outs, time.perf_counter() - t0
+
+
+def summarize(mode: Mode, batch: int, outs, secs: float, draft_label: str) -> dict:
+    """One table row: throughput, accept length (tokens per cycle, bonus included) and its
+    histogram, per-request latencies."""
+    ntok = sum(len(o.token_ids) for o in outs)
+    taus = [a + 1 for o in outs for a in (o.accept_lens or [])]
+    row = {"mode": mode.label, "batch": batch, "spec": mode.describe(),
+           "draft": draft_label if mode.spec is not None else None,
+           "requests": len(outs), "tokens": ntok, "seconds": secs,
+           "tokens_per_s": ntok / secs if secs > 0 else 0.0,
+           "accept_len": statistics.fmean(taus) if taus else None,
+           "accept_hist": _hist(taus, mode.spec.max_emit) if mode.spec is not None else None,
+           "cycles": len(taus) if mode.spec is not None else None,
+           "mean_ttft_s": statistics.fmean(o.metrics["ttft_s"] for o in outs),
+           "mean_latency_s": statistics.fmean(o.metrics["latency_s"] for o in outs)}
+    return row
+
+
+def _hist(values: Sequence[int], top: int) -> List[int]:
+    """Counts of 1..top."""
+    h = [0] * top
+    for v in values:
+        h[min(max(v, 1), top) - 1] += 1
+    return h
+
+
+def per_request(prompts, outs) -> List[dict]:
+    return [{"id": p["id"], "category": p.get("category", ""), "tokens": len(o.token_ids),
+             "latency_s": o.metrics["latency_s"], "ttft_s": o.metrics["ttft_s"],
+             "accept_lens": list(o.accept_lens) if o.accept_lens is not None else None,
+             "finish_reason": o.finish_reason} for p, o in zip(prompts, outs)]
+
+
+def categories(prompts, runs: Dict[str, List[dict]]) -> List[dict]:
+    """Per category at one batch size: each mode's request throughput (tokens / latency summed
+    over the category's requests), accept length, and speedup over plain."""
+    cats = sorted({p.get("category") or "-" for p in prompts})
+    table = []
+    for c in cats:
+        row = {"category": c, "requests": sum((p.get("category") or "-") == c for p in prompts)}
+        base = None
+        for label, reqs in runs.items():
+            sel = [r for r in reqs if (r["category"] or "-") == c]
+            tps = sum(r["tokens"] for r in sel) / max(sum(r["latency_s"] for r in sel), 1e-9)
+            taus = [a + 1 for r in sel for a in (r["accept_lens"] or [])]
+            if label == PLAIN.label:
+                base = tps
+            row[label] = {"tokens_per_s": tps,
+                          "accept_len": statistics.fmean(taus) if taus else None,
+                          "speedup": tps / base if base else None}
+        table.append(row)
+    return table
+
+
+def agreement(a, b) -> float:
+    """Fraction of requests whose token ids are identical."""
+    same = sum(x.token_ids == y.token_ids for x, y in zip(a, b))
+    return same / max(len(a), 1)
+
+
+def fit_prompts(tokenizer, prompts, max_tokens: int, max_model_len: int):
+    """(prompts that fit in max_model_len with max_tokens, how many were dropped)."""
+    keep = []
+    for p in prompts:
+        n = len(tokenizer.apply_chat_template(list(p["chat"])))
+        if n + max_tokens <= max_model_len:
+            keep.append(p)
+    return keep, len(prompts) - len(keep)
