@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +17,7 @@ import numpy as np
 from jaxspec.config import ModelConfig
 from jaxspec.kv import KVCache
 from jaxspec.models import llama
-from jaxspec.sampling import (MAX_LOGPROBS, SamplingParams, SlotSampling, TokenCounts,
+from jaxspec.sampling import (MAX_LOGPROBS, Emitted, SamplingParams, SlotSampling, TokenCounts,
                                apply_penalties, logprob_dicts, sample, sample_slots, slot_keys,
                                split_slot_keys, token_logprobs)
 from pallas_kernels.kv_compact import kv_compact
@@ -73,15 +73,6 @@ def decode_steps(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampl
 
     (cache, _, key), out = jax.lax.scan(step, (cache, tokens, key), None, length=n_steps)
     return cache, out.T, key
-
-
-class Emitted(NamedTuple):
-    """What a sampling step reports per slot: the tokens and their logprobs (zeros when no slot
-    asked for logprobs). Leading dims [B] or [B, n_steps]."""
-    tokens: jax.Array        # int32
-    logprob: jax.Array       # fp32, from the processed distribution
-    top_ids: jax.Array       # [..., k] int32, k = min(num_top, V)
-    top_logprobs: jax.Array  # [..., k] fp32
 
 
 def _emit(logits, sp: SlotSampling, hist: TokenCounts, keys, forced, num_top: int):

@@ -13,7 +13,7 @@ Temperature 0 is greedy: the argmax of the penalized logits.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -306,6 +306,15 @@ def sample_slots(logits, sp: SlotSampling, keys):
 
 
 # ---------------------------------------------------------------- logprobs
+
+
+class Emitted(NamedTuple):
+    """Emitted tokens and their logprobs (zeros when no slot asked for logprobs). Leading dims
+    [B], [B, n_steps] or [B, S+1]."""
+    tokens: jax.Array        # int32
+    logprob: jax.Array       # fp32, from the processed distribution
+    top_ids: jax.Array       # [..., k] int32, k = min(MAX_LOGPROBS, V)
+    top_logprobs: jax.Array  # [..., k] fp32
 
 
 def token_logprobs(logits, sp: SlotSampling, tokens, num_top: int):

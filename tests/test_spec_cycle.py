@@ -265,13 +265,14 @@ def _vocab_transcendentals(jaxpr, vocab):
 def _cycle_jaxpr(spec):
     state = init_state(CFG, spec, 2, 64, jnp.float32)
     f = functools.partial(jax.jit(functools.partial(
-        __import__("jaxspec.spec.cycle", fromlist=["cycle"]).cycle, cfg=CFG, spec=spec)))
+        __import__("jaxspec.spec.cycle", fromlist=["cycle"]).cycle, cfg=CFG, spec=spec,
+        greedy_only=True)))
     return jax.make_jaxpr(f)(target_params(), random_head(), state, jnp.ones((2,), bool))
 
 
 def _prefill_jaxpr(spec):
     state = init_state(CFG, spec, 2, 64, jnp.float32)
-    return jax.make_jaxpr(jit_prefill(CFG, spec))(target_params(), random_head(), state,
+    return jax.make_jaxpr(jit_prefill(CFG, spec, greedy_only=True))(target_params(), random_head(), state,
                                                   jnp.zeros((2, 16), jnp.int32),
                                                   jnp.array([5, 16], jnp.int32))
 

@@ -1,7 +1,13 @@
 """THE speculative cycle: one jitted, static-shape function.
 
-    draft (steps 1..S-1) -> tree -> verify (one target forward over N nodes) -> greedy accept
-    -> compaction (accepted target KV rows into place) -> draft catch-up (= next cycle's step 0)
+    draft (steps 1..S-1) -> tree -> verify (one target forward over N nodes) -> accept (greedy
+    or tree speculative sampling, per slot) -> compaction (accepted target KV rows into place)
+    -> draft catch-up (= next cycle's step 0)
+
+Sampling parameters, per-slot rng keys and the penalties' token counts are part of the state, so
+mixed greedy/sampled batches and new parameters never recompile. The softmax, sort and coins of
+sampling run under lax.cond only when some slot samples; the penalties only when some slot has
+one; logprobs only when some slot asked for them.
 
 State is a pytree donated to the jitted cycle, so the caches are updated in place; all counts are
 arrays, so a second call with new values reuses the compiled executable. Nothing in the cycle
@@ -22,7 +28,11 @@ from jaxspec.models import llama
 from jaxspec.spec import draft as draft_lib
 from jaxspec.spec.config import SpecConfig
 from jaxspec.spec.tree import build_tree
-from jaxspec.spec.verify import emitted_tokens, greedy_accept
+from jaxspec.sampling import (MAX_LOGPROBS, Emitted, SlotSampling, TokenCounts, apply_penalties,
+                               apply_tree_penalties, processed_logprobs, sample_slots,
+                               split_slot_keys, token_logprobs)
+from jaxspec.spec.verify import (emitted_tokens, greedy_accept, path_tokens, sample_accept,
+                                 select_accept)
 from pallas_kernels.kv_compact import kv_compact
 
 
@@ -34,17 +44,26 @@ class SpecState:
     draft_k/v   [1, B, Hkv, T, D] draft KV; draft row t sits at position t, so its length is L too
     root        [B] the last emitted token (no target KV yet)
     seed        DraftSeed: the root's top-k children, their log-probs, the root row's draft hidden
+    sampling    SlotSampling: per-slot parameters ([B] arrays)
+    rng         [B, 2] uint32 per-slot rng keys
+    history     TokenCounts: prompt tokens seen and output counts (the root included) [B, V]
     """
     target: KVCache
     draft_k: jax.Array
     draft_v: jax.Array
     root: jax.Array
     seed: draft_lib.DraftSeed
+    sampling: SlotSampling
+    rng: jax.Array
+    history: TokenCounts
 
 
 class CycleOut(NamedTuple):
-    tokens: jax.Array      # [B, S+1] emitted (accepted + bonus), -1 padded
-    accept_len: jax.Array  # [B] accepted drafted tokens (0 for idle slots)
+    tokens: jax.Array        # [B, S+1] emitted (accepted + bonus), -1 padded
+    accept_len: jax.Array    # [B] accepted drafted tokens (0 for idle slots)
+    logprob: jax.Array       # [B, S+1] of each emitted token (zeros unless a slot asked)
+    top_ids: jax.Array       # [B, S+1, k] best alternatives, k = min(MAX_LOGPROBS, V)
+    top_logprobs: jax.Array  # [B, S+1, k]
 
 
 def init_state(cfg: ModelConfig, spec: SpecConfig, slots: int, max_len: int, dtype) -> SpecState:
@@ -54,19 +73,31 @@ def init_state(cfg: ModelConfig, spec: SpecConfig, slots: int, max_len: int, dty
     seed = draft_lib.DraftSeed(jnp.zeros((slots, k), jnp.int32), jnp.zeros((slots, k), jnp.float32),
                                jnp.zeros((slots, cfg.hidden_size), dtype))
     return SpecState(target, jnp.zeros(dshape, dtype), jnp.zeros(dshape, dtype),
-                     jnp.zeros((slots,), jnp.int32), seed)
+                     jnp.zeros((slots,), jnp.int32), seed, SlotSampling.greedy(slots),
+                     jnp.zeros((slots, 2), jnp.uint32), TokenCounts.zeros(slots, cfg.vocab_size))
 
 
-def prefill(params, draft_params, state: SpecState, tokens, prompt_lens, *, cfg: ModelConfig,
-            spec: SpecConfig):
+def _penalized(logits, sp: SlotSampling, penalize):
+    """Runs the penalty only when some slot has one (the logits pass through otherwise)."""
+    return jax.lax.cond(sp.any_penalty(), penalize, lambda: logits)
+
+
+def prefill(params, draft_params, state: SpecState, tokens, prompt_lens, sampling=None, rng=None,
+            *, cfg: ModelConfig, spec: SpecConfig, greedy_only: bool = False,
+            with_logprobs: bool = False):
     """Target prefill + draft prefill over padded prompts.
 
     tokens [B, P] (padded), prompt_lens [B] (>= 1; 0 leaves a slot empty and idle).
-    The root (first generated token) is the target's argmax at the last prompt position; the
-    draft then catches up over rows (f_t, x_{t+1}) for t < P_b with x_{P_b} = root.
-    Returns (state, root [B]).
+    sampling (SlotSampling) and rng ([B, 2] keys) replace the state's when given.
+    The root (first generated token) is drawn from the target's processed distribution at the last
+    prompt position (the argmax for greedy slots); the draft then catches up over rows
+    (f_t, x_{t+1}) for t < P_b with x_{P_b} = root.
+    greedy_only: every slot is greedy (no sampling code is compiled).
+    Returns (state, root [B]), or (state, Emitted [B]) with with_logprobs.
     """
     b, p = tokens.shape
+    sp = state.sampling if sampling is None else sampling
+    rng = state.rng if rng is None else rng
     zeros = jnp.zeros((b,), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
     hidden, k_new, v_new, _ = llama.forward(params, cfg, tokens, pos, state.target.k,
@@ -75,21 +106,36 @@ def prefill(params, draft_params, state: SpecState, tokens, prompt_lens, *, cfg:
     tk, tv = kv_compact(state.target.k, state.target.v, k_new, v_new, zeros, pos, prompt_lens)
     feats = llama.final_norm(params, cfg, hidden)                           # EAGLE-1 features
     last = jnp.take_along_axis(feats, jnp.maximum(prompt_lens - 1, 0)[:, None, None], axis=1)
-    root = jnp.argmax(llama.project_logits(params, last[:, 0]), axis=-1).astype(jnp.int32)
+    hist = TokenCounts.from_prompts(tokens, prompt_lens, cfg.vocab_size)
+    logits = llama.project_logits(params, last[:, 0])
+    logits = _penalized(logits, sp, lambda: apply_penalties(logits, sp, hist))
+    if greedy_only:
+        root = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        rng, sub = split_slot_keys(rng, 2)
+        root = sample_slots(logits, sp, sub)
+    hist = hist.add(root[:, None], (prompt_lens > 0)[:, None])
     shifted = jnp.concatenate([tokens[:, 1:], zeros[:, None]], axis=1)
     shifted = jnp.where(pos == (prompt_lens - 1)[:, None], root[:, None], shifted)
     dk, dv, seed = draft_lib.catch_up(params, draft_params, cfg, spec, state.draft_k,
                                       state.draft_v, zeros, feats, shifted, prompt_lens)
-    return SpecState(KVCache(tk, tv, prompt_lens.astype(jnp.int32)), dk, dv, root, seed), root
+    new = SpecState(KVCache(tk, tv, prompt_lens.astype(jnp.int32)), dk, dv, root, seed, sp, rng,
+                    hist)
+    if not with_logprobs:
+        return new, root
+    lp, ids, tlp = token_logprobs(logits[:, None], sp, root[:, None], MAX_LOGPROBS)
+    return new, Emitted(root, lp[:, 0], ids[:, 0], tlp[:, 0])
 
 
-def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, spec: SpecConfig):
+def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, spec: SpecConfig,
+          greedy_only: bool = False):
     """One speculative cycle for all slots. active [B] bool: idle slots change nothing.
 
-    Returns (state, CycleOut).
+    greedy_only: every slot is greedy and wants no logprobs, so no sampling or logprob code is
+    compiled (the penalties still apply). Returns (state, CycleOut).
     """
     s = spec.num_steps
-    lens = state.target.lens
+    lens, sp, hist = state.target.lens, state.sampling, state.history
     cands = draft_lib.draft_tree(params, draft_params, cfg, spec, state.draft_k, state.draft_v,
                                  lens, state.seed)
     tree = build_tree(cands, state.root, spec)
@@ -98,9 +144,35 @@ def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, s
     hidden, k_new, v_new, _ = llama.forward(params, cfg, tree.tokens, lens[:, None] + tree.depth,
                                             state.target.k, state.target.v, lens, tree.mask)
     feats = llama.final_norm(params, cfg, hidden)                           # [B, N, H]
-    pred = jnp.argmax(llama.project_logits(params, feats), axis=-1).astype(jnp.int32)
+    logits = llama.project_logits(params, feats)                            # [B, N, V]
+    # Row i sees the committed counts plus the tokens on its own path (no [B, N, V] counts).
+    logits = _penalized(logits, sp, lambda: apply_tree_penalties(logits, sp, hist,
+                                                                 *path_tokens(tree, s)))
+    pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     acc = greedy_accept(tree, pred, s)
+    rng = state.rng
+    if not greedy_only:
+        rng_next, coin_keys, bonus_keys = split_slot_keys(rng, 3)
+
+        def sampled(_):
+            logq = processed_logprobs(logits, sp)
+            coins = jax.vmap(lambda k: jax.random.uniform(k, (s,)))(coin_keys)
+            return select_accept(sp.temperature > 0, acc,
+                                 sample_accept(tree, logq, coins, bonus_keys, s))
+
+        acc = jax.lax.cond(sp.any_sampled(), sampled, lambda _: acc, None)
+        rng = jnp.where(active[:, None], rng_next, rng)
     out = emitted_tokens(tree, acc)                                         # [B, S+1]
+    live = active[:, None] & (jnp.arange(s + 1)[None] <= acc.accept_len[:, None])
+    if greedy_only:
+        k = min(MAX_LOGPROBS, cfg.vocab_size)
+        lp = (jnp.zeros(out.shape, jnp.float32), jnp.zeros(out.shape + (k,), jnp.int32),
+              jnp.zeros(out.shape + (k,), jnp.float32))
+    else:
+        # The emitted token d was drawn from path node d's distribution (the bonus from the last
+        # one's, not from the residual), so its logprob reads that row.
+        rows = jnp.take_along_axis(logits, acc.path[..., None], axis=1)      # [B, S+1, V]
+        lp = token_logprobs(rows, sp, out, MAX_LOGPROBS)
     n_live = jnp.where(active, acc.accept_len + 1, 0)
     tk, tv = kv_compact(state.target.k, state.target.v, k_new, v_new, lens, acc.path, n_live)
     # Catch-up rows: (feature of path node d, emitted token d) at position L + d, d <= accept_len.
@@ -111,20 +183,26 @@ def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, s
         lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
         seed, state.seed)
     new_state = SpecState(KVCache(tk, tv, lens + n_live), dk, dv,
-                          jnp.where(active, acc.bonus, state.root), seed)
+                          jnp.where(active, acc.bonus, state.root), seed, sp, rng,
+                          hist.add(out, live))
     return new_state, CycleOut(jnp.where(active[:, None], out, -1),
-                               jnp.where(active, acc.accept_len, 0))
+                               jnp.where(active, acc.accept_len, 0), *lp)
 
 
 @functools.lru_cache(maxsize=None)
-def jit_cycle(cfg: ModelConfig, spec: SpecConfig):
+def jit_cycle(cfg: ModelConfig, spec: SpecConfig, greedy_only: bool = False):
     """cycle(params, draft_params, state, active) -> (state, CycleOut); the state is donated.
 
-    One jitted function per (cfg, spec), so runners of the same shapes share executables."""
-    return jax.jit(functools.partial(cycle, cfg=cfg, spec=spec), donate_argnums=(2,))
+    One jitted function per (cfg, spec, greedy_only), so runners of the same shapes share
+    executables."""
+    return jax.jit(functools.partial(cycle, cfg=cfg, spec=spec, greedy_only=greedy_only),
+                   donate_argnums=(2,))
 
 
 @functools.lru_cache(maxsize=None)
-def jit_prefill(cfg: ModelConfig, spec: SpecConfig):
-    """prefill(params, draft_params, state, tokens, prompt_lens) -> (state, root); state donated."""
-    return jax.jit(functools.partial(prefill, cfg=cfg, spec=spec), donate_argnums=(2,))
+def jit_prefill(cfg: ModelConfig, spec: SpecConfig, greedy_only: bool = False,
+                with_logprobs: bool = False):
+    """prefill(params, draft_params, state, tokens, prompt_lens[, sampling, rng]) -> (state, root
+    or Emitted); state donated."""
+    return jax.jit(functools.partial(prefill, cfg=cfg, spec=spec, greedy_only=greedy_only,
+                                     with_logprobs=with_logprobs), donate_argnums=(2,))
