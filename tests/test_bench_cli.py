@@ -1,0 +1,158 @@
+"""jaxspec-bench on CPU: the default run, the --json schema, a batch sweep on a tiny random
+model (with a random draft head), the serving run, and the pieces the modes compute with."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from jaxspec import bench_cli
+from jaxspec.benchmark import adaptive, prompts, serving
+from jaxspec.benchmark.runner import parse_specs
+
+ROW_KEYS = {"mode", "batch", "spec", "requests", "tokens", "seconds", "tokens_per_s",
+            "accept_len", "accept_hist", "speedup", "mean_ttft_s", "mean_latency_s"}
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory, smollm2_gguf):
+    """A 2-layer random Llama with SmolLM2's tokenizer (so chat prompts encode in range)."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from jaxspec.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(smollm2_gguf)
+    cfg = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_ids[0])
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("bench") / "tiny-chat"
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(d)
+    tok.hf.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def sweep(tiny_chat_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-out")
+    argv = ["--model", str(tiny_chat_model), "--draft", "random", "--num-prompts", "3",
+            "--max-tokens", "12", "--batch-sizes", "1,2", "--spec", "chain",
+            "--max-model-len", "512", "--adaptive", "--no-peers", "--quiet",
+            "--json", str(out / "r.json"), "--plot", str(out / "r.png")]
+    assert bench_cli.main(argv) == 0
+    return json.loads((out / "r.json").read_text()), out
+
+
+def test_no_arguments_mean_default_model_head_mt_bench_batch_1():
+    args = bench_cli._defaults(bench_cli.build_parser().parse_args([]))
+    assert args.model is None and args.draft is None and args.dataset == "mt-bench"
+    assert args.mode == "sweep" and args.batch_list == [1] and args.temperature == 0.0
+    assert args.spec == "chain" and args.num_prompts == 4   # CPU defaults
+
+
+def test_default_run(smollm2_gguf, capsys):
+    """The default model and shipped head, cut to one question and a few tokens."""
+    assert bench_cli.main(["--num-prompts", "1", "--max-tokens", "8", "--no-peers",
+                           "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "SmolLM2-135M-Instruct (default)" in out and "shipped head" in out
+    lines = [ln.split() for ln in out.splitlines()]
+    chain = next(ln for ln in lines if ln[:2] == ["1", "chain"])
+    assert chain[-1] == "100%"      # greedy speculative == greedy plain
+
+
+def test_json_schema(sweep):
+    res, _ = sweep
+    assert res["schema"] == bench_cli.SCHEMA and res["mode"] == "sweep"
+    assert res["backend"] == "cpu" and res["dataset"] == "mt-bench"
+    assert "RANDOM" in res["draft_label"] and any("RANDOM" in n for n in res["notes"])
+    assert [(r["batch"], r["mode"]) for r in res["rows"]] == [
+        (1, "plain"), (1, "chain"), (2, "plain"), (2, "chain")]
+    for r in res["rows"]:
+        assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
+        assert r["requests"] == 3 and r["tokens"] > 0 and r["tokens_per_s"] > 0
+    plain, chain = res["rows"][0], res["rows"][1]
+    assert plain["speedup"] == 1.0 and plain["accept_len"] is None
+    assert chain["spec"] == {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}
+    assert sum(chain["accept_hist"]) == chain["cycles"] and len(chain["accept_hist"]) == 4
+    assert 1.0 <= chain["accept_len"] <= 4.0
+    assert set(res["requests"]) == {"b1/plain", "b1/chain", "b2/plain", "b2/chain"}
+    assert res["categories"] and {"category", "requests", "plain", "chain"} <= set(res["categories"][0])
+
+
+def test_sweep_greedy_spec_equals_plain_at_every_batch_size(sweep):
+    res, _ = sweep
+    assert all(r["equals_plain"] == 1.0 for r in res["rows"] if r["mode"] == "chain")
+
+
+def test_adaptive_choice_per_batch_size(sweep):
+    res, _ = sweep
+    ad = res["adaptive"]
+    assert [a["batch"] for a in ad] == [1, 2]
+    for a in ad:
+        assert a["choice"] in ("plain", "chain") and a["expected_speedup"] >= 1.0
+        assert set(a["probes"]) == {"plain", "chain"}
+        assert a["measured_tokens_per_s"] > 0
+
+
+def test_plot_is_a_png(sweep):
+    _, out = sweep
+    assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serving_run(tiny_chat_model, capsys):
+    assert bench_cli.main(["--model", str(tiny_chat_model), "--no-spec", "--num-prompts", "2",
+                           "--num-requests", "4", "--request-rate", "inf", "--batch-sizes", "2",
+                           "--max-tokens", "6", "--max-model-len", "512", "--json", "-",
+                           "--quiet"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    s = res["serving"][0]
+    assert res["mode"] == "serve" and s["completed"] == 4 and s["output_tokens"] > 0
+    assert 0 < s["p50_ttft_s"] <= s["p99_ttft_s"] and s["p50_e2e_s"] >= s["p50_ttft_s"]
+
+
+# ---------------------------------------------------------------- pieces, no model
+def test_gsm8k_answers():
+    qs = prompts.gsm8k(3)
+    assert len(qs) == 3 and qs[0]["answer"] == "18"
+    assert prompts.gsm8k_reference("so 3 + 4 = 7\n#### 1,234") == "1234"
+    assert prompts.last_number("She makes $18.00 a day, then 20 more: 38.") == "38"
+    assert prompts.last_number("no digits") is None
+
+
+def test_unknown_dataset_is_a_clear_error():
+    with pytest.raises(SystemExit, match="not one of mt-bench, gsm8k, sharegpt"):
+        prompts.load_prompts("no-such-set")
+
+
+def test_parse_specs():
+    ms = parse_specs("chain,2x2x4")
+    assert [m.label for m in ms] == ["chain", "2x2x4"]
+    assert ms[1].describe() == {"num_steps": 2, "topk": 2, "num_draft_tokens": 4}
+    with pytest.raises(Exception, match="STEPSxTOPKxTOKENS"):
+        parse_specs("bushy")
+
+
+def test_poisson_arrivals_and_percentiles():
+    a = serving.poisson_arrivals(2000, rate=10.0, seed=1)
+    assert a[0] == 0 and all(x <= y for x, y in zip(a, a[1:]))
+    assert abs(a[-1] / 1999 - 0.1) < 0.01            # mean gap 1/rate
+    assert serving.poisson_arrivals(3, math.inf) == [0.0, 0.0, 0.0]
+    recs = [{"arrival": 0.0, "first": 0.1 * (i + 1), "finish": 1.0 + i, "tokens": 11,
+             "reason": "length"} for i in range(10)]
+    m = serving.metrics(recs, 5.0, "waves")
+    assert m["completed"] == 10 and m["duration_s"] == pytest.approx(10.0)
+    assert m["output_throughput"] == pytest.approx(11.0)
+    assert m["p50_ttft_s"] == pytest.approx(0.55) and m["p99_ttft_s"] <= 1.0
+
+
+def test_adaptive_never_picks_a_config_slower_than_plain():
+    probes = {"plain": {"tokens_per_s_per_slot": 100.0},
+              "chain": {"tokens_per_s_per_slot": 90.0}}
+    assert adaptive.choose(probes)["choice"] == "plain"
+    probes["tree"] = {"tokens_per_s_per_slot": 150.0}
+    d = adaptive.choose(probes)
+    assert d["choice"] == "tree" and d["expected_speedup"] == pytest.approx(1.5)
