@@ -1,9 +1,10 @@
 """Multi-device checks, run by test_parallel.py in a subprocess whose XLA_FLAGS fakes N CPU
 devices (the flag must be set before jax initialises, so it cannot run inside pytest's process).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/parallel_check.py dp tp
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/parallel_check.py 2 4
 
-Each check compares greedy outputs with the single-device runners, token for token, and prints
+runs every check on the first 2 and on all 4 devices (one process, so the single-device
+references and their compilations are shared). Each check compares greedy outputs with the single-device runners, token for token, and prints
 `ok <name>`; a mismatch raises.
 """
 import dataclasses
@@ -153,7 +154,12 @@ def check_tp(n):
 
 
 if __name__ == "__main__":
-    n = jax.device_count()
-    assert n > 1, "set XLA_FLAGS=--xla_force_host_platform_device_count=N"
-    for what in sys.argv[1:] or ["dp", "tp"]:
-        {"dp": check_dp, "tp": check_tp}[what](n)
+    import time
+    counts = [int(a) for a in sys.argv[1:]] or [jax.device_count()]
+    assert max(counts) <= jax.device_count(), \
+        f"{jax.device_count()} devices; set XLA_FLAGS=--xla_force_host_platform_device_count=N"
+    for n in counts:
+        for fn in (check_dp, check_tp):
+            t0 = time.perf_counter()
+            fn(n)
+            print(f"time {fn.__name__}({n}) {time.perf_counter() - t0:.1f}s", flush=True)

@@ -301,7 +301,7 @@ def _last_chunk(streams, done, params, flat, chunk) -> bool:
 
 
 def _prompt_counts(prompts, slots: int, vocab: int) -> TokenCounts:
-    toks = np.zeros((slots, max(len(x) for x in prompts)), np.int32)
+    toks = np.zeros((slots, max((len(x) for x in prompts), default=1)), np.int32)
     lens = np.zeros((slots,), np.int32)
     for j, x in enumerate(prompts):
         toks[j, :len(x)] = x

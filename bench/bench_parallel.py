@@ -1,0 +1,288 @@
+"""Multi-GPU: data-parallel throughput scaling and tensor-parallel step time.
+
+Data parallel (SmolLM2-135M shape, random bf16 weights and head, 64 slots per GPU): tokens/s of
+one device (SpecRunner / PlainRunner, 64 slots) against D replicas (DataParallelSpecRunner /
+DataParallelPlainRunner, 64 slots each), end to end through the runners (host loop included), and
+device-only (back-to-back cycles, no host read). Scaling = DP tokens/s / single tokens/s; the goal
+is >= 1.9x for two replicas. Random weights accept like any others for cost: a static-shape cycle
+costs the same whatever it accepts, and every replica runs the same number of cycles.
+
+Tensor parallel (Llama-3-8B shape, random bf16, model axis over all GPUs): per-step time of a
+plain decode step and of a speculative cycle (chain and tree presets) at batch 1 and 64, against
+the same on one GPU in the same run (the 8B model fits one H200; the point is the split).
+
+    python bench/bench_parallel.py                 # GPU (2x H200): both parts
+    python bench/bench_parallel.py --part dp       # or tp
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python bench/bench_parallel.py --tiny
+                                                   # CPU: tiny shapes, checks the script runs
+JSON goes to $OUT/bench_parallel.json when OUT is set.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import LLAMA3_8B, SMOLLM2_135M, device_name, median, write_json  # noqa: E402
+from jaxspec.config import ModelConfig  # noqa: E402
+from jaxspec.decode import PlainRunner  # noqa: E402
+from jaxspec.kv import init_cache  # noqa: E402
+from jaxspec.models import eagle, llama  # noqa: E402
+from jaxspec.parallel import (DataParallelPlainRunner, DataParallelSpecRunner,  # noqa: E402
+                              make_mesh, shard_draft_params, shard_params, shard_state)
+from jaxspec.parallel.data_parallel import pmap_spec, replicate  # noqa: E402
+from jaxspec.parallel.tensor_parallel import tp_cycle  # noqa: E402
+from jaxspec.sampling import SamplingParams  # noqa: E402
+from jaxspec.spec import SpecRunner, init_state, jit_cycle  # noqa: E402
+from jaxspec.spec.config import resolve_spec  # noqa: E402
+
+TINY = ModelConfig(arch="LlamaForCausalLM", vocab_size=512, hidden_size=128,
+                   intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
+
+
+def random_pair(cfg: ModelConfig, dtype, seed=0):
+    """Target and EAGLE-1 head, drawn on device in `dtype` (scale as in the shape benchmarks)."""
+    init = jax.jit(lambda k: llama.init_random_params(cfg, k, dtype), backend=None)
+    p = init(jax.random.PRNGKey(seed))
+    d = jax.jit(lambda k: eagle.init_eagle_params(cfg, k, dtype))(jax.random.PRNGKey(seed + 1))
+    return p, d
+
+
+def prompts(n, length, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab, size=length).tolist() for _ in range(n)]
+
+
+def timed_generate(run, reps):
+    """Median seconds of run() over reps calls, after one warm-up call (compiles)."""
+    run()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = run()
+        ts.append(time.perf_counter() - t0)
+    return median(ts), out
+
+
+# -------------------------------------------------------------------------------- data parallel
+
+
+def dp_end_to_end(cfg, p, d, args, replicas, preset):
+    """tokens/s of one device vs `replicas` through the runners; equal outputs checked."""
+    b = args.slots
+    max_len = args.prompt_len + args.max_tokens + 64
+    ps1 = prompts(b, args.prompt_len, cfg.vocab_size)
+    psd = prompts(b * replicas, args.prompt_len, cfg.vocab_size)
+    rows = []
+    if preset == "plain":
+        sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+        one = PlainRunner(cfg, p, init_cache(cfg, b, max_len + 32, p["embed"].dtype),
+                          decode_chunk=16)
+        dp = DataParallelPlainRunner(cfg, p, b, max_len + 32, replicas, decode_chunk=16)
+        t1, o1 = timed_generate(lambda: one.generate(ps1, [sp] * b, [set()] * b), args.reps)
+        td, od = timed_generate(lambda: dp.generate(psd, [sp] * len(psd), [set()] * len(psd)),
+                                args.reps)
+        n1 = sum(len(g.token_ids) for g in o1)
+        nd = sum(len(g.token_ids) for g in od)
+        same = [g.token_ids for g in od[:b]] == [g.token_ids for g in o1]
+    else:
+        one = SpecRunner(cfg, p, d, preset, max_slots=b, max_len=max_len)
+        dp = DataParallelSpecRunner(cfg, p, d, preset, slots=b, max_len=max_len,
+                                    replicas=replicas)
+        t1, o1 = timed_generate(lambda: one.generate(ps1, [args.max_tokens] * b), args.reps)
+        td, od = timed_generate(lambda: dp.generate(psd, [args.max_tokens] * len(psd)),
+                                args.reps)
+        n1 = sum(len(r.token_ids) for r in o1)
+        nd = sum(len(r.token_ids) for r in od)
+        same = [r.token_ids for r in od[:b]] == [r.token_ids for r in o1]
+    rows.append(dict(part="dp", mode=preset, measure="end-to-end", replicas=replicas,
+                     slots_per_replica=b, single_tok_s=n1 / t1, dp_tok_s=nd / td,
+                     scaling=(nd / td) / (n1 / t1), first_replica_equals_single=same))
+    return rows
+
+
+def dp_device_only(cfg, p, d, args, replicas, preset):
+    """Back-to-back cycles with no host read: the device side of the scaling."""
+    spec = resolve_spec(preset)
+    b, max_len = args.slots, args.prompt_len + args.cycles * spec.max_emit + 64
+    dtype = p["embed"].dtype
+    active1 = jnp.ones((b,), bool)
+    cyc = jit_cycle(cfg, spec)
+    state = init_state(cfg, spec, b, max_len, dtype)
+    state = _fill(state, args.prompt_len)
+    state, out = cyc(p, d, state, active1)
+    jax.block_until_ready(out)
+
+    def run1(state):
+        for _ in range(args.cycles):
+            state, out = cyc(p, d, state, active1)
+        jax.block_until_ready(out)
+        return state
+
+    devices = jax.local_devices()[:replicas]
+    init, _, pcyc = pmap_spec(cfg, spec, tuple(devices), b, max_len, jnp.dtype(dtype))
+    pr, dr = replicate(p, devices), replicate(d, devices)
+    pstate = _fill(init(np.zeros((replicas,), np.int32)), args.prompt_len)
+    actd = np.ones((replicas, b), bool)
+    pstate, out = pcyc(pr, dr, pstate, actd)
+    jax.block_until_ready(out)
+
+    def rund(state):
+        for _ in range(args.cycles):
+            state, out = pcyc(pr, dr, state, actd)
+        jax.block_until_ready(out)
+        return state
+
+    t1s, tds = [], []
+    for _ in range(args.reps):   # lengths grow by at most max_emit per cycle: max_len allows it
+        state = _fill(state, args.prompt_len)
+        t0 = time.perf_counter()
+        state = run1(state)
+        t1s.append(time.perf_counter() - t0)
+        pstate = _fill(pstate, args.prompt_len)
+        t0 = time.perf_counter()
+        pstate = rund(pstate)
+        tds.append(time.perf_counter() - t0)
+    t1, td = median(t1s) / args.cycles, median(tds) / args.cycles
+    return [dict(part="dp", mode=preset, measure="device cycles", replicas=replicas,
+                 slots_per_replica=b, single_cycle_ms=1e3 * t1, dp_cycle_ms=1e3 * td,
+                 scaling=replicas * t1 / td)]
+
+
+def _fill(state, prompt_len):
+    """Every slot holds a prompt_len prefix (its KV rows are whatever the cache holds)."""
+    lens = jnp.full(state.target.lens.shape, prompt_len, jnp.int32)
+    return state.replace(target=state.target.replace(lens=lens))
+
+
+# ------------------------------------------------------------------------------ tensor parallel
+
+
+def tp_step_times(cfg, args, model_parallel):
+    """Per-step ms of plain decode and spec cycles, one device vs the model axis."""
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    p, d = random_pair(cfg, dtype)
+    mesh = make_mesh(model_parallel)
+    sp, sd = shard_params(p, cfg, mesh), shard_draft_params(d, cfg, mesh)
+    rows = []
+    for batch in args.tp_batches:
+        for preset in ["plain"] + args.tp_spec:
+            spec = resolve_spec("naive" if preset == "plain" else preset)
+            max_len = args.prompt_len + args.cycles * spec.max_emit + 64
+            times = {}
+            for label, params, draft in (("single", p, d), ("tp", sp, sd)):
+                state = init_state(cfg, spec, batch, max_len, dtype)
+                if label == "tp":
+                    state = shard_state(state, cfg, mesh)
+                    cyc = tp_cycle(cfg, spec, mesh, state, greedy_only=True)
+                else:
+                    cyc = jit_cycle(cfg, spec, greedy_only=True)
+                step = _plain_step(cfg, batch) if preset == "plain" else None
+                times[label] = _time_steps(cyc, step, params, draft, state, args)
+                del state
+            rows.append(dict(part="tp", mode=preset, batch=batch, model_parallel=model_parallel,
+                             single_ms=times["single"], tp_ms=times["tp"],
+                             speedup=times["single"] / times["tp"]))
+            print(f"tp {preset:6s} batch {batch:3d}: 1 GPU {times['single']:.2f} ms, "
+                  f"{model_parallel} GPUs {times['tp']:.2f} ms", flush=True)
+    return rows
+
+
+def _plain_step(cfg, batch):
+    """One greedy decode step on the spec state's target cache (shardings follow the inputs)."""
+    from pallas_kernels.kv_compact import kv_compact
+    mask = jnp.ones((batch, 1, 1), bool)
+    src = jnp.zeros((batch, 1), jnp.int32)
+    one = jnp.ones((batch,), jnp.int32)
+
+    def step(params, state):
+        c = state.target
+        h, kn, vn, _ = llama.forward(params, cfg, state.root[:, None], c.lens[:, None], c.k, c.v,
+                                     c.lens, mask)
+        k, v = kv_compact(c.k, c.v, kn, vn, c.lens, src, one)
+        tok = jnp.argmax(llama.lm_head(params, cfg, h[:, 0]), -1).astype(jnp.int32)
+        return state.replace(target=c.replace(k=k, v=v, lens=c.lens + 1), root=tok)
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def _time_steps(cyc, plain, params, draft, state, args):
+    state = _fill(state, args.prompt_len)
+    active = jnp.ones(state.root.shape, bool)
+    call = (lambda s: plain(params, s)) if plain is not None else \
+        (lambda s: cyc(params, draft, s, active)[0])
+    state = call(state)
+    jax.block_until_ready(state)
+    ts = []
+    for _ in range(args.reps):
+        state = _fill(state, args.prompt_len)
+        t0 = time.perf_counter()
+        for _ in range(args.cycles):
+            state = call(state)
+        jax.block_until_ready(state)
+        ts.append((time.perf_counter() - t0) / args.cycles)
+    return 1e3 * median(ts)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--part", default="dp,tp")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU check)")
+    ap.add_argument("--slots", type=int, default=64, help="slots per replica (data parallel)")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--cycles", type=int, default=32, help="timed cycles per repeat")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dp-modes", default="plain,chain,tree")
+    ap.add_argument("--tp-spec", default="chain,tree")
+    ap.add_argument("--tp-batches", default="1,64")
+    args = ap.parse_args(argv)
+    args.tp_spec = [x for x in args.tp_spec.split(",") if x]
+    args.tp_batches = [int(x) for x in args.tp_batches.split(",")]
+    n = jax.local_device_count()
+    if n < 2:
+        sys.exit(f"needs at least 2 devices, found {n}")
+    dp_cfg, tp_cfg = (TINY, TINY) if args.tiny else (SMOLLM2_135M, LLAMA3_8B)
+    if args.tiny:
+        args.slots, args.prompt_len, args.max_tokens = min(args.slots, 4), 16, 16
+        args.cycles, args.reps, args.tp_batches = 4, 1, [2]
+    dp_cfg = dataclasses.replace(dp_cfg, unroll_layers=jax.default_backend() == "gpu")
+    tp_cfg = dataclasses.replace(tp_cfg, unroll_layers=jax.default_backend() == "gpu")
+    rows = []
+    if "dp" in args.part:
+        dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+        p, d = random_pair(dp_cfg, dtype)
+        for mode in args.dp_modes.split(","):
+            rows += dp_end_to_end(dp_cfg, p, d, args, 2, mode)
+            if mode != "plain":
+                rows += dp_device_only(dp_cfg, p, d, args, 2, mode)
+            print(rows[-1], flush=True)
+    if "tp" in args.part:
+        rows += tp_step_times(tp_cfg, args, n)
+    write_json("bench_parallel.json", {"device": device_name(), "devices": n, "args": vars(args),
+                                       "rows": rows})
+    print(f"\n{device_name()} x{n}")
+    for r in rows:
+        if r["part"] == "dp" and r["measure"] == "end-to-end":
+            print(f"dp {r['mode']:6s} end-to-end  1 GPU {r['single_tok_s']:9.0f} tok/s  "
+                  f"{r['replicas']} GPUs {r['dp_tok_s']:9.0f} tok/s  scaling "
+                  f"{r['scaling']:.2f}x  equal {r['first_replica_equals_single']}")
+        elif r["part"] == "dp":
+            print(f"dp {r['mode']:6s} device      1 GPU {r['single_cycle_ms']:7.2f} ms/cycle  "
+                  f"{r['replicas']} GPUs {r['dp_cycle_ms']:7.2f} ms/cycle  scaling "
+                  f"{r['scaling']:.2f}x")
+        else:
+            print(f"tp {r['mode']:6s} batch {r['batch']:3d}   1 GPU {r['single_ms']:7.2f} ms  "
+                  f"{r['model_parallel']} GPUs {r['tp_ms']:7.2f} ms  x{r['speedup']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

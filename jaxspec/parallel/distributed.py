@@ -1,0 +1,76 @@
+"""Multi-host tensor parallel through `jax.distributed`.
+
+JAX runs one process per host (multi-controller): every process runs the same program, sees all
+devices of all hosts in `jax.devices()` and its own in `jax.local_devices()`. A `Mesh` over the
+global device list spans hosts; GSPMD inserts the collectives (NCCL on GPU) as on one host. The
+model axis should stay within a host (NVLink); across hosts, data parallel is the cheap split.
+
+Launch (two hosts with 8 GPUs each, a 16-way model axis; same command on every host):
+
+    # host 0 (its address is the coordinator)          # host 1
+    JAXSPEC_COORDINATOR=10.0.0.1:1234 \\               JAXSPEC_COORDINATOR=10.0.0.1:1234 \\
+    JAXSPEC_NUM_PROCESSES=2 JAXSPEC_PROCESS_ID=0 \\     JAXSPEC_NUM_PROCESSES=2 JAXSPEC_PROCESS_ID=1 \\
+    python my_generate.py                             python my_generate.py
+
+    # my_generate.py
+    from jaxspec.parallel import distributed, TensorParallelSpecRunner
+    distributed.initialize()                  # before any other jax call
+    mesh = distributed.global_mesh()          # all devices of all hosts on the model axis
+    runner = TensorParallelSpecRunner(cfg, params, draft, "chain", max_slots=8, max_len=4096,
+                                      mesh=mesh)
+    results = runner.generate(prompts, max_tokens)   # same prompts on every process
+
+Under SLURM, Open MPI or on Cloud TPU, `jax.distributed.initialize()` finds all three values by
+itself: leave the variables unset. Every process must load the same weights (each then keeps
+only its shards, `shard_params` uses `jax.device_put`, which in a multi-process run takes the
+local part of a host value) and call `generate` with the same prompts in the same order: the host
+loops run in lockstep, and each reads the replicated tokens from its own devices.
+
+Host inputs (tokens, lengths, the active mask) are plain numpy values, identical on every process;
+`global_replicated` turns such a value into a global array when a function wants one explicitly.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxspec.parallel.tensor_parallel import AXIS, make_mesh
+
+
+def initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
+               process_id: Optional[int] = None, local_device_ids=None) -> None:
+    """`jax.distributed.initialize`, with the three values read from JAXSPEC_COORDINATOR,
+    JAXSPEC_NUM_PROCESSES and JAXSPEC_PROCESS_ID when not given (and auto-detected by JAX under
+    SLURM / Open MPI / Cloud TPU when those are unset too). A single process skips it."""
+    env = os.environ
+    coordinator_address = coordinator_address or env.get("JAXSPEC_COORDINATOR")
+    if num_processes is None and "JAXSPEC_NUM_PROCESSES" in env:
+        num_processes = int(env["JAXSPEC_NUM_PROCESSES"])
+    if process_id is None and "JAXSPEC_PROCESS_ID" in env:
+        process_id = int(env["JAXSPEC_PROCESS_ID"])
+    if num_processes == 1:
+        return
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id,
+                               local_device_ids=local_device_ids)
+
+
+def global_mesh(model_parallel: Optional[int] = None, axis: str = AXIS) -> Mesh:
+    """The model axis over the first `model_parallel` global devices (all by default), ordered
+    by process then local id, so consecutive devices of the axis share a host."""
+    devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return make_mesh(model_parallel, devs, axis)
+
+
+def global_replicated(x, mesh: Mesh):
+    """A host value that is the same on every process -> a global array replicated on mesh."""
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, P()), np.asarray(x))
+
+
+def is_main_process() -> bool:
+    """Process 0: the one that prints and writes results."""
+    return jax.process_index() == 0
