@@ -1,0 +1,143 @@
+"""Engine overhead: host time per cycle and how busy the device stays in steady state (issue 6).
+
+For each mode (speculative 'chain', plain) and batch (1, 64), in one run:
+  device    ms per cycle with the cycles dispatched back to back and nothing else on the host
+            (the state full: every slot active), blocked once at the end
+  engine    the same cycles driven by Engine.step() in steady state: every slot busy, a new
+            request admitted as soon as one finishes (prefill included), tokens read, stopped
+            and detokenized on the host
+  host      Engine host time per step (all of step() except blocking reads of device outputs)
+  busy      device ms per cycle x cycles / engine wall time: the fraction of wall time the
+            device has work queued (goal >= 0.95 at batch 1)
+Usage: python -m bench.bench_engine [--model PATH] [--head PATH] [--steps 300] [--tiny]
+Without --model, SmolLM2-135M-shaped random weights (acceptance does not change a cycle's cost;
+with random weights the chain accepts little, so tokens per cycle are low, not the cost).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import SMOLLM2_135M, device_name, write_json
+from jaxspec.config import ModelConfig
+from jaxspec.engine import Engine, PlainBackend, SpecBackend
+from jaxspec.models import eagle, llama
+from jaxspec.sampling import SamplingParams
+from jaxspec.spec.config import resolve_spec
+
+TINY = ModelConfig(arch="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=96,
+                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def load(args):
+    dtype = jnp.float32 if args.tiny or jax.default_backend() == "cpu" else jnp.bfloat16
+    if args.model:
+        from jaxspec.weights import load_model
+        cfg, params, tok = load_model(args.model, dtype=dtype)
+    else:
+        cfg = TINY if args.tiny else SMOLLM2_135M
+        params, tok = llama.init_random_params(cfg, jax.random.PRNGKey(0), dtype=dtype), None
+    cfg = dataclasses.replace(cfg, unroll_layers=jax.default_backend() == "gpu")
+    if args.head:
+        from jaxspec.loading import eagle_ckpt
+        head = eagle_ckpt.load_eagle1(args.head, cfg, dtype=dtype)
+    else:
+        head = jax.tree_util.tree_map(lambda x: x.astype(dtype),
+                                      eagle.init_eagle_params(cfg, jax.random.PRNGKey(1)))
+    return cfg, params, head, tok
+
+
+def make(cfg, params, head, mode, batch, max_model_len, tok):
+    if mode == "plain":
+        backend = PlainBackend(cfg, params, batch, max_model_len + 8, n_steps=4)
+    else:
+        spec = resolve_spec(mode)
+        backend = SpecBackend(cfg, params, head, spec, batch, max_model_len + 2 * spec.max_emit)
+    return Engine(backend, max_model_len=max_model_len, vocab_size=cfg.vocab_size, chunk=256,
+                  detokenize=tok.decode if tok is not None else None)
+
+
+def device_ms_per_cycle(engine, n):
+    """Back-to-back cycles on a full state: the device's own time per cycle (host idle)."""
+    be, state = engine.backend, engine.state
+    active = np.ones(be.slots, bool)
+    state, toks, _ = be.cycle(state, active)
+    np.asarray(toks)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        state, toks, _ = be.cycle(state, active)
+    np.asarray(toks)
+    engine.state = state
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen):
+    rng = np.random.default_rng(0)
+    engine = make(cfg, params, head, mode, batch, max_model_len, tok)
+    t0 = time.perf_counter()
+    engine.warmup()
+    compile_s = time.perf_counter() - t0
+    sizes = [f._cache_size() for f in engine.backend.jitted()]
+    sp = SamplingParams(max_tokens=gen, ignore_eos=True)
+
+    def prompt():
+        return [int(t) for t in rng.integers(0, cfg.vocab_size, int(rng.integers(16, 128)))]
+
+    for _ in range(batch):
+        engine.add_request(prompt(), sp)
+    for _ in range(20):                       # fill every slot
+        engine.step()
+    dev_ms = device_ms_per_cycle(engine, 50)  # slots hold live requests: a realistic state
+    engine.stats = type(engine.stats)()
+    t0 = time.perf_counter()
+    tokens = 0
+    for _ in range(steps):
+        while len(engine.requests) < batch:   # steady state: a newcomer per finished request
+            engine.add_request(prompt(), sp)
+        tokens += sum(len(d.token_ids) for d in engine.step())
+    wall = time.perf_counter() - t0
+    st = engine.stats
+    host_ms = st.host_s / steps * 1e3
+    return dict(mode=mode, batch=batch, device_ms_per_cycle=dev_ms,
+                engine_ms_per_step=wall / steps * 1e3, host_ms_per_step=host_ms,
+                step_p90_ms=float(np.percentile(st.step_s, 90) * 1e3),
+                busy=min(1.0, dev_ms * st.cycles / (wall * 1e3)), cycles=st.cycles,
+                admissions=st.admissions, prefill_chunks=st.prefill_chunks,
+                tokens_per_s=tokens / wall, compile_s=compile_s,
+                recompiled=[f._cache_size() for f in engine.backend.jitted()] != sizes)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--head", default=None)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--gen", type=int, default=128, help="tokens per request")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--modes", default="chain,plain")
+    ap.add_argument("--tiny", action="store_true", help="tiny config, CPU smoke run")
+    args = ap.parse_args()
+    cfg, params, head, tok = load(args)
+    rows = []
+    for mode in args.modes.split(","):
+        for b in (int(x) for x in args.batches.split(",")):
+            r = run_case(cfg, params, head, tok, mode, b, args.steps, 512, args.gen)
+            rows.append(r)
+            print(r, flush=True)
+    write_json("bench_engine.json", dict(device=device_name(), rows=rows))
+    print(f"\n{device_name()}")
+    print(f"{'mode':6} {'B':>3} {'dev ms/cyc':>10} {'eng ms/step':>11} {'host ms':>8} "
+          f"{'busy':>5} {'tok/s':>8} {'recompiled':>10}")
+    for r in rows:
+        print(f"{r['mode']:6} {r['batch']:>3} {r['device_ms_per_cycle']:>10.3f} "
+              f"{r['engine_ms_per_step']:>11.3f} {r['host_ms_per_step']:>8.3f} {r['busy']:>5.2f} "
+              f"{r['tokens_per_s']:>8.0f} {str(r['recompiled']):>10}")
+
+
+if __name__ == "__main__":
+    main()
