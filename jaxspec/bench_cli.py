@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--adaptive", action="store_true",
                     help="choose the config (or plain) per batch size from measured costs")
+    ap.add_argument("--probe-tokens", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--peer-hf", action="store_true",
                     help="run the HF transformers peers on CPU too (always on with CUDA)")
     ap.add_argument("--no-peers", action="store_true", help="skip the HF transformers peers")
@@ -165,7 +166,7 @@ def run_sweep(args, result):
             if args.adaptive:
                 bar.set_postfix_str(f"batch {b}, {m.label}: probe")
                 probes[m.label] = adaptive.probe(llm, adaptive.probe_chats(prompts, b), sp,
-                                                 m.spec is not None)
+                                                 m.spec is not None, args.probe_tokens)
             bar.set_postfix_str(f"batch {b}, {m.label}: timed")
             outs, secs = R.timed_generate(llm, chats, sp)
             row = R.summarize(m, b, outs, secs, target.draft_label)
@@ -312,7 +313,9 @@ def run_accuracy(args, result):
         llm = target.llm(b, m)
         if m is R.PLAIN:
             prompts = _fit(args, result, target, prompts)
-        outs, secs = R.timed_generate(llm, [p["chat"] for p in prompts], sp)
+        chats = [p["chat"] for p in prompts]
+        R.warm(llm, chats, sp)
+        outs, secs = R.timed_generate(llm, chats, sp)
         got = [P.last_number(o.text) for o in outs]
         correct = sum(g is not None and g == p["answer"] for g, p in zip(got, prompts))
         row = {**R.summarize(m, b, outs, secs, target.draft_label),
@@ -332,7 +335,7 @@ def run_accuracy(args, result):
         _say(args, f"  {r['mode']:10s} accuracy {r['accuracy']:.1%} ({r['correct']}/"
                    f"{r['requests']})  tok/s {r['tokens_per_s']:.1f}  accept "
                    f"{_fmt(r.get('accept_len'))}" +
-             ("" if same is None else f"  identical to plain: {same:.0%}"))
+             ("" if same is None else f"  outputs identical to plain: {same:.0%}"))
     for note in result["notes"]:
         _say(args, f"note: {note}")
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from jaxspec import bench_cli
-from jaxspec.benchmark import adaptive, prompts, serving
+from jaxspec.benchmark import adaptive, large, prompts, serving
 from jaxspec.benchmark.runner import parse_specs
 
 ROW_KEYS = {"mode", "batch", "spec", "requests", "tokens", "seconds", "tokens_per_s",
@@ -39,7 +39,7 @@ def tiny_chat_model(tmp_path_factory, smollm2_gguf):
 def sweep(tiny_chat_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-out")
     argv = ["--model", str(tiny_chat_model), "--draft", "random", "--num-prompts", "3",
-            "--max-tokens", "12", "--batch-sizes", "1,2", "--spec", "chain",
+            "--max-tokens", "12", "--probe-tokens", "17", "--batch-sizes", "1,2", "--spec", "chain",
             "--max-model-len", "512", "--adaptive", "--no-peers", "--quiet",
             "--json", str(out / "r.json"), "--plot", str(out / "r.png")]
     assert bench_cli.main(argv) == 0
@@ -156,3 +156,10 @@ def test_adaptive_never_picks_a_config_slower_than_plain():
     probes["tree"] = {"tokens_per_s_per_slot": 150.0}
     d = adaptive.choose(probes)
     assert d["choice"] == "tree" and d["expected_speedup"] == pytest.approx(1.5)
+
+
+def test_cycle_mode_replays_accept_lengths_labelled_as_replayed(sweep):
+    """Large-model mode never measures acceptance: it replays an earlier run's, by mode."""
+    _, out = sweep
+    acc = large.replayed_accept(str(out / "r.json"))
+    assert set(acc) == {"chain"} and 1.0 <= acc["chain"] <= 4.0

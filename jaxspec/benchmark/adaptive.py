@@ -23,9 +23,9 @@ def probe_chats(prompts, batch: int, n: int = 0) -> list:
     return [prompts[i % len(prompts)]["chat"] for i in range(k)]
 
 
-def probe(llm, chats, sp, spec: bool) -> dict:
+def probe(llm, chats, sp, spec: bool, tokens: Optional[int] = None) -> dict:
     """Cost per decode step (plain) or cycle (spec) and accept length at this batch size."""
-    sp = dataclasses.replace(sp, max_tokens=PROBE_TOKENS, ignore_eos=True)
+    sp = dataclasses.replace(sp, max_tokens=tokens or PROBE_TOKENS, ignore_eos=True)
     outs = llm.generate(chats, sp)
     per = []
     taus = []

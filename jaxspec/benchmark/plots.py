@@ -63,6 +63,7 @@ def _hist(ax, rows):
         xs = [k + 1 + (i - (len(sel) - 1) / 2) * width for k in range(len(h))]
         ax.bar(xs, [c / total for c in h], width=width,
                label=f"{r['mode']} (mean {r['accept_len']:.2f})")
+    ax.set_xticks(range(1, max(len(r["accept_hist"]) for r in sel) + 1))
     ax.set_xlabel("tokens per cycle (accepted + bonus)")
     ax.set_ylabel("fraction of cycles")
     ax.set_title(f"accept length, batch {b0}")
