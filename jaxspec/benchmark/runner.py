@@ -118,7 +118,8 @@ def timed_generate(llm, chats, sp):
 
 def summarize(mode: Mode, batch: int, outs, secs: float, draft_label: str) -> dict:
     """One table row: throughput, accept length (tokens per cycle, bonus included) and its
-    histogram, per-request latencies."""
+    histogram, per-request latencies (all requests are submitted at once, so TTFT and latency
+    include the wait for a free slot when there are more requests than the batch size)."""
     ntok = sum(len(o.token_ids) for o in outs)
     taus = [a + 1 for o in outs for a in (o.accept_lens or [])]
     row = {"mode": mode.label, "batch": batch, "spec": mode.describe(),
