@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.head_sharding import MODEL_AXIS, model_axis_size, per_head_shard
+
 # Pallas moved between jax releases: `pl.load/pl.store` became `plgpu.load/store`, and the
 # compiler-params class was renamed.
 _load = getattr(plgpu, "load", None) or getattr(pl, "load")
@@ -129,7 +131,17 @@ def kv_compact_pallas(
 
 
 def kv_compact(k_cache, v_cache, k_new, v_new, seq_lens, src_idx, count):
-    """Dispatch: the Pallas kernel on GPU, the reference elsewhere."""
+    """Dispatch: the Pallas kernel on GPU, the reference elsewhere; under a mesh with a model
+    axis, per shard of the kv heads (`head_sharding`)."""
+    if model_axis_size() is not None and k_cache.shape[2] % model_axis_size() == 0:
+        from jax.sharding import PartitionSpec as P
+        kv, r = P(None, None, MODEL_AXIS, None, None), P()
+        return tuple(per_head_shard(_kv_compact_local, (kv, kv, kv, kv, r, r, r), (kv, kv))(
+            k_cache, v_cache, k_new, v_new, seq_lens, src_idx, count))
+    return _kv_compact_local(k_cache, v_cache, k_new, v_new, seq_lens, src_idx, count)
+
+
+def _kv_compact_local(k_cache, v_cache, k_new, v_new, seq_lens, src_idx, count):
     d = k_cache.shape[-1]
     if jax.default_backend() == "gpu" and d == _next_pow2(d) and src_idx.shape[1] > 0:
         return tuple(kv_compact_pallas(k_cache, v_cache, k_new, v_new, seq_lens, src_idx, count))

@@ -28,6 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.head_sharding import MODEL_AXIS, model_axis_size, per_head_shard
+
 # Large finite negative rather than -inf: a fully masked row must not produce NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = 1.4426950408889634
@@ -335,7 +337,22 @@ def kernel_supported(q, k_cache) -> bool:
 
 
 def tree_attention(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask, *, sm_scale):
-    """Dispatch: the Pallas kernel on GPU, the reference elsewhere."""
+    """Dispatch: the Pallas kernel on GPU, the reference elsewhere; under a mesh with a model
+    axis, per shard of the heads (`head_sharding`)."""
+    if model_axis_size() is not None and k_cache.shape[2] % model_axis_size() == 0:
+        from jax.sharding import PartitionSpec as P
+        h, r = MODEL_AXIS, P()
+        kv, new = P(None, None, h, None, None), P(None, h, None, None)
+        fn = functools.partial(_tree_attention_local, sm_scale=sm_scale)
+        return per_head_shard(fn, (P(None, None, h, None), kv, kv, r, r, new, new, r),
+                              P(None, None, h, None))(q, k_cache, v_cache, layer, seq_lens,
+                                                      k_new, v_new, tree_mask)
+    return _tree_attention_local(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask,
+                                 sm_scale=sm_scale)
+
+
+def _tree_attention_local(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask, *,
+                          sm_scale):
     if kernel_supported(q, k_cache):
         return tree_attention_pallas(q, k_cache, v_cache, layer, seq_lens, k_new, v_new,
                                      tree_mask, sm_scale=sm_scale)

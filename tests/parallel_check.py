@@ -115,6 +115,9 @@ def check_tp(n):
     skv = shard_state(kv, CFG, mesh)
     got = logits(sp, CFG, skv.k, skv.v)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    with jax.set_mesh(mesh):   # attention per head shard (shard_map), as the TP runner traces it
+        got = logits(sp, CFG, skv.k, skv.v)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     print("ok", f"tp{n}-forward", flush=True)
 
     # The speculative runner, sharded end to end.

@@ -26,10 +26,13 @@ The draft head's decoder layer is sharded by the same rules (it is a Llama layer
 
 Requirements: num_kv_heads % M == 0 (then num_heads too) and intermediate_size % M == 0.
 
-GPU note: the Pallas kernels (tree attention, KV compaction) are custom calls that GSPMD cannot
-split, so it gathers their operands around each call (correct, but it moves the KV cache); they
-want a `shard_map` over the kv-head axis (each device runs the kernel on its own heads, no
-communication), see `sharded_kernels`.
+Kernels: the Pallas kernels (tree attention, KV compaction) are custom calls that GSPMD cannot
+split; given sharded operands it would gather them (the whole KV cache) around each call. The
+functions here trace under `jax.set_mesh(mesh)` (`on_mesh`), and under a mesh with a "model" axis
+the kernel dispatchers run per shard of the kv heads in a `shard_map`
+(`pallas_kernels/head_sharding.py`): no communication, on GPU and on CPU alike (the references).
+`jit_cycle` called without the mesh context is still correct (GSPMD around the references on
+CPU; gathered operands around the kernels on GPU).
 
 Multi-host: see `jaxspec.parallel.distributed`.
 """
@@ -200,14 +203,23 @@ def shard_state(state, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS):
 # ------------------------------------------------------------------------------ jitted entries
 
 
+def on_mesh(fn, mesh: Mesh):
+    """fn called (so traced) under `jax.set_mesh(mesh)`: the kernels then run per head shard."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return fn(*args, **kwargs)
+    return call
+
+
 def tp_cycle(cfg: ModelConfig, spec: SpecConfig, mesh: Mesh, state, greedy_only: bool = False):
     """jit of spec.cycle.cycle whose state keeps its sharding across calls (KV on kv heads) and
     whose CycleOut comes back replicated (the host reads it); the state is donated."""
     from jaxspec.spec.cycle import cycle
     rep = NamedSharding(mesh, P())
     st = state_shardings(state, cfg, mesh)
-    return jax.jit(functools.partial(cycle, cfg=cfg, spec=spec, greedy_only=greedy_only),
-                   out_shardings=(st, rep), donate_argnums=(2,))
+    return on_mesh(jax.jit(functools.partial(cycle, cfg=cfg, spec=spec, greedy_only=greedy_only),
+                           out_shardings=(st, rep), donate_argnums=(2,)), mesh)
 
 
 def tp_prefill(cfg: ModelConfig, spec: SpecConfig, mesh: Mesh, state,
@@ -215,8 +227,9 @@ def tp_prefill(cfg: ModelConfig, spec: SpecConfig, mesh: Mesh, state,
     from jaxspec.spec.cycle import prefill
     rep = NamedSharding(mesh, P())
     st = state_shardings(state, cfg, mesh)
-    return jax.jit(functools.partial(prefill, cfg=cfg, spec=spec, with_logprobs=with_logprobs),
-                   out_shardings=(st, rep), donate_argnums=(2,))
+    return on_mesh(jax.jit(functools.partial(prefill, cfg=cfg, spec=spec,
+                                             with_logprobs=with_logprobs),
+                           out_shardings=(st, rep), donate_argnums=(2,)), mesh)
 
 
 class TensorParallelSpecRunner(SpecRunner):
