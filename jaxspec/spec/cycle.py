@@ -98,7 +98,9 @@ def prefill(params, draft_params, state: SpecState, tokens, prompt_lens, samplin
     b, p = tokens.shape
     sp = state.sampling if sampling is None else sampling
     rng = state.rng if rng is None else rng
-    zeros = jnp.zeros((b,), jnp.int32)
+    # From an argument, not a constant: XLA would constant-fold the attention over the (empty)
+    # cache at full batch size, which takes seconds at compile time for large batches.
+    zeros = prompt_lens * 0
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
     hidden, k_new, v_new, _ = llama.forward(params, cfg, tokens, pos, state.target.k,
                                             state.target.v, zeros,
