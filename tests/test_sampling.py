@@ -11,7 +11,11 @@ from jaxspec.sampling import SamplingParams, SlotSampling, processed_logprobs, s
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"),
     ({"temperature": -1.0}, "temperature"), ({"temperature": float("nan")}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"),
-    ({"min_p": 2.0}, "min_p"),
+    ({"min_p": 2.0}, "min_p"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"presence_penalty": -3}, "presence_penalty"),
+    ({"seed": -1}, "seed"), ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+    ({"stop": ("",)}, "stop"), ({"stop_token_ids": (-4,)}, "stop_token_ids"),
+    ({"top_k": 2.5}, "top_k"),
 ])
 def test_nonsense_params_rejected(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
@@ -55,3 +59,21 @@ def test_sample_mixes_greedy_and_sampled_rows():
     expect = np.asarray(jax.nn.softmax(logits[1]))
     # 4000 draws: the binomial std of any cell is <= 0.008; 5 sigma = 0.04.
     assert np.max(np.abs(freq - expect)) < 0.04
+
+
+def test_tree_penalties_equal_per_row_counts():
+    """The broadcast-plus-scatter penalty equals building each row's full counts."""
+    from jaxspec.sampling import TokenCounts, apply_penalties, apply_tree_penalties
+    b, n, p, v = 2, 5, 3, 12
+    ks = jax.random.split(jax.random.PRNGKey(9), 4)
+    logits = jax.random.normal(ks[0], (b, n, v)) * 3
+    path = jax.random.randint(ks[1], (b, n, p), 0, v)
+    live = jax.random.bernoulli(ks[2], 0.7, (b, n, p))
+    hist = TokenCounts(jax.random.bernoulli(ks[3], 0.3, (b, v)),
+                       jax.random.randint(ks[3], (b, v), 0, 3))
+    sp = SlotSampling.from_params([SamplingParams(repetition_penalty=1.4, frequency_penalty=0.5,
+                                                  presence_penalty=-0.3)] * b, b)
+    got = apply_tree_penalties(logits, sp, hist, path, live)
+    for i in range(n):
+        h = hist.add(path[:, i], live[:, i])
+        np.testing.assert_allclose(got[:, i], apply_penalties(logits[:, i], sp, h), rtol=1e-6)
