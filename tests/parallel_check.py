@@ -3,8 +3,9 @@ devices (the flag must be set before jax initialises, so it cannot run inside py
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/parallel_check.py 2 4
 
-runs every check on the first 2 and on all 4 devices (one process, so the single-device
-references and their compilations are shared). Each check compares greedy outputs with the single-device runners, token for token, and prints
+runs the checks on the first 2 and on all 4 devices (one process, so the single-device
+references and their compilations are shared; the GSPMD-only tensor-parallel paths run on all
+devices only). Each check compares greedy outputs with the single-device runners, token for token, and prints
 `ok <name>`; a mismatch raises.
 """
 import dataclasses
@@ -126,7 +127,10 @@ def check_tp(n):
     k = r._state.target.k
     assert k.sharding.spec[2] == "model" and k.addressable_shards[0].data.shape[2] == 4 // n
 
-    # jit_cycle / jit_prefill as they are (no sharding arguments): GSPMD follows the inputs.
+    if n < jax.device_count():
+        return   # the GSPMD-only paths below once, on all devices (their compiles are the cost)
+    # jit_cycle / jit_prefill as they are (no sharding arguments, no mesh context): GSPMD
+    # follows the inputs' shardings.
     sd = shard_draft_params(d, CFG, mesh)
     state = shard_state(init_state(CFG, SPEC, 2, MAX_LEN, jnp.float32), CFG, mesh)
     tokens = np.zeros((2, 32), np.int32)
@@ -143,6 +147,16 @@ def check_tp(n):
     ref = spec_reference()
     check(f"tp{n}-jit-cycle", [o[:len(r_)] for o, r_ in zip(outs, [ref[2], ref[1]])],
           [ref[2][:len(outs[0])], ref[1][:len(outs[1])]])
+
+    # The engine's speculative backend, made tensor parallel (LLM(..., tensor_parallel=n)).
+    from jaxspec.engine import Engine, SpecBackend
+    from jaxspec.parallel import shard_backend
+    be = shard_backend(SpecBackend(CFG, sp, sd, SPEC, 2, MAX_LEN + 2 * SPEC.max_emit), CFG, mesh)
+    eng = Engine(be, max_model_len=MAX_LEN, vocab_size=CFG.vocab_size)
+    ids = [eng.add_request(x, SamplingParams(max_tokens=m)) for x, m in zip(PROMPTS, NEW)]
+    while eng.has_work():
+        eng.step()
+    check(f"tp{n}-engine", [eng.pop_finished(i).output for i in ids], ref)
 
     # Plain decoding with a tied embedding (vocab-sharded embed read as the lm_head).
     pt, _ = pair(CFG_TIED)

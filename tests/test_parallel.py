@@ -37,7 +37,7 @@ def multi_device_run():
 
 CHECKS = [f"{kind}{n}-{what}" for n in (2, 4) for kind, what in
           [("dp", "spec"), ("dp", "spec-again"), ("dp", "plain"), ("dp", "plain-vs-spec"),
-           ("tp", "forward"), ("tp", "spec"), ("tp", "jit-cycle"), ("tp", "plain-tied")]]
+           ("tp", "forward"), ("tp", "spec")]] + ["tp4-jit-cycle", "tp4-engine", "tp4-plain-tied"]
 
 
 @pytest.mark.parametrize("name", CHECKS)

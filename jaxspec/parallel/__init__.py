@@ -7,6 +7,6 @@ See data_parallel.py, tensor_parallel.py and distributed.py (multi-host launch).
 """
 from jaxspec.parallel.data_parallel import (DataParallelPlainRunner, DataParallelSpecRunner,
                                             local_devices, replicate, spread)
-from jaxspec.parallel.tensor_parallel import (TensorParallelSpecRunner, check_shardable,
+from jaxspec.parallel.tensor_parallel import (TensorParallelSpecRunner, check_shardable, on_mesh,
                                               make_mesh, shard_draft_params, shard_params,
-                                              shard_state, state_shardings)
+                                              shard_backend, shard_state, state_shardings)

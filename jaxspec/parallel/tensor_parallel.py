@@ -247,3 +247,15 @@ class TensorParallelSpecRunner(SpecRunner):
         self._state = state
         self._cycle = tp_cycle(cfg, self.spec, mesh, state)
         self._prefill = tp_prefill(cfg, self.spec, mesh, state)
+
+
+def shard_backend(backend, cfg: ModelConfig, mesh: Mesh):
+    """An engine backend (`engine.SpecBackend` / `PlainBackend`, built with params from
+    `shard_params` / `shard_draft_params`) made tensor parallel in place: its state starts
+    sharded (KV on kv heads) and its jitted calls trace under the mesh (kernels per head shard).
+    Returns the backend."""
+    init, admit, cyc = backend.init_state, backend.admit, backend.cycle
+    backend.init_state = lambda: shard_state(init(), cfg, mesh)
+    backend.admit = on_mesh(admit, mesh)
+    backend.cycle = on_mesh(cyc, mesh)
+    return backend
