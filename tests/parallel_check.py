@@ -148,6 +148,29 @@ def check_tp(n):
     check(f"tp{n}-jit-cycle", [o[:len(r_)] for o, r_ in zip(outs, [ref[2], ref[1]])],
           [ref[2][:len(outs[0])], ref[1][:len(outs[1])]])
 
+    # Collectives of the cycle: only all-reduces of [B, N, H] activations (Megatron: after the
+    # attention output and the MLP down projections, and the vocab-sharded embedding lookup); no
+    # all-gather of a KV cache or of logits.
+    import re
+    with jax.set_mesh(mesh):
+        hlo = jit_cycle(CFG, SPEC, greedy_only=True).lower(sp, sd, state, active).compile()
+    colls = re.findall(r"= (\S+) (all-gather|all-reduce|collective-permute|all-to-all)[-a-z]*\(",
+                       hlo.as_text())
+    bad = [c for c in colls if c[1] != "all-reduce" or not c[0].split("]")[0].endswith(",64")]
+    assert colls and not bad, bad
+    print("ok", f"tp{n}-collectives", flush=True)
+
+    # Plain decoding with a tied embedding, vocab-sharded and read as the lm_head.
+    pt, _ = pair(CFG_TIED)
+    pr = PlainRunner(CFG_TIED, shard_params(pt, CFG_TIED, mesh, vocab="shard"),
+                     shard_state(init_cache(CFG_TIED, 4, MAX_LEN, jnp.float32), CFG_TIED, mesh),
+                     decode_chunk=8)
+    out = []
+    for i in range(0, len(PROMPTS), 4):
+        sps = [SamplingParams(max_tokens=m) for m in NEW[i:i + 4]]
+        out += [g.token_ids for g in pr.generate(PROMPTS[i:i + 4], sps, [set()] * len(sps))]
+    check(f"tp{n}-plain-tied", out, plain_reference(CFG_TIED))
+
     # The engine's speculative backend, made tensor parallel (LLM(..., tensor_parallel=n)).
     from jaxspec.engine import Engine, SpecBackend
     from jaxspec.parallel import shard_backend
@@ -157,17 +180,6 @@ def check_tp(n):
     while eng.has_work():
         eng.step()
     check(f"tp{n}-engine", [eng.pop_finished(i).output for i in ids], ref)
-
-    # Plain decoding with a tied embedding (vocab-sharded embed read as the lm_head).
-    pt, _ = pair(CFG_TIED)
-    pr = PlainRunner(CFG_TIED, shard_params(pt, CFG_TIED, mesh),
-                     shard_state(init_cache(CFG_TIED, 4, MAX_LEN, jnp.float32), CFG_TIED, mesh),
-                     decode_chunk=8)
-    out = []
-    for i in range(0, len(PROMPTS), 4):
-        sps = [SamplingParams(max_tokens=m) for m in NEW[i:i + 4]]
-        out += [g.token_ids for g in pr.generate(PROMPTS[i:i + 4], sps, [set()] * len(sps))]
-    check(f"tp{n}-plain-tied", out, plain_reference(CFG_TIED))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ def multi_device_run():
 
 CHECKS = [f"{kind}{n}-{what}" for n in (2, 4) for kind, what in
           [("dp", "spec"), ("dp", "spec-again"), ("dp", "plain"), ("dp", "plain-vs-spec"),
-           ("tp", "forward"), ("tp", "spec")]] + ["tp4-jit-cycle", "tp4-engine", "tp4-plain-tied"]
+           ("tp", "forward"), ("tp", "spec")]] + ["tp4-jit-cycle", "tp4-collectives", "tp4-plain-tied",
+                                                      "tp4-engine"]
 
 
 @pytest.mark.parametrize("name", CHECKS)
@@ -93,3 +94,13 @@ def test_spread_keeps_order_and_balance():
     assert groups == [[[0, 1, 2], [3, 4, 5]], [[6, 7, 8], [9, 10]]]
     assert [i for g in groups for r in g for i in r] == list(range(11))
     assert spread(range(3), replicas=4, slots=8) == [[[0], [1], [2], []]]
+
+
+def test_multihost_two_processes():
+    """Two processes joined by jax.distributed (gloo on CPU), one device each: the tensor-parallel
+    runner over the global mesh equals the single-device output (tests/multihost_check.py)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "multihost_check.py")], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert "ok multihost" in proc.stdout.splitlines(), proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -22,12 +22,15 @@ Launch (two hosts with 8 GPUs each, a 16-way model axis; same command on every h
 
 Under SLURM, Open MPI or on Cloud TPU, `jax.distributed.initialize()` finds all three values by
 itself: leave the variables unset. Every process must load the same weights (each then keeps
-only its shards, `shard_params` uses `jax.device_put`, which in a multi-process run takes the
-local part of a host value) and call `generate` with the same prompts in the same order: the host
-loops run in lockstep, and each reads the replicated tokens from its own devices.
+only its shards: with several processes `shard_params` / `shard_state` build each array with
+`jax.make_array_from_callback` from the process's own copy) and call `generate` with the same
+prompts in the same order: the host loops run in lockstep, and each reads the replicated tokens
+from its own devices. The runners' host inputs (tokens, lengths, the active mask) are identical
+on every process; the tensor-parallel entry points (`tensor_parallel.on_mesh`) turn them into
+global replicated arrays (`global_replicated`).
 
-Host inputs (tokens, lengths, the active mask) are plain numpy values, identical on every process;
-`global_replicated` turns such a value into a global array when a function wants one explicitly.
+Status: checked on one host only (fake CPU devices, and the single-process code path); the
+multi-process path has not been run here.
 """
 from __future__ import annotations
 

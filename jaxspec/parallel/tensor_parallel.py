@@ -17,8 +17,13 @@ Layout, per layer (M = size of the model axis):
   wo [Q, H]        row-sharded (its rows are the q heads of the shard): partial sums, all-reduce.
   w_gate_up [H,2F] blocked [H, M, 2F/M], block m = [gate_m | up_m] (matching columns), sharded on M.
   w_down [F, H]    row-sharded.
-  embed [V, H]     vocab-sharded (rows), lm_head [H, V] vocab-sharded (columns) when V % M == 0,
-                   else replicated. Norms, the draft fc and biases other than bqkv: replicated.
+  embed [V, H]     vocab-sharded (rows; a lookup is a masked local gather plus an all-reduce of
+                   [B, N, H]) when V % M == 0 and the embedding is not tied, else replicated.
+  lm_head [H, V]   replicated by default: sharded over the vocab, every argmax / top-k / softmax
+                   of the cycle would all-gather the logits, [B, N, V] per verify (2 GB in fp32
+                   for a 60-node tree at batch 64 with Llama-3's vocab), while a replica costs
+                   V * H more bytes read per step (0.5 GB bf16 at Llama-3 8B). vocab="shard"
+                   shards both (memory first). Norms, the draft fc and its bias: replicated.
   KV caches        [L, B, Hkv, T, D] sharded on Hkv (each device keeps the kv heads it computes).
 Everything else in the decode state (lengths, roots, sampling, counts) is small and replicated.
 
@@ -146,24 +151,31 @@ def param_specs(params, cfg: ModelConfig, m: int, axis: str = AXIS, vocab: str =
     shard_v = _vocab_ok(cfg, m, vocab)
     specs = {k: P() for k in params if k != "layers"}
     specs["layers"] = _map_layers(params["layers"], lambda lp: _layer_specs(lp, axis))
-    if shard_v:
+    if shard_v and (vocab == "shard" or "lm_head" in params):
         specs["embed"] = P(axis, None)
-        if "lm_head" in params:
-            specs["lm_head"] = P(None, axis)
+    if shard_v and vocab == "shard" and "lm_head" in params:
+        specs["lm_head"] = P(None, axis)
     return specs
 
 
 def _place(tree, specs, mesh: Mesh):
     shardings = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
                                        is_leaf=lambda s: isinstance(s, P))
-    return jax.device_put(tree, shardings)
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    # Several processes: each builds only its addressable shards from its own (identical) copy.
+    def put(x, sh):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
+    return jax.tree_util.tree_map(put, tree, shardings)
 
 
 def shard_params(params, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS, vocab: str = "auto"):
     """Target params -> blocked layout, placed with NamedShardings over mesh[axis].
 
-    vocab: 'auto' shards embed/lm_head over the vocab when it divides evenly, 'shard' insists,
-    'replicate' keeps them whole on every device."""
+    vocab: 'auto' shards an untied embedding over the vocab when it divides evenly and keeps the
+    lm_head whole (see the module notes), 'shard' shards both (or the tied embedding),
+    'replicate' keeps both whole on every device."""
     m = mesh.shape[axis]
     check_shardable(cfg, m)
     blocked = dict(params, layers=_map_layers(params["layers"],
@@ -197,7 +209,8 @@ def state_shardings(state, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS):
 def shard_state(state, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS):
     """Places a decode state (SpecState, PlainState, KVCache) per `state_shardings`."""
     check_shardable(cfg, mesh.shape[axis])
-    return jax.device_put(state, state_shardings(state, cfg, mesh, axis))
+    sh = state_shardings(state, cfg, mesh, axis)
+    return _place(state, jax.tree_util.tree_map(lambda s: s.spec, sh), mesh)
 
 
 # ------------------------------------------------------------------------------ jitted entries
@@ -207,9 +220,26 @@ def on_mesh(fn, mesh: Mesh):
     """fn called (so traced) under `jax.set_mesh(mesh)`: the kernels then run per head shard."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        if jax.process_count() > 1:
+            args, kwargs = _global_inputs((args, kwargs), mesh)
         with jax.set_mesh(mesh):
             return fn(*args, **kwargs)
     return call
+
+
+def _global_inputs(tree, mesh: Mesh):
+    """Host values (numpy, or arrays on this process's devices only), identical on every
+    process, -> global arrays replicated over the mesh; arrays already on it pass through."""
+    devices = set(mesh.devices.flat)
+    rep = NamedSharding(mesh, P())
+
+    def glob(x):
+        if isinstance(x, jax.Array) and x.sharding.device_set == devices:
+            return x
+        if isinstance(x, (np.ndarray, np.generic, jax.Array)):
+            return jax.make_array_from_process_local_data(rep, np.asarray(x))
+        return x
+    return jax.tree_util.tree_map(glob, tree)
 
 
 def tp_cycle(cfg: ModelConfig, spec: SpecConfig, mesh: Mesh, state, greedy_only: bool = False):
