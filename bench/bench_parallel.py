@@ -1,11 +1,13 @@
 """Multi-GPU: data-parallel throughput scaling and tensor-parallel step time.
 
 Data parallel (SmolLM2-135M shape, random bf16 weights and head, 64 slots per GPU): tokens/s of
-one device (SpecRunner / PlainRunner, 64 slots) against D replicas (DataParallelSpecRunner /
-DataParallelPlainRunner, 64 slots each), end to end through the runners (host loop included), and
-device-only (back-to-back cycles, no host read). Scaling = DP tokens/s / single tokens/s; the goal
-is >= 1.9x for two replicas. Random weights accept like any others for cost: a static-shape cycle
-costs the same whatever it accepts, and every replica runs the same number of cycles.
+one replica against two (DataParallelSpecRunner / DataParallelPlainRunner with replicas=1 and 2,
+64 slots each: the same host loop, whose outputs the tests tie to SpecRunner / PlainRunner), end
+to end through the runners (host loop included), and device-only (back-to-back cycles of
+jit_cycle on one GPU against the pmapped cycle on two, no host read). Scaling = DP tokens/s /
+single tokens/s; the goal is >= 1.9x for two replicas. Random weights cost what any others do:
+a static-shape cycle costs the same whatever it accepts, and every replica runs the same number
+of cycles.
 
 Tensor parallel (Llama-3-8B shape, random bf16, model axis over all GPUs): per-step time of a
 plain decode step and of a speculative cycle (chain and tree presets) at batch 1 and 64, against
@@ -33,15 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import LLAMA3_8B, SMOLLM2_135M, device_name, median, write_json  # noqa: E402
 from jaxspec.config import ModelConfig  # noqa: E402
-from jaxspec.decode import PlainRunner  # noqa: E402
-from jaxspec.kv import init_cache  # noqa: E402
 from jaxspec.models import eagle, llama  # noqa: E402
 from jaxspec.parallel import (DataParallelPlainRunner, DataParallelSpecRunner,  # noqa: E402
                               make_mesh, shard_draft_params, shard_params, shard_state)
 from jaxspec.parallel.data_parallel import pmap_spec, replicate  # noqa: E402
 from jaxspec.parallel.tensor_parallel import tp_cycle  # noqa: E402
 from jaxspec.sampling import SamplingParams  # noqa: E402
-from jaxspec.spec import SpecRunner, init_state, jit_cycle  # noqa: E402
+from jaxspec.spec import init_state, jit_cycle  # noqa: E402
 from jaxspec.spec.config import resolve_spec  # noqa: E402
 
 TINY = ModelConfig(arch="LlamaForCausalLM", vocab_size=512, hidden_size=128,
@@ -84,8 +84,7 @@ def dp_end_to_end(cfg, p, d, args, replicas, preset):
     rows = []
     if preset == "plain":
         sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-        one = PlainRunner(cfg, p, init_cache(cfg, b, max_len + 32, p["embed"].dtype),
-                          decode_chunk=16)
+        one = DataParallelPlainRunner(cfg, p, b, max_len + 32, 1, decode_chunk=16)
         dp = DataParallelPlainRunner(cfg, p, b, max_len + 32, replicas, decode_chunk=16)
         t1, o1 = timed_generate(lambda: one.generate(ps1, [sp] * b, [set()] * b), args.reps)
         td, od = timed_generate(lambda: dp.generate(psd, [sp] * len(psd), [set()] * len(psd)),
@@ -94,7 +93,7 @@ def dp_end_to_end(cfg, p, d, args, replicas, preset):
         nd = sum(len(g.token_ids) for g in od)
         same = [g.token_ids for g in od[:b]] == [g.token_ids for g in o1]
     else:
-        one = SpecRunner(cfg, p, d, preset, max_slots=b, max_len=max_len)
+        one = DataParallelSpecRunner(cfg, p, d, preset, slots=b, max_len=max_len, replicas=1)
         dp = DataParallelSpecRunner(cfg, p, d, preset, slots=b, max_len=max_len,
                                     replicas=replicas)
         t1, o1 = timed_generate(lambda: one.generate(ps1, [args.max_tokens] * b), args.reps)

@@ -5,8 +5,8 @@ devices (the flag must be set before jax initialises, so it cannot run inside py
 
 runs the checks on the first 2 and on all 4 devices (one process, so the single-device
 references and their compilations are shared; the GSPMD-only tensor-parallel paths run on all
-devices only). Each check compares greedy outputs with the single-device runners, token for token, and prints
-`ok <name>`; a mismatch raises.
+devices only). Each check compares greedy outputs with the single-device runners, token for
+token, and prints `ok <name>`; a mismatch raises.
 """
 import dataclasses
 import functools

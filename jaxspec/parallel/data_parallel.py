@@ -15,7 +15,6 @@ Every replica runs the same compiled function as the single-device runners (`spe
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from typing import Callable, List, Optional, Sequence, Tuple, Union

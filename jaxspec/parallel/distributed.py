@@ -5,12 +5,15 @@ devices of all hosts in `jax.devices()` and its own in `jax.local_devices()`. A 
 global device list spans hosts; GSPMD inserts the collectives (NCCL on GPU) as on one host. The
 model axis should stay within a host (NVLink); across hosts, data parallel is the cheap split.
 
-Launch (two hosts with 8 GPUs each, a 16-way model axis; same command on every host):
+Launch (two hosts with 8 GPUs each, all 16 on the model axis, as a model too large for one host
+needs; the same program on every host):
 
-    # host 0 (its address is the coordinator)          # host 1
-    JAXSPEC_COORDINATOR=10.0.0.1:1234 \\               JAXSPEC_COORDINATOR=10.0.0.1:1234 \\
-    JAXSPEC_NUM_PROCESSES=2 JAXSPEC_PROCESS_ID=0 \\     JAXSPEC_NUM_PROCESSES=2 JAXSPEC_PROCESS_ID=1 \\
-    python my_generate.py                             python my_generate.py
+    # host 0 (its address is the coordinator)
+    JAXSPEC_COORDINATOR=10.0.0.1:1234 JAXSPEC_NUM_PROCESSES=2 JAXSPEC_PROCESS_ID=0 \\
+        python my_generate.py
+    # host 1
+    JAXSPEC_COORDINATOR=10.0.0.1:1234 JAXSPEC_NUM_PROCESSES=2 JAXSPEC_PROCESS_ID=1 \\
+        python my_generate.py
 
     # my_generate.py
     from jaxspec.parallel import distributed, TensorParallelSpecRunner
