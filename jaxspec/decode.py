@@ -75,16 +75,20 @@ def decode_steps(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampl
     return cache, out.T, key
 
 
-def _emit(logits, sp: SlotSampling, hist: TokenCounts, keys, forced, num_top: int):
+def _emit(logits, sp: SlotSampling, hist: TokenCounts, keys, forced, num_top: int, live=None):
     """logits [B, V] raw -> (Emitted [B], hist with the token counted, next keys).
 
-    forced [B] (or None): emit these tokens instead of sampling, reporting their logprobs."""
+    forced [B] (or None): emit these tokens instead of sampling, reporting their logprobs.
+    live [B] bool (or None: all): only these slots count the token and advance their key."""
     pen = jax.lax.cond(sp.any_penalty(), lambda: apply_penalties(logits, sp, hist),
                        lambda: logits)
-    keys, sub = split_slot_keys(keys, 2)
+    new_keys, sub = split_slot_keys(keys, 2)
     tok = sample_slots(pen, sp, sub) if forced is None else forced.astype(jnp.int32)
     lp, ids, tlp = token_logprobs(pen[:, None], sp, tok[:, None], num_top)
-    hist = hist.add(tok[:, None], jnp.ones(tok.shape + (1,), bool))
+    if live is None:
+        live = jnp.ones(tok.shape, bool)
+    hist = hist.add(tok[:, None], live[:, None])
+    keys = jnp.where(live[:, None], new_keys, keys)
     return Emitted(tok, lp[:, 0], ids[:, 0], tlp[:, 0]), hist, keys
 
 
@@ -94,6 +98,34 @@ def first_token(params, cfg: ModelConfig, hidden, sp: SlotSampling, hist: TokenC
     """hidden [B, H] of the last prompt row -> (Emitted [B], hist, keys). hist holds the prompt
     (TokenCounts.from_prompts); keys [B, 2] per-slot rng keys."""
     return _emit(llama.lm_head(params, cfg, hidden), sp, hist, keys, forced, num_top)
+
+
+def decode_scan(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampling,
+                hist: TokenCounts, keys, forced=None, active=None, *, n_steps: int,
+                num_top: int = MAX_LOGPROBS):
+    """The body of `sample_steps` (not jitted, to be traced inside other functions).
+
+    active [B] bool (or None: all): idle slots write no KV rows, keep their input token, counts
+    and key; their emitted tokens are meaningless."""
+    b = tokens.shape[0]
+    mask = jnp.ones((b, 1, 1), bool)
+    xs = None if forced is None else forced.T
+    count = jnp.ones((b,), jnp.int32) if active is None else active.astype(jnp.int32)
+
+    def step(carry, f):
+        cache, tok, hist, keys = carry
+        hidden, k_new, v_new, _ = llama.forward(params, cfg, tok[:, None], cache.lens[:, None],
+                                                cache.k, cache.v, cache.lens, mask)
+        cache = _append(cache, k_new, v_new, count)
+        em, hist, keys = _emit(llama.lm_head(params, cfg, hidden[:, 0]), sp, hist, keys, f,
+                               num_top, active)
+        nxt = em.tokens if active is None else jnp.where(active, em.tokens, tok)
+        return (cache, nxt, hist, keys), em
+
+    (cache, _, hist, keys), out = jax.lax.scan(step, (cache, tokens, hist, keys), xs,
+                                               length=n_steps)
+    out = jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 1), out)
+    return cache, hist, keys, out
 
 
 @functools.partial(jax.jit, static_argnums=(1,), static_argnames=("n_steps", "num_top"),
@@ -107,23 +139,8 @@ def sample_steps(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampl
     forced [B, n_steps] (or None): teacher forcing, to score a given continuation.
     Returns (cache, hist, keys, Emitted [B, n_steps]).
     """
-    b = tokens.shape[0]
-    mask = jnp.ones((b, 1, 1), bool)
-    xs = None if forced is None else forced.T
-
-    def step(carry, f):
-        cache, tok, hist, keys = carry
-        hidden, k_new, v_new, _ = llama.forward(params, cfg, tok[:, None], cache.lens[:, None],
-                                                cache.k, cache.v, cache.lens, mask)
-        cache = _append(cache, k_new, v_new, jnp.ones((b,), jnp.int32))
-        em, hist, keys = _emit(llama.lm_head(params, cfg, hidden[:, 0]), sp, hist, keys, f,
-                               num_top)
-        return (cache, em.tokens, hist, keys), em
-
-    (cache, _, hist, keys), out = jax.lax.scan(step, (cache, tokens, hist, keys), xs,
-                                               length=n_steps)
-    out = jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 1), out)
-    return cache, hist, keys, out
+    return decode_scan(params, cfg, cache, tokens, sp, hist, keys, forced, n_steps=n_steps,
+                       num_top=num_top)
 
 
 def prefill_bucket(n: int, chunk: int) -> int:

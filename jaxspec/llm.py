@@ -9,10 +9,9 @@ from typing import Any, Iterator, List, Optional, Sequence, Union
 import jax
 
 from jaxspec.config import ConfigError
-from jaxspec.decode import PlainRunner
 from jaxspec.engine import Engine, PlainBackend, SpecBackend, StreamDelta
-from jaxspec.kv import init_cache, kv_bytes_per_token
-from jaxspec.sampling import SamplingParams, apply_stop_strings
+from jaxspec.kv import kv_bytes_per_token
+from jaxspec.sampling import SamplingParams
 
 Chat = List[dict]
 Prompt = Union[str, Chat, Sequence[int]]
@@ -61,7 +60,6 @@ class LLM:
             raise ConfigError(f"max_model_len={self.max_model_len} leaves no room to generate")
         self.max_batch, self.decode_chunk, self.seed = max_batch, decode_chunk, seed
         self.spec = None
-        self.runner = None          # the batch runner, for parameters the engine lacks
         if spec is not None or draft is not None:
             backend = self._spec_backend(draft, spec)
         else:
@@ -90,7 +88,7 @@ class LLM:
         self.spec = spec
         # Rows for the speculative tokens of the cycles that may run past a request's end.
         return SpecBackend(self.config, self.params, draft, spec, self.max_batch,
-                           self.max_model_len + 2 * spec.max_emit)
+                           self.max_model_len + 2 * spec.max_emit, seed=self.seed)
 
     # -- input handling ------------------------------------------------------------------
     def _encode(self, prompt: Prompt) -> List[int]:
@@ -119,9 +117,6 @@ class LLM:
     def _eos_ids(self) -> set:
         return set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
 
-    def _stop_ids(self, sp: SamplingParams) -> set:
-        return set(sp.stop_token_ids) | (set() if sp.ignore_eos else self._eos_ids())
-
     # -- generation ----------------------------------------------------------------------
     def _normalize(self, prompts, sampling_params):
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (dict, int))):
@@ -135,7 +130,6 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         for i, (ids, sp) in enumerate(zip(encoded, sps)):
             self._check_fits(ids, sp, i)
-            self.engine.backend.check(sp)
         return encoded, list(sps)
 
     def _submit(self, encoded, sps, request_ids=None) -> list:
@@ -163,8 +157,6 @@ class LLM:
         """Generates for each prompt. All requests are validated before any work starts.
         request_id of each output is its index in `prompts`."""
         encoded, sps = self._normalize(prompts, sampling_params)
-        if any(_needs_runner(sp) for sp in sps):
-            return self._generate_runner(encoded, sps)
         ids = self._submit(encoded, sps)
         pending = set(ids)
         while pending:
@@ -179,14 +171,11 @@ class LLM:
     def stream(self, prompts: Union[Prompt, Sequence[Prompt]],
                sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                request_ids: Optional[Sequence[Any]] = None) -> Iterator[StreamDelta]:
-        """Yields StreamDelta(request_id, token_ids, text, finished, finish_reason) as tokens
-        come: per request, the deltas concatenate to the final output (tokens past a stop are
+        """Yields StreamDelta(request_id, token_ids, text, finished, finish_reason, logprobs) as
+        tokens come: per request, the deltas concatenate to the final output (tokens past a stop are
         never sent; text is held back while it could still become a stop string). request_ids
         (unique, default: the engine's) may be passed to `abort` while iterating."""
         encoded, sps = self._normalize(prompts, sampling_params)
-        if any(_needs_runner(sp) for sp in sps):
-            raise ValueError("stream() does not support penalties, logprobs or seeds yet: "
-                             "use generate()")
         if request_ids is not None and len(request_ids) != len(encoded):
             raise ValueError(f"{len(request_ids)} request ids for {len(encoded)} prompts")
         ids = self._submit(encoded, sps, request_ids)
@@ -221,37 +210,4 @@ class LLM:
             finish_reason=r.finish_reason,
             metrics={"ttft_s": ttft, "latency_s": latency, "retracts": r.retracts,
                      "tokens_per_s": len(r.output) / max(latency, 1e-9)},
-            accept_lens=r.accept_lens if self.spec is not None else None)
-
-    def _generate_runner(self, encoded, sps) -> List[RequestOutput]:
-        """Requests with penalties, logprobs or a seed: the batch runner, group by group, until
-        the engine's plain backend carries per-slot token counts and keys."""
-        if self.spec is not None:
-            raise ValueError("speculative decoding does not support penalties, logprobs or "
-                             "seeds yet")
-        if self.runner is None:
-            cache = init_cache(self.config, self.max_batch,
-                               self.max_model_len + 2 * self.decode_chunk, self.dtype)
-            self.runner = PlainRunner(self.config, self.params, cache,
-                                      decode_chunk=self.decode_chunk, seed=self.seed)
-        outputs: List[RequestOutput] = []
-        for start in range(0, len(encoded), self.max_batch):
-            ids, sp = encoded[start:start + self.max_batch], sps[start:start + self.max_batch]
-            gens = self.runner.generate(ids, sp, [self._stop_ids(s) for s in sp])
-            for j, g in enumerate(gens):
-                text, hit = apply_stop_strings(self.tokenizer.decode(g.token_ids), sp[j].stop)
-                outputs.append(RequestOutput(
-                    request_id=start + j, prompt_token_ids=ids[j], token_ids=g.token_ids,
-                    text=text, finish_reason="stop" if hit else g.finish_reason,
-                    metrics={"ttft_s": g.ttft_s, "latency_s": g.latency_s,
-                             "tokens_per_s": len(g.token_ids) / max(g.latency_s, 1e-9)},
-                    logprobs=getattr(g, "logprobs", None)))
-        return outputs
-
-
-def _needs_runner(sp: SamplingParams) -> bool:
-    """Parameters the engine's backends do not carry yet."""
-    return (getattr(sp, "repetition_penalty", 1.0) != 1.0
-            or getattr(sp, "frequency_penalty", 0.0) != 0.0
-            or getattr(sp, "presence_penalty", 0.0) != 0.0
-            or getattr(sp, "logprobs", None) is not None or sp.seed is not None)
+            accept_lens=r.accept_lens if self.spec is not None else None, logprobs=r.logprobs)

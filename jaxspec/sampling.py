@@ -141,6 +141,13 @@ class SlotSampling:
         )
 
     @classmethod
+    def from_flat(cls, f, i) -> "SlotSampling":
+        """f [B, 6] fp32, i [B, 2] int32 (as `flat_params` lays them out) -> SlotSampling."""
+        return cls(temperature=f[:, 0], top_k=i[:, 0], top_p=f[:, 1], min_p=f[:, 2],
+                   repetition_penalty=f[:, 3], frequency_penalty=f[:, 4],
+                   presence_penalty=f[:, 5], logprobs=i[:, 1])
+
+    @classmethod
     def greedy(cls, slots: int) -> "SlotSampling":
         return cls.from_params([], slots)
 
@@ -153,6 +160,21 @@ class SlotSampling:
 
     def any_logprobs(self):
         return jnp.any(self.logprobs >= 0)
+
+
+def flat_params(sp: SamplingParams) -> Tuple[List[float], List[int]]:
+    """Host side: one request's parameters as the rows `SlotSampling.from_flat` reads
+    ([6] floats, [2] ints), so they travel to the device as plain array arguments."""
+    return ([sp.temperature, sp.top_p, sp.min_p, sp.repetition_penalty, sp.frequency_penalty,
+             sp.presence_penalty],
+            [max(sp.top_k, 0), -1 if sp.logprobs is None else sp.logprobs])
+
+
+def seed_key(seed: int) -> np.ndarray:
+    """[2] uint32 raw key of a seeded request (as `slot_keys` gives it)."""
+    k = jax.random.PRNGKey(seed)
+    return np.asarray(jax.random.key_data(k) if jnp.issubdtype(k.dtype, jax.dtypes.prng_key)
+                      else k, np.uint32)
 
 
 def slot_keys(params: Sequence[SamplingParams], slots: int, key) -> jax.Array:

@@ -18,6 +18,13 @@ KV budget: `kv_budget` rows in all (default: slots x max rows, never binding). A
 reserves its committed rows, plus E for each dispatched cycle not yet read, plus E for the cycle
 about to go. Admission waits while the newcomer's prompt + E would not fit beside the running
 requests; a request that alone could never fit is rejected when added.
+
+Sampling: every request's parameters, rng key (PRNGKey(seed), else the engine's key folded with
+the request's serial number) and token counts are written into its slot at admission, so greedy,
+sampled, penalized and logprob requests share a batch and nothing recompiles. A retracted request
+resumes where it stopped: its last token becomes the root again (nothing redrawn), its output is
+counted for the penalties and its key is advanced past the draws it made, so its output is the
+same as without the retract.
 """
 from __future__ import annotations
 
@@ -28,7 +35,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 
-from jaxspec.sampling import SamplingParams
+from jaxspec.sampling import SamplingParams, flat_params, logprob_dicts, seed_key
+from jaxspec.spec.admit import AdmitArgs
 
 RequestId = Union[int, str]
 
@@ -41,6 +49,7 @@ class StreamDelta:
     text: str
     finished: bool
     finish_reason: Optional[str]      # "stop", "length", "abort" once finished
+    logprobs: Optional[List[dict]] = None   # per new token {token: logprob}, when asked for
 
 
 @dataclasses.dataclass
@@ -60,6 +69,9 @@ class Request:
     t_first: Optional[float] = None
     t_finish: Optional[float] = None
     pending_tokens: List[int] = dataclasses.field(default_factory=list)  # not yet in a delta
+    serial: int = 0                     # the engine's count of requests: unseeded rng keys
+    logprobs: Optional[List[dict]] = None   # per output token, when sp.logprobs is set
+    pending_logprobs: List[dict] = dataclasses.field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -128,6 +140,7 @@ class Engine:
         self.pending: collections.deque = collections.deque()
         self._next_run = 0
         self._next_id = 0
+        self._serial = 0
         self._order = 0
         self._deltas: List[StreamDelta] = []
         self.finished_requests: Dict[RequestId, Request] = {}   # until popped
@@ -158,7 +171,6 @@ class Engine:
             raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
         if stop and self.detokenize is None:
             raise ValueError("stop strings need a detokenizer")
-        self.backend.check(sp)
         if request_id is None:
             while self._next_id in self.requests:
                 self._next_id += 1
@@ -167,7 +179,9 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_ids))
         req = Request(request_id, prompt, sp, frozenset(stop_ids), stop,
-                      t_arrival=time.perf_counter())
+                      t_arrival=time.perf_counter(), serial=self._serial % 2**31,
+                      logprobs=[] if sp.logprobs is not None else None)
+        self._serial += 1
         self.requests[request_id] = req
         self.waiting.append(req)
         return request_id
@@ -198,8 +212,8 @@ class Engine:
         active = np.array([r is not None for r in self.slot_run])
         keep = 0
         if active.any():
-            self.state, toks, acc = self.backend.cycle(self.state, active)
-            self.pending.append(("cycle", (toks, acc), list(self.slot_run)))
+            self.state, out = self.backend.cycle(self.state, active)
+            self.pending.append(("cycle", out, list(self.slot_run)))
             self.rows[active] += self.emit
             self.stats.cycles += 1
             keep = 1
@@ -235,8 +249,9 @@ class Engine:
                 z = np.zeros(a, np.int32)
                 self.state, first = self.backend.admit(self.state, pad, np.zeros((a, w), np.int32),
                                                        z, z, z - 1)
-        self.state, toks, _ = self.backend.cycle(self.state, np.zeros(self.slots, bool))
-        np.asarray(toks)
+        seed_key(0)   # compiles the host's seeded-key derivation
+        self.state, out = self.backend.cycle(self.state, np.zeros(self.slots, bool))
+        np.asarray(out.tokens)
 
     # ------------------------------------------------------------------ admission
     def _need(self) -> int:
@@ -262,37 +277,55 @@ class Engine:
             self._order += 1
             self.slot_run[slot] = run_id
             self.rows[slot] = len(ids)
-            self.backend.set_sampling(slot, req.sp)
             need += cost
-            batch.append((run_id, slot, ids))
+            batch.append((run_id, slot, req))
             self.stats.admissions += 1
         if batch:
             self._prefill(batch)
 
+    def _admit_rows(self, req: Request):
+        """(token ids to prefill, AdmitArgs fields) of one request. A resumed request (output so
+        far) is prefilled up to its last token, which is given back as the root."""
+        sp, out = req.sp, req.output
+        f, i = flat_params(sp)
+        fields = dict(n_prompt=len(req.prompt), samp_f=f, samp_i=i,
+                      key=seed_key(sp.seed) if sp.seed is not None else np.zeros(2, np.uint32),
+                      serial=-1 if sp.seed is not None else req.serial, root=-1, advance=0)
+        if not out:
+            return req.prompt, fields
+        fields.update(root=out[-1],
+                      advance=self.backend.key_advances(len(out), len(req.accept_lens)))
+        return req.prompt + out[:-1], fields
+
     def _prefill(self, batch):
         """Dispatches the prefill chunks of newly admitted runs, all requests' chunk k together."""
+        rows_all = [(rid, slot) + self._admit_rows(req) for rid, slot, req in batch]
         k = 0
         while True:
-            rows = [(rid, slot, ids) for rid, slot, ids in batch if len(ids) > k * self.chunk]
+            rows = [r for r in rows_all if len(r[2]) > k * self.chunk]
             if not rows:
                 return
             a = _bucket(len(rows), 1, self.slots)
             start = k * self.chunk
-            n_valid = [min(self.chunk, len(ids) - start) for _, _, ids in rows]
+            n_valid = [min(self.chunk, len(ids) - start) for _, _, ids, _ in rows]
             width = _bucket(max(n_valid), self.min_chunk, self.chunk)
             slot_idx = np.full(a, self.slots, np.int32)
             tokens = np.zeros((a, width), np.int32)
             starts = np.zeros(a, np.int32)
             nv = np.zeros(a, np.int32)
             nxt = np.full(a, -1, np.int32)
-            for i, ((rid, slot, ids), n) in enumerate(zip(rows, n_valid)):
+            adm = AdmitArgs.host(a)
+            for i, ((rid, slot, ids, fields), n) in enumerate(zip(rows, n_valid)):
                 slot_idx[i], starts[i], nv[i] = slot, start, n
                 tokens[i, :n] = ids[start:start + n]
                 if start + n < len(ids):
                     nxt[i] = ids[start + n]
-            self.state, first = self.backend.admit(self.state, slot_idx, tokens, starts, nv, nxt)
+                for name, value in fields.items():
+                    getattr(adm, name)[i] = value
+            self.state, first = self.backend.admit(self.state, slot_idx, tokens, starts, nv, nxt,
+                                                   adm)
             self.stats.prefill_chunks += 1
-            self.pending.append(("admit", first, [rid for rid, _, _ in rows]))
+            self.pending.append(("admit", first, [r[0] for r in rows]))
             k += 1
 
     # ------------------------------------------------------------------ retract
@@ -316,38 +349,54 @@ class Engine:
         self.rows[run.slot] = 0
 
     # ------------------------------------------------------------------ reading outputs
+    def _wants_logprobs(self, runs) -> bool:
+        return any(rid is not None and rid in self.runs
+                   and self.runs[rid].req.sp.logprobs is not None for rid in runs)
+
     def _absorb(self, item):
         kind, dev, runs = item
         t = time.perf_counter()
+        # Logprobs cross to the host only when a request in this batch asked for them.
+        lp = None
+        if self._wants_logprobs(runs):
+            lp = [np.asarray(x) for x in (dev.logprob, dev.top_ids, dev.top_logprobs)]
         if kind == "admit":
-            first = np.asarray(dev)
+            first = np.asarray(dev.tokens)
             self.stats.wait_s += time.perf_counter() - t
-            for rid, tok in zip(runs, first):
+            for i, (rid, tok) in enumerate(zip(runs, first)):
                 if tok >= 0 and rid in self.runs:
-                    self._take(self.runs[rid], [int(tok)])
+                    self._take(self.runs[rid], [int(tok)],
+                               None if lp is None else [x[i:i + 1] for x in lp])
         else:
-            toks, acc = dev
-            toks = np.asarray(toks)
-            acc = None if acc is None else np.asarray(acc)
+            toks = np.asarray(dev.tokens)
+            acc = None if dev.accept is None else np.asarray(dev.accept)
             self.stats.wait_s += time.perf_counter() - t
             for slot, rid in enumerate(runs):
                 if rid is None or rid not in self.runs:
                     continue
                 row = toks[slot]
-                got = [int(x) for x in row if x >= 0]
+                live = np.flatnonzero(row >= 0)
+                got = [int(x) for x in row[live]]
                 self.rows[slot] -= self.emit - len(got)   # rows actually written
                 if acc is not None:
                     self.runs[rid].req.accept_lens.append(int(acc[slot]))
-                self._take(self.runs[rid], got)
+                self._take(self.runs[rid], got,
+                           None if lp is None else [x[slot][live] for x in lp])
         self._flush()
 
-    def _take(self, run: _Run, tokens: List[int]):
+    def _take(self, run: _Run, tokens: List[int], lp=None):
+        """lp: (logprob [n], top_ids [n, k], top_logprobs [n, k]) of the tokens, or None."""
         req = run.req
         if req.t_first is None:
             req.t_first = time.perf_counter()
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             req.output.append(tok)
             req.pending_tokens.append(tok)
+            if req.logprobs is not None:
+                d = logprob_dicts([tok], lp[0][i:i + 1], lp[1][i:i + 1], lp[2][i:i + 1],
+                                  req.sp.logprobs)
+                req.logprobs += d
+                req.pending_logprobs += d
             if tok in req.stop_ids:
                 reason = "stop"
             elif len(req.output) >= req.sp.max_tokens:
@@ -399,6 +448,7 @@ class Engine:
                 hold = max((len(s) for s in req.stop), default=1) - 1  # a stop string may grow
                 full = full[:max(req.sent_text, len(full) - hold)]
             text, req.sent_text = full[req.sent_text:], max(req.sent_text, len(full))
+        lps = req.pending_logprobs if req.logprobs is not None else None
         self._deltas.append(StreamDelta(req.request_id, req.pending_tokens, text, req.finished,
-                                        req.finish_reason))
-        req.pending_tokens = []
+                                        req.finish_reason, lps))
+        req.pending_tokens, req.pending_logprobs = [], []

@@ -12,27 +12,117 @@ pairs the target feature at t with the token at t+1, so each chunk also gets `ne
 first token of the next chunk, or -1 on a request's last chunk, where the root (the first
 generated token, the target's argmax after the prompt) takes its place.
 
+Sampling: each admission also carries the request's parameters (`AdmitArgs`, flat per-row
+arrays, so new parameters never recompile): every chunk writes the slot's SlotSampling rows, rng
+key and token counts (prompt tokens seen, output tokens counted), the first chunk starting from
+empty counts. A request resumed after a retract is prefilled over prompt + output[:-1] with its
+last output token as the given root (nothing drawn), its output counted and its key advanced past
+the draws it already made, so a retract changes neither penalties nor seeded outputs.
+
 Batch axes: found per leaf, not assumed. `batch_axes(make_state, B)` evaluates the state's shapes
 for B and B+1 slots (`jax.eval_shape`, no memory) and marks the one axis that differs: KV caches
 are [L, B, Hkv, T, D] (axis 1), per-slot vectors and tables [B, ...] (axis 0); a leaf without a
-batch axis (a shared rng key) is marked -1 and left to the caller. So fields added to SpecState
-later (per-slot sampling arrays, token counts) are carried along without changes here: on
-admission they take the values `init_state` gives a fresh slot.
+batch axis (a shared rng key) is marked -1 and left to the caller.
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.kv import KVCache
 from jaxspec.models import llama
 from jaxspec.spec import draft as draft_lib
 from jaxspec.spec.config import SpecConfig
+from jaxspec.sampling import (MAX_LOGPROBS, Emitted, SlotSampling, TokenCounts, apply_penalties,
+                              sample_slots, split_slot_keys, token_logprobs)
 from jaxspec.spec.cycle import init_state
 from pallas_kernels.kv_compact import kv_compact
+
+
+class AdmitArgs(NamedTuple):
+    """Per admitted row (all [A, ...]; rows of one request are equal on all its chunks).
+
+    root       int32: -1 draws the first token on the last chunk; >= 0 (a resumed request) is the
+               root itself (its last output token), nothing is drawn and -1 is returned
+    n_prompt   int32: prompt tokens; prefilled tokens past them are output and counted as such
+    samp_f     [A, 6] fp32 and samp_i [A, 2] int32: `sampling.flat_params`
+    key        [A, 2] uint32: the request's base key (seeded requests)
+    serial     int32: -1 uses `key`; else the base key is fold_in(engine key, serial)
+    advance    int32: a resumed request's key advances past its first draw (see `admit_sampling`)
+    """
+    root: jax.Array
+    n_prompt: jax.Array
+    samp_f: jax.Array
+    samp_i: jax.Array
+    key: jax.Array
+    serial: jax.Array
+    advance: jax.Array
+
+    @classmethod
+    def host(cls, a: int, *, n_prompt=None, samp_f=None, samp_i=None, root=None, key=None,
+             serial=None, advance=None) -> "AdmitArgs":
+        """numpy arrays for a bucket of a rows: greedy defaults for what is not given."""
+        z = np.zeros(a, np.int32)
+        f = np.tile(np.array([0, 1, 0, 1, 0, 0], np.float32), (a, 1))
+        i = np.tile(np.array([0, -1], np.int32), (a, 1))
+        pick = lambda x, d: d if x is None else x
+        return cls(pick(root, z - 1), pick(n_prompt, z + np.iinfo(np.int32).max),
+                   pick(samp_f, f), pick(samp_i, i), pick(key, np.zeros((a, 2), np.uint32)),
+                   pick(serial, z.copy()), pick(advance, z.copy()))
+
+
+def chunk_history(hist: TokenCounts, tokens, start, n_valid, n_prompt) -> TokenCounts:
+    """The counts of A admitted rows after chunk tokens [A, C] at rows start..: prompt tokens set
+    prompt_seen, later ones count as output; a first chunk (start 0) starts from empty counts."""
+    a, c = tokens.shape
+    v = hist.counts.shape[-1]
+    pos = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None]
+    live = jnp.arange(c)[None] < n_valid[:, None]
+    fresh = (start == 0)[:, None]
+    seen = jnp.where(fresh, False, hist.prompt_seen)
+    counts = jnp.where(fresh, 0, hist.counts)
+    rows = jnp.arange(a)[:, None]
+    in_prompt = pos < n_prompt[:, None]
+    seen = seen.at[rows, jnp.where(live & in_prompt, tokens, v)].set(True, mode="drop")
+    counts = counts.at[rows, jnp.where(live & ~in_prompt, tokens, v)].add(1, mode="drop")
+    return TokenCounts(seen, counts)
+
+
+def admit_sampling(logits, hist: TokenCounts, adm: AdmitArgs, engine_key, is_last,
+                   key_splits: int):
+    """The first token of admitted rows, from logits [A, V] (raw) of their last prompt row.
+
+    Draws (with the slot's parameters, counts and key, as the batch prefill does) where the
+    request is new, takes adm.root where it is resumed. A resumed request's key is its base key
+    split once (the first draw) and then `adm.advance` times into `key_splits` (the backend's
+    per-step or per-cycle split), i.e. where its earlier run left it.
+    Returns (SlotSampling, Emitted [A] (tokens -1 unless a new request's last chunk), hist with
+    the root counted on last chunks, keys [A, 2]).
+    """
+    sp = SlotSampling.from_flat(adm.samp_f, adm.samp_i)
+    folded = jax.vmap(jax.random.fold_in, (None, 0))(engine_key, jnp.maximum(adm.serial, 0))
+    base = jnp.where((adm.serial >= 0)[:, None], folded, adm.key).astype(jnp.uint32)
+    pen = jax.lax.cond(sp.any_penalty(), lambda: apply_penalties(logits, sp, hist),
+                       lambda: logits)
+    after, sub = split_slot_keys(base, 2)
+    resumed = adm.root >= 0
+    tok = jnp.where(resumed, adm.root, sample_slots(pen, sp, sub))
+
+    def adv(i, k):
+        nxt = split_slot_keys(k, key_splits)[0]
+        return jnp.where((i < adm.advance)[:, None], nxt, k)
+
+    moved = jax.lax.fori_loop(0, jnp.max(jnp.where(resumed, adm.advance, 0)), adv, after)
+    keys = jnp.where(is_last[:, None], jnp.where(resumed[:, None], moved, after), base)
+    hist = hist.add(tok[:, None], is_last[:, None])
+    lp, ids, tlp = token_logprobs(pen[:, None], sp, tok[:, None], MAX_LOGPROBS)
+    first = jnp.where(is_last & ~resumed, tok, -1)
+    return sp, Emitted(first, lp[:, 0], ids[:, 0], tlp[:, 0]), hist, keys
 
 
 def batch_axes(make_state, slots: int):
@@ -85,39 +175,43 @@ def _last_row(x, n_valid):
     return jnp.take_along_axis(x, idx, axis=1)[:, 0]
 
 
-def spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, next_tok, *,
-               cfg: ModelConfig, spec: SpecConfig, axes):
+def spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, next_tok,
+               adm: AdmitArgs, engine_key, *, cfg: ModelConfig, spec: SpecConfig, axes):
     """One prefill chunk of target and draft for A requests in slots slot_idx.
 
     slot_idx [A] int32 (B = padding); tokens [A, C] (padded); start [A] rows already prefilled;
-    n_valid [A] rows in this chunk; next_tok [A] the token after the chunk, -1 on the last chunk.
-    Returns (state, first [A]): the root (first generated token) on a last chunk, else -1.
+    n_valid [A] rows in this chunk; next_tok [A] the token after the chunk, -1 on the last chunk;
+    adm: the requests' sampling (AdmitArgs); engine_key [2] uint32.
+    Returns (state, Emitted [A]): the root (first generated token) and its logprobs on a new
+    request's last chunk, else token -1.
     """
     a, c = tokens.shape
     sub = take_slots(state, axes, slot_idx)
     target, hidden = _chunk_forward(params, cfg, sub.target, tokens, start, n_valid)
     feats = llama.final_norm(params, cfg, hidden)                            # EAGLE-1 features
-    root = jnp.argmax(llama.project_logits(params, _last_row(feats, n_valid)),
-                      axis=-1).astype(jnp.int32)
     is_last = next_tok < 0
+    hist = chunk_history(sub.history, tokens, start, n_valid, adm.n_prompt)
+    logits = llama.project_logits(params, _last_row(feats, n_valid))
+    sp, first, hist, keys = admit_sampling(logits, hist, adm, engine_key, is_last,
+                                           key_splits=3)
+    root = jnp.where(adm.root >= 0, adm.root, first.tokens)
     rows = jnp.arange(c, dtype=jnp.int32)[None]
     shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((a, 1), tokens.dtype)], axis=1)
     shifted = jnp.where(rows == (n_valid - 1)[:, None],
                         jnp.where(is_last, root, next_tok)[:, None], shifted)
     dk, dv, seed = draft_lib.catch_up(params, draft_params, cfg, spec, sub.draft_k, sub.draft_v,
                                       start, feats, shifted, n_valid)
-    # Fields this function does not know take a fresh slot's values; the fresh caches are dead
-    # code (replaced below) and never materialize.
-    fresh = init_state(cfg, spec, a, state.target.max_len, sub.draft_k.dtype)
-    new = fresh.replace(target=target, draft_k=dk, draft_v=dv,
-                        root=jnp.where(is_last, root, sub.root), seed=seed)
-    return put_slots(state, axes, slot_idx, new), jnp.where(is_last, root, -1)
+    new = sub.replace(target=target, draft_k=dk, draft_v=dv,
+                      root=jnp.where(is_last, root, sub.root), seed=seed, sampling=sp, rng=keys,
+                      history=hist)
+    return put_slots(state, axes, slot_idx, new), first
 
 
 @functools.lru_cache(maxsize=None)
 def jit_spec_admit(cfg: ModelConfig, spec: SpecConfig, slots: int, max_len: int, dtype):
-    """spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, next_tok);
-    the state is donated. One jitted function per state shape; buckets are its input shapes."""
+    """spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, next_tok, adm,
+    engine_key); the state is donated. One jitted function per state shape; buckets are its
+    input shapes."""
     axes = batch_axes(lambda b: init_state(cfg, spec, b, max_len, dtype), slots)
     return jax.jit(functools.partial(spec_admit, cfg=cfg, spec=spec, axes=axes),
                    donate_argnums=(2,))
