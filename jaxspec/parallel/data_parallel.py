@@ -90,7 +90,8 @@ def pmap_spec(cfg: ModelConfig, spec: SpecConfig, devices: Tuple[jax.Device, ...
 
 
 class DataParallelSpecRunner:
-    """`SpecRunner` over `replicas` local devices, `slots` slots each (same `generate`)."""
+    """`SpecRunner` over `replicas` local devices, `slots` slots each (same `generate`; max_len
+    leaves room for 2 * spec.max_emit rows past prompt + max_tokens)."""
 
     def __init__(self, cfg: ModelConfig, params, draft_params, spec: Union[SpecConfig, str],
                  slots: int, max_len: int, replicas: Optional[int] = None, seed: int = 0):
@@ -122,11 +123,12 @@ class DataParallelSpecRunner:
         for p, sp in zip(prompts, sps):
             if len(p) < 1:
                 raise ConfigError("empty prompt")
-            need = len(p) + sp.max_tokens + self.spec.num_steps + 1
+            # Two cycles' rows of slack: the last useful one and the overlap cycle after it.
+            need = len(p) + sp.max_tokens + 2 * self.spec.max_emit
             if need > self.max_len:
                 raise ConfigError(
                     f"prompt of {len(p)} tokens + max_tokens={sp.max_tokens} + "
-                    f"{self.spec.num_steps + 1} speculative rows needs {need} cache rows, "
+                    f"{2 * self.spec.max_emit} speculative rows needs {need} cache rows, "
                     f"max_len is {self.max_len}")
         results: List[Optional[SpecResult]] = [None] * len(prompts)
         for group in spread(range(len(prompts)), self.replicas, self.slots):
@@ -160,19 +162,34 @@ class DataParallelSpecRunner:
             for j, req in enumerate(reqs[r]):
                 req.absorb([first.tokens[r, j]], [first.logprob[r, j]], [first.top_ids[r, j]],
                            [first.top_logprobs[r, j]])
+        # Cycle n+1 is dispatched before cycle n's tokens are read, so the device never waits on
+        # the host; a slot that finishes in cycle n runs one more cycle, whose tokens are dropped
+        # (its rows are the slack counted in `generate`).
+        pending = None
         while True:
             active = np.array([[j < len(reqs[r]) and reqs[r][j].reason is None
                                 for j in range(b)] for r in range(d)])
-            if not active.any():
+            nxt = None
+            if active.any():
+                self._state, co = self._cycle(self.params, self.draft_params, self._state, active)
+                nxt = (co, active)
+            elif pending is None:
                 break
-            self._state, co = self._cycle(self.params, self.draft_params, self._state, active)
-            co = jax.device_get(co)
-            for r, j in zip(*np.nonzero(active)):
-                req, k = reqs[r][j], int(co.accept_len[r, j]) + 1
-                req.accepts.append(k - 1)
-                req.absorb(co.tokens[r, j, :k], co.logprob[r, j, :k], co.top_ids[r, j, :k],
-                           co.top_logprobs[r, j, :k])
+            if pending is not None:
+                _absorb_cycle(reqs, *pending)
+            pending = nxt
         return reqs
+
+
+def _absorb_cycle(reqs, co, active):
+    co = jax.device_get(co)
+    for r, j in zip(*np.nonzero(active)):
+        req, k = reqs[r][j], int(co.accept_len[r, j]) + 1
+        if req.reason is not None:      # finished in the cycle before: an overlap cycle
+            continue
+        req.accepts.append(k - 1)
+        req.absorb(co.tokens[r, j, :k], co.logprob[r, j, :k], co.top_ids[r, j, :k],
+                   co.top_logprobs[r, j, :k])
 
 
 # ---------------------------------------------------------------------------------------- plain
