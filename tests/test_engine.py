@@ -1,7 +1,8 @@
 """The continuous-batching engine on tiny random models: requests arriving over time, aborts and
 retracts give exactly each request's plain greedy output; streams equal the final outputs; stops
 inside accepted chains; bad requests rejected without disturbing running ones; no compilation
-after warm-up."""
+after warm-up. Sampling through the engine: seeded sampled, penalized and logprob requests give
+what the batch runners give, alone, in a busy engine and across retracts."""
 import functools
 
 import jax
@@ -228,7 +229,6 @@ def test_bad_requests_rejected_without_disturbing_running_ones():
             ([], None, "empty prompt"),
             ([1] * 50, SamplingParams(max_tokens=10), "exceeds the context"),
             ([1, 500], None, "out of range"),
-            ([1, 2], SamplingParams(temperature=0.7), "greedy only"),
             ([1] * 40, SamplingParams(max_tokens=12), "more than the budget")]:
         with pytest.raises(ValueError, match=needle):
             engine.add_request(prompt, sp)
@@ -255,10 +255,109 @@ def test_admission_equals_the_batch_prefill():
     got, first = engine.backend.admit(engine.state, np.array([2], np.int32), tokens[2:3],
                                       np.zeros(1, np.int32), np.array([6], np.int32),
                                       np.array([-1], np.int32))
-    assert int(first[0]) == int(root[2]) == greedy_ref(prompt)[0]
+    assert int(first.tokens[0]) == int(root[2]) == greedy_ref(prompt)[0]
     axes = batch_axes(lambda b: init_state(CFG, SPEC, b, rows, jnp.float32), SLOTS)
     slot = np.array([2], np.int32)   # the prefill also fills idle slots' seeds: compare slot 2
     owned = lambda s: (s.target, s.draft_k, s.draft_v, s.root, s.seed)   # what admission writes
     for a, b in zip(jax.tree_util.tree_leaves(owned(take_slots(ref, axes, slot))),
                     jax.tree_util.tree_leaves(owned(take_slots(got, axes, slot)))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+# ---------------------------------------------------------------- sampling through the engine
+
+MIXED_PROMPTS = [[5, 17, 42, 8, 99], [3, 9, 27], [100, 1, 2, 3, 4], list(range(30, 60))]
+MIXED_SPS = [
+    SamplingParams(max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=12, logprobs=2),
+    SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2,
+                   max_tokens=12, logprobs=0),
+    SamplingParams(temperature=1.1, top_k=20, min_p=0.02, seed=11, max_tokens=12,
+                   repetition_penalty=1.2)]
+
+
+def runner_refs(kind):
+    """The batch runners (SpecRunner / PlainRunner) on the mixed batch."""
+    from jaxspec.decode import PlainRunner
+    from jaxspec.spec import SpecRunner
+    params, head = agreeing_pair()
+    if kind == "spec":
+        runner = SpecRunner(CFG, params, head, SPEC, max_slots=SLOTS,
+                            max_len=MAX_MODEL_LEN + 2 * SPEC.max_emit)
+        return runner.generate(MIXED_PROMPTS, MIXED_SPS)
+    runner = PlainRunner(CFG, params, init_cache(CFG, SLOTS, MAX_MODEL_LEN + 2 * PLAIN_STEPS,
+                                                 jnp.float32), decode_chunk=PLAIN_STEPS)
+    return runner.generate(MIXED_PROMPTS, MIXED_SPS, [set()] * len(MIXED_PROMPTS))
+
+
+def assert_logprobs_close(got, ref):
+    assert got is not None and len(got) == len(ref)
+    for g, r in zip(got, ref):
+        assert set(g) == set(r), (g, r)
+        np.testing.assert_allclose([g[k] for k in r], list(r.values()), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["spec", "plain"])
+def test_sampling_penalties_logprobs_alone_busy_and_retracted(kind):
+    """The mixed batch alone equals the batch runner (tokens and logprobs; the greedy row is
+    plain greedy). In a busy engine with a tight KV budget (retracts), among unseeded sampled and
+    greedy requests with changing parameters, the same requests give the same outputs, streams
+    carry the same logprobs, and nothing compiles after warm-up."""
+    refs = runner_refs(kind)
+    assert refs[0].token_ids == greedy_ref(MIXED_PROMPTS[0])
+    alone = make_engine(kind)
+    ids = [alone.add_request(p, sp) for p, sp in zip(MIXED_PROMPTS, MIXED_SPS)]
+    list(alone.drain())
+    for rid, sp, ref in zip(ids, MIXED_SPS, refs):
+        r = alone.pop_finished(rid)
+        assert r.output == ref.token_ids
+        if sp.logprobs is None:
+            assert r.logprobs is None
+        else:
+            assert_logprobs_close(r.logprobs, ref.logprobs)
+            assert all(len(d) <= sp.logprobs + 1 and t in d for t, d in zip(r.output, r.logprobs))
+
+    rng = np.random.default_rng(5)
+    busy = make_engine(kind, kv_budget=85)
+    busy.warmup()
+    sizes = [f._cache_size() for f in busy.backend.jitted()]
+    fillers = [([int(t) for t in rng.integers(0, CFG.vocab_size, rng.integers(1, 41))],
+                SamplingParams(temperature=float(rng.choice([0.0, 0.7, 1.3])),
+                               top_p=float(rng.choice([1.0, 0.8])), top_k=int(rng.choice([0, 5])),
+                               presence_penalty=float(rng.choice([0.0, 0.4])),
+                               logprobs=[None, 1][int(rng.integers(0, 2))],
+                               max_tokens=int(rng.integers(4, 13)), ignore_eos=True))
+               for _ in range(24)]
+    tracked, streams, lps, step, ids = {}, {}, {}, 0, []
+    _COUNTER.on = True
+    try:
+        while step < 8 or busy.has_work():
+            if step < 8:
+                for p, sp in fillers[3 * step:3 * step + 3]:
+                    ids.append(busy.add_request(p, sp))
+            if step in (1, 3, 4, 6):   # the tracked requests arrive after fillers: retracted first
+                for j in {1: [3], 3: [1, 2], 4: [0], 6: [3, 1]}[step]:
+                    rid = busy.add_request(MIXED_PROMPTS[j], MIXED_SPS[j])
+                    tracked[rid] = j
+            for d in busy.step():
+                streams.setdefault(d.request_id, []).extend(d.token_ids)
+                if d.logprobs is not None:
+                    lps.setdefault(d.request_id, []).extend(d.logprobs)
+            step += 1
+            assert step < 2000
+    finally:
+        _COUNTER.on = False
+    assert _COUNTER.n == 0, "compiled after warm-up"
+    assert [f._cache_size() for f in busy.backend.jitted()] == sizes
+    retracted = 0
+    for rid, j in tracked.items():
+        r = busy.pop_finished(rid)
+        retracted += r.retracts > 0
+        assert r.output == refs[j].token_ids == streams[rid], (j, r.retracts)
+        if MIXED_SPS[j].logprobs is not None:
+            assert_logprobs_close(r.logprobs, refs[j].logprobs)
+            assert lps[rid] == r.logprobs
+    assert retracted > 0 and busy.stats.retracts > retracted
+    outs = [busy.pop_finished(rid) for rid in ids]
+    assert all(len(o.output) == o.sp.max_tokens for o in outs)
+    assert len({tuple(o.output) for o in outs}) > len(outs) // 2   # unseeded rows differ
