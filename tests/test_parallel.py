@@ -36,9 +36,9 @@ def multi_device_run():
 
 
 CHECKS = [f"{kind}{n}-{what}" for n in (2, 4) for kind, what in
-          [("dp", "spec"), ("dp", "spec-again"), ("dp", "plain"), ("dp", "plain-vs-spec"),
-           ("tp", "forward"), ("tp", "spec")]]
-CHECKS += ["tp4-jit-cycle", "tp4-collectives", "tp4-plain-tied", "tp4-engine"]
+          [("dp", "spec"), ("dp", "spec-again"), ("tp", "forward"), ("tp", "spec")]]
+CHECKS += ["dp4-plain", "dp4-plain-vs-spec", "tp4-jit-cycle", "tp4-collectives", "tp4-plain-tied",
+           "tp4-engine"]
 
 
 @pytest.mark.parametrize("name", CHECKS)
@@ -96,6 +96,8 @@ def test_spread_keeps_order_and_balance():
     assert spread(range(3), replicas=4, slots=8) == [[[0], [1], [2], []]]
 
 
+@pytest.mark.skipif(os.environ.get("JAXSPEC_MULTIHOST") != "1",
+                    reason="about a minute on 2 cores: set JAXSPEC_MULTIHOST=1")
 def test_multihost_two_processes():
     """Two processes joined by jax.distributed (gloo on CPU), one device each: the tensor-parallel
     runner over the global mesh equals the single-device output (tests/multihost_check.py)."""
