@@ -96,5 +96,25 @@ def test_speculative_llm_equals_plain_greedy(smollm2_gguf, llm):
     for a, b in zip(plain, spec):
         assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
         assert b.accept_lens and sum(x + 1 for x in b.accept_lens) >= len(b.token_ids) - 1
-    with pytest.raises(ValueError, match="greedy only"):
-        spec_llm.generate("hi", SamplingParams(temperature=0.5))
+    # Sampling, penalties, seeds and logprobs run speculatively too, in generate and stream.
+    sp = SamplingParams(temperature=0.8, top_p=0.9, seed=5, repetition_penalty=1.1, logprobs=1,
+                        max_tokens=8, ignore_eos=True)
+    a, b = spec_llm.generate(["The sky is", "The sky is"], sp)
+    assert a.token_ids == b.token_ids and len(a.logprobs) == 8
+    deltas = list(spec_llm.stream(["The sky is"], sp))
+    assert [t for d in deltas for t in d.token_ids] == a.token_ids
+    got = [x for d in deltas for x in d.logprobs]
+    assert [set(x) for x in got] == [set(x) for x in a.logprobs]
+    np.testing.assert_allclose([v for x in got for v in x.values()],
+                               [v for x in a.logprobs for v in x.values()], atol=1e-4)
+
+
+def test_penalties_logprobs_and_seeds_in_generate_and_stream(llm):
+    sp = SamplingParams(temperature=0.7, seed=3, presence_penalty=0.5, logprobs=2, max_tokens=10,
+                        ignore_eos=True)
+    out = llm.generate(["Once upon a time", "Once upon a time"], sp)
+    assert out[0].token_ids == out[1].token_ids and len(out[0].logprobs) == 10
+    assert all(t in d and len(d) <= 3 for t, d in zip(out[0].token_ids, out[0].logprobs))
+    deltas = list(llm.stream("Once upon a time", sp))
+    assert [t for d in deltas for t in d.token_ids] == out[0].token_ids
+    assert "".join(d.text for d in deltas) == out[0].text
