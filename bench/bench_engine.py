@@ -66,12 +66,12 @@ def device_ms_per_cycle(engine, n):
     """Back-to-back cycles on a full state: the device's own time per cycle (host idle)."""
     be, state = engine.backend, engine.state
     active = np.ones(be.slots, bool)
-    state, toks, _ = be.cycle(state, active)
-    np.asarray(toks)
+    state, out = be.cycle(state, active)
+    np.asarray(out.tokens)
     t0 = time.perf_counter()
     for _ in range(n):
-        state, toks, _ = be.cycle(state, active)
-    np.asarray(toks)
+        state, out = be.cycle(state, active)
+    np.asarray(out.tokens)
     engine.state = state
     return (time.perf_counter() - t0) / n * 1e3
 
