@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--data-parallel", type=int, default=1,
+                    help="replicas over local GPUs (jax.pmap); batch sizes are per replica")
+    ap.add_argument("--tensor-parallel", type=int, default=1,
+                    help="shard the model over this many local GPUs (a model axis)")
     ap.add_argument("--adaptive", action="store_true",
                     help="choose the config (or plain) per batch size from measured costs")
     ap.add_argument("--probe-tokens", type=int, default=None, help=argparse.SUPPRESS)
@@ -121,7 +125,8 @@ def _setup(args, result):
     if not prompts:
         raise SystemExit(f"--dataset {args.dataset}: no prompts")
     modes = [PLAIN] + ([] if args.no_spec else parse_specs(args.spec))
-    target = Target(args.model, args.draft, args.max_model_len, args.seed)
+    target = Target(args.model, args.draft, args.max_model_len, args.seed,
+                    data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel)
     result["draft_label"] = target.draft_label if len(modes) > 1 else None
     if args.draft == "random":
         result["notes"].append("draft: a RANDOM EAGLE head; accept lengths and speedups measure "

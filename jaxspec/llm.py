@@ -11,7 +11,7 @@ import jax
 from jaxspec.config import ConfigError
 from jaxspec.engine import Engine, PlainBackend, SpecBackend, StreamDelta
 from jaxspec.kv import kv_bytes_per_token
-from jaxspec.sampling import SamplingParams
+from jaxspec.sampling import SamplingParams, apply_stop_strings
 
 Chat = List[dict]
 Prompt = Union[str, Chat, Sequence[int]]
@@ -40,10 +40,18 @@ class LLM:
     def __init__(self, model: Optional[str] = None, *, dtype=None, max_batch: int = 8,
                  max_model_len: Optional[int] = None, kv_budget_gb: Optional[float] = None,
                  decode_chunk: int = 16, seed: int = 0, layer_layout: Optional[str] = None,
-                 draft: Any = None, spec: Any = None):
+                 draft: Any = None, spec: Any = None, data_parallel: int = 1,
+                 tensor_parallel: int = 1):
         from jaxspec.weights import load_model
         if max_batch <= 0:
             raise ConfigError(f"max_batch must be positive, got {max_batch}")
+        if data_parallel < 1 or tensor_parallel < 1:
+            raise ConfigError(f"data_parallel={data_parallel} and tensor_parallel="
+                              f"{tensor_parallel} must be >= 1")
+        if data_parallel > 1 and tensor_parallel > 1:
+            raise ConfigError("data_parallel and tensor_parallel together (a 2-D mesh) are not "
+                              "supported: choose one")
+        self.data_parallel, self.mesh = data_parallel, None
         self.config, self.params, self.tokenizer = load_model(model, dtype=dtype)
         # GPU: layers unrolled over static slices of the stacked weights (see ModelConfig).
         layer_layout = layer_layout or ("unrolled" if jax.default_backend() == "gpu" else "scan")
@@ -60,6 +68,14 @@ class LLM:
             raise ConfigError(f"max_model_len={self.max_model_len} leaves no room to generate")
         self.max_batch, self.decode_chunk, self.seed = max_batch, decode_chunk, seed
         self.spec = None
+        self.dp_runner = None   # data parallel: one batch runner over pmap replicas
+        if tensor_parallel > 1:
+            from jaxspec.parallel.tensor_parallel import make_mesh, shard_params
+            self.mesh = make_mesh(tensor_parallel)
+            self.params = shard_params(self.params, self.config, self.mesh)
+        if data_parallel > 1:
+            self._init_data_parallel(draft, spec)
+            return
         if spec is not None or draft is not None:
             backend = self._spec_backend(draft, spec)
         else:
@@ -67,6 +83,9 @@ class LLM:
             backend = PlainBackend(self.config, self.params, max_batch,
                                    self.max_model_len + 2 * decode_chunk, n_steps=decode_chunk,
                                    seed=seed)
+        if self.mesh is not None:
+            from jaxspec.parallel.tensor_parallel import shard_backend
+            shard_backend(backend, self.config, self.mesh)
         self.engine = Engine(backend, max_model_len=self.max_model_len,
                              vocab_size=self.config.vocab_size, eos_ids=self._eos_ids(),
                              chunk=512, detokenize=self.tokenizer.decode)
@@ -78,14 +97,37 @@ class LLM:
             return eagle_ckpt.load_default_head(self.config, dtype=self.dtype)
         return eagle_ckpt.load_eagle1(draft, self.config, dtype=self.dtype)
 
-    def _spec_backend(self, draft, spec):
+    def _resolve_spec(self, draft, spec):
         """draft: None/'default' (the shipped head for the default model), a checkpoint path,
         or a draft params pytree. spec: a SpecConfig or a preset name ('naive', 'chain', 'tree')."""
         from jaxspec.spec.config import resolve_spec
-        spec = resolve_spec(spec if spec is not None else "chain")
+        self.spec = resolve_spec(spec if spec is not None else "chain")
         if draft is None or isinstance(draft, str):
             draft = self._load_draft(draft)
-        self.spec = spec
+        if self.mesh is not None:
+            from jaxspec.parallel.tensor_parallel import shard_draft_params
+            draft = shard_draft_params(draft, self.config, self.mesh)
+        return draft, self.spec
+
+    def _init_data_parallel(self, draft, spec):
+        """Replicas over local devices with jax.pmap, max_batch slots each; generate() spreads
+        requests over them group by group (no continuous batching across replicas)."""
+        from jaxspec.parallel import data_parallel as dp
+        if spec is not None or draft is not None:
+            draft, spec = self._resolve_spec(draft, spec)
+            self.dp_runner = dp.DataParallelSpecRunner(
+                self.config, self.params, draft, spec, slots=self.max_batch,
+                max_len=self.max_model_len + 2 * spec.max_emit, replicas=self.data_parallel,
+                seed=self.seed)
+        else:
+            self.dp_runner = dp.DataParallelPlainRunner(
+                self.config, self.params, slots=self.max_batch,
+                max_len=self.max_model_len + 2 * self.decode_chunk, replicas=self.data_parallel,
+                decode_chunk=self.decode_chunk, seed=self.seed)
+        self.engine = None
+
+    def _spec_backend(self, draft, spec):
+        draft, spec = self._resolve_spec(draft, spec)
         # Rows for the speculative tokens of the cycles that may run past a request's end.
         return SpecBackend(self.config, self.params, draft, spec, self.max_batch,
                            self.max_model_len + 2 * spec.max_emit, seed=self.seed)
@@ -157,6 +199,8 @@ class LLM:
         """Generates for each prompt. All requests are validated before any work starts.
         request_id of each output is its index in `prompts`."""
         encoded, sps = self._normalize(prompts, sampling_params)
+        if self.dp_runner is not None:
+            return self._generate_data_parallel(encoded, sps)
         ids = self._submit(encoded, sps)
         pending = set(ids)
         while pending:
@@ -168,6 +212,29 @@ class LLM:
             outs.append(self._output(i, self.engine.pop_finished(rid)))
         return outs
 
+    def _generate_data_parallel(self, encoded, sps) -> List[RequestOutput]:
+        t0 = time.perf_counter()
+        if self.spec is not None:
+            res = self.dp_runner.generate(encoded, sps, eos_ids=tuple(self._eos_ids()),
+                                          detokenize=self.tokenizer.decode)
+        else:
+            res = self.dp_runner.generate(encoded, sps, [self._stop_ids(sp) for sp in sps])
+        latency = time.perf_counter() - t0
+        outs = []
+        for i, (ids, sp, r) in enumerate(zip(encoded, sps, res)):
+            text, hit = apply_stop_strings(self.tokenizer.decode(r.token_ids), sp.stop)
+            outs.append(RequestOutput(
+                request_id=i, prompt_token_ids=ids, token_ids=r.token_ids, text=text,
+                finish_reason="stop" if hit else r.finish_reason,
+                metrics={"latency_s": latency, "tokens_per_s": len(r.token_ids) / latency},
+                accept_lens=getattr(r, "accept_lens", None),
+                logprobs=getattr(r, "logprobs", None)))
+        return outs
+
+    def _stop_ids(self, sp: SamplingParams) -> set:
+        ids = set(sp.stop_token_ids)
+        return ids if sp.ignore_eos else ids | self._eos_ids()
+
     def stream(self, prompts: Union[Prompt, Sequence[Prompt]],
                sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                request_ids: Optional[Sequence[Any]] = None) -> Iterator[StreamDelta]:
@@ -175,6 +242,9 @@ class LLM:
         tokens come: per request, the deltas concatenate to the final output (tokens past a stop are
         never sent; text is held back while it could still become a stop string). request_ids
         (unique, default: the engine's) may be passed to `abort` while iterating."""
+        if self.dp_runner is not None:
+            raise ValueError("stream() runs on the continuous-batching engine; data_parallel "
+                             "> 1 uses batch runners: use generate()")
         encoded, sps = self._normalize(prompts, sampling_params)
         if request_ids is not None and len(request_ids) != len(encoded):
             raise ValueError(f"{len(request_ids)} request ids for {len(encoded)} prompts")
@@ -200,7 +270,7 @@ class LLM:
 
     def abort(self, request_id) -> bool:
         """Ends a streaming request; its stream ends with finish_reason 'abort'."""
-        return self.engine.abort(request_id)
+        return self.engine.abort(request_id) if self.engine is not None else False
 
     def _output(self, index: int, r) -> RequestOutput:
         latency = (r.t_finish or r.t_arrival) - r.t_arrival

@@ -106,3 +106,14 @@ def test_multihost_two_processes():
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "multihost_check.py")], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert "ok multihost" in proc.stdout.splitlines(), proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def test_llm_data_and_tensor_parallel_equal_single_device(smollm2_gguf):
+    """The public API: LLM(data_parallel=2) and LLM(tensor_parallel=3), plain and speculative."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=3",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "llm_parallel_check.py"),
+                           str(smollm2_gguf)], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "LLM data/tensor parallel OK" in proc.stdout

@@ -58,8 +58,10 @@ class Target:
     """The model under test and its draft; builds one LLM per (batch size, mode)."""
 
     def __init__(self, model: Optional[str], draft: Optional[str], max_model_len: int,
-                 seed: int = 0):
+                 seed: int = 0, data_parallel: int = 1, tensor_parallel: int = 1):
         self.model, self.draft_arg, self.max_model_len, self.seed = model, draft, max_model_len, seed
+        # Passed to every LLM: with data_parallel, `batch` is the slots of each replica.
+        self.parallel = dict(data_parallel=data_parallel, tensor_parallel=tensor_parallel)
         self._draft_params = None
         self.config = None
         self.tokenizer = None
@@ -76,7 +78,7 @@ class Target:
         from jaxspec import LLM
         if mode.spec is None:
             llm = LLM(self.model, max_batch=batch, max_model_len=self.max_model_len,
-                      seed=self.seed)
+                      seed=self.seed, **self.parallel)
             self.config, self.tokenizer = llm.config, llm.tokenizer
             return llm
         draft = self.draft_arg
@@ -84,7 +86,7 @@ class Target:
             draft = self._random_draft()
         try:
             return LLM(self.model, max_batch=batch, max_model_len=self.max_model_len,
-                       seed=self.seed, draft=draft, spec=mode.spec)
+                       seed=self.seed, draft=draft, spec=mode.spec, **self.parallel)
         except (ValueError, FileNotFoundError) as e:
             raise SystemExit(f"cannot load the draft head ({e}); pass --draft PATH, or "
                              "--draft random to time the cycle with an untrained head") from None
