@@ -21,16 +21,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.head_sharding import MODEL_AXIS, model_axis_size, per_head_shard
 
-# Pallas moved between jax releases: `pl.load/pl.store` became `plgpu.load/store`, and the
-# compiler-params class was renamed.
-_load = getattr(plgpu, "load", None) or getattr(pl, "load")
-_store = getattr(plgpu, "store", None) or getattr(pl, "store")
-_CompilerParams = (getattr(plgpu, "CompilerParams", None)
-                   or getattr(plgpu, "TritonCompilerParams"))
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
+from pallas_kernels._compat import CompilerParams as _CompilerParams
+from pallas_kernels._compat import load as _load
+from pallas_kernels._compat import next_pow2 as _next_pow2
+from pallas_kernels._compat import store as _store
 
 
 def _compact_one(cache, new, seq_lens, src_idx, count):

@@ -31,7 +31,7 @@ from jaxspec.kv import init_cache
 from jaxspec.sampling import SamplingParams, SlotSampling, TokenCounts, logprob_dicts, slot_keys
 from jaxspec.spec.config import SpecConfig, check_vocab, resolve_spec
 from jaxspec.spec.cycle import cycle, init_state, prefill
-from jaxspec.spec.runner import SpecResult, _max_tokens_only, _Request, prompt_bucket
+from jaxspec.spec.runner import SpecResult, _Request, check_requests, prompt_bucket
 
 AXIS = "replica"
 
@@ -116,20 +116,8 @@ class DataParallelSpecRunner:
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling: Sequence[Union[SamplingParams, int]], eos_ids: Tuple[int, ...] = (),
                  detokenize: Optional[Callable[[List[int]], str]] = None) -> List[SpecResult]:
-        if len(prompts) != len(sampling):
-            raise ConfigError(f"{len(prompts)} prompts but {len(sampling)} max_tokens / "
-                              "sampling params")
-        sps = [x if isinstance(x, SamplingParams) else _max_tokens_only(x) for x in sampling]
-        for p, sp in zip(prompts, sps):
-            if len(p) < 1:
-                raise ConfigError("empty prompt")
-            # Two cycles' rows of slack: the last useful one and the overlap cycle after it.
-            need = len(p) + sp.max_tokens + 2 * self.spec.max_emit
-            if need > self.max_len:
-                raise ConfigError(
-                    f"prompt of {len(p)} tokens + max_tokens={sp.max_tokens} + "
-                    f"{2 * self.spec.max_emit} speculative rows needs {need} cache rows, "
-                    f"max_len is {self.max_len}")
+        # Two cycles' rows of slack: the last useful one and the overlap cycle after it.
+        sps = check_requests(prompts, sampling, self.max_len, 2 * self.spec.max_emit)
         results: List[Optional[SpecResult]] = [None] * len(prompts)
         for group in spread(range(len(prompts)), self.replicas, self.slots):
             reqs = self._run_group([[prompts[i] for i in g] for g in group],

@@ -59,19 +59,7 @@ class SpecRunner:
         """sampling: per prompt, SamplingParams (or an int: max_tokens, greedy).
         A request stops after an EOS in eos_ids (unless ignore_eos) or one of its
         stop_token_ids; its stop strings are checked when detokenize is given."""
-        if len(prompts) != len(sampling):
-            raise ConfigError(f"{len(prompts)} prompts but {len(sampling)} max_tokens / "
-                              "sampling params")
-        sps = [x if isinstance(x, SamplingParams) else _max_tokens_only(x) for x in sampling]
-        for p, sp in zip(prompts, sps):
-            if len(p) < 1:
-                raise ConfigError("empty prompt")
-            m = sp.max_tokens
-            need = len(p) + m + self.spec.num_steps + 1
-            if need > self.max_len:
-                raise ConfigError(
-                    f"prompt of {len(p)} tokens + max_tokens={m} + {self.spec.num_steps + 1} "
-                    f"speculative rows needs {need} cache rows, max_len is {self.max_len}")
+        sps = check_requests(prompts, sampling, self.max_len, self.spec.num_steps + 1)
         results: List[SpecResult] = []
         for i in range(0, len(prompts), self.max_slots):
             results += self._run_group(prompts[i:i + self.max_slots],
@@ -112,6 +100,24 @@ class SpecRunner:
                 r.absorb(co.tokens[j, :k], co.logprob[j, :k], co.top_ids[j, :k],
                          co.top_logprobs[j, :k])
         return [r.result() for r in reqs]
+
+
+def check_requests(prompts, sampling, max_len: int, slack: int) -> List[SamplingParams]:
+    """Validates a batch of requests; returns their SamplingParams (an int means max_tokens,
+    greedy). slack: cache rows needed past prompt + max_tokens (speculative rows)."""
+    if len(prompts) != len(sampling):
+        raise ConfigError(f"{len(prompts)} prompts but {len(sampling)} max_tokens / "
+                          "sampling params")
+    sps = [x if isinstance(x, SamplingParams) else _max_tokens_only(x) for x in sampling]
+    for p, sp in zip(prompts, sps):
+        if len(p) < 1:
+            raise ConfigError("empty prompt")
+        need = len(p) + sp.max_tokens + slack
+        if need > max_len:
+            raise ConfigError(
+                f"prompt of {len(p)} tokens + max_tokens={sp.max_tokens} + {slack} speculative "
+                f"rows needs {need} cache rows, max_len is {max_len}")
+    return sps
 
 
 def _max_tokens_only(m) -> SamplingParams:

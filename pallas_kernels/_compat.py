@@ -1,0 +1,14 @@
+"""Pallas API differences between the jax releases we support (0.10 on CPU, 0.11 on the GPU)."""
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# Pallas moved between jax releases: `pl.load/pl.store` became `plgpu.load/store`, and the
+# compiler-params class was renamed.
+load = getattr(plgpu, "load", None) or getattr(pl, "load")
+store = getattr(plgpu, "store", None) or getattr(pl, "store")
+CompilerParams = (getattr(plgpu, "CompilerParams", None)
+                  or getattr(plgpu, "TritonCompilerParams"))
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
