@@ -361,3 +361,25 @@ def test_sampling_penalties_logprobs_alone_busy_and_retracted(kind):
     outs = [busy.pop_finished(rid) for rid in ids]
     assert all(len(o.output) == o.sp.max_tokens for o in outs)
     assert len({tuple(o.output) for o in outs}) > len(outs) // 2   # unseeded rows differ
+
+
+def test_incremental_detokenization_equals_full_decode(smollm2_gguf):
+    """The engine's per-step text (only new tokens decoded) equals decoding the whole output,
+    with multi-byte characters split across tokens and held back until complete."""
+    from jaxspec.engine.loop import Engine, Request
+    from jaxspec.tokenizer import Tokenizer
+    tok = Tokenizer.from_gguf(smollm2_gguf)
+    text = "Café — naïve 日本語 emoji 🎉🚀 and plain words, then «quotes» ok."
+    ids = tok.encode(text, add_special_tokens=False)
+    req = Request.__new__(Request)
+    req.output, req.detok_text, req.prefix_offset, req.read_offset = [], "", 0, 0
+    eng = Engine.__new__(Engine)
+    eng.detokenize = tok.decode
+    for t in ids:
+        req.output.append(t)
+        got = eng._text_so_far(req)
+        full = tok.decode(req.output)
+        assert full.startswith(got)            # never text the full decode does not have
+        if not full.endswith("\ufffd"):
+            assert got == full                 # and nothing held once the bytes are complete
+    assert got == tok.decode(ids) == text

@@ -63,6 +63,11 @@ class Request:
     accept_lens: List[int] = dataclasses.field(default_factory=list)
     text: str = ""                      # final text once finished
     sent_text: int = 0                  # characters of text already streamed
+    # Incremental detokenization (as vLLM): text of output[:read_offset], and where the last
+    # decode window started; each step decodes only the tokens since then.
+    detok_text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
     finish_reason: Optional[str] = None
     retracts: int = 0
     t_arrival: float = 0.0
@@ -412,10 +417,24 @@ class Engine:
     def _stop_string(self, req: Request) -> Optional[str]:
         if not req.stop:
             return None
-        text = self.detokenize(req.output)
+        text = self._text_so_far(req)
         window = max(len(s) for s in req.stop) + 16   # a new token adds few characters
         tail = text[max(0, len(text) - window):]
         return "stop" if any(s in tail for s in req.stop) else None
+
+    def _text_so_far(self, req: Request) -> str:
+        """Text of req.output, decoding only the tokens since the last call plus the one before
+        them (byte-level BPE and SentencePiece merge across that boundary); an incomplete UTF-8
+        character at the end is held back until its bytes arrive. O(new tokens) per call
+        instead of re-decoding the whole output every step."""
+        ids = req.output
+        if req.read_offset < len(ids):
+            prefix = self.detokenize(ids[req.prefix_offset:req.read_offset])
+            new = self.detokenize(ids[req.prefix_offset:])
+            if len(new) > len(prefix) and not new.endswith("\ufffd"):
+                req.detok_text += new[len(prefix):]
+                req.prefix_offset, req.read_offset = req.read_offset, len(ids)
+        return req.detok_text
 
     def _finish(self, req: Request, reason: str):
         req.finish_reason = reason
@@ -444,7 +463,7 @@ class Engine:
             if req.finished:
                 full = req.text
             else:
-                full = self.detokenize(req.output).rstrip("\ufffd")   # incomplete UTF-8 held
+                full = self._text_so_far(req)
                 hold = max((len(s) for s in req.stop), default=1) - 1  # a stop string may grow
                 full = full[:max(req.sent_text, len(full) - hold)]
             text, req.sent_text = full[req.sent_text:], max(req.sent_text, len(full))
