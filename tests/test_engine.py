@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from draft_models import agreeing_pair as _agreeing_pair
 from jaxspec.config import ModelConfig
 from jaxspec.engine import Engine, PlainBackend, SpecBackend
 from jaxspec.kv import init_cache
-from jaxspec.models import eagle, llama
+from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams
 from jaxspec.spec import SpecConfig
 from pallas_kernels.kv_compact import kv_compact
@@ -31,16 +32,7 @@ PLAIN_STEPS = 3
 def agreeing_pair():
     """A target whose next token depends mostly on the current one and a head that passes the
     token embedding through to the lm_head: the draft usually agrees, so chains are long."""
-    p = llama.init_random_params(CFG, jax.random.PRNGKey(2), scale=0.02)
-    p = dict(p, embed=jax.random.normal(jax.random.PRNGKey(3), p["embed"].shape),
-             lm_head=0.5 * jax.random.normal(jax.random.PRNGKey(7), p["lm_head"].shape),
-             final_norm=jnp.ones_like(p["final_norm"]))
-    h = CFG.hidden_size
-    d = eagle.init_eagle_params(CFG, jax.random.PRNGKey(4), scale=0.02)
-    d = dict(d, fc=jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], 0), fc_bias=jnp.zeros((h,)),
-             layers=dict(d["layers"], wo=jnp.zeros_like(d["layers"]["wo"]),
-                         w_down=jnp.zeros_like(d["layers"]["w_down"])))
-    return p, d
+    return _agreeing_pair(CFG, scale=0.02, lm_head_scale=0.5)
 
 
 @functools.partial(jax.jit, static_argnames="cfg")

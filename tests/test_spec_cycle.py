@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from draft_models import agreeing_pair as _agreeing_pair
 from jaxspec.config import ModelConfig
 from jaxspec.kv import init_cache
 from jaxspec.models import eagle, llama
@@ -39,17 +40,7 @@ def agreeing_pair():
     """A target whose next token depends mostly on the current one (large embeddings, small
     layers, unit final norm) and a head whose fc passes the token embedding straight through to
     the lm_head: the draft usually predicts the target's next token, so accepts are long."""
-    p = llama.init_random_params(CFG, jax.random.PRNGKey(2), scale=0.02)
-    p = dict(p, embed=jax.random.normal(jax.random.PRNGKey(3), p["embed"].shape),
-             lm_head=0.5 * jax.random.normal(jax.random.PRNGKey(7), p["lm_head"].shape),
-             final_norm=jnp.ones_like(p["final_norm"]))
-    h = CFG.hidden_size
-    d = eagle.init_eagle_params(CFG, jax.random.PRNGKey(4), scale=0.02)
-    d = dict(d, fc=jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], 0),
-             fc_bias=jnp.zeros((h,)),
-             layers=dict(d["layers"], wo=jnp.zeros_like(d["layers"]["wo"]),
-                         w_down=jnp.zeros_like(d["layers"]["w_down"])))
-    return p, d
+    return _agreeing_pair(CFG, scale=0.02, lm_head_scale=0.5)
 
 
 @functools.partial(jax.jit, static_argnames="cfg")

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from draft_models import agreeing_pair as _agreeing_pair
 from jaxspec.config import ModelConfig
 from jaxspec.decode import PlainRunner
 from jaxspec.kv import init_cache
-from jaxspec.models import eagle, llama
+from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams, SlotSampling, slot_keys
 from jaxspec.spec import SpecConfig, SpecRunner, init_state, jit_cycle, jit_prefill
 from jaxspec.spec import verify
@@ -46,16 +47,7 @@ def models():
     """A target whose next token depends mostly on the current one (large embeddings, small
     layers) and a head that passes the token embedding to the lm_head: the draft often proposes
     likely tokens, so cycles both accept and reject."""
-    p = llama.init_random_params(CFG, jax.random.PRNGKey(2), scale=0.05)
-    p = dict(p, embed=jax.random.normal(jax.random.PRNGKey(3), p["embed"].shape),
-             lm_head=0.3 * jax.random.normal(jax.random.PRNGKey(7), p["lm_head"].shape),
-             final_norm=jnp.ones_like(p["final_norm"]))
-    h = CFG.hidden_size
-    d = eagle.init_eagle_params(CFG, jax.random.PRNGKey(4), scale=0.05)
-    d = dict(d, fc=jnp.concatenate([jnp.eye(h), jnp.zeros((h, h))], 0), fc_bias=jnp.zeros((h,)),
-             layers=dict(d["layers"], wo=jnp.zeros_like(d["layers"]["wo"]),
-                         w_down=jnp.zeros_like(d["layers"]["w_down"])))
-    return p, d
+    return _agreeing_pair(CFG, scale=0.05, lm_head_scale=0.3)
 
 
 # ---------------------------------------------------------------- exact plain distribution
