@@ -17,17 +17,12 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-_ROOT = Path(__file__).resolve().parents[1]
-# The shared data folder beside the checkout does not travel to the GPU machine: a copy under the
-# git-ignored .gpu/ is carried instead.
-MT_BENCH_PATHS = (_ROOT / "shared" / "data" / "mt_bench.jsonl", _ROOT / ".gpu" / "mt_bench.jsonl",
-                  _ROOT.parent / "shared" / "data" / "mt_bench.jsonl",
-                  Path("/work/shared/data/mt_bench.jsonl"))
-
-
 def mt_bench_questions(path=None, n: int = 80) -> List[str]:
-    p = Path(path) if path else next((c for c in MT_BENCH_PATHS if c.is_file()), MT_BENCH_PATHS[0])
-    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    """First turns of MT-bench: from `path` (a jsonl in the MT-bench layout) or the packaged copy."""
+    if path is None:
+        from jaxspec.datasets import mt_bench
+        return [r["chat"][0]["content"] for r in mt_bench(limit=n)]
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     return [r["turns"][0] for r in rows[:n]]
 
 

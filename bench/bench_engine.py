@@ -82,6 +82,7 @@ def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen):
     t0 = time.perf_counter()
     engine.warmup()
     compile_s = time.perf_counter() - t0
+    print(f"{mode} batch {batch}: warm-up (compilation) {compile_s:.1f} s", flush=True)
     sizes = [f._cache_size() for f in engine.backend.jitted()]
     sp = SamplingParams(max_tokens=gen, ignore_eos=True)
 

@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 GGUF=${GGUF:-$HOME/models/smollm2.gguf}
-run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v '^{' | tail -16; }
+run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -24; }
 
 case "${1:-}" in
   decode)
@@ -28,11 +28,11 @@ case "${1:-}" in
   serve)
     run engine 200 python3 -m bench.bench_engine --model "$GGUF"
     run sampling_accept 150 python3 -m bench.bench_sampling_accept --model "$GGUF"
-    run e2e 200 jaxspec-bench --model "$GGUF" --num-prompts 16 --max-tokens 256 --spec chain,tree --json "$OUT/e2e.json"
+    run e2e 300 python3 -m jaxspec.bench_cli --model "$GGUF" --num-prompts 16 --max-tokens 256 --spec chain,tree --json "$OUT/e2e.json"
     ;;
   sweep)
-    run sweep_mtbench 280 jaxspec-bench --model "$GGUF" --batch-sizes 1,4,16,64 --spec chain,tree --num-prompts 64 --json "$OUT/sweep_mtbench.json" --plot "$OUT/sweep_mtbench.png"
-    run sweep_sharegpt 280 jaxspec-bench --model "$GGUF" --dataset sharegpt --batch-sizes 1,4,16,64 --spec chain,tree --num-prompts 64 --json "$OUT/sweep_sharegpt.json"
+    run sweep_mtbench 280 python3 -m jaxspec.bench_cli --model "$GGUF" --batch-sizes 1,4,16,64 --spec chain,tree --num-prompts 64 --json "$OUT/sweep_mtbench.json" --plot "$OUT/sweep_mtbench.png"
+    run sweep_sharegpt 280 python3 -m jaxspec.bench_cli --model "$GGUF" --dataset sharegpt --batch-sizes 1,4,16,64 --spec chain,tree --num-prompts 64 --json "$OUT/sweep_sharegpt.json"
     ;;
   parallel)
     run parallel 540 python3 bench/bench_parallel.py
