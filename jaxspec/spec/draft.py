@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.models import eagle
+from jaxspec.spec import topk as topk_lib
 from jaxspec.spec.config import SpecConfig
 from pallas_kernels.kv_compact import kv_compact
 
@@ -42,7 +43,8 @@ def top_children(logits, spec: SpecConfig):
     if spec.uses_argmax:
         tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)[..., None]
         return tok, jnp.zeros(tok.shape, jnp.float32)
-    vals, tok = jax.lax.top_k(logits, spec.topk)
+    # two-stage on a wide vocab on GPU: XLA's TopK runs one block per row, K rows leave SMs idle
+    vals, tok = topk_lib.vocab_top_k(logits, spec.topk)
     # top-k first, then one logsumexp: the K log-probs without a [.., V] log-softmax array.
     logp = vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     return tok.astype(jnp.int32), logp.astype(jnp.float32)

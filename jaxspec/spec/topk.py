@@ -1,0 +1,108 @@
+"""Exact top-k over a wide last axis in two stages: a top-k per chunk, then one over the survivors.
+
+Why: XLA's GPU TopK kernel (xla/service/gpu/kernels/topk_kernel.cu.h, k <= 16) runs one thread
+block per row. A tree draft step asks for the top 10 of [B, K, V] = [1, 10, 128256] fp32 logits:
+ten rows, so ten of an H100's 132 SMs each scan 128K elements while the rest idle. Cut into n
+chunks, the same work is B*K*n rows (320 at n = 32) that fill the GPU, and the second stage is a
+small top-k over n*k candidates per row.
+
+Exactness (same values and indices as jax.lax.top_k, whose order is: larger value first, the lower
+index first among equal values):
+- An element among the k first of its row has fewer than k elements ahead of it, so fewer than k
+  ahead of it within its own chunk: it survives the first stage, which keeps min(k, width) per
+  chunk.
+- The survivors are laid out chunk by chunk, each chunk's in lax.top_k order, so among equal
+  values their position order is their original index order; the second lax.top_k, breaking ties
+  by position, therefore ranks them as the first would have.
+- Padding sits at the end of the row with the lowest value of the dtype (-inf for floats): every
+  real element is ahead of every padded one (a larger value, or an equal one at a lower index),
+  so with V >= k no padded index is ever returned.
+All of this needs the comparator to be a consistent order. On CPU NaN sorts first and it holds;
+the GPU kernel compares with `>` and `==`, which is no order once NaN is in a row, so rows holding
+NaN may come out differently there (lax.top_k's own answer is then arbitrary too).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Chunk width bound, to be tuned on the GPU with bench/bench_draft_ops.py. At 128256 it gives 32
+# chunks of 4008: 320 rows for the ten of a draft step, about 2.4 blocks per H100 SM, and 320
+# survivors per row for the second stage. Widths under 65535 keep the kernel's 16-bit indices.
+DEFAULT_CHUNK = 4096
+# Below this width one block per row is short work and the second launch is not worth it. Set
+# under 32000 so that EAGLE-3's draft vocabulary (32000 wide, the same ten rows) is split too;
+# bench_draft_ops.py --vocab 32000 measures that case.
+TWO_STAGE_MIN_VOCAB = 16384
+# Backends whose TopK the split helps. Not CPU: there lax.top_k is already a per-row partial sort
+# and the split costs more than it saves (1.5 -> 2.6 ms for [1, 10, 128256] on this repo's CPU).
+TWO_STAGE_BACKENDS = ("gpu",)
+
+
+def use_two_stage(v: int, k: int, backend: str | None = None) -> bool:
+    """Whether the top-k of rows V wide goes through `top_k` rather than lax.top_k.
+
+    backend: jax.default_backend() when None. The answer only moves time: both paths return the
+    same values and indices. k == 1 stays one-stage: callers take argmax for it.
+    """
+    backend = jax.default_backend() if backend is None else backend
+    return backend in TWO_STAGE_BACKENDS and k > 1 and v >= TWO_STAGE_MIN_VOCAB
+
+
+def chunk_layout(v: int, chunk: int) -> tuple[int, int]:
+    """(n chunks, width <= chunk) for a row of v.
+
+    With m = ceil(v / chunk): the fewest n in [m, 2m) that divide v, so the row reshapes in place
+    (128256 = 32 x 4008 = 64 x 2004 = 128 x 1002); failing that, m chunks of ceil(v / m), padding
+    fewer than m elements. Padding is a copy of the whole row (the TopK kernel does not fuse its
+    input), and padding to a multiple of `chunk` would also add up to a chunk of dead width.
+    """
+    if chunk < 1:
+        raise ValueError(f"{chunk=} must be >= 1")
+    m = -(-v // chunk)
+    for n in range(m, 2 * m):
+        if v % n == 0:
+            return n, v // n
+    return m, -(-v // m)
+
+
+def _lowest(dtype):
+    """The value no element of `dtype` sorts below: -inf for floats, the minimum for integers."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.array(-jnp.inf, dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.array(jnp.iinfo(dtype).min, dtype)
+    raise TypeError(f"top_k: unsupported dtype {dtype}")
+
+
+def top_k(x, k: int, *, chunk: int | None = None):
+    """jax.lax.top_k(x, k) over the last axis, computed per chunk then over the survivors.
+
+    x [..., V]; chunk: bound on the chunk width (DEFAULT_CHUNK when None), a static int.
+    Returns (values [..., k] descending, indices [..., k] int32), equal to lax.top_k's.
+    """
+    chunk = DEFAULT_CHUNK if chunk is None else chunk
+    if x.ndim == 0 or not 1 <= k <= x.shape[-1]:
+        return jax.lax.top_k(x, k)                     # lax's own errors and empty results
+    v = x.shape[-1]
+    n, width = chunk_layout(v, chunk)
+    if n == 1:
+        return jax.lax.top_k(x, k)
+    lead = x.shape[:-1]
+    pad = n * width - v
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)], constant_values=_lowest(x.dtype))
+    kc = min(k, width)
+    vals, idx = jax.lax.top_k(x.reshape(lead + (n, width)), kc)          # [..., n, kc]
+    idx = idx + jnp.arange(0, n * width, width, dtype=jnp.int32)[:, None]
+    vals, sel = jax.lax.top_k(vals.reshape(lead + (n * kc,)), k)          # [..., k]
+    idx = jnp.take_along_axis(idx.reshape(lead + (n * kc,)), sel, axis=-1)
+    return vals, idx.astype(jnp.int32)
+
+
+def vocab_top_k(x, k: int):
+    """x [..., V] -> (values, indices [..., k] int32): lax.top_k's result, two-stage where
+    `use_two_stage` says so."""
+    if use_two_stage(x.shape[-1], k):
+        return top_k(x, k)
+    return jax.lax.top_k(x, k)

@@ -1,0 +1,108 @@
+"""Two-stage top_k == jax.lax.top_k bit for bit: values, indices and tie order."""
+from __future__ import annotations
+
+import functools
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.spec import SpecConfig
+from jaxspec.spec import draft as draft_lib
+from jaxspec.spec import topk as topk_lib
+
+CHUNK = 64
+
+
+def _check(x, k, chunk=CHUNK):
+    want = jax.jit(functools.partial(jax.lax.top_k, k=k))(x)
+    got = jax.jit(functools.partial(topk_lib.top_k, k=k, chunk=chunk))(x)
+    assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype
+    assert got[1].dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got[0], np.float64), np.asarray(want[0], np.float64))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+# V: prime (padded), split evenly into chunks under the bound, a multiple of the bound, below one
+# chunk, equal to k, one past a chunk (padded).
+VOCABS = [1009, 1000, 4 * CHUNK, 50, 10, CHUNK + 1]
+
+
+@pytest.mark.parametrize("v", VOCABS)
+@pytest.mark.parametrize("k", [1, 4, 10])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_random_matches_lax(v, k, dtype):
+    if k > v:
+        pytest.skip("k > V")
+    key = jax.random.PRNGKey(v * 100 + k)
+    x = jax.random.normal(key, (2, 3, v), jnp.float32).astype(dtype)
+    _check(x, k)
+
+
+@pytest.mark.parametrize("v", VOCABS)
+@pytest.mark.parametrize("k", [1, 4, 10])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
+def test_ties_match_lax(v, k, dtype):
+    """Few distinct values: most of the top k are ties, so the index order is what is tested."""
+    if k > v:
+        pytest.skip("k > V")
+    x = jax.random.randint(jax.random.PRNGKey(v + k), (3, 2, v), -3, 3).astype(dtype)
+    _check(x, k)
+
+
+def test_all_equal_and_infinities():
+    """Every element tied (the lowest indices win), -inf in the row next to the -inf padding,
+    and rows where fewer than k elements are finite."""
+    assert topk_lib.chunk_layout(211, CHUNK) == (4, 53)             # one padded element
+    _check(jnp.zeros((2, 211), jnp.float32), 10)
+    _check(jnp.full((2, 211), -jnp.inf, jnp.float32), 10)
+    x = jnp.full((3, 211), -jnp.inf, jnp.float32).at[:, 5].set(1.0).at[:, 210].set(2.0)
+    _check(x, 10)
+    _check(x.astype(jnp.bfloat16), 10)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64, 5000])
+def test_chunk_sizes(chunk):
+    x = jax.random.randint(jax.random.PRNGKey(chunk), (4, 307), 0, 20).astype(jnp.float32)
+    _check(x, 10, chunk)
+
+
+@pytest.mark.parametrize("shape", [(300,), (5, 300), (2, 1, 3, 300)])
+def test_batch_dims(shape):
+    x = jax.random.normal(jax.random.PRNGKey(len(shape)), shape, jnp.float32)
+    _check(x, 10)
+
+
+def test_chunk_layout():
+    assert topk_lib.chunk_layout(128256, 4096) == (32, 4008)         # Llama-3 vocab: no pad
+    assert topk_lib.chunk_layout(128256, 2048) == (64, 2004)
+    assert topk_lib.chunk_layout(50, 64) == (1, 50)
+    for v, c in [(1000, 64), (65, 64), (10, 64), (32771, 4096), (151936, 4096), (997, 3)]:
+        n, w = topk_lib.chunk_layout(v, c)
+        assert w <= c and 0 <= n * w - v < n, (v, c, n, w)
+
+
+def test_policy():
+    assert topk_lib.use_two_stage(128256, 10, "gpu")
+    assert topk_lib.use_two_stage(32000, 10, "gpu")                  # EAGLE-3 draft vocabulary
+    assert not topk_lib.use_two_stage(128256, 1, "gpu")
+    assert not topk_lib.use_two_stage(331, 10, "gpu")
+    assert not topk_lib.use_two_stage(128256, 10, "cpu")
+
+
+def test_top_children_two_stage_equals_lax():
+    """With the two-stage path on (as on GPU), draft's top_children is unchanged."""
+    v, kk = topk_lib.TWO_STAGE_MIN_VOCAB + 123, 10
+    spec = SpecConfig(num_steps=2, topk=kk, num_draft_tokens=8)
+    logits = 3.0 * jax.random.normal(jax.random.PRNGKey(7), (2, kk, v), jnp.float32)
+    logits = jnp.round(logits * 4) / 4                              # ties across the vocab
+    with mock.patch.object(topk_lib, "TWO_STAGE_BACKENDS", (jax.default_backend(),)):
+        assert topk_lib.use_two_stage(v, kk)
+        tok, logp = jax.jit(functools.partial(draft_lib.top_children, spec=spec))(logits)
+    vals, want = jax.lax.top_k(logits, kk)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(logp),
+                               np.asarray(vals - jax.nn.logsumexp(logits, -1, keepdims=True)),
+                               rtol=0, atol=1e-6)
