@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Iterator, List, Optional, Sequence, Union
 
@@ -95,15 +96,21 @@ class LLM:
         from jaxspec.loading import eagle_ckpt
         if draft in (None, "default"):
             return eagle_ckpt.load_default_head(self.config, dtype=self.dtype)
-        return eagle_ckpt.load_eagle1(draft, self.config, dtype=self.dtype)
+        # EAGLE-1 or EAGLE-3, told apart by config.json or the tensor names
+        return eagle_ckpt.load_draft(draft, self.config, dtype=self.dtype)
 
     def _resolve_spec(self, draft, spec):
-        """draft: None/'default' (the shipped head for the default model), a checkpoint path,
-        or a draft params pytree. spec: a SpecConfig or a preset name ('naive', 'chain', 'tree')."""
+        """draft: None/'default' (the shipped head for the default model), a checkpoint path
+        (a public EAGLE-1 or EAGLE-3 head), or draft params (an EAGLE-1 dict or an
+        `eagle3.Eagle3Head`). spec: a SpecConfig or a preset name ('naive', 'chain', 'tree')."""
+        from jaxspec.models.eagle3 import is_eagle3
         from jaxspec.spec.config import resolve_spec
         self.spec = resolve_spec(spec if spec is not None else "chain")
-        if draft is None or isinstance(draft, str):
-            draft = self._load_draft(draft)
+        if draft is None or isinstance(draft, (str, os.PathLike)):
+            draft = self._load_draft(None if draft is None else str(draft))
+        if is_eagle3(draft) and self.mesh is not None:
+            raise ConfigError("tensor_parallel > 1 with an EAGLE-3 head is not supported yet; "
+                              "use an EAGLE-1 head or tensor_parallel=1")
         if self.mesh is not None:
             from jaxspec.parallel.tensor_parallel import shard_draft_params
             draft = shard_draft_params(draft, self.config, self.mesh)

@@ -1,4 +1,6 @@
 """Test models for the speculative cycle: a target and an EAGLE head built to agree."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -20,3 +22,48 @@ def agreeing_pair(cfg, scale: float, lm_head_scale: float):
              layers=dict(d["layers"], wo=jnp.zeros_like(d["layers"]["wo"]),
                          w_down=jnp.zeros_like(d["layers"]["w_down"])))
     return p, d
+
+
+def agreeing_eagle3_pair(cfg, scale: float, lm_head_scale: float, aux_layers=None,
+                         extra_vocab: int = 24, sharp: float = 160.0, peak: float = 4.0):
+    """The EAGLE-3 counterpart of `agreeing_pair`, with a reduced draft vocabulary.
+
+    Target: as agreeing_pair, with embedding dims 0..15 zero. Head (its own embedding, one
+    attention head of dim H): embedding row t = [ones(16) | the target's e_t[16:] scaled to unit
+    RMS], so input_norm leaves it as is; q and k read the constant block only (q scaled by
+    `sharp`), so after RoPE each row attends to itself (the constant vector's score is largest at
+    distance 0: by >= 1.08 x sharp / 8 over distances 1..400 with theta 1e4); v and o_proj pass
+    the token part through; norm_before_residual with a zero hidden_norm drops the feature path,
+    and the MLP adds nothing. The draft logits are then the target's lm_head at e_t over the
+    draft vocabulary (times `peak`, so a tree's best nodes are the deep ones): the target's
+    greedy successors of every token (plus a few others), so the draft usually predicts the
+    target's next token. Returns (target params, Eagle3Head)."""
+    import numpy as np
+
+    from jaxspec.models import eagle3
+
+    h, v = cfg.hidden_size, cfg.vocab_size
+    assert h >= 32, "the constant block takes 16 dims"
+    p = llama.init_random_params(cfg, jax.random.PRNGKey(2), scale=scale)
+    emb = jax.random.normal(jax.random.PRNGKey(3), p["embed"].shape).at[:, :16].set(0.0)
+    lm = lm_head_scale * jax.random.normal(jax.random.PRNGKey(7), (h, v))
+    p = dict(p, embed=emb, lm_head=lm, final_norm=jnp.ones_like(p["final_norm"]))
+    succ = np.asarray(jnp.argmax(llama.rms_norm(emb, jnp.ones((h,)), cfg.rms_norm_eps) @ lm, -1))
+    rng = np.random.default_rng(0)
+    ids = np.union1d(succ, rng.choice(v, extra_vocab, replace=False))
+    head = eagle3.init_eagle3_head(cfg, jax.random.PRNGKey(4), draft_ids=ids,
+                                   aux_layers=aux_layers, scale=scale)
+    hc = dataclasses.replace(head.config, num_heads=1, num_kv_heads=1, head_dim=h,
+                             norm_before_residual=True)
+    tok = emb[:, 16:] * jnp.sqrt((h - 16) / jnp.sum(emb[:, 16:] ** 2, -1, keepdims=True))
+    own_embed = jnp.concatenate([jnp.ones((v, 16)), tok], axis=1)
+    eye = jnp.eye(h)
+    wq = jnp.zeros((2 * h, h)).at[:16, :16].set(sharp * eye[:16, :16])
+    wk = jnp.zeros((2 * h, h)).at[:16, :16].set(eye[:16, :16])
+    wv = jnp.zeros((2 * h, h)).at[16:h, 16:h].set(eye[16:, 16:])
+    wo = jnp.zeros((h, h)).at[16:, 16:].set(eye[16:, 16:])
+    layers = dict(head.params["layers"], wqkv=jnp.concatenate([wq, wk, wv], 1)[None],
+                  wo=wo[None], w_down=jnp.zeros_like(head.params["layers"]["w_down"]))
+    params = dict(head.params, embed=own_embed, hidden_norm=jnp.zeros((h,)), layers=layers,
+                  lm_head=peak * lm[:, ids])
+    return p, eagle3.Eagle3Head(params, hc)

@@ -57,10 +57,12 @@ class SpecBackend:
     def __init__(self, cfg: ModelConfig, params, draft_params, spec, slots: int, max_len: int,
                  seed: int = 0):
         from jaxspec.spec.config import check_vocab, resolve_spec
+        from jaxspec.spec.draft import check_head
         from jaxspec.spec.cycle import jit_cycle
         self.cfg, self.params, self.draft_params = cfg, params, draft_params
         self.spec = resolve_spec(spec)
         check_vocab(self.spec, cfg.vocab_size)
+        check_head(cfg, self.spec, draft_params)
         self.slots, self.max_len = slots, max_len
         self.dtype = params["embed"].dtype
         self.emit = self.spec.max_emit
@@ -70,7 +72,8 @@ class SpecBackend:
 
     def init_state(self):
         from jaxspec.spec.cycle import init_state
-        return init_state(self.cfg, self.spec, self.slots, self.max_len, self.dtype)
+        return init_state(self.cfg, self.spec, self.slots, self.max_len, self.dtype,
+                          self.draft_params)
 
     def key_advances(self, n_out: int, n_cycles: int) -> int:
         return n_cycles          # the cycle splits each active slot's key once

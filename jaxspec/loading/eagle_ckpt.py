@@ -19,14 +19,17 @@ Public EAGLE-3 heads (the layout SGLang and SpecForge load: LlamaForCausalLMEagl
     concat(norm(embed), norm(fc out))), midlayer.self_attn.o_proj.weight,
     midlayer.post_attention_layernorm.weight, midlayer.mlp.{gate,up,down}_proj.weight,
     norm.weight, lm_head.weight [Vd, H], d2t [Vd] (draft id -> target id offset), t2d [V] bool
-converted to EAGLE3 params (our layout; its forward is not written yet):
+converted to EAGLE3 params (our layout):
     fc [3H, H]; input_norm [H]; hidden_norm [H]
     layers: wqkv [1, 2H, Q + 2K], wo [1, Q, H], mlp_norm [1, H], w_gate_up [1, H, 2F], w_down [1, F, H]
     final_norm [H]; lm_head [H, Vd]; d2t [Vd] int32 (target id = draft id + d2t[draft id]);
     t2d [V] bool (target id is in the draft vocabulary)
 Shapes come from the head's own config.json (its intermediate size may differ from the target's).
 The forward these params mean is `jaxspec.train.eagle3.forward` (sequence form, tested against a
-torch port of the published module); the cached tree-drafting path for EAGLE-3 is not written.
+torch port of the published module) and `jaxspec.models.eagle3` (cached, tree drafting), which
+runs them as an `Eagle3Head` (`load_eagle3_head`; `load_draft` tells the two layouts apart).
+`save_eagle3` writes a head back in the public layout (model.safetensors + config.json, with
+eagle_config.eagle_aux_hidden_state_layer_ids naming the target layers it reads).
 """
 from __future__ import annotations
 
@@ -291,11 +294,21 @@ def load_eagle1(path, cfg: ModelConfig, dtype=None):
     return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dt), params)
 
 
-def eagle3_head_config(config: Mapping, cfg: ModelConfig) -> dict:
-    """Shapes of an EAGLE-3 head from its config.json (defaults: the target's)."""
+def eagle3_head_config(config: Mapping, cfg: ModelConfig, sd: Optional[Mapping] = None) -> dict:
+    """Shapes of an EAGLE-3 head from its config.json (defaults: the target's; with the state
+    dict `sd`, the draft vocabulary and MLP sizes a config leaves out come from its tensors)."""
+    config = dict(config)
+    if sd is not None:
+        named = {k[len("model."):] if k.startswith("model.") else k: v for k, v in sd.items()}
+        if "draft_vocab_size" not in config and "d2t" in named:
+            config["draft_vocab_size"] = int(np.asarray(named["d2t"]).shape[0])
+        gate = named.get("midlayer.mlp.gate_proj.weight")
+        if "intermediate_size" not in config and gate is not None:
+            config["intermediate_size"] = int(gate.shape[0])
     h = config.get("hidden_size", cfg.hidden_size)
     heads = config.get("num_attention_heads", cfg.num_heads)
-    kv_heads = config.get("num_key_value_heads", heads)
+    kv_heads = config.get("num_key_value_heads",
+                          heads if "num_attention_heads" in config else cfg.num_kv_heads)
     d = config.get("head_dim") or h // heads
     return dict(hidden_size=h, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
                 intermediate_size=config.get("intermediate_size", cfg.intermediate_size),
@@ -384,3 +397,141 @@ def _cast(tree, dtype):
     if isinstance(tree, dict):
         return {k: _cast(v, dtype) for k, v in tree.items()}
     return np.asarray(tree, dtype)
+
+
+# -- EAGLE-3 heads as Eagle3Head (inference), detection, and the public layout on disk ------------
+def eagle3_aux_layers(config: Mapping, cfg: ModelConfig) -> Tuple[int, ...]:
+    """The target layers an EAGLE-3 head reads: config.json's
+    eagle_config.eagle_aux_hidden_state_layer_ids (SGLang's key; the ids name the layers whose
+    outputs are taken) or the same key at the top level, else SpecForge's default."""
+    from jaxspec.models.eagle3 import default_aux_layers
+
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
+        or config.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        return default_aux_layers(cfg.num_layers)
+    ids = tuple(int(i) for i in ids)
+    if len(ids) != 3 or not all(0 <= i < cfg.num_layers for i in ids):
+        raise WeightsError(f"config.json eagle_aux_hidden_state_layer_ids={list(ids)}: an EAGLE-3 "
+                           f"head reads three target layers in [0, {cfg.num_layers})")
+    return ids
+
+
+def is_eagle3_checkpoint(sd: Mapping[str, np.ndarray], config: Mapping) -> bool:
+    """EAGLE-3 by config.json (an *Eagle3* architecture) or by its tensors (midlayer.*, d2t)."""
+    if any("eagle3" in str(a).lower() for a in config.get("architectures") or ()):
+        return True
+    names = {k[len("model."):] if k.startswith("model.") else k for k in sd}
+    return "d2t" in names or any(k.startswith("midlayer.") for k in names)
+
+
+def _eagle3_head(sd, config, cfg: ModelConfig, origin: str, dtype):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.models.eagle3 import Eagle3Config, Eagle3Head
+
+    hc = eagle3_head_config(config, cfg, sd)
+    if hc["vocab_size"] != cfg.vocab_size:
+        raise WeightsError(f"{origin}: config.json vocab_size={hc['vocab_size']} but the target "
+                           f"has {cfg.vocab_size}")
+    if hc["num_heads"] % hc["num_kv_heads"] or hc["head_dim"] % 2:
+        raise WeightsError(f"{origin}: config.json num_attention_heads={hc['num_heads']}, "
+                           f"num_key_value_heads={hc['num_kv_heads']}, head_dim={hc['head_dim']} "
+                           "do not make a valid attention layer")
+    params = convert_eagle3(sd, hc, origin)
+    dt = dtype if dtype is not None else jnp.float32
+    params = jax.tree_util.tree_map(
+        lambda x: jnp.asarray(x, dt) if np.issubdtype(x.dtype, np.floating)
+        or x.dtype.name == "bfloat16" else jnp.asarray(x), params)
+    return Eagle3Head(params, Eagle3Config.from_dict(hc, eagle3_aux_layers(config, cfg)))
+
+
+def load_eagle3_head(path, cfg: ModelConfig, dtype=None):
+    """A public EAGLE-3 checkpoint -> `jaxspec.models.eagle3.Eagle3Head` (what the speculative
+    cycle runs); the target layers it reads come from its config.json (eagle3_aux_layers)."""
+    sd, config = read_state_dict(path)
+    return _eagle3_head(sd, config, cfg, str(path), dtype)
+
+
+def load_draft(path, cfg: ModelConfig, dtype=None):
+    """A public draft checkpoint (dir, .safetensors or .bin) of either layout -> draft params:
+    an EAGLE-1 params dict, or an Eagle3Head (layout told by config.json or the tensor names)."""
+    import jax
+    import jax.numpy as jnp
+
+    sd, config = read_state_dict(path)
+    origin = str(path)
+    if is_eagle3_checkpoint(sd, config):
+        return _eagle3_head(sd, config, cfg, origin, dtype)
+    _check_config(config, cfg, origin, [("hidden_size", "hidden_size"),
+                                        ("num_attention_heads", "num_heads"),
+                                        ("num_key_value_heads", "num_kv_heads"),
+                                        ("intermediate_size", "intermediate_size")])
+    params = convert_eagle1(sd, cfg, origin)
+    dt = dtype if dtype is not None else jnp.float32
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dt), params)
+
+
+def eagle3_state_dict(head) -> Dict[str, np.ndarray]:
+    """An Eagle3Head -> the public tensors (torch [out, in] layout, q/k/v and gate/up split),
+    the inverse of convert_eagle3."""
+    p, hc = head.params, head.config
+    q, kv = hc.num_heads * hc.head_dim, hc.num_kv_heads * hc.head_dim
+    f = hc.intermediate_size
+    a = lambda x: np.asarray(x)  # noqa: E731
+    lay = {k: a(v)[0] for k, v in p["layers"].items()}
+    wqkv = lay["wqkv"]
+    sd = {"fc.weight": a(p["fc"]).T,
+          "midlayer.input_layernorm.weight": a(p["input_norm"]),
+          "midlayer.hidden_norm.weight": a(p["hidden_norm"]),
+          "midlayer.self_attn.q_proj.weight": wqkv[:, :q].T,
+          "midlayer.self_attn.k_proj.weight": wqkv[:, q:q + kv].T,
+          "midlayer.self_attn.v_proj.weight": wqkv[:, q + kv:].T,
+          "midlayer.self_attn.o_proj.weight": lay["wo"].T,
+          "midlayer.post_attention_layernorm.weight": lay["mlp_norm"],
+          "midlayer.mlp.gate_proj.weight": lay["w_gate_up"][:, :f].T,
+          "midlayer.mlp.up_proj.weight": lay["w_gate_up"][:, f:].T,
+          "midlayer.mlp.down_proj.weight": lay["w_down"].T,
+          "norm.weight": a(p["final_norm"]), "lm_head.weight": a(p["lm_head"]).T,
+          "d2t": a(p["d2t"]).astype(np.int64), "t2d": a(p["t2d"]).astype(bool)}
+    if "embed" in p:
+        sd["embed_tokens.weight"] = a(p["embed"])
+    return {k: np.ascontiguousarray(v) for k, v in sd.items()}
+
+
+def eagle3_config_json(head, cfg: ModelConfig, extra: Optional[dict] = None) -> dict:
+    """config.json of a public EAGLE-3 head (what SGLang / SpecForge read, and eagle3_head_config
+    and eagle3_aux_layers read back)."""
+    hc = head.config
+    out = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+           "hidden_size": hc.hidden_size, "num_attention_heads": hc.num_heads,
+           "num_key_value_heads": hc.num_kv_heads, "head_dim": hc.head_dim,
+           "intermediate_size": hc.intermediate_size, "vocab_size": hc.vocab_size,
+           "draft_vocab_size": hc.draft_vocab_size, "rms_norm_eps": hc.rms_norm_eps,
+           "rope_theta": hc.rope_theta, "norm_before_residual": hc.norm_before_residual,
+           "num_hidden_layers": 1, "hidden_act": "silu", "tie_word_embeddings": False,
+           "max_position_embeddings": cfg.max_position_embeddings,
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(hc.aux_layers)}}
+    if extra:
+        out["jaxspec"] = extra
+    return out
+
+
+def save_eagle3(out_dir, head, cfg: ModelConfig, dtype="bfloat16",
+                meta: Optional[dict] = None) -> Path:
+    """Writes an Eagle3Head as OUT_DIR/model.safetensors + config.json in the public layout
+    (floating tensors in `dtype`; d2t int64, t2d bool as SpecForge writes them)."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dt = ml_dtypes.bfloat16 if str(dtype) == "bfloat16" else np.dtype(dtype)
+    sd = {k: (v.astype(dt) if np.issubdtype(v.dtype, np.floating) or v.dtype.name == "bfloat16"
+              else v) for k, v in eagle3_state_dict(head).items()}
+    save_file(sd, str(out / "model.safetensors"),
+              metadata={HEAD_META_KEY: json.dumps(meta or {}, default=str)})
+    (out / "config.json").write_text(json.dumps(eagle3_config_json(head, cfg, meta), indent=1,
+                                                default=str))
+    return out

@@ -161,12 +161,19 @@ def _chunk_forward(params, cfg: ModelConfig, cache: KVCache, tokens, start, n_va
     """Target forward over one chunk at rows start.. of each slot of an A-slot cache.
 
     Returns (cache with n_valid rows appended at start, hidden [A, C, H])."""
+    return _chunk_forward_captured(params, cfg, cache, tokens, start, n_valid)[:2]
+
+
+def _chunk_forward_captured(params, cfg: ModelConfig, cache: KVCache, tokens, start, n_valid,
+                            capture_layers=()):
+    """_chunk_forward, plus the outputs of `capture_layers` [len, A, C, H] (None if none)."""
     a, c = tokens.shape
     rows = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32)[None], (a, c))
-    hidden, k_new, v_new, _ = llama.forward(params, cfg, tokens, start[:, None] + rows, cache.k,
-                                            cache.v, start, llama.causal_mask(a, c, n_valid))
+    hidden, k_new, v_new, captured = llama.forward(
+        params, cfg, tokens, start[:, None] + rows, cache.k, cache.v, start,
+        llama.causal_mask(a, c, n_valid), capture_layers)
     k, v = kv_compact(cache.k, cache.v, k_new, v_new, start, rows, n_valid)
-    return KVCache(k, v, start + n_valid), hidden
+    return KVCache(k, v, start + n_valid), hidden, captured
 
 
 def _last_row(x, n_valid):
@@ -187,11 +194,13 @@ def spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, ne
     """
     a, c = tokens.shape
     sub = take_slots(state, axes, slot_idx)
-    target, hidden = _chunk_forward(params, cfg, sub.target, tokens, start, n_valid)
-    feats = llama.final_norm(params, cfg, hidden)                            # EAGLE-1 features
+    target, hidden, captured = _chunk_forward_captured(
+        params, cfg, sub.target, tokens, start, n_valid, draft_lib.capture_layers(draft_params))
+    normed = llama.final_norm(params, cfg, hidden)
+    feats = draft_lib.target_features(draft_params, normed, captured)
     is_last = next_tok < 0
     hist = chunk_history(sub.history, tokens, start, n_valid, adm.n_prompt)
-    logits = llama.project_logits(params, _last_row(feats, n_valid))
+    logits = llama.project_logits(params, _last_row(normed, n_valid))
     sp, first, hist, keys = admit_sampling(logits, hist, adm, engine_key, is_last,
                                            key_splits=3)
     root = jnp.where(adm.root >= 0, adm.root, first.tokens)

@@ -66,12 +66,16 @@ class CycleOut(NamedTuple):
     top_logprobs: jax.Array  # [B, S+1, k]
 
 
-def init_state(cfg: ModelConfig, spec: SpecConfig, slots: int, max_len: int, dtype) -> SpecState:
+def init_state(cfg: ModelConfig, spec: SpecConfig, slots: int, max_len: int, dtype,
+               draft_params=None) -> SpecState:
+    """draft_params: sizes the draft cache and hidden for a head whose layer is not shaped like
+    the target's (an EAGLE-3 head with its own head count); None: the target's shapes."""
     target = init_cache(cfg, slots, max_len, dtype)
-    dshape = (1, slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+    dcfg = cfg if draft_params is None else draft_lib.layer_config(cfg, draft_params)
+    dshape = (1, slots, dcfg.num_kv_heads, max_len, dcfg.head_dim)
     k = spec.topk
     seed = draft_lib.DraftSeed(jnp.zeros((slots, k), jnp.int32), jnp.zeros((slots, k), jnp.float32),
-                               jnp.zeros((slots, cfg.hidden_size), dtype))
+                               jnp.zeros((slots, dcfg.hidden_size), dtype))
     return SpecState(target, jnp.zeros(dshape, dtype), jnp.zeros(dshape, dtype),
                      jnp.zeros((slots,), jnp.int32), seed, SlotSampling.greedy(slots),
                      jnp.zeros((slots, 2), jnp.uint32), TokenCounts.zeros(slots, cfg.vocab_size))
@@ -102,12 +106,13 @@ def prefill(params, draft_params, state: SpecState, tokens, prompt_lens, samplin
     # cache at full batch size, which takes seconds at compile time for large batches.
     zeros = prompt_lens * 0
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
-    hidden, k_new, v_new, _ = llama.forward(params, cfg, tokens, pos, state.target.k,
-                                            state.target.v, zeros,
-                                            llama.causal_mask(b, p, prompt_lens))
+    hidden, k_new, v_new, captured = llama.forward(
+        params, cfg, tokens, pos, state.target.k, state.target.v, zeros,
+        llama.causal_mask(b, p, prompt_lens), draft_lib.capture_layers(draft_params))
     tk, tv = kv_compact(state.target.k, state.target.v, k_new, v_new, zeros, pos, prompt_lens)
-    feats = llama.final_norm(params, cfg, hidden)                           # EAGLE-1 features
-    last = jnp.take_along_axis(feats, jnp.maximum(prompt_lens - 1, 0)[:, None, None], axis=1)
+    normed = llama.final_norm(params, cfg, hidden)
+    feats = draft_lib.target_features(draft_params, normed, captured)
+    last = jnp.take_along_axis(normed, jnp.maximum(prompt_lens - 1, 0)[:, None, None], axis=1)
     hist = TokenCounts.from_prompts(tokens, prompt_lens, cfg.vocab_size)
     logits = llama.project_logits(params, last[:, 0])
     logits = _penalized(logits, sp, lambda: apply_penalties(logits, sp, hist))
@@ -143,10 +148,12 @@ def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, s
     tree = build_tree(cands, state.root, spec)
     # Verify: a depth-d node sits at position L + d; the forward returns the tree's K/V and writes
     # nothing, so only the accepted rows are ever written (below).
-    hidden, k_new, v_new, _ = llama.forward(params, cfg, tree.tokens, lens[:, None] + tree.depth,
-                                            state.target.k, state.target.v, lens, tree.mask)
-    feats = llama.final_norm(params, cfg, hidden)                           # [B, N, H]
-    logits = llama.project_logits(params, feats)                            # [B, N, V]
+    hidden, k_new, v_new, captured = llama.forward(
+        params, cfg, tree.tokens, lens[:, None] + tree.depth, state.target.k, state.target.v,
+        lens, tree.mask, draft_lib.capture_layers(draft_params))
+    normed = llama.final_norm(params, cfg, hidden)                          # [B, N, H]
+    feats = draft_lib.target_features(draft_params, normed, captured)       # [B, N, H or 3H]
+    logits = llama.project_logits(params, normed)                           # [B, N, V]
     # Row i sees the committed counts plus the tokens on its own path (no [B, N, V] counts).
     logits = _penalized(logits, sp, lambda: apply_tree_penalties(logits, sp, hist,
                                                                  *path_tokens(tree, s)))
@@ -178,7 +185,7 @@ def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, s
     n_live = jnp.where(active, acc.accept_len + 1, 0)
     tk, tv = kv_compact(state.target.k, state.target.v, k_new, v_new, lens, acc.path, n_live)
     # Catch-up rows: (feature of path node d, emitted token d) at position L + d, d <= accept_len.
-    path_feats = jnp.take_along_axis(feats, acc.path[..., None], axis=1)   # [B, S+1, H]
+    path_feats = jnp.take_along_axis(feats, acc.path[..., None], axis=1)   # [B, S+1, F]
     dk, dv, seed = draft_lib.catch_up(params, draft_params, cfg, spec, state.draft_k,
                                       state.draft_v, lens, path_feats, out, n_live)
     seed = jax.tree_util.tree_map(

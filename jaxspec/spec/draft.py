@@ -9,6 +9,13 @@ Candidates are kept in static arrays in generation order (depth 1: K, then K*K p
 `parent` = index of the parent candidate (-1 for the root's children) and cumulative
 log-probability scores. With topk == 1 (and argmax_topk1) every pick is an argmax and no
 full-vocab softmax is formed: a chain's ranking never needs the scores.
+
+Heads: EAGLE-1 (`jaxspec.models.eagle`, draft params a dict) or EAGLE-3 (`jaxspec.models.eagle3`,
+an `Eagle3Head`); both modules have the same functions, picked by the draft params' type (a static
+property of the pytree, so nothing is decided at run time). What differs is confined to three
+places: the target features the head reads (`capture_layers`, `target_features`), the lm_head
+(the target's, or the draft vocabulary's with its map to target ids: `_children`), and the shapes
+of the draft layer (`layer_config`).
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig
-from jaxspec.models import eagle
+from jaxspec.models import eagle, eagle3
 from jaxspec.spec import topk as topk_lib
 from jaxspec.spec.config import SpecConfig
 from pallas_kernels.kv_compact import kv_compact
@@ -50,6 +57,54 @@ def top_children(logits, spec: SpecConfig):
     return tok.astype(jnp.int32), logp.astype(jnp.float32)
 
 
+def head_module(draft_params):
+    """The module whose functions run this head: eagle3 for an Eagle3Head, else eagle."""
+    return eagle3 if eagle3.is_eagle3(draft_params) else eagle
+
+
+def layer_config(cfg: ModelConfig, draft_params) -> ModelConfig:
+    """The config of the draft's decoder layer (EAGLE-1: the target's; EAGLE-3: its own)."""
+    return draft_params.config.layer_config(cfg) if eagle3.is_eagle3(draft_params) else cfg
+
+
+def capture_layers(draft_params):
+    """Target layers whose outputs the head reads (EAGLE-3's three), () for EAGLE-1."""
+    return draft_params.config.aux_layers if eagle3.is_eagle3(draft_params) else ()
+
+
+def target_features(draft_params, normed, captured):
+    """The head's input features of target rows: EAGLE-1 the post-final-norm hidden `normed`
+    [B, N, H]; EAGLE-3 the captured layers [3, B, N, H] concatenated [B, N, 3H]."""
+    return eagle3.target_features(captured) if eagle3.is_eagle3(draft_params) else normed
+
+
+def check_head(cfg: ModelConfig, spec: SpecConfig, draft_params) -> None:
+    """Raises ConfigError if an EAGLE-3 head does not fit the target or the tree shape."""
+    from jaxspec.config import ConfigError
+    if not eagle3.is_eagle3(draft_params):
+        return
+    hc = draft_params.config
+    if hc.vocab_size != cfg.vocab_size:
+        raise ConfigError(f"the EAGLE-3 head maps to a vocabulary of {hc.vocab_size} tokens, the "
+                          f"target has {cfg.vocab_size}")
+    if spec.topk > hc.draft_vocab_size:
+        raise ConfigError(f"topk={spec.topk} exceeds the head's draft vocabulary size "
+                          f"{hc.draft_vocab_size}")
+    bad = [i for i in hc.aux_layers if not 0 <= i < cfg.num_layers]
+    if bad or len(hc.aux_layers) != 3:
+        raise ConfigError(f"the EAGLE-3 head reads target layers {list(hc.aux_layers)}; it needs "
+                          f"three in [0, {cfg.num_layers})")
+
+
+def _children(params, draft_params, hidden, spec: SpecConfig):
+    """Draft hidden [..., H] -> top-k children (target ids [..., K], log-probs [..., K]).
+    EAGLE-3: top-k over the draft vocabulary, then mapped to target ids."""
+    if eagle3.is_eagle3(draft_params):
+        tok, logp = top_children(eagle3.logits(draft_params, hidden), spec)
+        return eagle3.to_target(draft_params, tok), logp
+    return top_children(eagle.logits(params, hidden), spec)
+
+
 def _last_live(x, n_live):
     """x [B, R, ...] -> row n_live - 1 of each slot [B, 1, ...]."""
     idx = jnp.maximum(n_live - 1, 0).reshape((-1, 1) + (1,) * (x.ndim - 2))
@@ -61,16 +116,18 @@ def catch_up(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k, 
     """Draft rows (features[:, r], tokens[:, r]) at positions base + r for r < n_live.
 
     draft_k/v [1, B, Hkv, T, D]: the committed draft cache, base [B] rows long.
-    features [B, R, H] target features; tokens [B, R]; n_live [B] live rows (0 = slot idle).
+    features [B, R, F] target features (`target_features`: F = H for EAGLE-1, 3H for EAGLE-3);
+    tokens [B, R]; n_live [B] live rows (0 = slot idle).
     Writes the draft KV of all live rows at base..base+n_live-1 and returns
     (draft_k, draft_v, DraftSeed from the last live row).
     """
+    head = head_module(draft_params)
     b, r = tokens.shape
     positions = base[:, None] + jnp.arange(r, dtype=jnp.int32)[None]
     rows = jnp.broadcast_to(jnp.arange(r, dtype=jnp.int32)[None], (b, r))
     if spec.skip_dead_rows:
-        x = eagle.fuse_input(params, draft_params, tokens, features)
-        q, k, v = eagle.qkv(cfg, draft_params, x, positions)
+        x = head.fuse_input(params, draft_params, tokens, features)
+        q, k, v = head.qkv(cfg, draft_params, x, positions)
         draft_k, draft_v = kv_compact(draft_k, draft_v, k[None], v[None], base, rows, n_live)
         # Only the last live row goes on: its query sees the rows just written (through the cache,
         # lengths base + n_live - 1) and itself (as the one new key).
@@ -78,15 +135,16 @@ def catch_up(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k, 
         k1 = _last_live(k.transpose(0, 2, 1, 3), n_live).transpose(0, 2, 1, 3)  # [B, Hkv, 1, D]
         v1 = _last_live(v.transpose(0, 2, 1, 3), n_live).transpose(0, 2, 1, 3)
         lens = base + jnp.maximum(n_live - 1, 0)
-        o = eagle.attend(cfg, q1, draft_k, draft_v, lens, k1, v1, jnp.ones((b, 1, 1), bool))
-        hidden = eagle.finish_layer(cfg, draft_params, _last_live(x, n_live), o)[:, 0]
+        o = head.attend(cfg, q1, draft_k, draft_v, lens, k1, v1, jnp.ones((b, 1, 1), bool))
+        x1 = jax.tree_util.tree_map(lambda a: _last_live(a, n_live), x)  # EAGLE-3: a pair
+        hidden = head.finish_layer(cfg, draft_params, x1, o)[:, 0]
     else:
         mask = jnp.tril(jnp.ones((r, r), bool))[None] & (rows < n_live[:, None])[:, None, :]
-        hid, k, v = eagle.forward(params, draft_params, cfg, tokens, features, positions, draft_k,
-                                  draft_v, base, mask)
+        hid, k, v = head.forward(params, draft_params, cfg, tokens, features, positions, draft_k,
+                                 draft_v, base, mask)
         draft_k, draft_v = kv_compact(draft_k, draft_v, k, v, base, rows, n_live)
         hidden = _last_live(hid, n_live)[:, 0]
-    tok, logp = top_children(eagle.logits(params, hidden), spec)
+    tok, logp = _children(params, draft_params, hidden, spec)
     return draft_k, draft_v, DraftSeed(tok, logp, hidden)
 
 
@@ -98,6 +156,8 @@ def draft_tree(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k
     this cycle's earlier steps live in a small buffer passed to attention as the new keys, under a
     mask of self + ancestors; nothing is written to the draft cache.
     """
+    head = head_module(draft_params)
+    lcfg = layer_config(cfg, draft_params)
     s, kk = spec.num_steps, spec.topk
     b, h = seed.hidden.shape
     tok, score = seed.tokens, seed.logp                                     # [B, K]
@@ -106,15 +166,15 @@ def draft_tree(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k
     cand_parent = [jnp.full((b, kk), -1, jnp.int32)]
     front = jnp.broadcast_to(jnp.arange(kk, dtype=jnp.int32)[None], (b, kk))  # candidate ids
     m = (s - 1) * kk
-    kv_shape = (b, cfg.num_kv_heads, m, cfg.head_dim)
+    kv_shape = (b, lcfg.num_kv_heads, m, lcfg.head_dim)
     k_buf = jnp.zeros(kv_shape, seed.hidden.dtype)
     v_buf = jnp.zeros(kv_shape, seed.hidden.dtype)
     anc = jnp.zeros((b, kk, m), bool)            # buffer rows that are ancestors of the frontier
     for i in range(1, s):
         lo, hi = (i - 1) * kk, i * kk
-        x = eagle.fuse_input(params, draft_params, tok, feat)
+        x = head.fuse_input(params, draft_params, tok, feat)
         pos = jnp.broadcast_to(lens[:, None] + (i - 1), (b, kk)).astype(jnp.int32)
-        q, k, v = eagle.qkv(cfg, draft_params, x, pos)
+        q, k, v = head.qkv(cfg, draft_params, x, pos)
         k_buf = k_buf.at[:, :, lo:hi].set(k)
         v_buf = v_buf.at[:, :, lo:hi].set(v)
         self_rows = np.zeros((kk, m), bool)
@@ -124,10 +184,10 @@ def draft_tree(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k
         # earlier rows get zero queries whose outputs are dropped (at most (S-2)K wasted rows).
         q_sq = jnp.zeros((b, hi) + q.shape[2:], q.dtype).at[:, lo:hi].set(q)
         mask = jnp.zeros((b, hi, hi), bool).at[:, lo:hi].set(anc[:, :, :hi])
-        o = eagle.attend(cfg, q_sq, draft_k, draft_v, lens, k_buf[:, :, :hi], v_buf[:, :, :hi],
-                         mask)[:, lo:hi]
-        hid = eagle.finish_layer(cfg, draft_params, x, o)                   # [B, K, H]
-        ctok, clogp = top_children(eagle.logits(params, hid), spec)         # [B, K, K]
+        o = head.attend(cfg, q_sq, draft_k, draft_v, lens, k_buf[:, :, :hi], v_buf[:, :, :hi],
+                        mask)[:, lo:hi]
+        hid = head.finish_layer(cfg, draft_params, x, o)                    # [B, K, H]
+        ctok, clogp = _children(params, draft_params, hid, spec)            # [B, K, K]
         cum = score[:, :, None] + clogp
         base = kk + (i - 1) * kk * kk
         cand_tok.append(ctok.reshape(b, kk * kk))

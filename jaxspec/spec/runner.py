@@ -17,6 +17,7 @@ import numpy as np
 from jaxspec.config import ConfigError, ModelConfig
 from jaxspec.sampling import (SamplingParams, SlotSampling, apply_stop_strings, logprob_dicts,
                               slot_keys)
+from jaxspec.spec import draft as draft_lib
 from jaxspec.spec.config import SpecConfig, check_vocab, resolve_spec
 from jaxspec.spec.cycle import init_state, jit_cycle, jit_prefill
 
@@ -44,6 +45,7 @@ class SpecRunner:
         self.cfg, self.params, self.draft_params = cfg, params, draft_params
         self.spec = resolve_spec(spec)
         check_vocab(self.spec, cfg.vocab_size)
+        draft_lib.check_head(cfg, self.spec, draft_params)
         if max_slots < 1:
             raise ConfigError(f"max_slots={max_slots} must be >= 1")
         self.max_slots, self.max_len = max_slots, max_len
@@ -75,7 +77,8 @@ class SpecRunner:
             tokens[j, :len(x)] = x
             lens[j] = len(x)
         if self._state is None:
-            self._state = init_state(self.cfg, self.spec, b, self.max_len, self.dtype)
+            self._state = init_state(self.cfg, self.spec, b, self.max_len, self.dtype,
+                                     self.draft_params)
         self.key, sub = jax.random.split(self.key)
         self._state, first = self._prefill(self.params, self.draft_params, self._state,
                                            jnp.asarray(tokens), jnp.asarray(lens),
