@@ -93,11 +93,12 @@ def top_k(x, k: int, *, chunk: int | None = None):
     if pad:
         x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)], constant_values=_lowest(x.dtype))
     kc = min(k, width)
-    vals, idx = jax.lax.top_k(x.reshape(lead + (n, width)), kc)          # [..., n, kc]
-    idx = idx + jnp.arange(0, n * width, width, dtype=jnp.int32)[:, None]
-    vals, sel = jax.lax.top_k(vals.reshape(lead + (n * kc,)), k)          # [..., k]
-    idx = jnp.take_along_axis(idx.reshape(lead + (n * kc,)), sel, axis=-1)
-    return vals, idx.astype(jnp.int32)
+    # Both stages on 2-D [rows, width] (free reshapes): the form XLA's GPU TopK rewrite expects.
+    vals, idx = jax.lax.top_k(x.reshape(-1, width), kc)                  # [R * n, kc]
+    idx = idx.reshape(-1, n, kc) + jnp.arange(0, n * width, width, dtype=jnp.int32)[:, None]
+    vals, sel = jax.lax.top_k(vals.reshape(-1, n * kc), k)                # [R, k]
+    idx = jnp.take_along_axis(idx.reshape(-1, n * kc), sel, axis=-1)
+    return vals.reshape(lead + (k,)), idx.reshape(lead + (k,)).astype(jnp.int32)
 
 
 def vocab_top_k(x, k: int):
