@@ -10,6 +10,13 @@ jaxspec plain decoding at a large batch (mode sd; mode tf keeps the dataset's an
 (2) features by a teacher-forced target forward over prompt + answer, precomputed on the device,
 (3) training for --train-seconds, (4) tau on MT-bench for the chain and tree presets,
 (5) head.safetensors, train_log.jsonl, loss.png, results.json (and the generated answers) in --out.
+
+--arch eagle3 trains an EAGLE-3 head instead (features: target layers 1, L/2-1, L-4 computed per
+batch by a target forward, not precomputed: three layers of 16 K rows would take ~30 GB; draft
+vocabulary: the --draft-vocab most frequent drafted tokens; loss: KL to the target's
+distribution over the draft vocabulary, --ttt-steps chained passes, default 7) and writes it to
+--out/eagle3/ in the public SGLang / SpecForge layout. --vs-shipped also measures the shipped
+EAGLE-1 head on the same questions, for a tau comparison in one call.
 """
 from __future__ import annotations
 
@@ -96,25 +103,42 @@ def run(a):
                            source="ShareGPT prompts, SmolLM2 greedy answers (jaxspec)")
         return prompts, responses
 
-    def fit(tag, prompts, responses, seconds, ttt_steps, work):
-        """Features, training for `seconds`; returns (draft fp32, records, train seconds)."""
+    def fit(tag, prompts, responses, seconds, ttt_steps, work, arch="eagle1"):
+        """Features, training for `seconds`; returns (draft fp32, records, train seconds, and
+        the EAGLE-3 objective or None)."""
         tokens, mask = data.pack(prompts, responses, a.seq_len)
         perm = np.random.default_rng(0).permutation(len(tokens))
         tokens, mask = tokens[perm], mask[perm]
-        t = time.perf_counter()
-        feats = precompute_features(params, cfg, tokens, a.feature_chunk)
-        log(f"[{tag}] features {feats.shape} {feats.dtype} in {time.perf_counter() - t:.1f}s")
         ne = a.eval_rows
-        eval_batch = (jnp.asarray(tokens[:ne]), feats[:ne], jnp.asarray(mask[:ne]))
-        batches = Batches(tokens[ne:], mask[ne:], a.batch_size, seed=0, features=feats[ne:])
+        objective = None
+        if arch == "eagle3":
+            from jaxspec.train.cli import eagle3_setup, parse_layers
+            objective, ids = eagle3_setup(params, cfg, tokens[ne:], mask[ne:], a.draft_vocab,
+                                          parse_layers(a.aux_layers))
+            log(f"[{tag}] EAGLE-3: draft vocabulary {len(ids)}, target layers "
+                f"{objective.config.aux_layers}, features per batch")
+            eval_batch = (jnp.asarray(tokens[:ne]),
+                          objective.features(params, cfg, jnp.asarray(tokens[:ne])),
+                          jnp.asarray(mask[:ne]))
+            batches = Batches(tokens[ne:], mask[ne:], a.batch_size, seed=0,
+                              feature_fn=objective.features)
+            feats = None
+        else:
+            t = time.perf_counter()
+            feats = precompute_features(params, cfg, tokens, a.feature_chunk)
+            log(f"[{tag}] features {feats.shape} {feats.dtype} in {time.perf_counter() - t:.1f}s")
+            eval_batch = (jnp.asarray(tokens[:ne]), feats[:ne], jnp.asarray(mask[:ne]))
+            batches = Batches(tokens[ne:], mask[ne:], a.batch_size, seed=0, features=feats[ne:])
+        noise = a.noise if a.noise is not None else (0.0 if arch == "eagle3" else 0.2)
         tc = TrainConfig(steps=10 ** 6, batch_size=a.batch_size, lr=a.lr, warmup_steps=a.warmup,
-                         noise=a.noise, log_every=a.log_every, ckpt_every=10 ** 9,
+                         noise=noise, log_every=a.log_every, ckpt_every=10 ** 9,
                          max_seconds=seconds, ttt_steps=ttt_steps)
         if Path(work).exists():
             shutil.rmtree(work)
         t = time.perf_counter()
         draft, records = train(
             params, cfg, batches, tc, work, eval_batch=eval_batch, progress=False,
+            objective=objective,
             on_log=lambda r: r["step"] % (a.log_every * 25) == 0 and log(
                 f"[{tag}] step {r['step']} loss {r['loss']:.4f} acc {r['acc']:.3f} eval_acc "
                 f"{r.get('eval_acc', 0):.3f} " + " ".join(
@@ -123,18 +147,24 @@ def run(a):
         last = records[-1]
         results[f"training_{tag}"] = {"rows": int(len(tokens) - ne), "steps": last["step"],
                                       "seconds": round(train_s, 1), "ttt_steps": ttt_steps,
-                                      "final": last, "tokens_trained_on": int(mask[ne:].sum())}
+                                      "arch": arch, "final": last,
+                                      "tokens_trained_on": int(mask[ne:].sum())}
         log(f"[{tag}] trained {last['step']} steps in {train_s:.1f}s: {json.dumps(last)}")
         del feats, batches
-        return draft, records, train_s
+        return draft, records, train_s, objective
 
     runners = {}
 
     def accept(draft, n_q, new):
         qs = [tok.apply_chat_template([{"role": "user", "content": q}])
               for q in mt_bench_questions(n=n_q)]
-        d = jax.tree_util.tree_map(lambda x: x.astype(params["embed"].dtype), draft)
-        return measure_acceptance(cfg, params, d, qs, a.presets, new, runners=runners)
+        from jaxspec.models.eagle3 import cast_head, is_eagle3
+        dt = params["embed"].dtype
+        d = cast_head(draft, dt) if is_eagle3(draft) else jax.tree_util.tree_map(
+            lambda x: x.astype(dt), draft)
+        # EAGLE-1 and EAGLE-3 heads do not share compiled runners (other state shapes)
+        return measure_acceptance(cfg, params, d, qs, a.presets, new,
+                                  runners=runners.setdefault(is_eagle3(d), {}))
 
     # Data: the dataset's answers (tf) or the target's (sd; earlier runs' answers are reused).
     prompts, responses, _ = data.load_examples(a.data)
@@ -151,7 +181,9 @@ def run(a):
             more, _, _ = data.load_examples(a.more_data)
             mp, mr = self_distill(more, a.gen_seconds, "more")
             prompts, responses = prompts + mp, responses + mr
-    draft, records, train_s = fit("main", prompts, responses, a.train_seconds, a.ttt_steps, a.work)
+    ttt = a.ttt_steps if a.ttt_steps is not None else (7 if a.arch == "eagle3" else 1)
+    draft, records, train_s, objective = fit("main", prompts, responses, a.train_seconds, ttt,
+                                             a.work, a.arch)
     last = records[-1]
     for name in ("train_log.jsonl", "loss.png"):
         shutil.copy(Path(a.work) / name, out / name)
@@ -159,20 +191,32 @@ def run(a):
             "data": ("ShareGPT prompts, the target's greedy answers (self-distillation)"
                      if a.mode == "sd" else "ShareGPT first turns, dataset answers (teacher forcing)"),
             "examples": len(prompts), "seq_len": a.seq_len, "steps": last["step"],
-            "batch_size": a.batch_size, "lr": a.lr, "ttt_steps": a.ttt_steps,
+            "batch_size": a.batch_size, "lr": a.lr, "ttt_steps": ttt, "arch": a.arch,
             "final_loss": last["loss"], "final_eval_loss": last.get("eval_loss"),
             "final_eval_acc": last.get("eval_acc"), "train_seconds": round(train_s, 1),
             "device": dev}
-    head = export_head(draft, out / "head.safetensors", "bfloat16", meta)
+    if objective is not None:
+        from jaxspec.loading.eagle_ckpt import save_eagle3
+        meta["draft_vocab_size"] = objective.config.draft_vocab_size
+        meta["aux_layers"] = list(objective.config.aux_layers)
+        draft = objective.head(draft)
+        head = save_eagle3(out / "eagle3", draft, cfg, "bfloat16", meta) / "model.safetensors"
+    else:
+        head = export_head(draft, out / "head.safetensors", "bfloat16", meta)
     t = time.perf_counter()
     results["acceptance"] = accept(draft, a.questions, a.accept_new)
     log(f"acceptance measured in {time.perf_counter() - t:.1f}s")
+    table = [("main", k, r) for k, r in results["acceptance"].items()]
+    if a.vs_shipped:
+        from jaxspec.loading.eagle_ckpt import load_default_head
+        results["acceptance_shipped_eagle1"] = accept(load_default_head(cfg), a.questions,
+                                                      a.accept_new)
+        table += [("shipped", k, r) for k, r in results["acceptance_shipped_eagle1"].items()]
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     print(f"head {head.stat().st_size / 2**20:.1f} MiB; mode {a.mode}; {last['step']} steps in "
           f"{train_s:.0f}s on {dev}; loss {last['loss']:.4f}, eval acc {last.get('eval_acc', 0):.3f}")
-    table = [("main", k, r) for k, r in results["acceptance"].items()]
     # Teacher forcing vs self-distillation, same prompts, same short recipe, if time is left.
-    if a.compare_seconds and a.mode == "sd":
+    if a.compare_seconds and a.mode == "sd" and a.arch == "eagle1":
         spare = a.deadline - (time.perf_counter() - T0)
         secs = min(a.compare_seconds, (spare - 80) / 2 - 25)
         if secs < 20:
@@ -181,7 +225,7 @@ def run(a):
             results["comparison"] = {"train_seconds": secs, "questions": a.compare_questions,
                                      "max_new": a.compare_new}
             for tag, (cp, cr) in (("tf", first_turn), ("sd", sd_first)):
-                d, _, _ = fit(f"cmp_{tag}", cp, cr, secs, 1, a.work + "_" + tag)
+                d, _, _, _ = fit(f"cmp_{tag}", cp, cr, secs, 1, a.work + "_" + tag)
                 results["comparison"][tag] = accept(d, a.compare_questions, a.compare_new)
                 table += [(f"cmp_{tag}", k, r) for k, r in results["comparison"][tag].items()]
                 (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
@@ -204,7 +248,14 @@ def main(argv=None):
     r.add_argument("--mode", choices=["sd", "tf"], default="sd")
     r.add_argument("--sd-data", default=None, help="examples_sd.npz of an earlier run")
     r.add_argument("--more-data", default=None, help="extra prompts (.npz) to self-distill")
-    r.add_argument("--ttt-steps", type=int, default=1, help="training-time-test passes")
+    r.add_argument("--arch", choices=["eagle1", "eagle3"], default="eagle1")
+    r.add_argument("--draft-vocab", type=int, default=16384, help="eagle3: draft vocabulary")
+    r.add_argument("--aux-layers", default=None,
+                   help="eagle3: target layer ids, e.g. 1,14,26 (default SpecForge's)")
+    r.add_argument("--vs-shipped", action="store_true",
+                   help="also measure the shipped EAGLE-1 head's tau on the same questions")
+    r.add_argument("--ttt-steps", type=int, default=None,
+                   help="training-time-test passes (default 1 for eagle1, 7 for eagle3)")
     r.add_argument("--compare-seconds", type=float, default=0,
                    help="then train tf and sd heads this long each and compare their tau")
     r.add_argument("--compare-questions", type=int, default=40)
@@ -217,7 +268,8 @@ def main(argv=None):
     r.add_argument("--batch-size", type=int, default=32)
     r.add_argument("--lr", type=float, default=5e-4)
     r.add_argument("--warmup", type=int, default=200)
-    r.add_argument("--noise", type=float, default=0.2)
+    r.add_argument("--noise", type=float, default=None,
+                   help="input-feature noise (default 0.2 for eagle1, 0 for eagle3)")
     r.add_argument("--seq-len", type=int, default=512)
     r.add_argument("--eval-rows", type=int, default=32)
     r.add_argument("--feature-chunk", type=int, default=64)

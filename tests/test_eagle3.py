@@ -366,3 +366,26 @@ def test_llm_runs_a_public_eagle3_checkpoint(smollm2_gguf, tmp_path):
     for a, b in zip(plain.generate(prompts, sp), spec_llm.generate(prompts, sp)):
         assert b.token_ids == a.token_ids
         assert b.accept_lens
+
+
+# ---------------------------------------------------------------- lossless sampling
+
+
+def test_sampling_with_a_reduced_draft_vocabulary_is_lossless(monkeypatch):
+    """Tree speculative sampling reads no draft probabilities (verify.sample_accept), so a token
+    outside the draft vocabulary (draft probability 0) is still emitted with the target's
+    probability, through the residual or the bonus: the joint of the first three tokens equals
+    plain sampling's (test_spec_sampling's G-test, its target, a 5-of-8 draft vocabulary)."""
+    import test_spec_sampling as ts
+
+    params, _ = ts.models()
+    ids = np.array([0, 2, 3, 5, 6])
+    head = eagle3.init_eagle3_head(ts.CFG, jax.random.PRNGKey(8), draft_ids=ids,
+                                   aux_layers=(0, 0, 0), scale=0.5)
+    monkeypatch.setattr(ts, "models", lambda: (params, head))
+    samples, mean_accept = ts.spec_draws(ts.SPECS["tree"], draws=20_000)
+    g, df, thr, impossible = ts.g_test(samples, ts.exact_joint())
+    assert 0.1 < mean_accept, mean_accept
+    assert np.isin(samples, ids, invert=True).mean() > 0.05   # out-of-vocabulary tokens emitted
+    assert impossible == 0
+    assert g < thr, f"G={g:.1f} > {thr:.1f} (df={df})"

