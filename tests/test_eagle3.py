@@ -28,7 +28,7 @@ CFG = ModelConfig(arch="LlamaForCausalLM", vocab_size=331, hidden_size=64, inter
 AUX = (0, 2, 3)
 MAX_LEN = 160
 PROMPTS = [[5, 17, 42, 8, 99], [3] * 11 + [250, 7], list(range(60, 80))]
-NEW = 40
+NEW = 32
 
 
 @functools.lru_cache(maxsize=None)
@@ -267,6 +267,7 @@ def test_drafted_tree_matches_step_by_step_reference(shape):
             if spec.topk > 1:
                 np.testing.assert_allclose([got[k] for k in ref], list(ref.values()),
                                            rtol=1e-4, atol=1e-4)
+            if spec.topk > 1 and rnd == 0:
                 bad = _reference_tree(params, head, seqs[j], roots[j], spec, tree_pos_offset=1)
                 diff = [abs(got[k] - bad[k]) for k in bad if k in got]
                 assert set(bad) != set(got) or max(diff) > 1e-3, "test cannot see positions"
