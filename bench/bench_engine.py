@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import SMOLLM2_135M, device_name, write_json
+from jaxspec import compile_cache
 from jaxspec.config import ModelConfig
 from jaxspec.engine import Engine, PlainBackend, SpecBackend
 from jaxspec.models import eagle, llama
@@ -123,6 +124,7 @@ def main():
     ap.add_argument("--modes", default="chain,plain")
     ap.add_argument("--tiny", action="store_true", help="tiny config, CPU smoke run")
     args = ap.parse_args()
+    compile_cache.enable()
     cfg, params, head, tok = load(args)
     rows = []
     for mode in args.modes.split(","):

@@ -46,6 +46,14 @@ class ModelConfig:
     # compiles much faster, which is what the CPU wants.
     unroll_layers: bool = False
 
+    def for_prefill(self) -> "ModelConfig":
+        """The layout prompt chunks run with: always the scan. A serving engine compiles one
+        prefill per (slot count, chunk width) bucket, dozens in all; the scan compiles one layer
+        body per bucket where the unrolled loop compiles all L (with their attention kernels),
+        which on the H100 made warm-up take minutes. A chunk does far more arithmetic per weight
+        byte than a decode step, so the scan's weight copies cost it little."""
+        return dataclasses.replace(self, unroll_layers=False)
+
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:
             raise ConfigError(

@@ -40,8 +40,8 @@ def prefill_chunk(params, cfg: ModelConfig, cache: KVCache, tokens, n_valid):
     b, c = tokens.shape
     positions = cache.lens[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
     mask = llama.causal_mask(b, c, n_valid)
-    hidden, k_new, v_new, _ = llama.forward(params, cfg, tokens, positions, cache.k, cache.v,
-                                            cache.lens, mask)
+    hidden, k_new, v_new, _ = llama.forward(params, cfg.for_prefill(), tokens, positions,
+                                            cache.k, cache.v, cache.lens, mask)
     last = jnp.take_along_axis(hidden, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
     return _append(cache, k_new, v_new, n_valid), last
 

@@ -9,6 +9,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Union
 
 import jax
 
+from jaxspec import compile_cache
 from jaxspec.config import ConfigError
 from jaxspec.engine import Engine, PlainBackend, SpecBackend, StreamDelta
 from jaxspec.kv import kv_bytes_per_token
@@ -53,6 +54,7 @@ class LLM:
             raise ConfigError("data_parallel and tensor_parallel together (a 2-D mesh) are not "
                               "supported: choose one")
         self.data_parallel, self.mesh = data_parallel, None
+        compile_cache.enable()
         self.config, self.params, self.tokenizer = load_model(model, dtype=dtype)
         # GPU: layers unrolled over static slices of the stacked weights (see ModelConfig).
         layer_layout = layer_layout or ("unrolled" if jax.default_backend() == "gpu" else "scan")

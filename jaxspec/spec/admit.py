@@ -170,7 +170,7 @@ def _chunk_forward_captured(params, cfg: ModelConfig, cache: KVCache, tokens, st
     a, c = tokens.shape
     rows = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32)[None], (a, c))
     hidden, k_new, v_new, captured = llama.forward(
-        params, cfg, tokens, start[:, None] + rows, cache.k, cache.v, start,
+        params, cfg.for_prefill(), tokens, start[:, None] + rows, cache.k, cache.v, start,
         llama.causal_mask(a, c, n_valid), capture_layers)
     k, v = kv_compact(cache.k, cache.v, k_new, v_new, start, rows, n_valid)
     return KVCache(k, v, start + n_valid), hidden, captured

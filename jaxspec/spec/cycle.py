@@ -107,7 +107,7 @@ def prefill(params, draft_params, state: SpecState, tokens, prompt_lens, samplin
     zeros = prompt_lens * 0
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
     hidden, k_new, v_new, captured = llama.forward(
-        params, cfg, tokens, pos, state.target.k, state.target.v, zeros,
+        params, cfg.for_prefill(), tokens, pos, state.target.k, state.target.v, zeros,
         llama.causal_mask(b, p, prompt_lens), draft_lib.capture_layers(draft_params))
     tk, tv = kv_compact(state.target.k, state.target.v, k_new, v_new, zeros, pos, prompt_lens)
     normed = llama.final_norm(params, cfg, hidden)
