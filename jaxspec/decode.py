@@ -52,6 +52,19 @@ def sample_from_hidden(params, cfg: ModelConfig, hidden, sp: SlotSampling, key):
     return sample(llama.lm_head(params, cfg, hidden), sp, key)
 
 
+def loop_params(params, cfg: ModelConfig, n_steps: int):
+    """The params a multi-step decode loop should close over.
+
+    With the unrolled layout, static slices of the stacked weights are read in place by a
+    single step, but inside a loop body XLA copies each slice out on every iteration (measured
+    at 2.4x the bytes floor for 32 steps of an 8B model on the H100, against 1.1x for one step
+    per call). Slicing once, before the loop, makes the per-layer weights loop invariants:
+    one copy per call instead of one per step."""
+    if n_steps > 1 and cfg.unroll_layers and not isinstance(params["layers"], (list, tuple)):
+        return llama.unstack_layers(params)
+    return params
+
+
 @functools.partial(jax.jit, static_argnums=(1, 6), donate_argnums=(2,))
 def decode_steps(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampling, key,
                  n_steps: int):
@@ -61,6 +74,7 @@ def decode_steps(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampl
     """
     b = tokens.shape[0]
     mask = jnp.ones((b, 1, 1), bool)
+    params = loop_params(params, cfg, n_steps)
 
     def step(carry, _):
         cache, tok, key = carry
@@ -110,6 +124,7 @@ def decode_scan(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampli
     b = tokens.shape[0]
     mask = jnp.ones((b, 1, 1), bool)
     xs = None if forced is None else forced.T
+    params = loop_params(params, cfg, n_steps)
     count = jnp.ones((b,), jnp.int32) if active is None else active.astype(jnp.int32)
 
     def step(carry, f):

@@ -116,3 +116,46 @@ def test_unrolled_layers_equal_scan(params):
         got = llama.forward(p, cfg, *args, capture_layers=(0, 1))
         for a, b in zip(ref, got):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=3e-5)  # fp32, other fusion order
+
+
+def _stacked_weight_slices(jaxpr, shapes):
+    """Slices, inside jaxpr and its sub-jaxprs, of arrays shaped like a stacked layer weight."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("slice", "dynamic_slice", "squeeze", "gather") and \
+                tuple(eqn.invars[0].aval.shape) in shapes:
+            found.append(eqn.primitive.name)
+        for v in eqn.params.values():
+            inner = getattr(v, "jaxpr", None)
+            if inner is not None:
+                found += _stacked_weight_slices(getattr(inner, "jaxpr", inner), shapes)
+    return found
+
+
+def test_multi_step_decode_slices_weights_outside_the_loop(params, monkeypatch):
+    """With the unrolled layout a multi-step decode must not slice the stacked weights inside
+    its loop body (XLA copies such slices out every iteration on the GPU); greedy tokens equal
+    the scan layout's."""
+    import dataclasses
+    import jaxspec.decode as decode_mod
+    ucfg = dataclasses.replace(CFG, unroll_layers=True)
+    shapes = {tuple(a.shape) for a in jax.tree_util.tree_leaves(params["layers"])}
+    sp = SlotSampling.from_params([SamplingParams()] * 2, 2)
+    toks = jnp.array([3, 5], jnp.int32)
+    cache = init_cache(CFG, 2, 16, jnp.float32)
+
+    def slices_in_loop():
+        fresh = lambda *a: decode_steps.__wrapped__(*a)   # noqa: E731  (no cached trace)
+        jaxpr = jax.make_jaxpr(fresh, static_argnums=(1, 6))(
+            params, ucfg, cache, toks, sp, jax.random.PRNGKey(0), 4)
+        loop = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+        assert len(loop) == 1
+        return _stacked_weight_slices(loop[0].params["jaxpr"].jaxpr, shapes)
+
+    assert slices_in_loop() == []
+    with monkeypatch.context() as m:     # control: without the hoisting the check sees them
+        m.setattr(decode_mod, "loop_params", lambda p, cfg, n: p)
+        assert slices_in_loop()
+    outs = [np.asarray(decode_steps(params, cfg, init_cache(CFG, 2, 16, jnp.float32), toks, sp,
+                                    jax.random.PRNGKey(0), 4)[1]) for cfg in (CFG, ucfg)]
+    np.testing.assert_array_equal(outs[0], outs[1])
