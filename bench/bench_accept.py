@@ -66,13 +66,14 @@ def _round_up(x: int, m: int) -> int:
 def main(argv=None) -> int:
     import jax
 
-    from jaxspec.loading.eagle_ckpt import load_default_head, load_head
+    from jaxspec.loading.eagle_ckpt import load_default_head, load_draft
     from jaxspec.models import llama
     from jaxspec.weights import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--head", default=None, help="head .safetensors (default: the shipped head)")
+    ap.add_argument("--head", default=None, help="draft head: our .safetensors, or a public EAGLE-1/EAGLE-3 checkpoint "
+                    "(default: the shipped head)")
     ap.add_argument("--presets", nargs="+", default=["chain", "tree"])
     ap.add_argument("--questions", type=int, default=80)
     ap.add_argument("--max-new", type=int, default=256)
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     cfg, params, tok = load_model(a.model)
     dtype = params["embed"].dtype
-    draft = load_head(a.head, cfg, dtype) if a.head else load_default_head(cfg, dtype)
+    draft = load_draft(a.head, cfg, dtype) if a.head else load_default_head(cfg, dtype)
     if jax.default_backend() == "gpu":
         params = llama.unstack_layers(params)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}])

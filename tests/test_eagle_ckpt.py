@@ -278,3 +278,15 @@ def test_eagle3_forward_matches_reference(tmp_path):
     np.testing.assert_allclose(np.asarray(logits[0]), ref_logits, rtol=1e-4, atol=1e-4)
     ids = eagle3.draft_to_target(p["d2t"])
     np.testing.assert_array_equal(ids, np.flatnonzero(np.asarray(p["t2d"])))
+
+
+def test_load_draft_reads_our_own_head_file(tmp_path):
+    """LLM(draft=<file from jaxspec train-eagle>) goes through load_draft: our own format must be
+    recognised, not parsed as a public checkpoint (which has fc.weight, not fc)."""
+    from jaxspec.loading.eagle_ckpt import load_draft, save_head
+
+    head = eagle.init_eagle_params(CFG, jax.random.PRNGKey(3))
+    path = save_head(tmp_path / "head.safetensors", head, {"steps": 1})
+    got = load_draft(path, CFG)
+    for a, b in zip(jax.tree_util.tree_leaves(head), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -454,12 +454,28 @@ def load_eagle3_head(path, cfg: ModelConfig, dtype=None):
     return _eagle3_head(sd, config, cfg, str(path), dtype)
 
 
+def is_own_head_file(path) -> bool:
+    """A single .safetensors file written by `save_head` (it carries the jaxspec_head entry)."""
+    path = Path(path)
+    if not (path.is_file() and path.suffix == ".safetensors"):
+        return False
+    try:
+        from safetensors import safe_open
+        with safe_open(str(path), framework="numpy") as f:
+            return HEAD_META_KEY in (f.metadata() or {})
+    except Exception:       # not readable as safetensors: the public loader says why
+        return False
+
+
 def load_draft(path, cfg: ModelConfig, dtype=None):
-    """A public draft checkpoint (dir, .safetensors or .bin) of either layout -> draft params:
-    an EAGLE-1 params dict, or an Eagle3Head (layout told by config.json or the tensor names)."""
+    """A draft checkpoint -> draft params: our own head file (`save_head`, what `jaxspec
+    train-eagle` writes), or a public one (dir, .safetensors or .bin) of either layout: an
+    EAGLE-1 params dict, or an Eagle3Head (layout told by config.json or the tensor names)."""
     import jax
     import jax.numpy as jnp
 
+    if is_own_head_file(path):
+        return load_head(path, cfg, dtype)
     sd, config = read_state_dict(path)
     origin = str(path)
     if is_eagle3_checkpoint(sd, config):
