@@ -4,9 +4,16 @@ With no arguments: the default model (SmolLM2-135M-Instruct) and its shipped EAG
 handful of MT-bench questions, greedy, batch 1: a table of tokens/s, accept length (tokens per
 cycle, bonus included) and speedup over plain decoding.
 
+Greedy speculative output should be plain greedy output: '=plain' is the share of requests
+that are identical, 'prefix' the share of emitted tokens before a request's first token that
+differs ('mean/med': common prefix in tokens). In bf16 (the GPU default) the verify forward and
+a decode step sum in different orders, so near-tie argmaxes can flip; --dtype float32 checks
+exactness.
+
 Modes:
   sweep     (default) batch sizes x configs; --adaptive picks a config per batch size;
-            HF transformers peers (static cache, prompt lookup) when torch has CUDA or --peer-hf
+            HF transformers peers (static cache, prompt lookup) when torch has CUDA or --peer-hf;
+            --json (and --plot) are rewritten after every run, '"partial": true' until the end
   serve     Poisson arrivals at --request-rate: throughput, TTFT, TPOT, latency percentiles
   accuracy  GSM8K: accuracy of plain and speculative answers, and whether they are identical
   cycle     Llama-3-8B-shaped random weights: cycle cost vs a decode step; acceptance is only
@@ -15,14 +22,18 @@ Modes:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
+import time
 from typing import List, Optional
 
 from tqdm import tqdm
 
 SCHEMA = "jaxspec-bench/1"
+DTYPES = ("auto", "bfloat16", "float32")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=DTYPES, default="auto",
+                    help="weights, activations and KV cache (auto: bfloat16 on GPU, float32 on "
+                         "CPU); float32 also runs matmuls at full float32 precision (no TF32), "
+                         "the setting for checking greedy speculative == plain token for token")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--data-parallel", type=int, default=1,
                     help="replicas over local GPUs (jax.pmap); batch sizes are per replica")
@@ -74,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="comma list of ASSUMED accept lengths to project speedups with")
     cyc.add_argument("--replay-accept", default=None,
                      help="an earlier --json result whose measured accept lengths are REPLAYED")
-    ap.add_argument("--json", default=None, help="write the results here ('-': stdout)")
+    ap.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                    help="sweep: start no new run (batch size x mode) after this many seconds; "
+                         "what finished is kept and the result stays marked partial")
+    ap.add_argument("--json", default=None,
+                    help="write the results here, rewritten after every finished run with "
+                         "\"partial\": true until the end ('-': stdout, at the end only)")
     ap.add_argument("--plot", default=None, help="write a PNG (sweep: speedup vs batch size, "
                     "accept-length histogram, per-category table)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -101,20 +121,55 @@ def _defaults(args):
     return args
 
 
+def _dtype(args) -> str:
+    """The dtype the models run in: --dtype, or the loader's default for this backend."""
+    import jax.numpy as jnp
+
+    from jaxspec.weights import default_dtype
+    return jnp.dtype(default_dtype()).name if args.dtype == "auto" else args.dtype
+
+
 def _header(args) -> dict:
     import jax
     d = jax.devices()[0]
-    return {"schema": SCHEMA, "mode": args.mode, "backend": jax.default_backend(),
+    return {"schema": SCHEMA, "mode": args.mode, "partial": True, "backend": jax.default_backend(),
             "device": f"{d.platform}:{getattr(d, 'device_kind', '?')}", "jax": jax.__version__,
             "model": args.model, "model_label": args.model or "SmolLM2-135M-Instruct (default)",
-            "dataset": args.dataset,
+            "dataset": args.dataset, "dtype": _dtype(args),
+            "matmul_precision": "highest" if args.dtype == "float32" else "default",
             "args": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
             "notes": []}
 
 
+def _precision(args):
+    """float32 is asked for to check exactness: XLA's default lets fp32 matmuls use TF32 on
+    recent GPUs (10-bit mantissa inputs), which would bring back the near-tie flips of bf16."""
+    if args.dtype != "float32":
+        return contextlib.nullcontext()
+    import jax
+    return jax.default_matmul_precision("highest")
+
+
+def _checkpoint(args, result):
+    """Rewrites --json (and the --plot) with everything finished so far, so a run cut off by a
+    time limit still leaves its finished rows. The file is replaced atomically: a kill during
+    the write leaves the previous version, never half a file."""
+    if args.json and args.json != "-":
+        tmp = f"{args.json}.tmp"
+        with open(tmp, "w") as f:
+            f.write(json.dumps(result, indent=1, default=str))
+        os.replace(tmp, args.json)
+    if args.plot and result.get("rows"):
+        from jaxspec.benchmark.plots import plot
+        plot(result, args.plot)
+
+
 def _say(args, *a):
-    # The table goes to stderr when the JSON goes to stdout.
-    print(*a, file=sys.stderr if args.json == "-" else sys.stdout, flush=True)
+    # The table goes to stderr when the JSON goes to stdout; tqdm.write keeps progress bars
+    # from cutting through table rows printed while they run.
+    f = sys.stderr if args.json == "-" else sys.stdout
+    tqdm.write(" ".join(str(x) for x in a), file=f)
+    f.flush()
 
 
 # ----------------------------------------------------------------------------- sweep
@@ -126,7 +181,8 @@ def _setup(args, result):
         raise SystemExit(f"--dataset {args.dataset}: no prompts")
     modes = [PLAIN] + ([] if args.no_spec else parse_specs(args.spec))
     target = Target(args.model, args.draft, args.max_model_len, args.seed,
-                    data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel)
+                    data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel,
+                    dtype=None if args.dtype == "auto" else args.dtype)
     result["draft_label"] = target.draft_label if len(modes) > 1 else None
     if args.draft == "random":
         result["notes"].append("draft: a RANDOM EAGLE head; accept lengths and speedups measure "
@@ -157,10 +213,17 @@ def run_sweep(args, result):
     prompts, modes, target = _setup(args, result)
     sp = _sampling(args)
     rows, requests, decisions, plain_first = [], {}, {}, None
-    bar = tqdm(total=len(args.batch_list) * len(modes), desc="runs", disable=args.quiet)
+    result.update(rows=rows, requests=requests, runs_total=len(args.batch_list) * len(modes),
+                  runs_done=0)
+    t0, stopped = time.monotonic(), False
+    _sweep_header(args, result)
+    bar = tqdm(total=result["runs_total"], desc="runs", disable=args.quiet)
     for b in args.batch_list:
         plain_outs, base, probes = None, None, {}
         for m in modes:
+            if args.time_budget is not None and time.monotonic() - t0 > args.time_budget:
+                stopped = True
+                break
             bar.set_postfix_str(f"batch {b}, {m.label}: load")
             llm = target.llm(b, m)
             if m is R.PLAIN and plain_first is None:
@@ -174,33 +237,65 @@ def run_sweep(args, result):
                                                  m.spec is not None, args.probe_tokens)
             bar.set_postfix_str(f"batch {b}, {m.label}: timed")
             outs, secs = R.timed_generate(llm, chats, sp)
+            del llm
             row = R.summarize(m, b, outs, secs, target.draft_label)
             if m is R.PLAIN:
                 plain_outs, base = outs, row["tokens_per_s"]
                 plain_first = plain_first or outs
             row["speedup"] = row["tokens_per_s"] / base if base else None
+            reqs = R.per_request(prompts, outs)
             if m is not R.PLAIN and args.temperature == 0.0:
-                row["equals_plain"] = R.agreement(plain_outs, outs)
+                div = R.divergence([o.token_ids for o in plain_outs], [o.token_ids for o in outs])
+                for q, f in zip(reqs, div.pop("first_diff")):
+                    q["first_diff"] = f
+                row.update(div)
+                _exactness_note(result, row)
             rows.append(row)
-            requests[f"b{b}/{m.label}"] = R.per_request(prompts, outs)
-            del llm
+            requests[f"b{b}/{m.label}"] = reqs
+            if args.adaptive:
+                decisions[b] = adaptive.choose(probes)
+                result["adaptive"] = adaptive.attach_measured(decisions, rows)
+            b0 = args.batch_list[0]
+            done_b0 = {k.label: requests.get(f"b{b0}/{k.label}") for k in modes}
+            result["categories"] = R.categories(
+                prompts, {label: reqs for label, reqs in done_b0.items() if reqs is not None})
+            result["runs_done"] += 1
+            _say(args, _row_line(row))
+            _checkpoint(args, result)
             bar.update()
-        if args.adaptive:
-            decisions[b] = adaptive.choose(probes)
+        if stopped:
+            break
     bar.close()
-    result["rows"] = rows
-    b0 = args.batch_list[0]
-    result["categories"] = R.categories(
-        prompts, {m.label: requests[f"b{b0}/{m.label}"] for m in modes})
-    result["requests"] = requests
-    if args.adaptive:
-        result["adaptive"] = adaptive.attach_measured(decisions, rows)
-    result["peers"] = _peers(args, result, prompts, plain_first, rows, target)
-    _print_sweep(args, result)
+    if stopped:
+        result["notes"].append(f"--time-budget {args.time_budget:g} s: stopped after "
+                               f"{result['runs_done']} of {result['runs_total']} runs; "
+                               "HF peers skipped")
+    else:
+        result["peers"] = _peers(args, result, prompts, plain_first, rows, target)
+    result["partial"] = stopped
+    _print_sweep_tail(args, result)
+
+
+def _exactness_note(result, row):
+    """One note when greedy speculative output is not plain greedy output, saying why."""
+    if row.get("equals_plain") is None or row["equals_plain"] >= 1.0:
+        return
+    if result["dtype"] == "bfloat16":
+        note = ("bf16: the verify forward (many tokens at once) and a plain decode step (one "
+                "token) accumulate in different orders, so near-tie argmaxes can flip and greedy "
+                "outputs part from there ('prefix': how far they agree); run with --dtype "
+                "float32 for the exactness check")
+    else:
+        note = (f"{result['dtype']} with full-precision matmuls, yet greedy speculative output "
+                "differs from plain: beyond rare exact ties this is a correctness problem (see "
+                "'first_diff' per request in --json)")
+    if note not in result["notes"]:
+        result["notes"].append(note)
 
 
 def _peers(args, result, prompts, plain_outs, rows, target) -> List[dict]:
     from jaxspec.benchmark import peers
+    from jaxspec.benchmark.runner import divergence
     if args.no_peers:
         return []
     why = peers.available(args.peer_hf)
@@ -209,7 +304,7 @@ def _peers(args, result, prompts, plain_outs, rows, target) -> List[dict]:
         return []
     ids = [o.prompt_token_ids for o in plain_outs]
     eos = sorted(set(target.tokenizer.eos_token_ids) | set(target.config.eos_token_ids))
-    model = peers.load_hf(args.model)
+    model = peers.load_hf(args.model, None if args.dtype == "auto" else args.dtype)
     base = next((r["tokens_per_s"] for r in rows if r["batch"] == 1 and r["mode"] == "plain"),
                 None)
     out = []
@@ -219,8 +314,10 @@ def _peers(args, result, prompts, plain_outs, rows, target) -> List[dict]:
         r["jaxspec_plain_speedup"] = base / r["tokens_per_s"] if base and r["tokens_per_s"] else None
         r["speedup"] = r["tokens_per_s"] / base if base else None
         if args.temperature == 0.0:
-            same = sum(list(a.token_ids) == b for a, b in zip(plain_outs, toks))
-            r["equals_jaxspec_plain"] = same / max(len(toks), 1)
+            div = divergence([o.token_ids for o in plain_outs], toks)
+            r["first_diff"] = div.pop("first_diff")
+            r["equals_jaxspec_plain"] = div.pop("equals_plain")
+            r.update(div)
         out.append(r)
     return out
 
@@ -229,17 +326,31 @@ def _fmt(x, f="{:.2f}", none="-"):
     return none if x is None else f.format(x)
 
 
-def _print_sweep(args, result):
+def _sweep_header(args, result):
     _say(args, f"\n{result['model_label']} | {result['dataset']} | {result['device']} | "
-               f"temperature {args.temperature} | {args.max_tokens} new tokens | draft: "
-               f"{result.get('draft_label') or '-'}")
+               f"{result['dtype']} | temperature {args.temperature} | {args.max_tokens} new "
+               f"tokens | draft: {result.get('draft_label') or '-'}")
     _say(args, f"{'batch':>5s} {'mode':10s} {'reqs':>4s} {'tokens':>7s} {'tok/s':>9s} "
-               f"{'accept':>7s} {'speedup':>8s} {'=plain':>7s}")
-    for r in result["rows"] + result.get("peers", []):
-        eq = r.get("equals_plain", r.get("equals_jaxspec_plain"))
-        _say(args, f"{r['batch']:5d} {r['mode']:10s} {r['requests']:4d} {r['tokens']:7d} "
-                   f"{r['tokens_per_s']:9.1f} {_fmt(r.get('accept_len')):>7s} "
-                   f"{_fmt(r.get('speedup'), '{:.2f}x'):>8s} {_fmt(eq, '{:.0%}'):>7s}")
+               f"{'accept':>7s} {'speedup':>8s} {'=plain':>7s} {'prefix':>7s} {'mean/med':>9s}")
+
+
+def _row_line(r) -> str:
+    eq = r.get("equals_plain", r.get("equals_jaxspec_plain"))
+    mm = "-" if r.get("prefix_mean") is None else \
+        f"{r['prefix_mean']:.0f}/{r['prefix_median']:.0f}"
+    return (f"{r['batch']:5d} {r['mode']:10s} {r['requests']:4d} {r['tokens']:7d} "
+            f"{r['tokens_per_s']:9.1f} {_fmt(r.get('accept_len')):>7s} "
+            f"{_fmt(r.get('speedup'), '{:.2f}x'):>8s} {_fmt(eq, '{:.0%}'):>7s} "
+            f"{_fmt(r.get('prefix_token_frac'), '{:.0%}'):>7s} {mm:>9s}")
+
+
+def _print_sweep_tail(args, result):
+    """What follows the per-run rows printed as they finished: peers, adaptive, categories."""
+    for r in result.get("peers", []):
+        _say(args, _row_line(r))
+    if any(r.get("prefix_token_frac") is not None for r in result["rows"]):
+        _say(args, "=plain: requests identical to plain greedy; prefix: emitted tokens before "
+                   "each request's first difference; mean/med: that common prefix in tokens")
     if result.get("adaptive"):
         _say(args, "\nadaptive: per batch size, the config with the highest expected tokens/s")
         for a in result["adaptive"]:
@@ -283,7 +394,8 @@ def run_serve(args, result):
                             how=args.serve_how)
         rows.append({"mode": m.label, "batch": b, "spec": m.describe(), **res})
         del llm
-    result["serving"] = rows
+        result["serving"] = rows
+        _checkpoint(args, result)
     ms = 1e3
     _say(args, f"\nserving: {n} requests at {rate} req/s, batch {b} | {result['model_label']} | "
                f"{result['dataset']} | {result['device']} | timestamps: {rows[0]['how']}")
@@ -329,10 +441,13 @@ def run_accuracy(args, result):
         if m is R.PLAIN:
             plain_outs = outs
         else:
-            row["identical_answers"] = R.agreement(plain_outs, outs)
+            div = R.divergence([o.token_ids for o in plain_outs], [o.token_ids for o in outs])
+            row["identical_answers"] = div.pop("equals_plain")
+            row.update(div)
         rows.append(row)
         del llm
-    result["accuracy"] = rows
+        result["accuracy"] = rows
+        _checkpoint(args, result)
     _say(args, f"\nGSM8K accuracy, greedy, {len(prompts)} questions, {args.max_tokens} new "
                f"tokens | {result['model_label']} | {result['device']}")
     for r in rows:
@@ -369,22 +484,31 @@ def run_cycle(args, result):
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _defaults(build_parser().parse_args(argv))
-    result = _header(args)
-    {"sweep": run_sweep, "serve": run_serve, "accuracy": run_accuracy,
-     "cycle": run_cycle}[args.mode](args, result)
     if args.plot:
         if args.mode != "sweep":
             raise SystemExit("--plot draws a sweep (the default mode)")
-        from jaxspec.benchmark.plots import plot
-        plot(result, args.plot)
+        from jaxspec.benchmark.plots import require_matplotlib
+        require_matplotlib()
+    result = _header(args)
+    run = {"sweep": run_sweep, "serve": run_serve, "accuracy": run_accuracy,
+           "cycle": run_cycle}[args.mode]
+    try:
+        with _precision(args):
+            run(args, result)
+    except BaseException as e:
+        # What finished is already on disk; say why the rest is missing, then fail as before.
+        result["partial"] = True
+        result["error"] = f"{type(e).__name__}: {e}"
+        with contextlib.suppress(Exception):
+            _checkpoint(args, result)
+        raise
+    if args.mode != "sweep":
+        result["partial"] = False
+    _checkpoint(args, result)
+    if args.plot:
         _say(args, f"plot: {args.plot}")
-    if args.json:
-        text = json.dumps(result, indent=1, default=str)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text)
+    if args.json == "-":
+        print(json.dumps(result, indent=1, default=str))
     return 0
 
 

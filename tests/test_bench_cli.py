@@ -1,5 +1,6 @@
 """jaxspec-bench on CPU: the default run, the --json schema, a batch sweep on a tiny random
-model (with a random draft head), the serving run, and the pieces the modes compute with."""
+model (with a random draft head), results written run by run, the serving run, and the pieces
+the modes compute with."""
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ import math
 import pytest
 
 from jaxspec import bench_cli
-from jaxspec.benchmark import adaptive, large, prompts, serving
-from jaxspec.benchmark.runner import parse_specs
+from jaxspec.benchmark import adaptive, large, prompts, runner, serving
+from jaxspec.benchmark.runner import divergence, first_difference, parse_specs
 
 ROW_KEYS = {"mode", "batch", "spec", "requests", "tokens", "seconds", "tokens_per_s",
             "accept_len", "accept_hist", "speedup", "mean_ttft_s", "mean_latency_s"}
@@ -40,7 +41,7 @@ def sweep(tiny_chat_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-out")
     argv = ["--model", str(tiny_chat_model), "--draft", "random", "--num-prompts", "3",
             "--max-tokens", "12", "--probe-tokens", "17", "--batch-sizes", "1,2", "--spec", "chain",
-            "--max-model-len", "512", "--adaptive", "--no-peers", "--quiet",
+            "--max-model-len", "512", "--adaptive", "--no-peers", "--quiet", "--dtype", "float32",
             "--json", str(out / "r.json"), "--plot", str(out / "r.png")]
     assert bench_cli.main(argv) == 0
     return json.loads((out / "r.json").read_text()), out
@@ -60,13 +61,18 @@ def test_default_run(smollm2_gguf, capsys):
     out = capsys.readouterr().out
     assert "SmolLM2-135M-Instruct (default)" in out and "shipped head" in out
     lines = [ln.split() for ln in out.splitlines()]
-    chain = next(ln for ln in lines if ln[:2] == ["1", "chain"])
-    assert chain[-1] == "100%"      # greedy speculative == greedy plain
+    header = next(ln for ln in lines if ln[:2] == ["batch", "mode"])
+    chain = dict(zip(header, next(ln for ln in lines if ln[:2] == ["1", "chain"])))
+    assert chain["=plain"] == "100%" and chain["prefix"] == "100%"   # greedy spec == plain
+    assert chain["mean/med"] == f"{chain['tokens']}/{chain['tokens']}"   # one request
+    assert "| float32 |" in out      # the dtype, in the header line
 
 
 def test_json_schema(sweep):
     res, _ = sweep
     assert res["schema"] == bench_cli.SCHEMA and res["mode"] == "sweep"
+    assert res["partial"] is False and res["runs_done"] == res["runs_total"] == 4
+    assert res["dtype"] == "float32" and res["matmul_precision"] == "highest"
     assert res["backend"] == "cpu" and res["dataset"] == "mt-bench"
     assert "RANDOM" in res["draft_label"] and any("RANDOM" in n for n in res["notes"])
     assert [(r["batch"], r["mode"]) for r in res["rows"]] == [
@@ -85,7 +91,13 @@ def test_json_schema(sweep):
 
 def test_sweep_greedy_spec_equals_plain_at_every_batch_size(sweep):
     res, _ = sweep
-    assert all(r["equals_plain"] == 1.0 for r in res["rows"] if r["mode"] == "chain")
+    for r in res["rows"]:
+        if r["mode"] == "chain":
+            assert r["equals_plain"] == 1.0 and r["prefix_token_frac"] == 1.0
+            assert r["prefix_mean"] == pytest.approx(r["tokens"] / r["requests"])
+    for key in ("b1/chain", "b2/chain"):
+        assert [q["first_diff"] for q in res["requests"][key]] == ["equal"] * 3
+    assert not any("bf16" in n for n in res["notes"])
 
 
 def test_adaptive_choice_per_batch_size(sweep):
@@ -103,6 +115,42 @@ def test_plot_is_a_png(sweep):
     assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_results_are_written_after_every_run(tiny_chat_model, tmp_path, monkeypatch, capsys):
+    """A run cut off during its second (batch size x mode) run keeps the first on disk."""
+    path = tmp_path / "r.json"
+    seen, build = {}, runner.Target.llm
+
+    def llm(self, batch, mode):
+        seen["calls"] = seen.get("calls", 0) + 1
+        if seen["calls"] == 2:     # the chain run: what a time limit would find on disk
+            seen["on_disk"] = json.loads(path.read_text())
+            raise RuntimeError("cut off")
+        return build(self, batch, mode)
+
+    monkeypatch.setattr(runner.Target, "llm", llm)
+    with pytest.raises(RuntimeError, match="cut off"):
+        bench_cli.main(["--model", str(tiny_chat_model), "--draft", "random", "--spec", "chain",
+                        "--num-prompts", "2", "--max-tokens", "6", "--max-model-len", "512",
+                        "--no-peers", "--quiet", "--json", str(path)])
+    mid = seen["on_disk"]
+    assert mid["partial"] is True and "error" not in mid
+    assert [(r["batch"], r["mode"]) for r in mid["rows"]] == [(1, "plain")]
+    assert (mid["runs_done"], mid["runs_total"]) == (1, 2) and set(mid["requests"]) == {"b1/plain"}
+    end = json.loads(path.read_text())
+    assert end["partial"] is True and end["error"] == "RuntimeError: cut off"
+    assert [r["mode"] for r in end["rows"]] == ["plain"]
+    assert any(ln.split()[:2] == ["1", "plain"] for ln in capsys.readouterr().out.splitlines())
+
+
+def test_time_budget_starts_no_run_after_it_is_spent(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    assert bench_cli.main(["--no-spec", "--time-budget", "0", "--no-peers", "--quiet",
+                           "--json", str(path)]) == 0
+    res = json.loads(path.read_text())
+    assert res["partial"] is True and res["rows"] == [] and res["runs_total"] == 1
+    assert any("--time-budget 0 s: stopped after 0 of 1 runs" in n for n in res["notes"])
+
+
 def test_serving_run(tiny_chat_model, capsys):
     assert bench_cli.main(["--model", str(tiny_chat_model), "--no-spec", "--num-prompts", "2",
                            "--num-requests", "4", "--request-rate", "inf", "--batch-sizes", "2",
@@ -115,6 +163,39 @@ def test_serving_run(tiny_chat_model, capsys):
 
 
 # ---------------------------------------------------------------- pieces, no model
+def test_divergence_from_plain():
+    plain = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9], [1, 2, 3]]
+    spec = [[1, 2, 3, 4], [5, 6, 0, 8], [0, 9], [1, 2, 3, 4]]
+    d = divergence(plain, spec)
+    # equal; differs at 2; at 0; plain stops (EOS) where spec goes on: differs at 3
+    assert d["first_diff"] == ["equal", 2, 0, 3]
+    assert d["equals_plain"] == 0.25
+    assert d["prefix_mean"] == 2.25 and d["prefix_median"] == 2.5     # prefixes 4, 2, 0, 3
+    assert d["prefix_token_frac"] == 9 / 14                           # of 4 + 4 + 2 + 4 emitted
+    assert first_difference((), ()) == "equal" and first_difference([7], []) == 0
+    assert divergence([], [])["equals_plain"] is None
+
+
+def test_dtype_option(capsys):
+    parse = bench_cli.build_parser().parse_args
+    assert parse(["--dtype", "float32"]).dtype == "float32"
+    args = bench_cli._defaults(parse([]))
+    assert args.dtype == "auto" and bench_cli._dtype(args) == "float32"   # CPU default
+    with pytest.raises(SystemExit):
+        parse(["--dtype", "fp16"])
+    err = capsys.readouterr().err
+    assert "--dtype: invalid choice: 'fp16'" in err and "bfloat16" in err and "float32" in err
+
+
+def test_bf16_differences_are_explained():
+    res = {"dtype": "bfloat16", "notes": []}
+    bench_cli._exactness_note(res, {"equals_plain": 1.0})
+    assert res["notes"] == []
+    bench_cli._exactness_note(res, {"equals_plain": 0.06})
+    bench_cli._exactness_note(res, {"equals_plain": 0.19})
+    assert len(res["notes"]) == 1 and "--dtype float32" in res["notes"][0]
+
+
 def test_gsm8k_answers():
     qs = prompts.gsm8k(3)
     assert len(qs) == 3 and qs[0]["answer"] == "18"

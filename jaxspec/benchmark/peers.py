@@ -19,15 +19,19 @@ def available(force_cpu: bool) -> Optional[str]:
     return "no CUDA device (pass --peer-hf to run it on CPU)"
 
 
-def load_hf(model: Optional[str]):
-    """HF transformers' model for a jaxspec model argument (HF dir or .gguf; None: default)."""
+def load_hf(model: Optional[str], dtype: Optional[str] = None):
+    """HF transformers' model for a jaxspec model argument (HF dir or .gguf; None: default),
+    in `dtype` ('bfloat16', 'float32'; None: bf16 on CUDA, fp32 on CPU, as jaxspec loads)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from jaxspec.weights import default_model_path
     p = Path(model) if model else default_model_path()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    if dtype is None:
+        dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, dtype)
     if p.is_dir():
         m = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype)
     else:

@@ -4,11 +4,18 @@ from __future__ import annotations
 from typing import List
 
 
-def plot(result: dict, path: str) -> str:
+def require_matplotlib():
+    """Fails before a sweep starts rather than after its first run."""
     try:
         import matplotlib
     except ImportError:
         raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+    return matplotlib
+
+
+def plot(result: dict, path: str) -> str:
+    """Draws what `result` holds so far: called after every run of a sweep."""
+    matplotlib = require_matplotlib()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -18,8 +25,10 @@ def plot(result: dict, path: str) -> str:
     _hist(axes[1], rows)
     _categories(axes[2], result.get("categories") or [])
     draft = result.get("draft_label", "")
-    fig.suptitle(f"jaxspec-bench: {result.get('model_label')} on {result.get('dataset')} "
-                 f"({result.get('device')}; draft: {draft}; temperature "
+    partial = " [partial]" if result.get("partial") else ""
+    fig.suptitle(f"jaxspec-bench{partial}: {result.get('model_label')} on "
+                 f"{result.get('dataset')} ({result.get('device')}, {result.get('dtype')}; "
+                 f"draft: {draft}; temperature "
                  f"{result['args'].get('temperature')}, {result['args'].get('max_tokens')} "
                  "new tokens)", fontsize=10)
     fig.tight_layout()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 from jaxspec.config import ConfigError
 
@@ -58,13 +58,17 @@ class Target:
     """The model under test and its draft; builds one LLM per (batch size, mode)."""
 
     def __init__(self, model: Optional[str], draft: Optional[str], max_model_len: int,
-                 seed: int = 0, data_parallel: int = 1, tensor_parallel: int = 1):
+                 seed: int = 0, data_parallel: int = 1, tensor_parallel: int = 1,
+                 dtype: Optional[str] = None):
         self.model, self.draft_arg, self.max_model_len, self.seed = model, draft, max_model_len, seed
-        # Passed to every LLM: with data_parallel, `batch` is the slots of each replica.
-        self.parallel = dict(data_parallel=data_parallel, tensor_parallel=tensor_parallel)
+        # Passed to every LLM: with data_parallel, `batch` is the slots of each replica;
+        # dtype None is the loader's default (bf16 on GPU, fp32 on CPU).
+        self.common = dict(data_parallel=data_parallel, tensor_parallel=tensor_parallel,
+                           dtype=dtype)
         self._draft_params = None
         self.config = None
         self.tokenizer = None
+        self.param_dtype = None
 
     @property
     def draft_label(self) -> str:
@@ -78,15 +82,15 @@ class Target:
         from jaxspec import LLM
         if mode.spec is None:
             llm = LLM(self.model, max_batch=batch, max_model_len=self.max_model_len,
-                      seed=self.seed, **self.parallel)
-            self.config, self.tokenizer = llm.config, llm.tokenizer
+                      seed=self.seed, **self.common)
+            self.config, self.tokenizer, self.param_dtype = llm.config, llm.tokenizer, llm.dtype
             return llm
         draft = self.draft_arg
         if draft == "random":
             draft = self._random_draft()
         try:
             return LLM(self.model, max_batch=batch, max_model_len=self.max_model_len,
-                       seed=self.seed, draft=draft, spec=mode.spec, **self.parallel)
+                       seed=self.seed, draft=draft, spec=mode.spec, **self.common)
         except (ValueError, FileNotFoundError) as e:
             raise SystemExit(f"cannot load the draft head ({e}); pass --draft PATH, or "
                              "--draft random to time the cycle with an untrained head") from None
@@ -96,11 +100,10 @@ class Target:
             import jax
 
             from jaxspec.models.eagle import init_eagle_params
-            from jaxspec.weights import default_dtype
             if self.config is None:
                 raise RuntimeError("build a plain LLM first (its config sizes the random head)")
             self._draft_params = init_eagle_params(self.config, jax.random.PRNGKey(self.seed),
-                                                   dtype=default_dtype())
+                                                   dtype=self.param_dtype)
         return self._draft_params
 
 
@@ -176,6 +179,39 @@ def agreement(a, b) -> float:
     """Fraction of requests whose token ids are identical."""
     same = sum(x.token_ids == y.token_ids for x, y in zip(a, b))
     return same / max(len(a), 1)
+
+
+EQUAL = "equal"
+
+
+def first_difference(ref: Sequence[int], got: Sequence[int]) -> Union[int, str]:
+    """Index of the first token where `got` differs from `ref`, or EQUAL. When one sequence
+    is a strict prefix of the other, they differ at the shorter length."""
+    ref, got = list(ref), list(got)
+    if ref == got:
+        return EQUAL
+    n = min(len(ref), len(got))
+    return next((i for i in range(n) if ref[i] != got[i]), n)
+
+
+def divergence(ref: Sequence[Sequence[int]], got: Sequence[Sequence[int]]) -> dict:
+    """How far each request's `got` tokens (speculative) follow its `ref` tokens (plain).
+
+    A yes/no equality hides where outputs part: in bf16 the verify forward (many tokens at once)
+    and a decode step (one token) sum in a different order, a near-tie argmax can flip, and
+    greedy decoding follows a different path from there. Per request: `first_diff`, the index of
+    the first differing token or EQUAL; its common prefix is that index (the whole output when
+    equal). Over requests: `equals_plain` (fraction fully equal), `prefix_mean` and
+    `prefix_median` (common-prefix length in tokens), and `prefix_token_frac` (common-prefix
+    tokens over all tokens `got` emitted)."""
+    first = [first_difference(a, b) for a, b in zip(ref, got)]
+    prefix = [len(b) if f == EQUAL else f for f, b in zip(first, got)]
+    emitted = sum(len(b) for b in got[:len(first)])
+    return {"first_diff": first,
+            "equals_plain": sum(f == EQUAL for f in first) / len(first) if first else None,
+            "prefix_mean": statistics.fmean(prefix) if prefix else None,
+            "prefix_median": statistics.median(prefix) if prefix else None,
+            "prefix_token_frac": sum(prefix) / emitted if emitted else None}
 
 
 def fit_prompts(tokenizer, prompts, max_tokens: int, max_model_len: int):
