@@ -137,12 +137,13 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, seq_l
         for i in range(cfg.num_layers):
             lp = layer_slice(params["layers"], i)
             x, ys[i] = layer_fn(x, (lp, jnp.int32(i)))
-        k_new, v_new, outs = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *ys) if capture_layers \
-            else (jnp.stack([y[0] for y in ys]), jnp.stack([y[1] for y in ys]), None)
+        k_new, v_new = jnp.stack([y[0] for y in ys]), jnp.stack([y[1] for y in ys])
+        # only the chosen layers' outputs are stacked (an [L, B, N, H] stack is large at 8B)
+        captured = jnp.stack([ys[i][2] for i in capture_layers]) if capture_layers else None
     else:
         layers = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32))
         x, (k_new, v_new, outs) = jax.lax.scan(layer_fn, x, layers)
-    captured = outs[jnp.asarray(capture_layers)] if capture_layers else None
+        captured = outs[jnp.asarray(capture_layers)] if capture_layers else None
     return x, k_new, v_new, captured
 
 
