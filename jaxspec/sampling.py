@@ -154,6 +154,10 @@ class SlotSampling:
     def any_sampled(self):
         return jnp.any(self.temperature > 0)
 
+    def any_filter(self):
+        """Some slot truncates its distribution (top-k, top-p or min-p): the sort is needed."""
+        return jnp.any((self.top_k > 0) | (self.top_p < 1) | (self.min_p > 0))
+
     def any_penalty(self):
         return jnp.any((self.repetition_penalty != 1) | (self.frequency_penalty != 0)
                        | (self.presence_penalty != 0))
@@ -285,9 +289,17 @@ def processed_logprobs(logits, sp: SlotSampling):
     the argmax; the filters do not change it), which is what greedy requests report as logprobs.
     """
     nd = logits.ndim
-    greedy = _col(sp.temperature <= 0, nd)
     t = _col(jnp.where(sp.temperature > 0, sp.temperature, 1.0), nd)
     lp = jax.nn.log_softmax(logits / t, axis=-1)
+    # The filters sort every row ([B, N, V] in a tree verify); without any filter in the batch
+    # they would keep every token, so the sort is skipped.
+    return jax.lax.cond(sp.any_filter(), lambda: _filtered(lp, sp), lambda: lp)
+
+
+def _filtered(lp, sp: SlotSampling):
+    """lp [B, ..., V] temperature-scaled log-probabilities -> after top-k, top-p, min-p."""
+    nd = lp.ndim
+    greedy = _col(sp.temperature <= 0, nd)
     srt = jnp.flip(jnp.sort(lp, axis=-1), axis=-1)                          # descending
     v = lp.shape[-1]
     k = _col(jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, v), v), nd)
@@ -296,6 +308,8 @@ def processed_logprobs(logits, sp: SlotSampling):
     ps = jnp.exp(srt)
     n_p = jnp.sum(jnp.cumsum(ps, axis=-1) - ps < _col(sp.top_p, nd), axis=-1, keepdims=True)
     pth = jnp.take_along_axis(srt, jnp.maximum(n_p, 1) - 1, axis=-1)
+    # top_p = 1 keeps everything: the fp32 cumsum can reach 1 before the tail and would drop it.
+    pth = jnp.where(_col(sp.top_p, nd) >= 1, -jnp.inf, pth)
     mth = srt[..., :1] + jnp.log(jnp.maximum(_col(sp.min_p, nd), 1e-38))
     keep = greedy | ((lp >= kth) & (lp >= pth) & (lp >= mth))
     return jax.nn.log_softmax(jnp.where(keep, lp, -jnp.inf), axis=-1)

@@ -77,3 +77,19 @@ def test_tree_penalties_equal_per_row_counts():
     for i in range(n):
         h = hist.add(path[:, i], live[:, i])
         np.testing.assert_allclose(got[:, i], apply_penalties(logits[:, i], sp, h), rtol=1e-6)
+
+
+def test_unfiltered_batch_skips_the_filters_and_keeps_every_token():
+    """No slot filters (top_k 0, top_p 1, min_p 0): the processed distribution is the plain
+    temperature softmax over the whole vocabulary, tail included; one filtering slot in the batch
+    still gets its filter and the others keep everything."""
+    logits = jnp.asarray(np.asarray(jax.random.normal(jax.random.PRNGKey(5), (2, 3000))) * 6)
+    plain = SlotSampling.from_params([SamplingParams(temperature=0.8)] * 2, 2)
+    got = processed_logprobs(logits, plain)
+    np.testing.assert_allclose(got, jax.nn.log_softmax(logits / 0.8, axis=-1), atol=1e-6)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    mixed = SlotSampling.from_params([SamplingParams(temperature=0.8),
+                                      SamplingParams(temperature=0.8, top_k=3)], 2)
+    got = np.asarray(processed_logprobs(logits, mixed))
+    assert np.isfinite(got[0]).all()
+    assert np.isfinite(got[1]).sum() == 3
