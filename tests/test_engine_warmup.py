@@ -1,0 +1,59 @@
+"""Engine warm-up: the admission buckets it compiles, executables compiled ahead of time that keep
+the state donated, and a shape warm-up missed showing up in the engine's no-compilation check."""
+import jax
+import numpy as np
+import pytest
+
+from jaxspec.engine import Engine
+from jaxspec.engine.loop import _bucket, _buckets
+from jaxspec.sampling import SamplingParams
+from test_engine import (CFG, MAX_MODEL_LEN, SLOTS, compiled_shapes, greedy_ref, make_engine)
+
+
+def test_buckets():
+    assert _buckets(16, 512, 4) == [16, 64, 256, 512]
+    assert _buckets(16, 512, 2) == [16, 32, 64, 128, 256, 512]
+    assert _buckets(1, 64, 4) == [1, 4, 16, 64]
+    assert _buckets(1, 8, 4) == [1, 4, 8]
+    assert _buckets(1, 1, 4) == [1] and _buckets(16, 16, 4) == [16]
+    widths = _buckets(16, 512, 4)
+    assert [_bucket(n, widths) for n in (1, 16, 17, 64, 65, 256, 257, 512)] == \
+        [16, 16, 64, 64, 256, 256, 512, 512]
+
+
+def test_admission_shapes_follow_bucket_growth():
+    be = make_engine("plain").backend
+    shapes = lambda **kw: Engine(be, max_model_len=MAX_MODEL_LEN, vocab_size=CFG.vocab_size,
+                                 **kw).admission_shapes()
+    assert shapes(chunk=64) == [(1, 16), (1, 64), (4, 16), (4, 64)]
+    assert shapes(chunk=64, bucket_growth=2) == [(a, w) for a in (1, 2, 4) for w in (16, 32, 64)]
+    with pytest.raises(ValueError, match="bucket_growth"):
+        shapes(bucket_growth=1)
+
+
+@pytest.mark.parametrize("kind", ["spec", "plain"])
+def test_warmup_compiles_ahead_and_serves_without_jit(kind):
+    engine = make_engine(kind)
+    engine.warmup()
+    be = engine.backend
+    want = {("cycle",)} | {("admit", a, w) for a, w in engine.admission_shapes()}
+    assert set(be.executables) == want
+    assert be.jit_calls == 0 and all(f._cache_size() == 0 for f in be.jitted())
+    before = compiled_shapes(engine)
+    prompts = [[5, 17, 42, 8, 99], list(range(30, 60)), [3, 9, 27]]   # 30 tokens: two chunks
+    ids = [engine.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
+    list(engine.drain())
+    for rid, p in zip(ids, prompts):
+        assert engine.pop_finished(rid).output == greedy_ref(p)
+    assert compiled_shapes(engine) == before
+
+    # The executables keep the jitted functions' donation: the old state is consumed.
+    old = jax.tree_util.tree_leaves(engine.state)
+    engine.state, _ = be.cycle(engine.state, np.zeros(SLOTS, bool))
+    assert all(x.is_deleted() for x in old)
+
+    # A shape warm-up did not compile goes through jit, and the check sees it.
+    pad = np.full(2, SLOTS, np.int32)
+    z = np.zeros(2, np.int32)
+    engine.state, _ = be.admit(engine.state, pad, np.zeros((2, 16), np.int32), z, z, z - 1)
+    assert compiled_shapes(engine) != before and be.jit_calls == 1
