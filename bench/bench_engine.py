@@ -7,9 +7,13 @@ For each mode (speculative 'chain', plain) and batch (1, 64), in one run:
             request admitted as soon as one finishes (prefill included), tokens read, stopped
             and detokenized on the host
   host      Engine host time per step (all of step() except blocking reads of device outputs)
+  dispatch  of host: in the backend's cycle and admit calls (argument handling, launch)
   busy      device ms per cycle x cycles / engine wall time: the fraction of wall time the
             device has work queued (goal >= 0.95 at batch 1)
+Warm-up (compilation of the cycle and every admission bucket) is timed first; --warmup-only stops
+there (a sweep over batch sizes of compile times).
 Usage: python -m bench.bench_engine [--model PATH] [--head PATH] [--steps 300] [--tiny]
+           [--bucket-growth 4] [--warmup-only]
 Without --model, SmolLM2-135M-shaped random weights (acceptance does not change a cycle's cost;
 with random weights the chain accepts little, so tokens per cycle are low, not the cost).
 """
@@ -53,14 +57,14 @@ def load(args):
     return cfg, params, head, tok
 
 
-def make(cfg, params, head, mode, batch, max_model_len, tok):
+def make(cfg, params, head, mode, batch, max_model_len, tok, bucket_growth=4):
     if mode == "plain":
         backend = PlainBackend(cfg, params, batch, max_model_len + 8, n_steps=4)
     else:
         spec = resolve_spec(mode)
         backend = SpecBackend(cfg, params, head, spec, batch, max_model_len + 2 * spec.max_emit)
     return Engine(backend, max_model_len=max_model_len, vocab_size=cfg.vocab_size, chunk=256,
-                  detokenize=tok.decode if tok is not None else None)
+                  bucket_growth=bucket_growth, detokenize=tok.decode if tok is not None else None)
 
 
 def device_ms_per_cycle(engine, n):
@@ -77,14 +81,25 @@ def device_ms_per_cycle(engine, n):
     return (time.perf_counter() - t0) / n * 1e3
 
 
-def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen):
+def compiled(engine):
+    """Executables compiled ahead, calls that found none, jit cache sizes: unchanged unless
+    something compiled after warm-up."""
+    be = engine.backend
+    return (len(be.executables), be.jit_calls, [f._cache_size() for f in be.jitted()])
+
+
+def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, args):
     rng = np.random.default_rng(0)
-    engine = make(cfg, params, head, mode, batch, max_model_len, tok)
+    engine = make(cfg, params, head, mode, batch, max_model_len, tok, args.bucket_growth)
     t0 = time.perf_counter()
     engine.warmup()
     compile_s = time.perf_counter() - t0
-    print(f"{mode} batch {batch}: warm-up (compilation) {compile_s:.1f} s", flush=True)
-    sizes = [f._cache_size() for f in engine.backend.jitted()]
+    print(f"{mode} batch {batch}: warm-up (compilation) {compile_s:.1f} s, "
+          f"{len(engine.admission_shapes())} admission shapes", flush=True)
+    if args.warmup_only:
+        return dict(mode=mode, batch=batch, compile_s=compile_s,
+                    admission_shapes=len(engine.admission_shapes()))
+    sizes = compiled(engine)
     sp = SamplingParams(max_tokens=gen, ignore_eos=True)
 
     def prompt():
@@ -107,11 +122,12 @@ def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen):
     host_ms = st.host_s / steps * 1e3
     return dict(mode=mode, batch=batch, device_ms_per_cycle=dev_ms,
                 engine_ms_per_step=wall / steps * 1e3, host_ms_per_step=host_ms,
+                dispatch_ms_per_step=st.dispatch_s / steps * 1e3,
                 step_p90_ms=float(np.percentile(st.step_s, 90) * 1e3),
                 busy=min(1.0, dev_ms * st.cycles / (wall * 1e3)), cycles=st.cycles,
                 admissions=st.admissions, prefill_chunks=st.prefill_chunks,
                 tokens_per_s=tokens / wall, compile_s=compile_s,
-                recompiled=[f._cache_size() for f in engine.backend.jitted()] != sizes)
+                recompiled=compiled(engine) != sizes)
 
 
 def main():
@@ -123,22 +139,31 @@ def main():
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--modes", default="chain,plain")
     ap.add_argument("--tiny", action="store_true", help="tiny config, CPU smoke run")
+    ap.add_argument("--bucket-growth", type=int, default=4,
+                    help="ratio of successive admission buckets (Engine(bucket_growth=))")
+    ap.add_argument("--warmup-only", action="store_true", help="time warm-up only")
     args = ap.parse_args()
     compile_cache.enable()
     cfg, params, head, tok = load(args)
     rows = []
     for mode in args.modes.split(","):
         for b in (int(x) for x in args.batches.split(",")):
-            r = run_case(cfg, params, head, tok, mode, b, args.steps, 512, args.gen)
+            r = run_case(cfg, params, head, tok, mode, b, args.steps, 512, args.gen, args)
             rows.append(r)
             print(r, flush=True)
     write_json("bench_engine.json", dict(device=device_name(), rows=rows))
     print(f"\n{device_name()}")
+    if args.warmup_only:
+        for r in rows:
+            print(f"{r['mode']:6} {r['batch']:>3} warm-up {r['compile_s']:.1f} s "
+                  f"({r['admission_shapes']} admission shapes + cycle)")
+        return
     print(f"{'mode':6} {'B':>3} {'dev ms/cyc':>10} {'eng ms/step':>11} {'host ms':>8} "
-          f"{'busy':>5} {'tok/s':>8} {'recompiled':>10}")
+          f"{'dispatch':>8} {'busy':>5} {'tok/s':>8} {'recompiled':>10}")
     for r in rows:
         print(f"{r['mode']:6} {r['batch']:>3} {r['device_ms_per_cycle']:>10.3f} "
-              f"{r['engine_ms_per_step']:>11.3f} {r['host_ms_per_step']:>8.3f} {r['busy']:>5.2f} "
+              f"{r['engine_ms_per_step']:>11.3f} {r['host_ms_per_step']:>8.3f} "
+              f"{r['dispatch_ms_per_step']:>8.3f} {r['busy']:>5.2f} "
               f"{r['tokens_per_s']:>8.0f} {str(r['recompiled']):>10}")
 
 

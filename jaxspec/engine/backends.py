@@ -17,11 +17,17 @@ Sampling parameters, per-slot rng keys and token counts (penalties) live in the 
 writes them (`spec.admit.AdmitArgs`, flat arrays, so nothing recompiles per request). Every
 jitted function takes the (flattened once by jit) weights plus a few flat arrays; the state is
 donated, so caches are updated in place.
+
+Ahead-of-time compilation: `admit(..., lower=True)` and `cycle(..., lower=True)` trace the call
+they would make (under whatever context a wrapper sets, e.g. a mesh) and return (key, Lowered)
+instead of running it; the engine compiles those concurrently and puts the executables in
+`executables` (key -> jax.stages.Compiled, donation kept). A call whose key is there runs that
+executable; any other goes through jit (compiling on its first use) and counts in `jit_calls`.
 """
 from __future__ import annotations
 
 import functools
-from typing import List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +56,28 @@ def _engine_key(seed: int):
     return jax.random.key_data(k) if jnp.issubdtype(k.dtype, jax.dtypes.prng_key) else k
 
 
-class SpecBackend:
+class _Dispatch:
+    """Calls through the executables compiled ahead of time, else through jit."""
+
+    def _init_dispatch(self):
+        self.executables: Dict[tuple, jax.stages.Compiled] = {}
+        self.jit_calls = 0      # calls that found no executable: after warm-up, a missed shape
+
+    def _call(self, key: tuple, jitted, args, lower: bool):
+        if lower:
+            return key, jitted.lower(*args)
+        fn = self.executables.get(key)
+        if fn is None:
+            self.jit_calls += 1
+            fn = jitted
+        return fn(*args)
+
+
+def _admit_key(slot_idx, tokens) -> tuple:
+    return ("admit", len(slot_idx), tokens.shape[1])
+
+
+class SpecBackend(_Dispatch):
     """EAGLE speculative decoding: one jitted cycle (draft -> verify -> accept -> compaction ->
     catch-up) per engine cycle; greedy and sampled slots (lossless speculative sampling) mix."""
 
@@ -69,6 +96,7 @@ class SpecBackend:
         self.key = _engine_key(seed)
         self._cycle = jit_cycle(cfg, self.spec)
         self._admit = jit_spec_admit(cfg, self.spec, slots, max_len, self.dtype)
+        self._init_dispatch()
 
     def init_state(self):
         from jaxspec.spec.cycle import init_state
@@ -78,13 +106,19 @@ class SpecBackend:
     def key_advances(self, n_out: int, n_cycles: int) -> int:
         return n_cycles          # the cycle splits each active slot's key once
 
-    def admit(self, state, slot_idx, tokens, start, n_valid, next_tok, adm=None):
+    def admit(self, state, slot_idx, tokens, start, n_valid, next_tok, adm=None, *,
+              lower=False):
         adm = AdmitArgs.host(len(slot_idx)) if adm is None else adm
-        return self._admit(self.params, self.draft_params, state, slot_idx, tokens, start,
-                           n_valid, next_tok, adm, self.key)
+        return self._call(_admit_key(slot_idx, tokens), self._admit,
+                          (self.params, self.draft_params, state, slot_idx, tokens, start,
+                           n_valid, next_tok, adm, self.key), lower)
 
-    def cycle(self, state, active):
-        state, out = self._cycle(self.params, self.draft_params, state, active)
+    def cycle(self, state, active, *, lower=False):
+        got = self._call(("cycle",), self._cycle, (self.params, self.draft_params, state, active),
+                         lower)
+        if lower:
+            return got
+        state, out = got
         return state, CycleTokens(out.tokens, out.accept_len, out.logprob, out.top_ids,
                                   out.top_logprobs)
 
@@ -149,7 +183,7 @@ def _jit_plain(cfg: ModelConfig, slots: int, max_len: int, dtype, n_steps: int):
     return admit, cycle
 
 
-class PlainBackend:
+class PlainBackend(_Dispatch):
     """Plain decoding: n_steps decode steps per engine cycle (several per dispatch amortize the
     host's per-dispatch cost); sampling, penalties and logprobs per slot."""
 
@@ -161,6 +195,7 @@ class PlainBackend:
         self.emit = n_steps
         self.key = _engine_key(seed)
         self._admit, self._cycle = _jit_plain(cfg, slots, max_len, self.dtype, n_steps)
+        self._init_dispatch()
 
     def init_state(self):
         return init_plain_state(self.cfg, self.slots, self.max_len, self.dtype)
@@ -168,13 +203,15 @@ class PlainBackend:
     def key_advances(self, n_out: int, n_cycles: int) -> int:
         return n_out - 1         # one split per decode step after the first token
 
-    def admit(self, state, slot_idx, tokens, start, n_valid, next_tok, adm=None):
+    def admit(self, state, slot_idx, tokens, start, n_valid, next_tok, adm=None, *,
+              lower=False):
         adm = AdmitArgs.host(len(slot_idx)) if adm is None else adm
-        return self._admit(self.params, state, slot_idx, tokens, start, n_valid, next_tok, adm,
-                           self.key)
+        return self._call(_admit_key(slot_idx, tokens), self._admit,
+                          (self.params, state, slot_idx, tokens, start, n_valid, next_tok, adm,
+                           self.key), lower)
 
-    def cycle(self, state, active):
-        return self._cycle(self.params, state, active)
+    def cycle(self, state, active, *, lower=False):
+        return self._call(("cycle",), self._cycle, (self.params, state, active), lower)
 
     def jitted(self) -> List:
         return [self._cycle, self._admit]

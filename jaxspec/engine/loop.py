@@ -28,9 +28,12 @@ same as without the retract.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import numpy as np
@@ -77,6 +80,7 @@ class Request:
     serial: int = 0                     # the engine's count of requests: unseeded rng keys
     logprobs: Optional[List[dict]] = None   # per output token, when sp.logprobs is set
     pending_logprobs: List[dict] = dataclasses.field(default_factory=list)
+    seq: int = 0                        # add order: a step's deltas of running requests follow it
 
     @property
     def finished(self) -> bool:
@@ -100,28 +104,41 @@ class EngineStats:
     retracts: int = 0
     host_s: float = 0.0                 # time in step() not spent waiting on the device
     wait_s: float = 0.0                 # time blocked reading device outputs
+    dispatch_s: float = 0.0             # of host_s: in the backend's admit and cycle calls
     step_s: List[float] = dataclasses.field(default_factory=list)
 
 
-def _bucket(n: int, smallest: int, largest: int) -> int:
-    """The next power of two >= n (at least `smallest`), capped at `largest`."""
-    b = smallest
-    while b < n:
-        b *= 2
-    return min(b, largest)
+def _buckets(smallest: int, largest: int, growth: int) -> List[int]:
+    """smallest * growth**k below `largest`, then `largest`."""
+    out = [smallest]
+    while out[-1] * growth < largest:
+        out.append(out[-1] * growth)
+    return out + [largest] if out[-1] < largest else out
+
+
+def _bucket(n: int, buckets: List[int]) -> int:
+    """The smallest bucket >= n (n never exceeds the largest)."""
+    return buckets[bisect.bisect_left(buckets, n)]
 
 
 class Engine:
     """backend: SpecBackend or PlainBackend. max_model_len: prompt + max_tokens per request.
     The backend's state has max_model_len + 2 * emit rows per slot.
 
-    chunk: the longest prefill chunk (a power of two); chunk widths are powers of two from
-    min_chunk. Admission slot counts are powers of two up to the slot count (and it).
+    chunk: the longest prefill chunk. Admission shapes (one executable each): chunk widths
+    min_chunk * bucket_growth**k below chunk, and chunk; slot counts bucket_growth**k below the
+    slot count, and it. A chunk runs at the smallest width and slot count that hold it, padded:
+    its cost grows with both, up to bucket_growth times the unpadded one. 4 (the default: 16,
+    64, 256, 512 wide; 1, 4, 16, 64 slots) keeps warm-up short and costs little where prefill is
+    cheap (a small model: a chunk's time is mostly reading the weights); 2 halves the worst
+    padding for a model whose prefill is compute bound, for about twice the compilations.
+    compile_workers: threads compiling the warm-up shapes (default: the CPU count).
     detokenize: token ids -> text (needed for text deltas and stop strings).
     """
 
     def __init__(self, backend, *, max_model_len: int, vocab_size: int, eos_ids: Iterable[int] = (),
                  kv_budget: Optional[int] = None, chunk: int = 512, min_chunk: int = 16,
+                 bucket_growth: int = 4, compile_workers: Optional[int] = None,
                  detokenize: Optional[Callable[[List[int]], str]] = None):
         self.backend = backend
         self.slots, self.emit = backend.slots, backend.emit
@@ -131,17 +148,22 @@ class Engine:
                              f"max_model_len + 2 * {self.emit}")
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.kv_budget = kv_budget if kv_budget is not None else self.slots * backend.max_len
-        if chunk & (chunk - 1) or min_chunk & (min_chunk - 1) or min_chunk > chunk:
-            raise ValueError(f"chunk={chunk} and min_chunk={min_chunk} must be powers of two, "
-                             "min_chunk <= chunk")
+        if not 1 <= min_chunk <= chunk or bucket_growth < 2:
+            raise ValueError(f"need 1 <= min_chunk ({min_chunk}) <= chunk ({chunk}) and "
+                             f"bucket_growth ({bucket_growth}) >= 2")
         self.chunk, self.min_chunk = chunk, min_chunk
+        self.widths = _buckets(min_chunk, chunk, bucket_growth)
+        self.slot_buckets = _buckets(1, self.slots, bucket_growth)
+        self.compile_workers = compile_workers or os.cpu_count() or 1
         self.detokenize = detokenize
         self.state = backend.init_state()
         self.waiting: collections.deque = collections.deque()
         self.requests: Dict[RequestId, Request] = {}       # live: waiting or running
         self.slot_run: List[Optional[int]] = [None] * self.slots
+        self.live = np.zeros(self.slots, bool)             # slot_run[s] is not None
         self.runs: Dict[int, _Run] = {}
-        self.rows = np.zeros(self.slots, np.int64)         # reserved KV rows per slot
+        self.rows = np.zeros(self.slots, np.int64)         # reserved KV rows (0 when free)
+        self._logprob_runs = 0                             # live runs that asked for logprobs
         self.pending: collections.deque = collections.deque()
         self._next_run = 0
         self._next_id = 0
@@ -185,7 +207,7 @@ class Engine:
         stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_ids))
         req = Request(request_id, prompt, sp, frozenset(stop_ids), stop,
                       t_arrival=time.perf_counter(), serial=self._serial % 2**31,
-                      logprobs=[] if sp.logprobs is not None else None)
+                      logprobs=[] if sp.logprobs is not None else None, seq=self._serial)
         self._serial += 1
         self.requests[request_id] = req
         self.waiting.append(req)
@@ -214,10 +236,13 @@ class Engine:
         wait0 = self.stats.wait_s
         self._admit()
         self._fit_budget()
-        active = np.array([r is not None for r in self.slot_run])
         keep = 0
-        if active.any():
+        if self.live.any():
+            active = self.live.copy()
+            t = time.perf_counter()
             self.state, out = self.backend.cycle(self.state, active)
+            self._prefetch(out)
+            self.stats.dispatch_s += time.perf_counter() - t
             self.pending.append(("cycle", out, list(self.slot_run)))
             self.rows[active] += self.emit
             self.stats.cycles += 1
@@ -235,37 +260,42 @@ class Engine:
         while self.has_work():
             yield from self.step()
 
+    def admission_shapes(self) -> List[tuple]:
+        """(slot count, chunk width) of every admission bucket."""
+        return [(a, w) for a in self.slot_buckets for w in self.widths]
+
     def warmup(self):
-        """Compiles every admission bucket and the cycle with all-padding calls (nothing
-        changes), so serving never compiles."""
-        widths, a_sizes = [], []
-        w = self.min_chunk
-        while w <= self.chunk:
-            widths.append(w)
-            w *= 2
-        a = 1
-        while a < self.slots:
-            a_sizes.append(a)
-            a *= 2
-        a_sizes.append(self.slots)
-        for a in a_sizes:
-            for w in widths:
+        """Compiles the cycle and every admission bucket ahead of time, concurrently (XLA
+        compiles without the GIL), so serving never compiles. Tracing stays on this thread;
+        each shape's compilation starts as soon as it is traced. Nothing runs but one idle
+        cycle (nothing changes)."""
+        idle = np.zeros(self.slots, bool)
+        with ThreadPoolExecutor(self.compile_workers) as pool:
+            jobs = [self._compile(pool, self.backend.cycle(self.state, idle, lower=True))]
+            for a, w in sorted(self.admission_shapes(), key=lambda s: -s[0] * s[1]):
                 pad = np.full(a, self.slots, np.int32)
                 z = np.zeros(a, np.int32)
-                self.state, first = self.backend.admit(self.state, pad, np.zeros((a, w), np.int32),
-                                                       z, z, z - 1)
+                jobs.append(self._compile(pool, self.backend.admit(
+                    self.state, pad, np.zeros((a, w), np.int32), z, z, z - 1, lower=True)))
+            self.backend.executables.update(job.result() for job in jobs)
         seed_key(0)   # compiles the host's seeded-key derivation
-        self.state, out = self.backend.cycle(self.state, np.zeros(self.slots, bool))
+        self.state, out = self.backend.cycle(self.state, idle)
         np.asarray(out.tokens)
+
+    @staticmethod
+    def _compile(pool, lowered):
+        key, low = lowered
+        return pool.submit(lambda: (key, low.compile()))
 
     # ------------------------------------------------------------------ admission
     def _need(self) -> int:
         """Rows the live slots may hold once the next cycle has run."""
-        live = [s for s, r in enumerate(self.slot_run) if r is not None]
-        return int(self.rows[live].sum()) + self.emit * len(live)
+        return int(self.rows.sum()) + self.emit * int(np.count_nonzero(self.live))
 
     def _admit(self):
-        free = [s for s, r in enumerate(self.slot_run) if r is None]
+        if not self.waiting:
+            return
+        free = np.flatnonzero(~self.live).tolist()
         batch = []
         need = self._need()
         while free and self.waiting:
@@ -281,6 +311,8 @@ class Engine:
             self.runs[run_id] = _Run(run_id, req, slot, self._order)
             self._order += 1
             self.slot_run[slot] = run_id
+            self.live[slot] = True
+            self._logprob_runs += req.logprobs is not None
             self.rows[slot] = len(ids)
             need += cost
             batch.append((run_id, slot, req))
@@ -310,10 +342,10 @@ class Engine:
             rows = [r for r in rows_all if len(r[2]) > k * self.chunk]
             if not rows:
                 return
-            a = _bucket(len(rows), 1, self.slots)
+            a = _bucket(len(rows), self.slot_buckets)
             start = k * self.chunk
             n_valid = [min(self.chunk, len(ids) - start) for _, _, ids, _ in rows]
-            width = _bucket(max(n_valid), self.min_chunk, self.chunk)
+            width = _bucket(max(n_valid), self.widths)
             slot_idx = np.full(a, self.slots, np.int32)
             tokens = np.zeros((a, width), np.int32)
             starts = np.zeros(a, np.int32)
@@ -327,8 +359,11 @@ class Engine:
                     nxt[i] = ids[start + n]
                 for name, value in fields.items():
                     getattr(adm, name)[i] = value
+            t = time.perf_counter()
             self.state, first = self.backend.admit(self.state, slot_idx, tokens, starts, nv, nxt,
                                                    adm)
+            self._prefetch(first)
+            self.stats.dispatch_s += time.perf_counter() - t
             self.stats.prefill_chunks += 1
             self.pending.append(("admit", first, [r[0] for r in rows]))
             k += 1
@@ -336,7 +371,7 @@ class Engine:
     # ------------------------------------------------------------------ retract
     def _fit_budget(self):
         while self._need() > self.kv_budget:
-            live = [rid for rid in self.slot_run if rid is not None]
+            live = [rid for rid in self.slot_run if rid is not None]   # rare: a list is fine
             if len(live) <= 1:
                 return  # one request alone always fits (checked when it was added)
             victim = max(live, key=lambda rid: self.runs[rid].order)
@@ -351,12 +386,26 @@ class Engine:
     def _free(self, run_id: int):
         run = self.runs.pop(run_id)
         self.slot_run[run.slot] = None
+        self.live[run.slot] = False
+        self._logprob_runs -= run.req.logprobs is not None
         self.rows[run.slot] = 0
 
     # ------------------------------------------------------------------ reading outputs
     def _wants_logprobs(self, runs) -> bool:
-        return any(rid is not None and rid in self.runs
-                   and self.runs[rid].req.sp.logprobs is not None for rid in runs)
+        return self._logprob_runs > 0 and any(
+            rid is not None and rid in self.runs and self.runs[rid].req.logprobs is not None
+            for rid in runs)
+
+    def _prefetch(self, out):
+        """Starts the device->host copies of what the host will read (tokens, accept lengths,
+        and logprobs while a live run asked for them) as soon as the device has them, so the
+        read a step later finds them on the host instead of making a round trip per array."""
+        arrays = [out.tokens, getattr(out, "accept", None)]
+        if self._logprob_runs:
+            arrays += [out.logprob, out.top_ids, out.top_logprobs]
+        for x in arrays:
+            if x is not None and hasattr(x, "copy_to_host_async"):
+                x.copy_to_host_async()
 
     def _absorb(self, item):
         kind, dev, runs = item
@@ -365,35 +414,66 @@ class Engine:
         lp = None
         if self._wants_logprobs(runs):
             lp = [np.asarray(x) for x in (dev.logprob, dev.top_ids, dev.top_logprobs)]
+        toks = np.asarray(dev.tokens)
+        acc = None if kind == "admit" or dev.accept is None else np.asarray(dev.accept)
+        self.stats.wait_s += time.perf_counter() - t
+        touched: List[Request] = []
         if kind == "admit":
-            first = np.asarray(dev.tokens)
-            self.stats.wait_s += time.perf_counter() - t
-            for i, (rid, tok) in enumerate(zip(runs, first)):
+            for i, (rid, tok) in enumerate(zip(runs, toks.tolist())):
                 if tok >= 0 and rid in self.runs:
-                    self._take(self.runs[rid], [int(tok)],
+                    touched.append(self.runs[rid].req)
+                    self._take(self.runs[rid], [tok],
                                None if lp is None else [x[i:i + 1] for x in lp])
         else:
-            toks = np.asarray(dev.tokens)
-            acc = None if dev.accept is None else np.asarray(dev.accept)
-            self.stats.wait_s += time.perf_counter() - t
-            for slot, rid in enumerate(runs):
-                if rid is None or rid not in self.runs:
-                    continue
-                row = toks[slot]
-                live = np.flatnonzero(row >= 0)
-                got = [int(x) for x in row[live]]
-                self.rows[slot] -= self.emit - len(got)   # rows actually written
+            # One pass over the block in numpy; Python only per live slot, never per token.
+            # Emitted tokens come first in a row, -1 after them.
+            n_got = np.count_nonzero(toks >= 0, axis=1)
+            slots = [s for s, rid in enumerate(runs) if rid is not None and rid in self.runs]
+            self.rows[slots] -= self.emit - n_got[slots]   # rows actually written
+            rows, n_got = toks.tolist(), n_got.tolist()
+            acc = None if acc is None else acc.tolist()
+            for slot in slots:
+                run = self.runs[runs[slot]]
+                touched.append(run.req)
                 if acc is not None:
-                    self.runs[rid].req.accept_lens.append(int(acc[slot]))
-                self._take(self.runs[rid], got,
-                           None if lp is None else [x[slot][live] for x in lp])
-        self._flush()
+                    run.req.accept_lens.append(acc[slot])
+                n = n_got[slot]
+                self._take(run, rows[slot][:n],
+                           None if lp is None else [x[slot][:n] for x in lp])
+        self._flush(touched)
 
     def _take(self, run: _Run, tokens: List[int], lp=None):
-        """lp: (logprob [n], top_ids [n, k], top_logprobs [n, k]) of the tokens, or None."""
+        """lp: (logprob [n], top_ids [n, k], top_logprobs [n, k]) of the tokens, or None.
+        Tokens up to the first that ends the request are kept: a stop token, max_tokens, or
+        (checked token by token) a stop string."""
         req = run.req
         if req.t_first is None:
             req.t_first = time.perf_counter()
+        if req.stop:
+            return self._take_each(run, tokens, lp)
+        n = len(tokens)
+        reason = None
+        room = req.sp.max_tokens - len(req.output)      # >= 1 while running
+        if not req.stop_ids.isdisjoint(tokens):
+            n = next(i for i, t in enumerate(tokens) if t in req.stop_ids) + 1
+            reason = "stop"
+        if room <= n and (reason is None or room < n):
+            n, reason = room, "length"
+        kept = tokens[:n] if n < len(tokens) else tokens
+        req.output += kept
+        req.pending_tokens += kept
+        if req.logprobs is not None:
+            d = logprob_dicts(kept, lp[0][:n], lp[1][:n], lp[2][:n], req.sp.logprobs)
+            req.logprobs += d
+            req.pending_logprobs += d
+        if reason:
+            # The rest of the accepted chain is dropped: never streamed.
+            self._free(run.run_id)
+            self._finish(req, reason)
+
+    def _take_each(self, run: _Run, tokens: List[int], lp=None):
+        """_take for a request with stop strings: the text is checked after every token."""
+        req = run.req
         for i, tok in enumerate(tokens):
             req.output.append(tok)
             req.pending_tokens.append(tok)
@@ -409,7 +489,6 @@ class Engine:
             else:
                 reason = self._stop_string(req)
             if reason:
-                # The rest of the accepted chain is dropped: never streamed.
                 self._free(run.run_id)
                 self._finish(req, reason)
                 return
@@ -452,10 +531,12 @@ class Engine:
     def pop_finished(self, request_id: RequestId) -> Request:
         return self.finished_requests.pop(request_id)
 
-    def _flush(self):
-        for req in list(self.requests.values()):
-            if req.pending_tokens:
-                self._delta(req)
+    def _flush(self, touched: List[Request]):
+        """Deltas of the running requests that got tokens, in the order they were added."""
+        live = [r for r in touched if r.pending_tokens and not r.finished]
+        live.sort(key=lambda r: r.seq)
+        for req in live:
+            self._delta(req)
 
     def _delta(self, req: Request):
         text = ""
