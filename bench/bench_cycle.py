@@ -17,17 +17,15 @@ import dataclasses
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import LLAMA3_8B, copy_bandwidth, timed  # noqa: E402
 from jaxspec.config import ModelConfig  # noqa: E402
 from jaxspec.kv import KVCache  # noqa: E402
 from jaxspec.models import llama  # noqa: E402
@@ -35,9 +33,6 @@ from jaxspec.spec import SpecConfig, init_state, jit_cycle  # noqa: E402
 from jaxspec.spec import draft as draft_lib  # noqa: E402
 from pallas_kernels.kv_compact import kv_compact  # noqa: E402
 
-LLAMA3_8B = ModelConfig(arch="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
-                        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                        head_dim=128, rope_theta=500000.0, max_position_embeddings=8192)
 TINY = ModelConfig(arch="LlamaForCausalLM", vocab_size=4096, hidden_size=256,
                    intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64)
 SHAPES = [(1, 1, 2), (3, 1, 4), (5, 8, 32), (6, 10, 60)]
@@ -74,31 +69,6 @@ def random_head(cfg: ModelConfig, key, dtype):
 
 def nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
-
-
-def timed(step, carry, n, repeats, reset=None):
-    """Median over `repeats` of (n back-to-back dispatches, blocked at the end) / n, in ms."""
-    carry = step(reset(carry) if reset else carry)   # warm (compiles)
-    jax.block_until_ready(carry)
-    ts = []
-    for _ in range(repeats):
-        if reset:
-            carry = reset(carry)
-            jax.block_until_ready(carry)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            carry = step(carry)
-        jax.block_until_ready(carry)
-        ts.append((time.perf_counter() - t0) / n * 1e3)
-    return statistics.median(ts), carry
-
-
-def copy_bandwidth(nbytes_: int, n, repeats) -> float:
-    """Bytes read + written per second by a large elementwise copy."""
-    x = jnp.zeros((nbytes_ // 2,), jnp.bfloat16)
-    f = jax.jit(lambda x: x + jnp.bfloat16(1), donate_argnums=0)
-    ms, _ = timed(f, x, n, repeats)
-    return 2 * x.size * 2 / (ms / 1e3)
 
 
 def plain_decode_ms(cfg, params, prefix, max_len, n, repeats):

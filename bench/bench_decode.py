@@ -14,7 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from bench.common import SHAPES, copy_bandwidth, device_name, median, param_bytes, write_json
+from bench.common import SHAPES, copy_bandwidth, device_name, param_bytes, write_json
 from jaxspec.config import ModelConfig
 from jaxspec.decode import decode_steps
 from jaxspec.kv import KVCache, kv_bytes_per_token

@@ -40,8 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_cycle import copy_bandwidth, timed  # noqa: E402
-from bench.common import LLAMA3_8B, device_name, write_json  # noqa: E402
+from bench.common import LLAMA3_8B, copy_bandwidth, device_name, timed, write_json  # noqa: E402
 from jaxspec.models import eagle  # noqa: E402
 from jaxspec.spec import SpecConfig  # noqa: E402
 from jaxspec.spec import draft as draft_lib  # noqa: E402
