@@ -10,7 +10,7 @@
 #   bash bench/gpu_plan.sh sweep_b     # issue 8: batch 16, 64 (MT-bench)
 #   bash bench/gpu_plan.sh sharegpt    # issue 8: batch 1, 16, 64 (ShareGPT)
 #   bash bench/gpu_plan.sh engine      # issue 6: busy fraction and host ms per step, real model
-#   bash bench/gpu_plan.sh decode      # issues 2/4: 8B decode, kernels vs XLA, multi-step re-check
+#   bash bench/gpu_plan.sh decode      # issues 2/4: 8B step overhead, kernels vs XLA, multi-step
 #   bash bench/gpu_plan.sh cycle       # issues 3/4: 8B cycle table incl. (6,10,60)
 #   bash bench/gpu_plan.sh eagle3      # issue 7: train an EAGLE-3 head, tau vs the shipped EAGLE-1
 #                                      #   (carry .gpu/run1/examples_sd.npz and .gpu/train/)
@@ -45,6 +45,7 @@ case "${1:-}" in
     run engine 560 python3 -m bench.bench_engine --model "$GGUF"
     ;;
   decode)
+    run step_overhead 240 python3 -m bench.bench_step_overhead
     run decode 300 python3 -m bench.bench_decode --layouts static --only llama3-8b
     run decode_xla 200 python3 -m bench.bench_decode --layouts static --attn reference --only llama3-8b
     ;;
