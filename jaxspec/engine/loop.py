@@ -36,6 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
+import jax
 import numpy as np
 
 from jaxspec.sampling import SamplingParams, flat_params, logprob_dicts, seed_key
@@ -132,7 +133,9 @@ class Engine:
     64, 256, 512 wide; 1, 4, 16, 64 slots) keeps warm-up short and costs little where prefill is
     cheap (a small model: a chunk's time is mostly reading the weights); 2 halves the worst
     padding for a model whose prefill is compute bound, for about twice the compilations.
-    compile_workers: threads compiling the warm-up shapes (default: the CPU count).
+    compile_workers: threads compiling the warm-up shapes. Default: the CPU count on an
+    accelerator's host; 1 on the CPU backend, whose compilations share the cores with everything
+    else (measured slower with 2 threads than with 1 on a 2-core machine).
     detokenize: token ids -> text (needed for text deltas and stop strings).
     """
 
@@ -154,7 +157,8 @@ class Engine:
         self.chunk, self.min_chunk = chunk, min_chunk
         self.widths = _buckets(min_chunk, chunk, bucket_growth)
         self.slot_buckets = _buckets(1, self.slots, bucket_growth)
-        self.compile_workers = compile_workers or os.cpu_count() or 1
+        self.compile_workers = compile_workers or (
+            1 if jax.default_backend() == "cpu" else os.cpu_count() or 1)
         self.detokenize = detokenize
         self.state = backend.init_state()
         self.waiting: collections.deque = collections.deque()
@@ -164,6 +168,7 @@ class Engine:
         self.runs: Dict[int, _Run] = {}
         self.rows = np.zeros(self.slots, np.int64)         # reserved KV rows (0 when free)
         self._logprob_runs = 0                             # live runs that asked for logprobs
+        self._device_outputs = jax.default_backend() != "cpu"
         self.pending: collections.deque = collections.deque()
         self._next_run = 0
         self._next_id = 0
@@ -399,7 +404,10 @@ class Engine:
     def _prefetch(self, out):
         """Starts the device->host copies of what the host will read (tokens, accept lengths,
         and logprobs while a live run asked for them) as soon as the device has them, so the
-        read a step later finds them on the host instead of making a round trip per array."""
+        read a step later finds them on the host instead of making a round trip per array.
+        On the CPU the outputs are in host memory already: nothing to start."""
+        if not self._device_outputs:
+            return
         arrays = [out.tokens, getattr(out, "accept", None)]
         if self._logprob_runs:
             arrays += [out.logprob, out.top_ids, out.top_logprobs]
