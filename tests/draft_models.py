@@ -3,6 +3,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.models import eagle, llama
 
@@ -67,3 +68,17 @@ def agreeing_eagle3_pair(cfg, scale: float, lm_head_scale: float, aux_layers=Non
     params = dict(head.params, embed=own_embed, hidden_norm=jnp.zeros((h,)), layers=layers,
                   lm_head=peak * lm[:, ids])
     return p, eagle3.Eagle3Head(params, hc)
+
+
+def candidate_paths(cands, slot):
+    """Drafted candidates (tokens, scores, parents) of one slot -> {token path from the root's
+    child: cumulative score}, the form the step-by-step drafting references produce."""
+    tok, score, par = (np.asarray(x[slot]) for x in cands)
+    out = {}
+    for c in range(tok.shape[0]):
+        path, j = [], c
+        while j >= 0:
+            path.append(int(tok[j]))
+            j = int(par[j])
+        out[tuple(reversed(path))] = float(score[c])
+    return out

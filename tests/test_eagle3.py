@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from draft_models import agreeing_eagle3_pair
+from draft_models import agreeing_eagle3_pair, candidate_paths as _cycle_paths
 from jaxspec.config import ModelConfig
 from jaxspec.kv import init_cache
 from jaxspec.loading.common import WeightsError
@@ -225,18 +225,6 @@ def _reference_tree(params, head, seq, root, spec, tree_pos_offset=0):
         out.update({c[0]: c[1] for c in kids})
         order = np.argsort(-np.array([c[1] for c in kids]), kind="stable")[:spec.topk]
         frontier = [kids[j] for j in order]
-    return out
-
-
-def _cycle_paths(cands, slot):
-    tok, score, par = (np.asarray(x[slot]) for x in cands)
-    out = {}
-    for c in range(tok.shape[0]):
-        path, j = [], c
-        while j >= 0:
-            path.append(int(tok[j]))
-            j = int(par[j])
-        out[tuple(reversed(path))] = float(score[c])
     return out
 
 

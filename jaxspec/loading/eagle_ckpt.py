@@ -278,13 +278,12 @@ def convert_eagle1(sd: Mapping[str, np.ndarray], cfg: ModelConfig, origin: str =
     return _cast(params, dtype)
 
 
-def load_eagle1(path, cfg: ModelConfig, dtype=None):
-    """A public EAGLE-1 checkpoint (dir, .bin or .safetensors) -> draft params (jax arrays)."""
+def _eagle1_params(sd, config, cfg: ModelConfig, origin: str, dtype):
+    """A public EAGLE-1 state dict and its config.json -> draft params (jax arrays, fp32 unless
+    `dtype`), shapes and config checked against the target `cfg`."""
     import jax
     import jax.numpy as jnp
 
-    sd, config = read_state_dict(path)
-    origin = str(path)
     _check_config(config, cfg, origin, [("hidden_size", "hidden_size"),
                                         ("num_attention_heads", "num_heads"),
                                         ("num_key_value_heads", "num_kv_heads"),
@@ -292,6 +291,13 @@ def load_eagle1(path, cfg: ModelConfig, dtype=None):
     params = convert_eagle1(sd, cfg, origin)
     dt = dtype if dtype is not None else jnp.float32
     return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dt), params)
+
+
+def load_eagle1(path, cfg: ModelConfig, dtype=None):
+    """A public EAGLE-1 checkpoint (dir, .bin or .safetensors) -> draft params (jax arrays)."""
+    sd, config = read_state_dict(path)
+    origin = str(path)
+    return _eagle1_params(sd, config, cfg, origin, dtype)
 
 
 def eagle3_head_config(config: Mapping, cfg: ModelConfig, sd: Optional[Mapping] = None) -> dict:
@@ -471,22 +477,13 @@ def load_draft(path, cfg: ModelConfig, dtype=None):
     """A draft checkpoint -> draft params: our own head file (`save_head`, what `jaxspec
     train-eagle` writes), or a public one (dir, .safetensors or .bin) of either layout: an
     EAGLE-1 params dict, or an Eagle3Head (layout told by config.json or the tensor names)."""
-    import jax
-    import jax.numpy as jnp
-
     if is_own_head_file(path):
         return load_head(path, cfg, dtype)
     sd, config = read_state_dict(path)
     origin = str(path)
     if is_eagle3_checkpoint(sd, config):
         return _eagle3_head(sd, config, cfg, origin, dtype)
-    _check_config(config, cfg, origin, [("hidden_size", "hidden_size"),
-                                        ("num_attention_heads", "num_heads"),
-                                        ("num_key_value_heads", "num_kv_heads"),
-                                        ("intermediate_size", "intermediate_size")])
-    params = convert_eagle1(sd, cfg, origin)
-    dt = dtype if dtype is not None else jnp.float32
-    return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dt), params)
+    return _eagle1_params(sd, config, cfg, origin, dtype)
 
 
 def eagle3_state_dict(head) -> Dict[str, np.ndarray]:
