@@ -58,8 +58,11 @@ def load(args):
 
 
 def make(cfg, params, head, mode, batch, max_model_len, tok, bucket_growth=4):
-    if mode == "plain":
-        backend = PlainBackend(cfg, params, batch, max_model_len + 8, n_steps=4)
+    """mode: 'plain' (4 decode steps per cycle), 'plain:N' (N steps; LLM uses 16), or a spec
+    preset."""
+    if mode.startswith("plain"):
+        n = int(mode.partition(":")[2] or 4)
+        backend = PlainBackend(cfg, params, batch, max_model_len + 2 * n, n_steps=n)
     else:
         spec = resolve_spec(mode)
         backend = SpecBackend(cfg, params, head, spec, batch, max_model_len + 2 * spec.max_emit)
@@ -100,13 +103,16 @@ def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, arg
         return dict(mode=mode, batch=batch, compile_s=compile_s,
                     admission_shapes=len(engine.admission_shapes()))
     sizes = compiled(engine)
-    sp = SamplingParams(max_tokens=gen, ignore_eos=True)
+    gen_min = args.gen_min or gen
+
+    def params_():     # max_tokens uniform in [gen_min, gen]: requests end at different cycles
+        return SamplingParams(max_tokens=int(rng.integers(gen_min, gen + 1)), ignore_eos=True)
 
     def prompt():
         return [int(t) for t in rng.integers(0, cfg.vocab_size, int(rng.integers(16, 128)))]
 
     for _ in range(batch):
-        engine.add_request(prompt(), sp)
+        engine.add_request(prompt(), params_())
     for _ in range(20):                       # fill every slot
         engine.step()
     dev_ms = device_ms_per_cycle(engine, 50)  # slots hold live requests: a realistic state
@@ -115,7 +121,7 @@ def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, arg
     tokens = 0
     for _ in range(steps):
         while len(engine.requests) < batch:   # steady state: a newcomer per finished request
-            engine.add_request(prompt(), sp)
+            engine.add_request(prompt(), params_())
         tokens += sum(len(d.token_ids) for d in engine.step())
     wall = time.perf_counter() - t0
     st = engine.stats
@@ -136,8 +142,12 @@ def main():
     ap.add_argument("--head", default=None)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--gen", type=int, default=128, help="tokens per request")
+    ap.add_argument("--gen-min", type=int, default=None,
+                    help="vary max_tokens uniformly in [gen-min, gen] (as EOS would)")
+    ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--batches", default="1,64")
-    ap.add_argument("--modes", default="chain,plain")
+    ap.add_argument("--modes", default="chain,plain",
+                    help="comma list: plain, plain:N (N decode steps per cycle), spec presets")
     ap.add_argument("--tiny", action="store_true", help="tiny config, CPU smoke run")
     ap.add_argument("--bucket-growth", type=int, default=4,
                     help="ratio of successive admission buckets (Engine(bucket_growth=))")
@@ -148,7 +158,8 @@ def main():
     rows = []
     for mode in args.modes.split(","):
         for b in (int(x) for x in args.batches.split(",")):
-            r = run_case(cfg, params, head, tok, mode, b, args.steps, 512, args.gen, args)
+            r = run_case(cfg, params, head, tok, mode, b, args.steps, args.max_model_len, args.gen,
+                         args)
             rows.append(r)
             print(r, flush=True)
     write_json("bench_engine.json", dict(device=device_name(), rows=rows))

@@ -236,9 +236,10 @@ def run_sweep(args, result):
                 probes[m.label] = adaptive.probe(llm, adaptive.probe_chats(prompts, b), sp,
                                                  m.spec is not None, args.probe_tokens)
             bar.set_postfix_str(f"batch {b}, {m.label}: timed")
-            outs, secs = R.timed_generate(llm, chats, sp)
+            outs, secs, compiled = R.timed_generate(llm, chats, sp)
             del llm
             row = R.summarize(m, b, outs, secs, target.draft_label)
+            row["compiled_in_timed_pass"] = compiled
             if m is R.PLAIN:
                 plain_outs, base = outs, row["tokens_per_s"]
                 plain_first = plain_first or outs
@@ -432,10 +433,11 @@ def run_accuracy(args, result):
             prompts = _fit(args, result, target, prompts)
         chats = [p["chat"] for p in prompts]
         R.warm(llm, chats, sp)
-        outs, secs = R.timed_generate(llm, chats, sp)
+        outs, secs, compiled = R.timed_generate(llm, chats, sp)
         got = [P.last_number(o.text) for o in outs]
         correct = sum(g is not None and g == p["answer"] for g, p in zip(got, prompts))
         row = {**R.summarize(m, b, outs, secs, target.draft_label),
+               "compiled_in_timed_pass": compiled,
                "accuracy": correct / len(prompts), "correct": correct,
                "answers": got}
         if m is R.PLAIN:

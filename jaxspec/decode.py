@@ -65,6 +65,19 @@ def loop_params(params, cfg: ModelConfig, n_steps: int):
     return params
 
 
+def scan_steps(step, carry, xs, n_steps: int):
+    """lax.scan(step, carry, xs, length=n_steps), without the loop when n_steps == 1.
+
+    A one-iteration scan is still a while loop to XLA, which does not fuse or schedule across
+    its boundary; on the H100 at the Llama-3-8B shape, batch 1, decode_steps with a one-step
+    scan took 6.50 ms per step where the same step jitted without it took 5.66 ms."""
+    if n_steps != 1:
+        return jax.lax.scan(step, carry, xs, length=n_steps)
+    x0 = None if xs is None else jax.tree_util.tree_map(lambda x: x[0], xs)
+    carry, y = step(carry, x0)
+    return carry, jax.tree_util.tree_map(lambda a: a[None], y)
+
+
 @functools.partial(jax.jit, static_argnums=(1, 6), donate_argnums=(2,))
 def decode_steps(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampling, key,
                  n_steps: int):
@@ -85,7 +98,7 @@ def decode_steps(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampl
         nxt = sample(llama.lm_head(params, cfg, hidden[:, 0]), sp, sub)
         return (cache, nxt, key), nxt
 
-    (cache, _, key), out = jax.lax.scan(step, (cache, tokens, key), None, length=n_steps)
+    (cache, _, key), out = scan_steps(step, (cache, tokens, key), None, n_steps)
     return cache, out.T, key
 
 
@@ -137,8 +150,7 @@ def decode_scan(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampli
         nxt = em.tokens if active is None else jnp.where(active, em.tokens, tok)
         return (cache, nxt, hist, keys), em
 
-    (cache, _, hist, keys), out = jax.lax.scan(step, (cache, tokens, hist, keys), xs,
-                                               length=n_steps)
+    (cache, _, hist, keys), out = scan_steps(step, (cache, tokens, hist, keys), xs, n_steps)
     out = jax.tree_util.tree_map(lambda x: jnp.moveaxis(x, 0, 1), out)
     return cache, hist, keys, out
 

@@ -142,6 +142,18 @@ class LLM:
                            self.max_model_len + 2 * spec.max_emit, seed=self.seed)
 
     # -- input handling ------------------------------------------------------------------
+    def warmup(self):
+        """Compiles everything serving will run (the cycle and every admission bucket) now,
+        ahead of time, so the first requests do not wait on compilation. Optional: without it,
+        each shape compiles on its first use."""
+        if self.dp_runner is None:
+            self.engine.warmup()
+
+    def compilations(self) -> int:
+        """Calls so far that found no executable compiled ahead of time (each such shape
+        compiles on its first use); after `warmup`, anything above 0 is a missed shape."""
+        return 0 if self.dp_runner is not None else self.engine.backend.jit_calls
+
     def _encode(self, prompt: Prompt) -> List[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)

@@ -13,7 +13,8 @@ from jaxspec.benchmark import adaptive, large, prompts, runner, serving
 from jaxspec.benchmark.runner import divergence, first_difference, parse_specs
 
 ROW_KEYS = {"mode", "batch", "spec", "requests", "tokens", "seconds", "tokens_per_s",
-            "accept_len", "accept_hist", "speedup", "mean_ttft_s", "mean_latency_s"}
+            "accept_len", "accept_hist", "speedup", "mean_ttft_s", "mean_latency_s",
+            "compiled_in_timed_pass"}
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,8 @@ def test_json_schema(sweep):
     for r in res["rows"]:
         assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
         assert r["requests"] == 3 and r["tokens"] > 0 and r["tokens_per_s"] > 0
+        # the warm-up compiled every shape the timed pass used: nothing compiles while timed
+        assert r["compiled_in_timed_pass"] == 0, r
     plain, chain = res["rows"][0], res["rows"][1]
     assert plain["speedup"] == 1.0 and plain["accept_len"] is None
     assert chain["spec"] == {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}

@@ -116,9 +116,12 @@ def warm(llm, chats, sp):
 
 
 def timed_generate(llm, chats, sp):
+    """-> (outputs, seconds, shapes compiled during the timed pass (0 once warmed up))."""
+    before = llm.compilations() if hasattr(llm, "compilations") else 0
     t0 = time.perf_counter()
     outs = llm.generate(chats, sp)
-    return outs, time.perf_counter() - t0
+    secs = time.perf_counter() - t0
+    return outs, secs, (llm.compilations() if hasattr(llm, "compilations") else 0) - before
 
 
 def summarize(mode: Mode, batch: int, outs, secs: float, draft_label: str) -> dict:
