@@ -32,7 +32,7 @@ from jaxspec import compile_cache
 from jaxspec.config import ModelConfig
 from jaxspec.engine import Engine, PlainBackend, SpecBackend
 from jaxspec.models import eagle, llama
-from jaxspec.sampling import SamplingParams
+from jaxspec.sampling import LEAN, SamplingParams
 from jaxspec.spec.config import resolve_spec
 
 TINY = ModelConfig(arch="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=96,
@@ -74,11 +74,11 @@ def device_ms_per_cycle(engine, n):
     """Back-to-back cycles on a full state: the device's own time per cycle (host idle)."""
     be, state = engine.backend, engine.state
     active = np.ones(be.slots, bool)
-    state, out = be.cycle(state, active)
+    state, out = be.cycle(state, active, LEAN)
     np.asarray(out.tokens)
     t0 = time.perf_counter()
     for _ in range(n):
-        state, out = be.cycle(state, active)
+        state, out = be.cycle(state, active, LEAN)
     np.asarray(out.tokens)
     engine.state = state
     return (time.perf_counter() - t0) / n * 1e3

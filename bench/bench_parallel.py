@@ -40,7 +40,7 @@ from jaxspec.parallel import (DataParallelPlainRunner, DataParallelSpecRunner,  
                               make_mesh, shard_draft_params, shard_params, shard_state)
 from jaxspec.parallel.data_parallel import pmap_spec, replicate  # noqa: E402
 from jaxspec.parallel.tensor_parallel import tp_cycle  # noqa: E402
-from jaxspec.sampling import SamplingParams  # noqa: E402
+from jaxspec.sampling import LEAN, SamplingParams  # noqa: E402
 from jaxspec.spec import init_state, jit_cycle  # noqa: E402
 from jaxspec.spec.config import resolve_spec  # noqa: E402
 
@@ -114,7 +114,7 @@ def dp_device_only(cfg, p, d, args, replicas, preset):
     b, max_len = args.slots, args.prompt_len + args.cycles * spec.max_emit + 64
     dtype = p["embed"].dtype
     active1 = jnp.ones((b,), bool)
-    cyc = jit_cycle(cfg, spec)
+    cyc = jit_cycle(cfg, spec, features=LEAN)
     state = init_state(cfg, spec, b, max_len, dtype)
     state = _fill(state, args.prompt_len)
     for _ in range(2):
@@ -128,7 +128,8 @@ def dp_device_only(cfg, p, d, args, replicas, preset):
         return state
 
     devices = jax.local_devices()[:replicas]
-    init, _, pcyc = pmap_spec(cfg, spec, tuple(devices), b, max_len, jnp.dtype(dtype))
+    init, _, pcycs = pmap_spec(cfg, spec, tuple(devices), b, max_len, jnp.dtype(dtype))
+    pcyc = pcycs[LEAN]      # greedy requests: the variant the runners pick
     pr, dr = replicate(p, devices), replicate(d, devices)
     pstate = _fill(init(np.zeros((replicas,), np.int32)), args.prompt_len)
     actd = np.ones((replicas, b), bool)
@@ -169,7 +170,7 @@ def _fill(state, prompt_len):
 # ------------------------------------------------------------------------------ tensor parallel
 
 
-def tp_step_times(cfg, args, model_parallel):
+def tp_step_times(cfg, args, model_parallel, save=lambda rows: None):
     """Per-step ms of plain decode and spec cycles, one device vs the model axis."""
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     p, d = random_pair(cfg, dtype)
@@ -194,6 +195,7 @@ def tp_step_times(cfg, args, model_parallel):
             rows.append(dict(part="tp", mode=preset, batch=batch, model_parallel=model_parallel,
                              single_ms=times["single"], tp_ms=times["tp"],
                              speedup=times["single"] / times["tp"]))
+            save(rows)
             print(f"tp {preset:6s} batch {batch:3d}: 1 GPU {times['single']:.2f} ms, "
                   f"{model_parallel} GPUs {times['tp']:.2f} ms", flush=True)
     return rows
@@ -261,6 +263,10 @@ def main(argv=None):
     dp_cfg = dataclasses.replace(dp_cfg, unroll_layers=jax.default_backend() == "gpu")
     tp_cfg = dataclasses.replace(tp_cfg, unroll_layers=jax.default_backend() == "gpu")
     rows = []
+
+    def save(more=()):   # after every row, so a run cut short keeps what it measured
+        write_json("bench_parallel.json", {"device": device_name(), "devices": n,
+                                           "args": vars(args), "rows": rows + list(more)})
     if "dp" in args.part:
         dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
         p, d = random_pair(dp_cfg, dtype)
@@ -269,10 +275,10 @@ def main(argv=None):
             if mode != "plain":
                 rows += dp_device_only(dp_cfg, p, d, args, 2, mode)
             print(rows[-1], flush=True)
+            save()
     if "tp" in args.part:
-        rows += tp_step_times(tp_cfg, args, n)
-    write_json("bench_parallel.json", {"device": device_name(), "devices": n, "args": vars(args),
-                                       "rows": rows})
+        rows += tp_step_times(tp_cfg, args, n, save)
+    save()
     print(f"\n{device_name()} x{n}")
     for r in rows:
         if r["part"] == "dp" and r["measure"] == "end-to-end":

@@ -17,9 +17,9 @@ import numpy as np
 from jaxspec.config import ModelConfig
 from jaxspec.kv import KVCache
 from jaxspec.models import llama
-from jaxspec.sampling import (MAX_LOGPROBS, Emitted, SamplingParams, SlotSampling, TokenCounts,
-                               apply_penalties, logprob_dicts, sample, sample_slots, slot_keys,
-                               split_slot_keys, token_logprobs)
+from jaxspec.sampling import (MAX_LOGPROBS, Emitted, Features, SamplingParams, SlotSampling,
+                              TokenCounts, apply_penalties, cond, logprob_dicts, sample,
+                              sample_slots, slot_keys, split_slot_keys, token_logprobs)
 from pallas_kernels.kv_compact import kv_compact
 
 
@@ -107,7 +107,7 @@ def _emit(logits, sp: SlotSampling, hist: TokenCounts, keys, forced, num_top: in
 
     forced [B] (or None): emit these tokens instead of sampling, reporting their logprobs.
     live [B] bool (or None: all): only these slots count the token and advance their key."""
-    pen = jax.lax.cond(sp.any_penalty(), lambda: apply_penalties(logits, sp, hist),
+    pen = cond(sp.any_penalty(), lambda: apply_penalties(logits, sp, hist),
                        lambda: logits)
     new_keys, sub = split_slot_keys(keys, 2)
     tok = sample_slots(pen, sp, sub) if forced is None else forced.astype(jnp.int32)
@@ -129,12 +129,14 @@ def first_token(params, cfg: ModelConfig, hidden, sp: SlotSampling, hist: TokenC
 
 def decode_scan(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampling,
                 hist: TokenCounts, keys, forced=None, active=None, *, n_steps: int,
-                num_top: int = MAX_LOGPROBS):
+                num_top: int = MAX_LOGPROBS, features: Optional[Features] = None):
     """The body of `sample_steps` (not jitted, to be traced inside other functions).
 
     active [B] bool (or None: all): idle slots write no KV rows, keep their input token, counts
-    and key; their emitted tokens are meaningless."""
+    and key; their emitted tokens are meaningless. features (static, or None: device flags under
+    lax.cond): what the batch uses, known on the host (`sampling.Features`)."""
     b = tokens.shape[0]
+    sp = sp.with_features(features)
     mask = jnp.ones((b, 1, 1), bool)
     xs = None if forced is None else forced.T
     params = loop_params(params, cfg, n_steps)

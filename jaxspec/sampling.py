@@ -109,6 +109,38 @@ def _finite(x) -> bool:
         return False
 
 
+class Features(NamedTuple):
+    """What some slot of a batch may use, known on the host: the engine picks a compiled
+    variant per cycle instead of testing device flags with lax.cond. XLA's GPU conditional
+    copies its predicate to the host and blocks the dispatching thread until the device reaches
+    it, so host work (reading tokens, admitting) cannot overlap the device; a variant with these
+    decided at trace time has no conditional. False leaves the feature's code out; True runs it
+    for every slot (exact for slots without it: their rows pass through unchanged)."""
+    sampled: bool        # temperature > 0 (and the filters behind it)
+    penalty: bool        # repetition / frequency / presence
+    logprobs: bool
+
+    @classmethod
+    def of(cls, params: Sequence["SamplingParams"]) -> "Features":
+        """The two variants the engine compiles: LEAN when every request is greedy with no
+        penalty or logprobs, else FULL."""
+        lean = all(p.temperature == 0 and p.repetition_penalty == 1 and p.frequency_penalty == 0
+                   and p.presence_penalty == 0 and not p.logprobs for p in params)
+        return LEAN if lean else FULL
+
+
+LEAN = Features(sampled=False, penalty=False, logprobs=False)
+FULL = Features(sampled=True, penalty=True, logprobs=True)
+VARIANTS = (LEAN, FULL)     # what the engine's backends compile
+
+
+def cond(pred, true_fn, false_fn, *operands):
+    """lax.cond, or the branch itself when pred is a Python bool (decided at trace time)."""
+    if isinstance(pred, bool):
+        return (true_fn if pred else false_fn)(*operands)
+    return jax.lax.cond(pred, true_fn, false_fn, *operands)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SlotSampling:
@@ -122,6 +154,12 @@ class SlotSampling:
     frequency_penalty: jax.Array
     presence_penalty: jax.Array
     logprobs: jax.Array
+    # Static (part of the tree structure, not an array): when set, the any_* tests below are
+    # Python bools decided on the host (see Features), so `cond` needs no device flag.
+    features: Optional[Features] = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def with_features(self, features: Optional[Features]) -> "SlotSampling":
+        return dataclasses.replace(self, features=features)
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], slots: int) -> "SlotSampling":
@@ -152,17 +190,25 @@ class SlotSampling:
         return cls.from_params([], slots)
 
     def any_sampled(self):
+        if self.features is not None:
+            return self.features.sampled
         return jnp.any(self.temperature > 0)
 
     def any_filter(self):
         """Some slot truncates its distribution (top-k, top-p or min-p): the sort is needed."""
+        if self.features is not None:
+            return self.features.sampled or self.features.logprobs
         return jnp.any((self.top_k > 0) | (self.top_p < 1) | (self.min_p > 0))
 
     def any_penalty(self):
+        if self.features is not None:
+            return self.features.penalty
         return jnp.any((self.repetition_penalty != 1) | (self.frequency_penalty != 0)
                        | (self.presence_penalty != 0))
 
     def any_logprobs(self):
+        if self.features is not None:
+            return self.features.logprobs
         return jnp.any(self.logprobs >= 0)
 
 
@@ -293,7 +339,7 @@ def processed_logprobs(logits, sp: SlotSampling):
     lp = jax.nn.log_softmax(logits / t, axis=-1)
     # The filters sort every row ([B, N, V] in a tree verify); without any filter in the batch
     # they would keep every token, so the sort is skipped.
-    return jax.lax.cond(sp.any_filter(), lambda: _filtered(lp, sp), lambda: lp)
+    return cond(sp.any_filter(), lambda: _filtered(lp, sp), lambda: lp)
 
 
 def _filtered(lp, sp: SlotSampling):
@@ -325,7 +371,7 @@ def sample(logits, sp: SlotSampling, key):
         draw = jax.random.categorical(key, lp, axis=-1).astype(jnp.int32)
         return jnp.where(sp.temperature > 0, draw, greedy)
 
-    return jax.lax.cond(sp.any_sampled(), sampled, lambda _: greedy, None)
+    return cond(sp.any_sampled(), sampled, lambda _: greedy, None)
 
 
 def sample_slots(logits, sp: SlotSampling, keys):
@@ -338,7 +384,7 @@ def sample_slots(logits, sp: SlotSampling, keys):
         draw = jax.vmap(jax.random.categorical)(keys, lp).astype(jnp.int32)
         return jnp.where(sp.temperature > 0, draw, greedy)
 
-    return jax.lax.cond(sp.any_sampled(), sampled, lambda _: greedy, None)
+    return cond(sp.any_sampled(), sampled, lambda _: greedy, None)
 
 
 # ---------------------------------------------------------------- logprobs
@@ -371,7 +417,7 @@ def token_logprobs(logits, sp: SlotSampling, tokens, num_top: int):
         return (jnp.zeros((b, r), jnp.float32), jnp.zeros((b, r, k), jnp.int32),
                 jnp.zeros((b, r, k), jnp.float32))
 
-    return jax.lax.cond(sp.any_logprobs(), compute, skip, None)
+    return cond(sp.any_logprobs(), compute, skip, None)
 
 
 def logprob_dicts(tokens, logprob, top_ids, top_logprobs, n: int) -> List[Dict[int, float]]:

@@ -6,7 +6,7 @@ import pytest
 
 from jaxspec.engine import Engine
 from jaxspec.engine.loop import _bucket, _buckets
-from jaxspec.sampling import SamplingParams
+from jaxspec.sampling import FULL, LEAN, VARIANTS, SamplingParams
 from test_engine import (CFG, MAX_MODEL_LEN, SLOTS, compiled_shapes, greedy_ref, make_engine)
 
 
@@ -36,7 +36,8 @@ def test_warmup_compiles_ahead_and_serves_without_jit(kind):
     engine = make_engine(kind)
     engine.warmup()
     be = engine.backend
-    want = {("cycle",)} | {("admit", a, w) for a, w in engine.admission_shapes()}
+    want = {("cycle", f) for f in VARIANTS} | \
+        {("admit", a, w) for a, w in engine.admission_shapes()}
     assert set(be.executables) == want
     assert be.jit_calls == 0
     before = compiled_shapes(engine)
@@ -57,3 +58,42 @@ def test_warmup_compiles_ahead_and_serves_without_jit(kind):
     z = np.zeros(2, np.int32)
     engine.state, _ = be.admit(engine.state, pad, np.zeros((2, 16), np.int32), z, z, z - 1)
     assert compiled_shapes(engine) != before and be.jit_calls == 1
+
+
+@pytest.mark.parametrize("kind", ["spec", "plain"])
+def test_cycle_variants_have_no_conditional(kind):
+    """The engine's cycle variants decide sampling, penalties and logprobs at trace time: no
+    conditional in the program (XLA's GPU conditional blocks the dispatching thread on its
+    predicate). The device-flag form (features=None) is what they replace."""
+    from jaxspec.spec.cycle import cycle
+    engine = make_engine(kind)
+    be = engine.backend
+    idle = np.zeros(SLOTS, bool)
+    for f in VARIANTS:
+        _, lowered = be.cycle(engine.state, idle, f, lower=True)
+        assert "stablehlo.case" not in lowered.as_text(), f
+    if kind == "spec":
+        dyn = jax.jit(lambda p, d, s, a: cycle(p, d, s, a, cfg=be.cfg, spec=be.spec))
+        text = dyn.lower(be.params, be.draft_params, engine.state, idle).as_text()
+        assert "stablehlo.case" in text      # the check can see a conditional
+
+
+def test_engine_picks_lean_while_every_request_is_greedy():
+    engine = make_engine("spec")
+    used = []
+    cyc = engine.backend.cycle
+    engine.backend.cycle = lambda st, act, f=FULL, **kw: (used.append(f), cyc(st, act, f, **kw))[1]
+    a = engine.add_request([5, 17, 42], SamplingParams(max_tokens=6, ignore_eos=True))
+    list(engine.drain())
+    assert set(used) == {LEAN} and engine.pop_finished(a).output == greedy_ref([5, 17, 42])[:6]
+    used.clear()
+    engine.add_request([5, 17, 42], SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.add_request([7, 8], SamplingParams(max_tokens=6, temperature=1.0, seed=3,
+                                              ignore_eos=True))
+    list(engine.drain())
+    assert FULL in used
+    used.clear()
+    engine.add_request([9, 10], SamplingParams(max_tokens=4, ignore_eos=True,
+                                               repetition_penalty=1.3))
+    list(engine.drain())
+    assert set(used) == {FULL}

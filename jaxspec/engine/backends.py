@@ -7,8 +7,11 @@ retract) does not know which one runs:
   admit(state, slot_idx, tokens, start, n_valid, next_tok[, adm])
                                                  -> (state, Emitted [A]: first tokens (-1: none)
                                                     and their logprobs)
-  cycle(state, active [B] bool)                  -> (state, CycleTokens: tokens [B, E] (-1
+  cycle(state, active [B] bool, features)        -> (state, CycleTokens: tokens [B, E] (-1
                                                     padded), accept [B] or None, logprobs)
+                                                 features: sampling.LEAN (every active slot
+                                                 greedy, no penalty, no logprobs) or FULL; one
+                                                 executable each, neither with a conditional
   emit                                           E, the most tokens (and KV rows) a slot gains
                                                  per cycle
   key_advances(n_out, n_cycles)                  key splits past the first draw that a request
@@ -37,7 +40,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.decode import decode_scan
 from jaxspec.kv import KVCache, init_cache
 from jaxspec.models import llama
-from jaxspec.sampling import SlotSampling, TokenCounts
+from jaxspec.sampling import FULL, VARIANTS, Features, SlotSampling, TokenCounts
 from jaxspec.spec.admit import (AdmitArgs, _chunk_forward, _last_row, admit_sampling,
                                 batch_axes, chunk_history, jit_spec_admit, put_slots, take_slots)
 
@@ -94,7 +97,7 @@ class SpecBackend(_Dispatch):
         self.dtype = params["embed"].dtype
         self.emit = self.spec.max_emit
         self.key = _engine_key(seed)
-        self._cycle = jit_cycle(cfg, self.spec)
+        self._cycles = {f: jit_cycle(cfg, self.spec, features=f) for f in VARIANTS}
         self._admit = jit_spec_admit(cfg, self.spec, slots, max_len, self.dtype)
         self._init_dispatch()
 
@@ -113,9 +116,9 @@ class SpecBackend(_Dispatch):
                           (self.params, self.draft_params, state, slot_idx, tokens, start,
                            n_valid, next_tok, adm, self.key), lower)
 
-    def cycle(self, state, active, *, lower=False):
-        got = self._call(("cycle",), self._cycle, (self.params, self.draft_params, state, active),
-                         lower)
+    def cycle(self, state, active, features: Features = FULL, *, lower=False):
+        got = self._call(("cycle", features), self._cycles[features],
+                         (self.params, self.draft_params, state, active), lower)
         if lower:
             return got
         state, out = got
@@ -123,7 +126,7 @@ class SpecBackend(_Dispatch):
                                   out.top_logprobs)
 
     def jitted(self) -> List:
-        return [self._cycle, self._admit]
+        return [*self._cycles.values(), self._admit]
 
 
 # ----------------------------------------------------------------------------- plain decoding
@@ -161,14 +164,15 @@ def plain_admit(params, state: PlainState, slot_idx, tokens, start, n_valid, nex
     return put_slots(state, axes, slot_idx, new), first
 
 
-def plain_cycle(params, state: PlainState, active, *, cfg: ModelConfig, n_steps: int):
+def plain_cycle(params, state: PlainState, active, *, cfg: ModelConfig, n_steps: int,
+                features: Optional[Features] = None):
     """n_steps decode steps for the active slots (decode.sample_steps' body: penalties, per-slot
     keys, logprobs); idle slots write no KV rows and change nothing.
 
     Returns (state, CycleTokens with tokens [B, n_steps] (-1 for idle slots))."""
     cache, hist, keys, em = decode_scan(params, cfg, state.cache, state.tokens, state.sampling,
                                         state.history, state.keys, active=active,
-                                        n_steps=n_steps)
+                                        n_steps=n_steps, features=features)
     tokens = jnp.where(active, em.tokens[:, -1], state.tokens)
     new = PlainState(cache, tokens, state.sampling, keys, hist)
     return new, CycleTokens(jnp.where(active[:, None], em.tokens, -1), None, em.logprob,
@@ -179,8 +183,9 @@ def plain_cycle(params, state: PlainState, active, *, cfg: ModelConfig, n_steps:
 def _jit_plain(cfg: ModelConfig, slots: int, max_len: int, dtype, n_steps: int):
     axes = batch_axes(lambda b: init_plain_state(cfg, b, max_len, dtype), slots)
     admit = jax.jit(functools.partial(plain_admit, cfg=cfg, axes=axes), donate_argnums=(1,))
-    cycle = jax.jit(functools.partial(plain_cycle, cfg=cfg, n_steps=n_steps), donate_argnums=(1,))
-    return admit, cycle
+    cycles = {f: jax.jit(functools.partial(plain_cycle, cfg=cfg, n_steps=n_steps, features=f),
+                         donate_argnums=(1,)) for f in VARIANTS}
+    return admit, cycles
 
 
 class PlainBackend(_Dispatch):
@@ -194,7 +199,7 @@ class PlainBackend(_Dispatch):
         self.dtype = params["embed"].dtype
         self.emit = n_steps
         self.key = _engine_key(seed)
-        self._admit, self._cycle = _jit_plain(cfg, slots, max_len, self.dtype, n_steps)
+        self._admit, self._cycles = _jit_plain(cfg, slots, max_len, self.dtype, n_steps)
         self._init_dispatch()
 
     def init_state(self):
@@ -210,8 +215,9 @@ class PlainBackend(_Dispatch):
                           (self.params, state, slot_idx, tokens, start, n_valid, next_tok, adm,
                            self.key), lower)
 
-    def cycle(self, state, active, *, lower=False):
-        return self._call(("cycle",), self._cycle, (self.params, state, active), lower)
+    def cycle(self, state, active, features: Features = FULL, *, lower=False):
+        return self._call(("cycle", features), self._cycles[features], (self.params, state, active),
+                          lower)
 
     def jitted(self) -> List:
-        return [self._cycle, self._admit]
+        return [*self._cycles.values(), self._admit]

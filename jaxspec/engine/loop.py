@@ -39,7 +39,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from jaxspec.sampling import SamplingParams, flat_params, logprob_dicts, seed_key
+from jaxspec.sampling import (FULL, LEAN, VARIANTS, Features, SamplingParams, flat_params,
+                              logprob_dicts, seed_key)
 from jaxspec.spec.admit import AdmitArgs
 
 RequestId = Union[int, str]
@@ -168,6 +169,7 @@ class Engine:
         self.runs: Dict[int, _Run] = {}
         self.rows = np.zeros(self.slots, np.int64)         # reserved KV rows (0 when free)
         self._logprob_runs = 0                             # live runs that asked for logprobs
+        self._full_runs = 0                                # live runs that need the FULL cycle
         self._device_outputs = jax.default_backend() != "cpu"
         self.pending: collections.deque = collections.deque()
         self._next_run = 0
@@ -245,7 +247,10 @@ class Engine:
         if self.live.any():
             active = self.live.copy()
             t = time.perf_counter()
-            self.state, out = self.backend.cycle(self.state, active)
+            # LEAN (no sampling, penalty or logprob code) while every live request is greedy and
+            # plain; a slot that leaves keeps its rows (idle), so LEAN stays exact for the rest.
+            features = FULL if self._full_runs else LEAN
+            self.state, out = self.backend.cycle(self.state, active, features)
             self._prefetch(out)
             self.stats.dispatch_s += time.perf_counter() - t
             self.pending.append(("cycle", out, list(self.slot_run)))
@@ -276,7 +281,8 @@ class Engine:
         cycle (nothing changes)."""
         idle = np.zeros(self.slots, bool)
         with ThreadPoolExecutor(self.compile_workers) as pool:
-            jobs = [self._compile(pool, self.backend.cycle(self.state, idle, lower=True))]
+            jobs = [self._compile(pool, self.backend.cycle(self.state, idle, f, lower=True))
+                    for f in VARIANTS]
             for a, w in sorted(self.admission_shapes(), key=lambda s: -s[0] * s[1]):
                 pad = np.full(a, self.slots, np.int32)
                 z = np.zeros(a, np.int32)
@@ -318,6 +324,7 @@ class Engine:
             self.slot_run[slot] = run_id
             self.live[slot] = True
             self._logprob_runs += req.logprobs is not None
+            self._full_runs += Features.of([req.sp]) is FULL
             self.rows[slot] = len(ids)
             need += cost
             batch.append((run_id, slot, req))
@@ -393,6 +400,7 @@ class Engine:
         self.slot_run[run.slot] = None
         self.live[run.slot] = False
         self._logprob_runs -= run.req.logprobs is not None
+        self._full_runs -= Features.of([run.req.sp]) is FULL
         self.rows[run.slot] = 0
 
     # ------------------------------------------------------------------ reading outputs

@@ -28,7 +28,8 @@ from jaxspec.config import ConfigError, ModelConfig
 from jaxspec.decode import Generation, finish, first_token, prefill_bucket, prefill_chunk, \
     sample_steps
 from jaxspec.kv import init_cache
-from jaxspec.sampling import SamplingParams, SlotSampling, TokenCounts, logprob_dicts, slot_keys
+from jaxspec.sampling import (VARIANTS, Features, SamplingParams, SlotSampling, TokenCounts,
+                              logprob_dicts, slot_keys)
 from jaxspec.spec.config import SpecConfig, check_vocab, resolve_spec
 from jaxspec.spec.cycle import cycle, init_state, prefill
 from jaxspec.spec.runner import SpecResult, _Request, check_requests, prompt_bucket
@@ -78,14 +79,15 @@ def pmap_spec(cfg: ModelConfig, spec: SpecConfig, devices: Tuple[jax.Device, ...
 
     init(dummy [D]) -> state [D, ...]
     prefill(params, draft, state, tokens [D, B, P], lens [D, B], sampling [D, B], keys [D, B, 2])
-    cycle(params, draft, state, active [D, B])
+    cycle[features](params, draft, state, active [D, B]): one per `sampling.VARIANTS`
     """
     init = jax.pmap(lambda _: init_state(cfg, spec, slots, max_len, dtype), AXIS,
                     devices=devices)
     pre = jax.pmap(functools.partial(prefill, cfg=cfg, spec=spec, with_logprobs=True), AXIS,
                    in_axes=(None, None, 0, 0, 0, 0, 0), donate_argnums=(2,), devices=devices)
-    cyc = jax.pmap(functools.partial(cycle, cfg=cfg, spec=spec), AXIS,
-                   in_axes=(None, None, 0, 0), donate_argnums=(2,), devices=devices)
+    cyc = {f: jax.pmap(functools.partial(cycle, cfg=cfg, spec=spec, features=f), AXIS,
+                       in_axes=(None, None, 0, 0), donate_argnums=(2,), devices=devices)
+           for f in VARIANTS}
     return init, pre, cyc
 
 
@@ -154,12 +156,13 @@ class DataParallelSpecRunner:
         # the host; a slot that finishes in cycle n runs one more cycle, whose tokens are dropped
         # (its rows are the slack counted in `generate`).
         pending = None
+        run_cycle = self._cycle[Features.of([sp for r in sps for sp in r])]
         while True:
             active = np.array([[j < len(reqs[r]) and reqs[r][j].reason is None
                                 for j in range(b)] for r in range(d)])
             nxt = None
             if active.any():
-                self._state, co = self._cycle(self.params, self.draft_params, self._state, active)
+                self._state, co = run_cycle(self.params, self.draft_params, self._state, active)
                 nxt = (co, active)
             elif pending is None:
                 break

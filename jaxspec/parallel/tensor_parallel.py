@@ -217,11 +217,13 @@ def shard_state(state, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS):
 
 
 def on_mesh(fn, mesh: Mesh):
-    """fn called (so traced) under `jax.set_mesh(mesh)`: the kernels then run per head shard."""
+    """fn called (so traced) under `jax.set_mesh(mesh)`: the kernels then run per head shard.
+    Positional arguments are the arrays (made global across processes); keyword arguments are
+    options (lower=, features=) and pass as they are."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         if jax.process_count() > 1:
-            args, kwargs = _global_inputs((args, kwargs), mesh)
+            args = _global_inputs(args, mesh)
         with jax.set_mesh(mesh):
             return fn(*args, **kwargs)
     return call

@@ -39,7 +39,7 @@ from jaxspec.models import llama
 from jaxspec.spec import draft as draft_lib
 from jaxspec.spec.config import SpecConfig
 from jaxspec.sampling import (MAX_LOGPROBS, Emitted, SlotSampling, TokenCounts, apply_penalties,
-                              sample_slots, split_slot_keys, token_logprobs)
+                              cond, sample_slots, split_slot_keys, token_logprobs)
 from jaxspec.spec.cycle import init_state
 from pallas_kernels.kv_compact import kv_compact
 
@@ -107,7 +107,7 @@ def admit_sampling(logits, hist: TokenCounts, adm: AdmitArgs, engine_key, is_las
     sp = SlotSampling.from_flat(adm.samp_f, adm.samp_i)
     folded = jax.vmap(jax.random.fold_in, (None, 0))(engine_key, jnp.maximum(adm.serial, 0))
     base = jnp.where((adm.serial >= 0)[:, None], folded, adm.key).astype(jnp.uint32)
-    pen = jax.lax.cond(sp.any_penalty(), lambda: apply_penalties(logits, sp, hist),
+    pen = cond(sp.any_penalty(), lambda: apply_penalties(logits, sp, hist),
                        lambda: logits)
     after, sub = split_slot_keys(base, 2)
     resumed = adm.root >= 0

@@ -6,8 +6,9 @@
 
 Sampling parameters, per-slot rng keys and the penalties' token counts are part of the state, so
 mixed greedy/sampled batches and new parameters never recompile. The softmax, sort and coins of
-sampling run under lax.cond only when some slot samples; the penalties only when some slot has
-one; logprobs only when some slot asked for them.
+sampling run only when some slot samples; the penalties only when some slot has one; logprobs
+only when some slot asked for them. Either the host says so at trace time (`features`, one
+executable per variant: what the engine runs) or the cycle tests device flags under lax.cond.
 
 State is a pytree donated to the jitted cycle, so the caches are updated in place; all counts are
 arrays, so a second call with new values reuses the compiled executable. Nothing in the cycle
@@ -16,7 +17,7 @@ reads a value back to the host.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +29,9 @@ from jaxspec.models import llama
 from jaxspec.spec import draft as draft_lib
 from jaxspec.spec.config import SpecConfig
 from jaxspec.spec.tree import build_tree
-from jaxspec.sampling import (MAX_LOGPROBS, Emitted, SlotSampling, TokenCounts, apply_penalties,
-                               apply_tree_penalties, processed_logprobs, sample_slots,
-                               split_slot_keys, token_logprobs)
+from jaxspec.sampling import (MAX_LOGPROBS, Emitted, Features, SlotSampling, TokenCounts,
+                              apply_penalties, apply_tree_penalties, cond, processed_logprobs,
+                              sample_slots, split_slot_keys, token_logprobs)
 from jaxspec.spec.verify import (emitted_tokens, greedy_accept, path_tokens, sample_accept,
                                  select_accept)
 from pallas_kernels.kv_compact import kv_compact
@@ -83,7 +84,7 @@ def init_state(cfg: ModelConfig, spec: SpecConfig, slots: int, max_len: int, dty
 
 def _penalized(logits, sp: SlotSampling, penalize):
     """Runs the penalty only when some slot has one (the logits pass through otherwise)."""
-    return jax.lax.cond(sp.any_penalty(), penalize, lambda: logits)
+    return cond(sp.any_penalty(), penalize, lambda: logits)
 
 
 def prefill(params, draft_params, state: SpecState, tokens, prompt_lens, sampling=None, rng=None,
@@ -135,14 +136,17 @@ def prefill(params, draft_params, state: SpecState, tokens, prompt_lens, samplin
 
 
 def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, spec: SpecConfig,
-          greedy_only: bool = False):
+          greedy_only: bool = False, features: Optional[Features] = None):
     """One speculative cycle for all slots. active [B] bool: idle slots change nothing.
 
     greedy_only: every slot is greedy and wants no logprobs, so no sampling or logprob code is
-    compiled (the penalties still apply). Returns (state, CycleOut).
+    compiled (the penalties still apply). features (static; None: tested on the device with
+    lax.cond): what the host knows the batch uses, so the cycle has no conditional (see
+    `sampling.Features`). Returns (state, CycleOut).
     """
     s = spec.num_steps
-    lens, sp, hist = state.target.lens, state.sampling, state.history
+    lens, hist = state.target.lens, state.history
+    sp = state.sampling.with_features(features)
     cands = draft_lib.draft_tree(params, draft_params, cfg, spec, state.draft_k, state.draft_v,
                                  lens, state.seed)
     tree = build_tree(cands, state.root, spec)
@@ -169,7 +173,7 @@ def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, s
             return select_accept(sp.temperature > 0, acc,
                                  sample_accept(tree, logq, coins, bonus_keys, s))
 
-        acc = jax.lax.cond(sp.any_sampled(), sampled, lambda _: acc, None)
+        acc = cond(sp.any_sampled(), sampled, lambda _: acc, None)
         rng = jnp.where(active[:, None], rng_next, rng)
     out = emitted_tokens(tree, acc)                                         # [B, S+1]
     live = active[:, None] & (jnp.arange(s + 1)[None] <= acc.accept_len[:, None])
@@ -192,20 +196,21 @@ def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, s
         lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
         seed, state.seed)
     new_state = SpecState(KVCache(tk, tv, lens + n_live), dk, dv,
-                          jnp.where(active, acc.bonus, state.root), seed, sp, rng,
+                          jnp.where(active, acc.bonus, state.root), seed, state.sampling, rng,
                           hist.add(out, live))
     return new_state, CycleOut(jnp.where(active[:, None], out, -1),
                                jnp.where(active, acc.accept_len, 0), *lp)
 
 
 @functools.lru_cache(maxsize=None)
-def jit_cycle(cfg: ModelConfig, spec: SpecConfig, greedy_only: bool = False):
+def jit_cycle(cfg: ModelConfig, spec: SpecConfig, greedy_only: bool = False,
+              features: Optional[Features] = None):
     """cycle(params, draft_params, state, active) -> (state, CycleOut); the state is donated.
 
-    One jitted function per (cfg, spec, greedy_only), so runners of the same shapes share
-    executables."""
-    return jax.jit(functools.partial(cycle, cfg=cfg, spec=spec, greedy_only=greedy_only),
-                   donate_argnums=(2,))
+    One jitted function per (cfg, spec, greedy_only, features), so runners of the same shapes
+    share executables."""
+    return jax.jit(functools.partial(cycle, cfg=cfg, spec=spec, greedy_only=greedy_only,
+                                     features=features), donate_argnums=(2,))
 
 
 @functools.lru_cache(maxsize=None)
