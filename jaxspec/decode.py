@@ -107,8 +107,7 @@ def _emit(logits, sp: SlotSampling, hist: TokenCounts, keys, forced, num_top: in
 
     forced [B] (or None): emit these tokens instead of sampling, reporting their logprobs.
     live [B] bool (or None: all): only these slots count the token and advance their key."""
-    pen = cond(sp.any_penalty(), lambda: apply_penalties(logits, sp, hist),
-                       lambda: logits)
+    pen = cond(sp.any_penalty(), lambda: apply_penalties(logits, sp, hist), lambda: logits)
     new_keys, sub = split_slot_keys(keys, 2)
     tok = sample_slots(pen, sp, sub) if forced is None else forced.astype(jnp.int32)
     lp, ids, tlp = token_logprobs(pen[:, None], sp, tok[:, None], num_top)

@@ -63,8 +63,7 @@ def test_warmup_compiles_ahead_and_serves_without_jit(kind):
 @pytest.mark.parametrize("kind", ["spec", "plain"])
 def test_cycle_variants_have_no_conditional(kind):
     """The engine's cycle variants decide sampling, penalties and logprobs at trace time: no
-    conditional in the program (XLA's GPU conditional blocks the dispatching thread on its
-    predicate). The device-flag form (features=None) is what they replace."""
+    conditional in the program. The device-flag form (features=None) is what they replace."""
     from jaxspec.spec.cycle import cycle
     engine = make_engine(kind)
     be = engine.backend
@@ -97,3 +96,12 @@ def test_engine_picks_lean_while_every_request_is_greedy():
                                                repetition_penalty=1.3))
     list(engine.drain())
     assert set(used) == {FULL}
+
+
+def test_features_of_params():
+    from jaxspec.sampling import Features
+    assert Features.of([SamplingParams(), SamplingParams(max_tokens=3)]) is LEAN
+    for sp in (SamplingParams(temperature=0.7), SamplingParams(presence_penalty=0.5),
+               SamplingParams(repetition_penalty=1.2), SamplingParams(frequency_penalty=0.1),
+               SamplingParams(logprobs=0), SamplingParams(logprobs=3)):
+        assert Features.of([SamplingParams(), sp]) is FULL, sp   # logprobs=0: its own logprob

@@ -107,8 +107,7 @@ def admit_sampling(logits, hist: TokenCounts, adm: AdmitArgs, engine_key, is_las
     sp = SlotSampling.from_flat(adm.samp_f, adm.samp_i)
     folded = jax.vmap(jax.random.fold_in, (None, 0))(engine_key, jnp.maximum(adm.serial, 0))
     base = jnp.where((adm.serial >= 0)[:, None], folded, adm.key).astype(jnp.uint32)
-    pen = cond(sp.any_penalty(), lambda: apply_penalties(logits, sp, hist),
-                       lambda: logits)
+    pen = cond(sp.any_penalty(), lambda: apply_penalties(logits, sp, hist), lambda: logits)
     after, sub = split_slot_keys(base, 2)
     resumed = adm.root >= 0
     tok = jnp.where(resumed, adm.root, sample_slots(pen, sp, sub))
