@@ -74,13 +74,21 @@ def synthetic_rows(n):
     a_np = np.ones(batch, bool)
     a_dev = jnp.asarray(a_np)
 
-    def prefetched(s):
-        s, out = f_arg(s, a_np)
-        out.copy_to_host_async()
-        return s, out
+    def prefetched(arg):
+        def call(s):
+            s, out = f_arg(s, arg)
+            out.copy_to_host_async()
+            return s, out
+        return call
 
     cases = {"donate": f_don, "+out": f_out, "+np_arg": lambda s: f_arg(s, a_np),
-             "+dev_arg": lambda s: f_arg(s, a_dev), "+prefetch": prefetched, "no_donate": f_nod}
+             "+dev_arg": lambda s: f_arg(s, a_dev),
+             "+put_arg": lambda s: f_arg(s, jax.device_put(a_np)),
+             "+prefetch": prefetched(a_np), "+dev+prefetch": prefetched(a_dev),
+             "no_donate": f_nod}
+    pinned = _pinned_put(f_state, batch)
+    if pinned is not None:
+        cases["+pinned_arg"] = lambda s: pinned(s, a_np)
     rows = []
     for name, call in cases.items():
         state = {"x": jnp.ones((dim, dim), jnp.bfloat16) * 0.01,
@@ -88,6 +96,27 @@ def synthetic_rows(n):
         host, dev, _ = per_call(call, state, n)
         rows.append(dict(kind="synthetic", case=name, host_ms=host, device_ms=dev))
     return rows
+
+
+def _pinned_put(f_state, batch):
+    """The argument staged in pinned host memory (a host copy), moved to the device inside the
+    program; None where the platform has no pinned_host memory."""
+    dev = jax.devices()[0]
+    try:
+        host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+        on_dev = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    except Exception:        # noqa: BLE001  (no such memory kind here)
+        return None
+
+    @jax.jit
+    def inner(s, a):
+        a = jax.device_put(a, on_dev)
+        return f_state(s), jnp.where(a, s["x"][:batch, 0], 0)
+    inner = jax.jit(inner, donate_argnums=0)
+
+    def call(s, a_np):
+        return inner(s, jax.device_put(a_np, host))
+    return call
 
 
 def engine_rows(modes, batches, n):
@@ -113,15 +142,18 @@ def engine_rows(modes, batches, n):
             a_np = np.ones(b, bool)
             a_dev = jnp.asarray(a_np)
 
-            def prefetched(s):
-                s, out = be.cycle(s, a_np, LEAN)
-                for x in (out.tokens, out.accept):
-                    if x is not None:
-                        x.copy_to_host_async()
-                return s, out
+            def prefetched(arg):
+                def call(s):
+                    s, out = be.cycle(s, arg, LEAN)
+                    for x in (out.tokens, out.accept):
+                        if x is not None:
+                            x.copy_to_host_async()
+                    return s, out
+                return call
 
             cases = {"np_active": lambda s: be.cycle(s, a_np, LEAN),
-                     "dev_active": lambda s: be.cycle(s, a_dev, LEAN), "+prefetch": prefetched}
+                     "dev_active": lambda s: be.cycle(s, a_dev, LEAN),
+                     "+prefetch": prefetched(a_np), "dev+prefetch": prefetched(a_dev)}
             state = eng.state
             for name, call in cases.items():
                 host, dev, state = per_call(call, state, n)

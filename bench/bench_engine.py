@@ -91,9 +91,11 @@ def compiled(engine):
     return (len(be.executables), be.jit_calls, [f._cache_size() for f in be.jitted()])
 
 
-def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, args):
+def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, args,
+             masks="device"):
     rng = np.random.default_rng(0)
     engine = make(cfg, params, head, mode, batch, max_model_len, tok, args.bucket_growth)
+    engine.device_masks = masks == "device"
     t0 = time.perf_counter()
     engine.warmup()
     compile_s = time.perf_counter() - t0
@@ -126,7 +128,7 @@ def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, arg
     wall = time.perf_counter() - t0
     st = engine.stats
     host_ms = st.host_s / steps * 1e3
-    return dict(mode=mode, batch=batch, device_ms_per_cycle=dev_ms,
+    return dict(mode=mode, batch=batch, masks=masks, device_ms_per_cycle=dev_ms,
                 engine_ms_per_step=wall / steps * 1e3, host_ms_per_step=host_ms,
                 dispatch_ms_per_step=st.dispatch_s / steps * 1e3,
                 step_p90_ms=float(np.percentile(st.step_s, 90) * 1e3),
@@ -152,16 +154,20 @@ def main():
     ap.add_argument("--bucket-growth", type=int, default=4,
                     help="ratio of successive admission buckets (Engine(bucket_growth=))")
     ap.add_argument("--warmup-only", action="store_true", help="time warm-up only")
+    ap.add_argument("--masks", default="device",
+                    help="comma list: device (the engine's cached device masks), numpy (the "
+                         "active mask passed as numpy each cycle: the earlier engine)")
     args = ap.parse_args()
     compile_cache.enable()
     cfg, params, head, tok = load(args)
     rows = []
     for mode in args.modes.split(","):
         for b in (int(x) for x in args.batches.split(",")):
-            r = run_case(cfg, params, head, tok, mode, b, args.steps, args.max_model_len, args.gen,
-                         args)
-            rows.append(r)
-            print(r, flush=True)
+            for masks in args.masks.split(","):
+                r = run_case(cfg, params, head, tok, mode, b, args.steps, args.max_model_len,
+                             args.gen, args, masks)
+                rows.append(r)
+                print(r, flush=True)
     write_json("bench_engine.json", dict(device=device_name(), rows=rows))
     print(f"\n{device_name()}")
     if args.warmup_only:
@@ -169,10 +175,10 @@ def main():
             print(f"{r['mode']:6} {r['batch']:>3} warm-up {r['compile_s']:.1f} s "
                   f"({r['admission_shapes']} admission shapes + cycle)")
         return
-    print(f"{'mode':6} {'B':>3} {'dev ms/cyc':>10} {'eng ms/step':>11} {'host ms':>8} "
+    print(f"{'mode':8} {'B':>3} {'masks':6} {'dev ms/cyc':>10} {'eng ms/step':>11} {'host ms':>8} "
           f"{'dispatch':>8} {'busy':>5} {'tok/s':>8} {'recompiled':>10}")
     for r in rows:
-        print(f"{r['mode']:6} {r['batch']:>3} {r['device_ms_per_cycle']:>10.3f} "
+        print(f"{r['mode']:8} {r['batch']:>3} {r['masks']:6} {r['device_ms_per_cycle']:>10.3f} "
               f"{r['engine_ms_per_step']:>11.3f} {r['host_ms_per_step']:>8.3f} "
               f"{r['dispatch_ms_per_step']:>8.3f} {r['busy']:>5.2f} "
               f"{r['tokens_per_s']:>8.0f} {str(r['recompiled']):>10}")

@@ -4,6 +4,8 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
+#   bash bench/gpu_plan.sh host        # issue 6: where the host waits (engine table, profile,
+#                                      #   command-buffer modes); random weights, no GGUF needed
 #   bash bench/gpu_plan.sh exact       # issues 3/8: fp32 greedy spec == plain on the GPU, batch 1
 #   bash bench/gpu_plan.sh e2e         # issues 5/7: bf16 batch 1 spec vs plain vs HF; accept at T=1
 #   bash bench/gpu_plan.sh sweep_a     # issue 8: batch 1, 4 (MT-bench)
@@ -25,6 +27,13 @@ run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 
 BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
 
 case "${1:-}" in
+  host)
+    ENG="python3 -m bench.bench_engine --steps 100 --gen 128 --gen-min 16 --max-model-len 2048"
+    run host_default 200 $ENG --modes chain,plain:16 --batches 1,64
+    run host_profile_b1 120 python3 -m bench.profile_engine --mode chain --batch 1 --steps 30 --top 25
+    run host_while 150 env XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE $ENG --modes chain,plain:16 --batches 64
+    run host_skip 150 env XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_PROFILED $ENG --modes chain --batches 1,64
+    ;;
   exact)
     run exact_fp32 420 $BENCH --dtype float32 --num-prompts 16 --max-tokens 256 --spec chain,tree --no-peers --json "$OUT/exact_fp32.json"
     ;;

@@ -383,3 +383,30 @@ def test_incremental_detokenization_equals_full_decode(smollm2_gguf):
         if not full.endswith("\ufffd"):
             assert got == full                 # and nothing held once the bytes are complete
     assert got == tok.decode(ids) == text
+
+
+@pytest.mark.parametrize("kind", ["spec", "plain"])
+def test_retracted_sampling_request_resumes_its_key(kind):
+    """A seeded sampling request retracted after several cycles is resumed with its key moved
+    past the draws it made (the separate key-advance call), so its output equals the run
+    without the retract."""
+    sp = SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True)
+    prompt = [5, 17, 42, 8, 99]
+    alone = make_engine(kind)
+    a = alone.add_request(prompt, sp)
+    list(alone.drain())
+    want = alone.pop_finished(a).output
+
+    engine = make_engine(kind)
+    engine.add_request(list(range(30, 40)), SamplingParams(max_tokens=30, ignore_eos=True))
+    rid = engine.add_request(prompt, sp)           # admitted last: the retract's victim
+    for _ in range(4):
+        engine.step()
+    budget, engine.kv_budget = engine.kv_budget, engine._need() - 1
+    engine.step()                                  # retracts it, after several cycles
+    req = engine.requests[rid]
+    assert req.retracts == 1 and len(req.output) > 2     # its key had moved past the first draw
+    engine.kv_budget = budget
+    list(engine.drain())
+    r = engine.pop_finished(rid)
+    assert r.retracts == 1 and r.output == want

@@ -7,6 +7,7 @@ import pytest
 from jaxspec.engine import Engine
 from jaxspec.engine.loop import _bucket, _buckets
 from jaxspec.sampling import FULL, LEAN, VARIANTS, SamplingParams
+from jaxspec.spec.admit import AdmitArgs
 from test_engine import (CFG, MAX_MODEL_LEN, SLOTS, compiled_shapes, greedy_ref, make_engine)
 
 
@@ -37,7 +38,8 @@ def test_warmup_compiles_ahead_and_serves_without_jit(kind):
     engine.warmup()
     be = engine.backend
     want = {("cycle", f) for f in VARIANTS} | \
-        {("admit", a, w) for a, w in engine.admission_shapes()}
+        {("admit", a, w, f) for a, w in engine.admission_shapes() for f in VARIANTS} | \
+        {("advance", a) for a in engine.slot_buckets}
     assert set(be.executables) == want
     assert be.jit_calls == 0
     before = compiled_shapes(engine)
@@ -75,6 +77,44 @@ def test_cycle_variants_have_no_conditional(kind):
         dyn = jax.jit(lambda p, d, s, a: cycle(p, d, s, a, cfg=be.cfg, spec=be.spec))
         text = dyn.lower(be.params, be.draft_params, engine.state, idle).as_text()
         assert "stablehlo.case" in text      # the check can see a conditional
+
+
+def _primitives(jaxpr) -> set:
+    """Names of every primitive in a jaxpr, nested jaxprs (jit, scan bodies) included."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else (v,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    names |= _primitives(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    names |= _primitives(sub)
+    return names
+
+
+@pytest.mark.parametrize("kind", ["spec", "plain"])
+def test_serving_programs_have_no_device_control_flow(kind):
+    """Cycles and admissions, both variants: no cond and no loop on a device value (on the GPU
+    each reads a flag back and holds the host until the device gets there). Scans over layers or
+    decode steps have static trip counts and stay; the rare key advance of a resumed sampling
+    request is the one loop, in its own program."""
+    engine = make_engine(kind)
+    be = engine.backend
+    pad = np.full(2, SLOTS, np.int32)
+    z = np.zeros(2, np.int32)
+    adm = AdmitArgs.host(2)
+    params = (be.params, be.draft_params) if kind == "spec" else (be.params,)
+    for f in VARIANTS:
+        cyc = _primitives(jax.make_jaxpr(be._cycles[f])(*params, engine.state,
+                                                        np.zeros(SLOTS, bool)).jaxpr)
+        adm_p = _primitives(jax.make_jaxpr(be._admits[f])(
+            *params, engine.state, pad, np.zeros((2, 16), np.int32), z, z, z - 1, adm,
+            be.key).jaxpr)
+        for names in (cyc, adm_p):
+            assert not names & {"cond", "while"}, (f, names & {"cond", "while"})
+    adv = _primitives(jax.make_jaxpr(be._advance)(engine.state, pad, z + 3).jaxpr)
+    assert "while" in adv          # the check can see a loop on a device value
 
 
 def test_engine_picks_lean_while_every_request_is_greedy():

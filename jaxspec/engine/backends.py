@@ -4,9 +4,12 @@ and one cycle over all slots with an `active` mask.
 Both backends have the same host-side shape, so the engine's scheduling (admission, stops, abort,
 retract) does not know which one runs:
   init_state()                                   -> state
-  admit(state, slot_idx, tokens, start, n_valid, next_tok[, adm])
+  admit(state, slot_idx, tokens, start, n_valid, next_tok[, adm], features=)
                                                  -> (state, Emitted [A]: first tokens (-1: none)
-                                                    and their logprobs)
+                                                    and their logprobs); features as the cycle's,
+                                                    of the admitted requests
+  advance_keys(state, slot_idx, advance)         -> state: resumed sampling requests' keys moved
+                                                    past the draws their earlier run made
   cycle(state, active [B] bool, features)        -> (state, CycleTokens: tokens [B, E] (-1
                                                     padded), accept [B] or None, logprobs)
                                                  features: sampling.LEAN (every active slot
@@ -29,11 +32,13 @@ executable; any other goes through jit (compiling on its first use) and counts i
 """
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Dict, List, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxspec.config import ModelConfig
@@ -42,7 +47,8 @@ from jaxspec.kv import KVCache, init_cache
 from jaxspec.models import llama
 from jaxspec.sampling import FULL, VARIANTS, Features, SlotSampling, TokenCounts
 from jaxspec.spec.admit import (AdmitArgs, _chunk_forward, _last_row, admit_sampling,
-                                batch_axes, chunk_history, jit_spec_admit, put_slots, take_slots)
+                                advance_rows, batch_axes, chunk_history, jit_spec_admit,
+                                put_slots, take_slots)
 
 
 class CycleTokens(NamedTuple):
@@ -59,12 +65,45 @@ def _engine_key(seed: int):
     return jax.random.key_data(k) if jnp.issubdtype(k.dtype, jax.dtypes.prng_key) else k
 
 
+class MaskCache:
+    """Host bool masks -> device arrays, kept by value (the `keep` most recent).
+
+    A numpy argument is copied to the device inside the call, and on the GPU that copy waits for
+    the work already queued: the call returned only when the previous cycle had ended
+    (bench/bench_dispatch.py, bench/RESULTS.md), so the device idled while the host launched the
+    next. A serving loop's active mask repeats in steady state, so each one crosses once.
+    put: numpy -> device array(s) as the calls take them (default jax.device_put)."""
+
+    def __init__(self, put=jax.device_put, keep: int = 64):
+        self.put, self.keep = put, keep
+        self._kept: "collections.OrderedDict[tuple, jax.Array]" = collections.OrderedDict()
+
+    def __call__(self, mask: np.ndarray) -> jax.Array:
+        mask = np.asarray(mask, bool)
+        key = (mask.shape, mask.tobytes())
+        got = self._kept.get(key)
+        if got is None:
+            got = self._kept[key] = self.put(mask.copy())
+            if len(self._kept) > self.keep:
+                self._kept.popitem(last=False)
+        else:
+            self._kept.move_to_end(key)
+        return got
+
+
 class _Dispatch:
     """Calls through the executables compiled ahead of time, else through jit."""
 
     def _init_dispatch(self):
         self.executables: Dict[tuple, jax.stages.Compiled] = {}
         self.jit_calls = 0      # calls that found no executable: after warm-up, a missed shape
+        self.device_mask = MaskCache()   # the cycle's [B] active mask as a device array
+
+    def advance_keys(self, state, slot_idx, advance, *, lower=False):
+        """Moves the keys of slots slot_idx [A] on by advance [A] splits (`admit.advance_rows`;
+        padding rows carry slot index B)."""
+        return self._call(("advance", len(slot_idx)), self._advance, (state, slot_idx, advance),
+                          lower)
 
     def _call(self, key: tuple, jitted, args, lower: bool):
         if lower:
@@ -76,8 +115,8 @@ class _Dispatch:
         return fn(*args)
 
 
-def _admit_key(slot_idx, tokens) -> tuple:
-    return ("admit", len(slot_idx), tokens.shape[1])
+def _admit_key(slot_idx, tokens, features) -> tuple:
+    return ("admit", len(slot_idx), tokens.shape[1], features)
 
 
 class SpecBackend(_Dispatch):
@@ -98,7 +137,7 @@ class SpecBackend(_Dispatch):
         self.emit = self.spec.max_emit
         self.key = _engine_key(seed)
         self._cycles = {f: jit_cycle(cfg, self.spec, features=f) for f in VARIANTS}
-        self._admit = jit_spec_admit(cfg, self.spec, slots, max_len, self.dtype)
+        self._admits, self._advance = jit_spec_admit(cfg, self.spec, slots, max_len, self.dtype)
         self._init_dispatch()
 
     def init_state(self):
@@ -110,9 +149,9 @@ class SpecBackend(_Dispatch):
         return n_cycles          # the cycle splits each active slot's key once
 
     def admit(self, state, slot_idx, tokens, start, n_valid, next_tok, adm=None, *,
-              lower=False):
+              features: Features = FULL, lower=False):
         adm = AdmitArgs.host(len(slot_idx)) if adm is None else adm
-        return self._call(_admit_key(slot_idx, tokens), self._admit,
+        return self._call(_admit_key(slot_idx, tokens, features), self._admits[features],
                           (self.params, self.draft_params, state, slot_idx, tokens, start,
                            n_valid, next_tok, adm, self.key), lower)
 
@@ -126,7 +165,7 @@ class SpecBackend(_Dispatch):
                                   out.top_logprobs)
 
     def jitted(self) -> List:
-        return [*self._cycles.values(), self._admit]
+        return [*self._cycles.values(), *self._admits.values(), self._advance]
 
 
 # ----------------------------------------------------------------------------- plain decoding
@@ -150,7 +189,8 @@ def init_plain_state(cfg: ModelConfig, slots: int, max_len: int, dtype):
 
 
 def plain_admit(params, state: PlainState, slot_idx, tokens, start, n_valid, next_tok,
-                adm: AdmitArgs, engine_key, *, cfg: ModelConfig, axes):
+                adm: AdmitArgs, engine_key, *, cfg: ModelConfig, axes,
+                features: Features = FULL):
     """One prefill chunk for A requests in slots slot_idx (see spec_admit for the arguments);
     on a new request's last chunk the first token is drawn with the slot's parameters."""
     sub = take_slots(state, axes, slot_idx)
@@ -158,7 +198,7 @@ def plain_admit(params, state: PlainState, slot_idx, tokens, start, n_valid, nex
     is_last = next_tok < 0
     hist = chunk_history(sub.history, tokens, start, n_valid, adm.n_prompt)
     logits = llama.lm_head(params, cfg, _last_row(hidden, n_valid))
-    sp, first, hist, keys = admit_sampling(logits, hist, adm, engine_key, is_last, key_splits=2)
+    sp, first, hist, keys = admit_sampling(logits, hist, adm, engine_key, is_last, features)
     root = jnp.where(adm.root >= 0, adm.root, first.tokens)
     new = PlainState(cache, jnp.where(is_last, root, sub.tokens), sp, keys, hist)
     return put_slots(state, axes, slot_idx, new), first
@@ -182,10 +222,14 @@ def plain_cycle(params, state: PlainState, active, *, cfg: ModelConfig, n_steps:
 @functools.lru_cache(maxsize=None)
 def _jit_plain(cfg: ModelConfig, slots: int, max_len: int, dtype, n_steps: int):
     axes = batch_axes(lambda b: init_plain_state(cfg, b, max_len, dtype), slots)
-    admit = jax.jit(functools.partial(plain_admit, cfg=cfg, axes=axes), donate_argnums=(1,))
+    admits = {f: jax.jit(functools.partial(plain_admit, cfg=cfg, axes=axes, features=f),
+                         donate_argnums=(1,)) for f in VARIANTS}
     cycles = {f: jax.jit(functools.partial(plain_cycle, cfg=cfg, n_steps=n_steps, features=f),
                          donate_argnums=(1,)) for f in VARIANTS}
-    return admit, cycles
+    # Each decode step splits a slot's key into 2 (next key, the draw).
+    advance = jax.jit(lambda st, idx, n: st.replace(keys=advance_rows(st.keys, idx, n, 2)),
+                      donate_argnums=(0,))
+    return admits, cycles, advance
 
 
 class PlainBackend(_Dispatch):
@@ -199,7 +243,8 @@ class PlainBackend(_Dispatch):
         self.dtype = params["embed"].dtype
         self.emit = n_steps
         self.key = _engine_key(seed)
-        self._admit, self._cycles = _jit_plain(cfg, slots, max_len, self.dtype, n_steps)
+        self._admits, self._cycles, self._advance = _jit_plain(cfg, slots, max_len, self.dtype,
+                                                               n_steps)
         self._init_dispatch()
 
     def init_state(self):
@@ -209,9 +254,9 @@ class PlainBackend(_Dispatch):
         return n_out - 1         # one split per decode step after the first token
 
     def admit(self, state, slot_idx, tokens, start, n_valid, next_tok, adm=None, *,
-              lower=False):
+              features: Features = FULL, lower=False):
         adm = AdmitArgs.host(len(slot_idx)) if adm is None else adm
-        return self._call(_admit_key(slot_idx, tokens), self._admit,
+        return self._call(_admit_key(slot_idx, tokens, features), self._admits[features],
                           (self.params, state, slot_idx, tokens, start, n_valid, next_tok, adm,
                            self.key), lower)
 
@@ -220,4 +265,4 @@ class PlainBackend(_Dispatch):
                           lower)
 
     def jitted(self) -> List:
-        return [*self._cycles.values(), self._admit]
+        return [*self._cycles.values(), *self._admits.values(), self._advance]

@@ -171,6 +171,7 @@ class Engine:
         self._logprob_runs = 0                             # live runs that asked for logprobs
         self._full_runs = 0                                # live runs that need the FULL cycle
         self._device_outputs = jax.default_backend() != "cpu"
+        self.device_masks = True        # False: pass the active mask as numpy (benchmarks)
         self.pending: collections.deque = collections.deque()
         self._next_run = 0
         self._next_id = 0
@@ -246,11 +247,12 @@ class Engine:
         keep = 0
         if self.live.any():
             active = self.live.copy()
+            mask = self.backend.device_mask(active) if self.device_masks else active
             t = time.perf_counter()
             # LEAN (no sampling, penalty or logprob code) while every live request is greedy and
             # plain; a slot that leaves keeps its rows (idle), so LEAN stays exact for the rest.
             features = FULL if self._full_runs else LEAN
-            self.state, out = self.backend.cycle(self.state, active, features)
+            self.state, out = self.backend.cycle(self.state, mask, features)
             self._prefetch(out)
             self.stats.dispatch_s += time.perf_counter() - t
             self.pending.append(("cycle", out, list(self.slot_run)))
@@ -286,8 +288,14 @@ class Engine:
             for a, w in sorted(self.admission_shapes(), key=lambda s: -s[0] * s[1]):
                 pad = np.full(a, self.slots, np.int32)
                 z = np.zeros(a, np.int32)
-                jobs.append(self._compile(pool, self.backend.admit(
-                    self.state, pad, np.zeros((a, w), np.int32), z, z, z - 1, lower=True)))
+                for f in VARIANTS:
+                    jobs.append(self._compile(pool, self.backend.admit(
+                        self.state, pad, np.zeros((a, w), np.int32), z, z, z - 1, features=f,
+                        lower=True)))
+            for a in self.slot_buckets:
+                pad = np.full(a, self.slots, np.int32)
+                jobs.append(self._compile(pool, self.backend.advance_keys(
+                    self.state, pad, np.zeros(a, np.int32), lower=True)))
             self.backend.executables.update(job.result() for job in jobs)
         seed_key(0)   # compiles the host's seeded-key derivation
         self.state, out = self.backend.cycle(self.state, idle)
@@ -333,30 +341,34 @@ class Engine:
             self._prefill(batch)
 
     def _admit_rows(self, req: Request):
-        """(token ids to prefill, AdmitArgs fields) of one request. A resumed request (output so
-        far) is prefilled up to its last token, which is given back as the root."""
+        """(token ids to prefill, AdmitArgs fields, key advance) of one request. A resumed
+        request (output so far) is prefilled up to its last token, which is given back as the
+        root; its key advance is the splits its earlier run made past the first draw."""
         sp, out = req.sp, req.output
         f, i = flat_params(sp)
         fields = dict(n_prompt=len(req.prompt), samp_f=f, samp_i=i,
                       key=seed_key(sp.seed) if sp.seed is not None else np.zeros(2, np.uint32),
-                      serial=-1 if sp.seed is not None else req.serial, root=-1, advance=0)
+                      serial=-1 if sp.seed is not None else req.serial, root=-1)
         if not out:
-            return req.prompt, fields
-        fields.update(root=out[-1],
-                      advance=self.backend.key_advances(len(out), len(req.accept_lens)))
-        return req.prompt + out[:-1], fields
+            return req.prompt, fields, 0
+        fields.update(root=out[-1])
+        return (req.prompt + out[:-1], fields,
+                self.backend.key_advances(len(out), len(req.accept_lens)))
 
     def _prefill(self, batch):
-        """Dispatches the prefill chunks of newly admitted runs, all requests' chunk k together."""
+        """Dispatches the prefill chunks of newly admitted runs, all requests' chunk k together,
+        with the admission variant their sampling needs; then moves the keys of resumed requests
+        that sample past their earlier draws."""
         rows_all = [(rid, slot) + self._admit_rows(req) for rid, slot, req in batch]
+        features = Features.of([req.sp for _, _, req in batch])
         k = 0
         while True:
             rows = [r for r in rows_all if len(r[2]) > k * self.chunk]
             if not rows:
-                return
+                break
             a = _bucket(len(rows), self.slot_buckets)
             start = k * self.chunk
-            n_valid = [min(self.chunk, len(ids) - start) for _, _, ids, _ in rows]
+            n_valid = [min(self.chunk, len(ids) - start) for _, _, ids, _, _ in rows]
             width = _bucket(max(n_valid), self.widths)
             slot_idx = np.full(a, self.slots, np.int32)
             tokens = np.zeros((a, width), np.int32)
@@ -364,7 +376,7 @@ class Engine:
             nv = np.zeros(a, np.int32)
             nxt = np.full(a, -1, np.int32)
             adm = AdmitArgs.host(a)
-            for i, ((rid, slot, ids, fields), n) in enumerate(zip(rows, n_valid)):
+            for i, ((rid, slot, ids, fields, _), n) in enumerate(zip(rows, n_valid)):
                 slot_idx[i], starts[i], nv[i] = slot, start, n
                 tokens[i, :n] = ids[start:start + n]
                 if start + n < len(ids):
@@ -373,12 +385,24 @@ class Engine:
                     getattr(adm, name)[i] = value
             t = time.perf_counter()
             self.state, first = self.backend.admit(self.state, slot_idx, tokens, starts, nv, nxt,
-                                                   adm)
+                                                   adm, features=features)
             self._prefetch(first)
             self.stats.dispatch_s += time.perf_counter() - t
             self.stats.prefill_chunks += 1
             self.pending.append(("admit", first, [r[0] for r in rows]))
             k += 1
+        self._advance_resumed([(slot, adv) for (_, slot, _, _, adv), (_, _, req)
+                               in zip(rows_all, batch) if adv > 0 and req.sp.temperature > 0])
+
+    def _advance_resumed(self, moved):
+        """moved: (slot, key advance) of resumed requests that sample (greedy ones never read
+        their key). Rare (a retracted sampling request): one call, at a slot bucket."""
+        if not moved:
+            return
+        a = _bucket(len(moved), self.slot_buckets)
+        idx, adv = np.full(a, self.slots, np.int32), np.zeros(a, np.int32)
+        idx[:len(moved)], adv[:len(moved)] = zip(*moved)
+        self.state = self.backend.advance_keys(self.state, idx, adv)
 
     # ------------------------------------------------------------------ retract
     def _fit_budget(self):

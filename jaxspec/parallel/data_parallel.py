@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxspec.config import ConfigError, ModelConfig
 from jaxspec.decode import Generation, finish, first_token, prefill_bucket, prefill_chunk, \
     sample_steps
+from jaxspec.engine.backends import MaskCache
 from jaxspec.kv import init_cache
 from jaxspec.sampling import (VARIANTS, Features, SamplingParams, SlotSampling, TokenCounts,
                               logprob_dicts, slot_keys)
@@ -52,6 +53,14 @@ def replicate(tree, devices: Sequence[jax.Device]):
     in_axes=None read it in place."""
     mesh = Mesh(np.asarray(devices), (AXIS,))
     return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+@functools.lru_cache(maxsize=None)
+def sharded_put(devices: Tuple[jax.Device, ...]):
+    """Host arrays [D, ...] (a pytree) -> arrays split over `devices` on the leading axis, as a
+    pmapped call takes them. A numpy argument to the call itself would be copied inside it, and
+    on the GPU that copy waits for the work already queued (`engine.backends.MaskCache`)."""
+    return jax.pmap(lambda x: x, AXIS, devices=devices)
 
 
 def spread(indices: Sequence[int], replicas: int, slots: int) -> List[List[List[int]]]:
@@ -110,6 +119,7 @@ class DataParallelSpecRunner:
                                                           max_len, jnp.dtype(self.dtype))
         self._state = None
         self.key = jax.random.PRNGKey(seed)
+        self._active = MaskCache(sharded_put(self.devices))    # [D, B] masks on the devices
 
     @property
     def replicas(self) -> int:
@@ -162,7 +172,8 @@ class DataParallelSpecRunner:
                                 for j in range(b)] for r in range(d)])
             nxt = None
             if active.any():
-                self._state, co = run_cycle(self.params, self.draft_params, self._state, active)
+                self._state, co = run_cycle(self.params, self.draft_params, self._state,
+                                            self._active(active))
                 nxt = (co, active)
             elif pending is None:
                 break
@@ -257,7 +268,8 @@ class DataParallelPlainRunner:
     def _run_group(self, prompts, params, stop_ids) -> List[List[Generation]]:
         t0 = time.perf_counter()
         d, b = self.replicas, self.slots
-        sp = _stack([SlotSampling.from_params(params[r], b) for r in range(d)])
+        sp = sharded_put(self.devices)(_stack([SlotSampling.from_params(params[r], b)
+                                               for r in range(d)]))
         self.key, *subs = jax.random.split(self.key, d + 1)
         keys = np.stack([np.asarray(slot_keys(params[r], b, subs[r])) for r in range(d)])
         hist = _stack([_prompt_counts(prompts[r], b, self.cfg.vocab_size) for r in range(d)])

@@ -286,8 +286,10 @@ def shard_backend(backend, cfg: ModelConfig, mesh: Mesh):
     `shard_params` / `shard_draft_params`) made tensor parallel in place: its state starts
     sharded (KV on kv heads) and its jitted calls trace under the mesh (kernels per head shard).
     Returns the backend."""
-    init, admit, cyc = backend.init_state, backend.admit, backend.cycle
+    init, admit, cyc, adv = (backend.init_state, backend.admit, backend.cycle,
+                             backend.advance_keys)
     backend.init_state = lambda: shard_state(init(), cfg, mesh)
     backend.admit = on_mesh(admit, mesh)
     backend.cycle = on_mesh(cyc, mesh)
+    backend.advance_keys = on_mesh(adv, mesh)
     return backend

@@ -16,8 +16,15 @@ Sampling: each admission also carries the request's parameters (`AdmitArgs`, fla
 arrays, so new parameters never recompile): every chunk writes the slot's SlotSampling rows, rng
 key and token counts (prompt tokens seen, output tokens counted), the first chunk starting from
 empty counts. A request resumed after a retract is prefilled over prompt + output[:-1] with its
-last output token as the given root (nothing drawn), its output counted and its key advanced past
-the draws it already made, so a retract changes neither penalties nor seeded outputs.
+last output token as the given root (nothing drawn), its output counted, and (`advance_keys`,
+a separate call made only for such requests) its key advanced past the draws it already made,
+so a retract changes neither penalties nor seeded outputs.
+
+Variants: like the cycle, admission is compiled once per `sampling.Features` variant and the
+host picks the one its admitted requests need, so the program holds no conditional and no loop
+on device values. On the GPU each of those makes the host read a flag back and wait for the
+device: an admission with them held the host for about 6 ms at batch 64 on the H100
+(bench/profile_engine.py), several chain cycles' worth.
 
 Batch axes: found per leaf, not assumed. `batch_axes(make_state, B)` evaluates the state's shapes
 for B and B+1 slots (`jax.eval_shape`, no memory) and marks the one axis that differs: KV caches
@@ -38,8 +45,9 @@ from jaxspec.kv import KVCache
 from jaxspec.models import llama
 from jaxspec.spec import draft as draft_lib
 from jaxspec.spec.config import SpecConfig
-from jaxspec.sampling import (MAX_LOGPROBS, Emitted, SlotSampling, TokenCounts, apply_penalties,
-                              cond, sample_slots, split_slot_keys, token_logprobs)
+from jaxspec.sampling import (FULL, MAX_LOGPROBS, VARIANTS, Emitted, Features, SlotSampling,
+                              TokenCounts, apply_penalties, cond, sample_slots, split_slot_keys,
+                              token_logprobs)
 from jaxspec.spec.cycle import init_state
 from pallas_kernels.kv_compact import kv_compact
 
@@ -53,7 +61,6 @@ class AdmitArgs(NamedTuple):
     samp_f     [A, 6] fp32 and samp_i [A, 2] int32: `sampling.flat_params`
     key        [A, 2] uint32: the request's base key (seeded requests)
     serial     int32: -1 uses `key`; else the base key is fold_in(engine key, serial)
-    advance    int32: a resumed request's key advances past its first draw (see `admit_sampling`)
     """
     root: jax.Array
     n_prompt: jax.Array
@@ -61,11 +68,10 @@ class AdmitArgs(NamedTuple):
     samp_i: jax.Array
     key: jax.Array
     serial: jax.Array
-    advance: jax.Array
 
     @classmethod
     def host(cls, a: int, *, n_prompt=None, samp_f=None, samp_i=None, root=None, key=None,
-             serial=None, advance=None) -> "AdmitArgs":
+             serial=None) -> "AdmitArgs":
         """numpy arrays for a bucket of a rows: greedy defaults for what is not given."""
         z = np.zeros(a, np.int32)
         f = np.tile(np.array([0, 1, 0, 1, 0, 0], np.float32), (a, 1))
@@ -73,7 +79,7 @@ class AdmitArgs(NamedTuple):
         pick = lambda x, d: d if x is None else x
         return cls(pick(root, z - 1), pick(n_prompt, z + np.iinfo(np.int32).max),
                    pick(samp_f, f), pick(samp_i, i), pick(key, np.zeros((a, 2), np.uint32)),
-                   pick(serial, z.copy()), pick(advance, z.copy()))
+                   pick(serial, z.copy()))
 
 
 def chunk_history(hist: TokenCounts, tokens, start, n_valid, n_prompt) -> TokenCounts:
@@ -94,34 +100,43 @@ def chunk_history(hist: TokenCounts, tokens, start, n_valid, n_prompt) -> TokenC
 
 
 def admit_sampling(logits, hist: TokenCounts, adm: AdmitArgs, engine_key, is_last,
-                   key_splits: int):
+                   features: Features = FULL):
     """The first token of admitted rows, from logits [A, V] (raw) of their last prompt row.
 
     Draws (with the slot's parameters, counts and key, as the batch prefill does) where the
-    request is new, takes adm.root where it is resumed. A resumed request's key is its base key
-    split once (the first draw) and then `adm.advance` times into `key_splits` (the backend's
-    per-step or per-cycle split), i.e. where its earlier run left it.
+    request is new, takes adm.root where it is resumed. features: what the admitted requests
+    use (LEAN leaves sampling, penalties and logprobs out). The slot's key becomes its base key
+    split once (the first draw); a resumed request's further advance is `advance_keys`'.
     Returns (SlotSampling, Emitted [A] (tokens -1 unless a new request's last chunk), hist with
     the root counted on last chunks, keys [A, 2]).
     """
     sp = SlotSampling.from_flat(adm.samp_f, adm.samp_i)
+    use = sp.with_features(features)
     folded = jax.vmap(jax.random.fold_in, (None, 0))(engine_key, jnp.maximum(adm.serial, 0))
     base = jnp.where((adm.serial >= 0)[:, None], folded, adm.key).astype(jnp.uint32)
-    pen = cond(sp.any_penalty(), lambda: apply_penalties(logits, sp, hist), lambda: logits)
+    pen = cond(use.any_penalty(), lambda: apply_penalties(logits, sp, hist), lambda: logits)
     after, sub = split_slot_keys(base, 2)
     resumed = adm.root >= 0
-    tok = jnp.where(resumed, adm.root, sample_slots(pen, sp, sub))
-
-    def adv(i, k):
-        nxt = split_slot_keys(k, key_splits)[0]
-        return jnp.where((i < adm.advance)[:, None], nxt, k)
-
-    moved = jax.lax.fori_loop(0, jnp.max(jnp.where(resumed, adm.advance, 0)), adv, after)
-    keys = jnp.where(is_last[:, None], jnp.where(resumed[:, None], moved, after), base)
+    tok = jnp.where(resumed, adm.root, sample_slots(pen, use, sub))
+    keys = jnp.where(is_last[:, None], after, base)
     hist = hist.add(tok[:, None], is_last[:, None])
-    lp, ids, tlp = token_logprobs(pen[:, None], sp, tok[:, None], MAX_LOGPROBS)
+    lp, ids, tlp = token_logprobs(pen[:, None], use, tok[:, None], MAX_LOGPROBS)
     first = jnp.where(is_last & ~resumed, tok, -1)
     return sp, Emitted(first, lp[:, 0], ids[:, 0], tlp[:, 0]), hist, keys
+
+
+def advance_rows(keys, slot_idx, advance, key_splits: int):
+    """keys [B, 2] with the rows slot_idx [A] (indices >= B: padding, dropped) moved on by
+    advance [A] splits into `key_splits` (the backend's per-step or per-cycle split): where a
+    resumed request's earlier run left its key. A loop on a device value, so it runs only for
+    resumed requests that sample (greedy ones never read their key)."""
+    rows = jnp.take(keys, slot_idx, axis=0, mode="clip")
+
+    def step(i, k):
+        return jnp.where((i < advance)[:, None], split_slot_keys(k, key_splits)[0], k)
+
+    rows = jax.lax.fori_loop(0, jnp.max(advance), step, rows)
+    return keys.at[slot_idx].set(rows, mode="drop")
 
 
 def batch_axes(make_state, slots: int):
@@ -182,7 +197,8 @@ def _last_row(x, n_valid):
 
 
 def spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, next_tok,
-               adm: AdmitArgs, engine_key, *, cfg: ModelConfig, spec: SpecConfig, axes):
+               adm: AdmitArgs, engine_key, *, cfg: ModelConfig, spec: SpecConfig, axes,
+               features: Features = FULL):
     """One prefill chunk of target and draft for A requests in slots slot_idx.
 
     slot_idx [A] int32 (B = padding); tokens [A, C] (padded); start [A] rows already prefilled;
@@ -200,8 +216,7 @@ def spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, ne
     is_last = next_tok < 0
     hist = chunk_history(sub.history, tokens, start, n_valid, adm.n_prompt)
     logits = llama.project_logits(params, _last_row(normed, n_valid))
-    sp, first, hist, keys = admit_sampling(logits, hist, adm, engine_key, is_last,
-                                           key_splits=3)
+    sp, first, hist, keys = admit_sampling(logits, hist, adm, engine_key, is_last, features)
     root = jnp.where(adm.root >= 0, adm.root, first.tokens)
     rows = jnp.arange(c, dtype=jnp.int32)[None]
     shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((a, 1), tokens.dtype)], axis=1)
@@ -217,9 +232,14 @@ def spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, ne
 
 @functools.lru_cache(maxsize=None)
 def jit_spec_admit(cfg: ModelConfig, spec: SpecConfig, slots: int, max_len: int, dtype):
-    """spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, next_tok, adm,
-    engine_key); the state is donated. One jitted function per state shape; buckets are its
-    input shapes."""
+    """{features: spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid,
+    next_tok, adm, engine_key)} per `sampling.VARIANTS`, and advance(state, slot_idx, advance);
+    the state is donated. Buckets are the input shapes."""
     axes = batch_axes(lambda b: init_state(cfg, spec, b, max_len, dtype), slots)
-    return jax.jit(functools.partial(spec_admit, cfg=cfg, spec=spec, axes=axes),
-                   donate_argnums=(2,))
+    admits = {f: jax.jit(functools.partial(spec_admit, cfg=cfg, spec=spec, axes=axes,
+                                           features=f), donate_argnums=(2,))
+              for f in VARIANTS}
+    # The cycle splits each slot's key into 3 (next key, draft draws, verify draws).
+    advance = jax.jit(lambda st, idx, n: st.replace(rng=advance_rows(st.rng, idx, n, 3)),
+                      donate_argnums=(0,))
+    return admits, advance

@@ -1,0 +1,106 @@
+"""Host-side profile of the engine in steady state: where the host's time per step goes.
+
+Runs Engine.step() over SmolLM2-shaped random weights (as bench_engine), then traces `--steps`
+steps with jax.profiler (perfetto trace; CUDA graphs kept on while profiling, so the run is the
+one measured) and sums the host events by name: the runtime's own spans (argument handling,
+executable launch, command-buffer updates, transfers) next to the engine's (step, dispatch,
+absorb, admit), labeled with jax.profiler.TraceAnnotation.
+Usage: python -m bench.profile_engine [--mode chain] [--batch 1] [--steps 40] [--top 40]
+Writes $OUT/profile_<mode>_b<B>/ (the trace) and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+
+import jax
+import numpy as np
+
+from jaxspec.sampling import SamplingParams
+
+
+def _flags():
+    flag = "--xla_enable_command_buffers_during_profiling=true"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+
+
+def summarize(trace_dir: str, top: int):
+    """Sum of durations (ms) and counts per event name, per thread, from the perfetto json."""
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.json.gz"), recursive=True))[-1]
+    with gzip.open(path) as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    names = {(e.get("pid"), e.get("tid")): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    tot = collections.defaultdict(float)
+    cnt = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X":
+            k = (names.get((e.get("pid"), e.get("tid")), str(e.get("tid"))), e["name"])
+            tot[k] += e.get("dur", 0) / 1e3
+            cnt[k] += 1
+    rows = sorted(((k, v) for k, v in tot.items() if k[0].startswith("python")),
+                  key=lambda kv: -kv[1])[:top]
+    print(f"{'event (python thread)':70} {'ms':>9} {'count':>6}")
+    for (thread, name), ms in rows:
+        print(f"{name[:70]:70} {ms:>9.2f} {cnt[(thread, name)]:>6}")
+    _one_step(events, names)
+
+
+def _one_step(events, names, which=10, min_us=20):
+    """The python thread's events inside one engine.step, in time order (>= min_us)."""
+    py = [e for e in events if e.get("ph") == "X"
+          and names.get((e.get("pid"), e.get("tid")), "").startswith("python")]
+    steps = sorted((e for e in py if e["name"] == "engine.step"), key=lambda e: e["ts"])
+    if len(steps) <= which:
+        return
+    s = steps[which]
+    inner = sorted((e for e in py if s["ts"] <= e["ts"] <= s["ts"] + s["dur"]
+                    and e.get("dur", 0) >= min_us), key=lambda e: e["ts"])
+    print(f"\nstep {which}: {s['dur'] / 1e3:.3f} ms")
+    for e in inner:
+        print(f"  +{(e['ts'] - s['ts']) / 1e3:7.3f} ms {e['dur'] / 1e3:7.3f} ms  {e['name'][:70]}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", default="chain")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--top", type=int, default=40)
+    args = ap.parse_args()
+    _flags()
+    from bench.bench_engine import load, make
+
+    class A:
+        model = head = None
+        tiny = jax.default_backend() == "cpu"
+    cfg, params, head, _ = load(A)
+    eng = make(cfg, params, head, args.mode, args.batch, 2048, None)
+    eng.warmup()
+    rng = np.random.default_rng(0)
+
+    def top_up():
+        while len(eng.requests) < args.batch:
+            eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, 64)],
+                            SamplingParams(max_tokens=int(rng.integers(16, 129)), ignore_eos=True))
+    for _ in range(30):
+        top_up()
+        eng.step()
+    out = os.path.join(os.environ.get("OUT", "."), f"profile_{args.mode}_b{args.batch}")
+    with jax.profiler.trace(out, create_perfetto_trace=True):
+        for _ in range(args.steps):
+            top_up()
+            with jax.profiler.TraceAnnotation("engine.step"):
+                eng.step()
+        jax.block_until_ready(eng.state)
+    summarize(out, args.top)
+
+
+if __name__ == "__main__":
+    main()
