@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--data-parallel", type=int, default=1,
                     help="replicas over local GPUs (jax.pmap); batch sizes are per replica")
+    ap.add_argument("--data-parallel-impl", choices=["pmap", "engine"], default="pmap",
+                    help="pmap: lockstep groups per replica; engine: one continuous-batching "
+                         "engine over every replica's slots")
     ap.add_argument("--tensor-parallel", type=int, default=1,
                     help="shard the model over this many local GPUs (a model axis)")
     ap.add_argument("--adaptive", action="store_true",
@@ -182,7 +185,8 @@ def _setup(args, result):
     modes = [PLAIN] + ([] if args.no_spec else parse_specs(args.spec))
     target = Target(args.model, args.draft, args.max_model_len, args.seed,
                     data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel,
-                    dtype=None if args.dtype == "auto" else args.dtype)
+                    dtype=None if args.dtype == "auto" else args.dtype,
+                    data_parallel_impl=args.data_parallel_impl)
     result["draft_label"] = target.draft_label if len(modes) > 1 else None
     if args.draft == "random":
         result["notes"].append("draft: a RANDOM EAGLE head; accept lengths and speedups measure "

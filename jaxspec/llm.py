@@ -37,13 +37,17 @@ class LLM:
     model: None (the default SmolLM2-135M-Instruct GGUF), an HF model directory, or a .gguf file.
     max_batch: slots decoded together. max_model_len: per-slot context (prompt + output).
     kv_budget_gb: if given, max_model_len is derived from it (and capped by the model's limit).
+    data_parallel: replicas over local devices, max_batch slots each. data_parallel_impl:
+    "pmap" (`parallel.data_parallel`: groups of requests decoded in lockstep per replica, with
+    jax.pmap) or "engine" (`parallel.dp_engine`: one continuous-batching engine over every
+    replica's slots, so stream, abort and retract work as on one device).
     """
 
     def __init__(self, model: Optional[str] = None, *, dtype=None, max_batch: int = 8,
                  max_model_len: Optional[int] = None, kv_budget_gb: Optional[float] = None,
                  decode_chunk: int = 16, seed: int = 0, layer_layout: Optional[str] = None,
                  draft: Any = None, spec: Any = None, data_parallel: int = 1,
-                 tensor_parallel: int = 1):
+                 tensor_parallel: int = 1, data_parallel_impl: str = "pmap"):
         from jaxspec.weights import load_model
         if max_batch <= 0:
             raise ConfigError(f"max_batch must be positive, got {max_batch}")
@@ -53,6 +57,9 @@ class LLM:
         if data_parallel > 1 and tensor_parallel > 1:
             raise ConfigError("data_parallel and tensor_parallel together (a 2-D mesh) are not "
                               "supported: choose one")
+        if data_parallel_impl not in ("pmap", "engine"):
+            raise ConfigError(f"data_parallel_impl must be 'pmap' or 'engine', got "
+                              f"{data_parallel_impl!r}")
         self.data_parallel, self.mesh = data_parallel, None
         compile_cache.enable()
         self.config, self.params, self.tokenizer = load_model(model, dtype=dtype)
@@ -76,19 +83,24 @@ class LLM:
             from jaxspec.parallel.tensor_parallel import make_mesh, shard_params
             self.mesh = make_mesh(tensor_parallel)
             self.params = shard_params(self.params, self.config, self.mesh)
-        if data_parallel > 1:
+        if data_parallel > 1 and data_parallel_impl == "pmap":
             self._init_data_parallel(draft, spec)
             return
+        slots = max_batch * data_parallel
         if spec is not None or draft is not None:
-            backend = self._spec_backend(draft, spec)
+            backend = self._spec_backend(draft, spec, slots)
         else:
             # Slack rows: a cycle may run past a request's end before the host sees it.
-            backend = PlainBackend(self.config, self.params, max_batch,
+            backend = PlainBackend(self.config, self.params, slots,
                                    self.max_model_len + 2 * decode_chunk, n_steps=decode_chunk,
                                    seed=seed)
         if self.mesh is not None:
             from jaxspec.parallel.tensor_parallel import shard_backend
             shard_backend(backend, self.config, self.mesh)
+        if data_parallel > 1:
+            from jaxspec.parallel.data_parallel import local_devices
+            from jaxspec.parallel.dp_engine import data_parallel_backend
+            data_parallel_backend(backend, local_devices(data_parallel))
         self.engine = Engine(backend, max_model_len=self.max_model_len,
                              vocab_size=self.config.vocab_size, eos_ids=self._eos_ids(),
                              chunk=512, detokenize=self.tokenizer.decode)
@@ -135,10 +147,10 @@ class LLM:
                 decode_chunk=self.decode_chunk, seed=self.seed)
         self.engine = None
 
-    def _spec_backend(self, draft, spec):
+    def _spec_backend(self, draft, spec, slots: int):
         draft, spec = self._resolve_spec(draft, spec)
         # Rows for the speculative tokens of the cycles that may run past a request's end.
-        return SpecBackend(self.config, self.params, draft, spec, self.max_batch,
+        return SpecBackend(self.config, self.params, draft, spec, slots,
                            self.max_model_len + 2 * spec.max_emit, seed=self.seed)
 
     # -- input handling ------------------------------------------------------------------

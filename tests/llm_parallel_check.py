@@ -17,6 +17,14 @@ draft = init_eagle_params(base.config, jax.random.PRNGKey(0))
 dps = LLM(path, dtype=jnp.float32, max_batch=1, max_model_len=64, data_parallel=2, draft=draft, spec="chain")
 outs = dps.generate(prompts, sp)
 assert [o.token_ids for o in outs] == ref and all(o.accept_lens for o in outs)
+# One continuous-batching engine over both replicas' slots: same outputs, and it streams.
+dpe = LLM(path, dtype=jnp.float32, max_batch=1, max_model_len=64, data_parallel=2, draft=draft,
+          spec="chain", data_parallel_impl="engine")
+assert [o.token_ids for o in dpe.generate(prompts, sp)] == ref
+streamed = {}
+for delta in dpe.stream(prompts, sp):
+    streamed.setdefault(delta.request_id, []).extend(delta.token_ids)
+assert sorted(streamed.values()) == sorted(ref)
 tp = LLM(path, dtype=jnp.float32, max_batch=2, max_model_len=64, tensor_parallel=3, draft=draft, spec="chain")
 assert [o.token_ids for o in tp.generate(prompts, sp)] == ref
 print("LLM data/tensor parallel OK")

@@ -88,12 +88,46 @@ def check_dp(n):
     # The same runner again (state reused, nothing recompiled) with fewer prompts than slots.
     check(f"dp{n}-spec-again", [x.token_ids for x in r.generate(PROMPTS[:1], NEW[:1])],
           spec_reference()[:1])
+    check_dp_engine(n, "spec")
     if n < jax.device_count():
         return   # plain decoding once, on all devices (its compiles are the cost)
+    check_dp_engine(n, "plain")
     pr = DataParallelPlainRunner(CFG, p, slots=2, max_len=MAX_LEN, replicas=n, decode_chunk=8)
     gens = pr.generate(PROMPTS, [SamplingParams(max_tokens=m) for m in NEW], [set()] * 7)
     check(f"dp{n}-plain", [g.token_ids for g in gens], plain_reference())
     check(f"dp{n}-plain-vs-spec", [g.token_ids for g in gens], spec_reference())
+
+
+def check_dp_engine(n, kind):
+    """One engine over n devices' slots (parallel.dp_engine): greedy outputs equal the single
+    device's, and a seeded sampled request equals the single-device engine's (slot placement and
+    the device it lands on change nothing); nothing compiles after warm-up."""
+    from jaxspec.engine import Engine, PlainBackend, SpecBackend
+    from jaxspec.parallel.dp_engine import data_parallel_backend
+    p, d = pair()
+
+    def engine(devices):
+        be = (SpecBackend(CFG, p, d, SPEC, 2 * n, MAX_LEN + 2 * SPEC.max_emit) if kind == "spec"
+              else PlainBackend(CFG, p, 2 * n, MAX_LEN + 16, n_steps=8))
+        if devices:
+            data_parallel_backend(be, devices)
+        return Engine(be, max_model_len=MAX_LEN, vocab_size=CFG.vocab_size, chunk=64)
+
+    sampled = SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    single = engine(None)
+    want = single.add_request(PROMPTS[4], sampled)
+    list(single.drain())
+    eng = engine(jax.devices()[:n])
+    eng.warmup()
+    ids = [eng.add_request(x, SamplingParams(max_tokens=m)) for x, m in zip(PROMPTS, NEW)]
+    got = eng.add_request(PROMPTS[4], sampled)
+    list(eng.drain())
+    assert eng.backend.jit_calls == 0
+    assert all("data" in tuple(x.sharding.spec) for x in jax.tree_util.tree_leaves(eng.state))
+    ref = spec_reference() if kind == "spec" else plain_reference()
+    check(f"dp{n}-engine-{kind}", [eng.pop_finished(i).output for i in ids], ref)
+    check(f"dp{n}-engine-{kind}-sampled", [eng.pop_finished(got).output],
+          [single.pop_finished(want).output])
 
 
 def check_tp(n):

@@ -1,0 +1,118 @@
+"""Data parallel under the engine: one continuous-batching engine over the slots of N devices.
+
+The pmap runners (`data_parallel`) decode groups of requests in lockstep: a group waits for its
+longest request, and streaming, abort and retract are not there. This makes an engine backend
+(`engine.SpecBackend` / `PlainBackend`, built for all N x S slots) data parallel in place: its
+state is split over a one-axis mesh along the slot axis (each device holds S slots), and each of
+its jitted programs becomes a jit of a `shard_map` of the same single-device program, so every
+device runs exactly the single-device code (Pallas kernels included) on its own slots, and the
+programs hold no collective. The engine above it does not change: it sees N x S slots and admits
+requests into any free one as it does on one device.
+
+Admission: the engine admits A requests by global slot index. Every device receives the A rows
+and maps each global index to its own slots (an index owned by another device becomes padding,
+which the admission drops), so each request is prefilled on its owner only in effect; the
+others compute and drop it, a cost paid at admission only. The first tokens come back from each
+device ([N, A]) and the owner's row is kept.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxspec.config import ConfigError
+
+AXIS = "data"
+
+
+def _state_specs(backend):
+    """PartitionSpec per state leaf: the slot axis split over AXIS. The axes are the ones the
+    backend's admission found (`admit.batch_axes`); every state leaf has one."""
+    axes = next(iter(backend._admits.values())).__wrapped__.keywords["axes"]
+    return jax.tree_util.tree_map(lambda ax: P(*([None] * ax), AXIS), axes)
+
+
+def _local_slots(slot_idx, per_device: int):
+    """Global slot indices [A] -> this device's (padding, per_device, where another owns it)."""
+    local = slot_idx - jax.lax.axis_index(AXIS) * per_device
+    return jnp.where((local >= 0) & (local < per_device), local, per_device).astype(slot_idx.dtype)
+
+
+def _owner_rows(x, slot_idx, per_device: int, n: int):
+    """x [n * A, ...] stacked per device -> [A, ...]: each row from the device owning its slot."""
+    a = slot_idx.shape[0]
+    x = x.reshape((n, a) + x.shape[1:])
+    owner = jnp.clip(slot_idx // per_device, 0, n - 1)
+    return x[owner, jnp.arange(a)]
+
+
+class _Sharded:
+    """The shard_map'ed, jitted forms of one backend's programs (n_w weight arguments first,
+    then the donated state)."""
+
+    def __init__(self, mesh: Mesh, state_spec, n_w: int, per_device: int):
+        self.mesh, self.state_spec, self.n_w, self.per = mesh, state_spec, n_w, per_device
+        self.n = mesh.shape[AXIS]
+
+    def _smap(self, fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
+
+    def cycle(self, jitted):
+        inner = jitted.__wrapped__
+        specs = (P(),) * self.n_w + (self.state_spec, P(AXIS))
+        return jax.jit(self._smap(inner, specs, (self.state_spec, P(AXIS))),
+                       donate_argnums=(self.n_w,))
+
+    def admit(self, jitted):
+        inner, per, n = jitted.__wrapped__, self.per, self.n
+
+        def local(*args):
+            w, (state, slot_idx), rest = args[:self.n_w], args[self.n_w:self.n_w + 2], \
+                args[self.n_w + 2:]
+            return inner(*w, state, _local_slots(slot_idx, per), *rest)
+
+        def call(*args):
+            n_rest = len(args) - self.n_w - 1
+            specs = (P(),) * self.n_w + (self.state_spec,) + (P(),) * n_rest
+            state, first = self._smap(local, specs, (self.state_spec, P(AXIS)))(*args)
+            slot_idx = args[self.n_w + 1]
+            return state, jax.tree_util.tree_map(lambda x: _owner_rows(x, slot_idx, per, n),
+                                                 first)
+        return jax.jit(call, donate_argnums=(self.n_w,))
+
+    def advance(self, jitted):
+        inner, per = jitted.__wrapped__, self.per
+
+        def local(state, slot_idx, advance):
+            return inner(state, _local_slots(slot_idx, per), advance)
+        return jax.jit(self._smap(local, (self.state_spec, P(), P()), self.state_spec),
+                       donate_argnums=(0,))
+
+
+def data_parallel_backend(backend, devices: Sequence[jax.Device]):
+    """An engine backend built for len(devices) x S slots, made data parallel in place: its state
+    split over `devices` along the slot axis, its cycle, admission and key-advance programs run
+    per device. Returns the backend."""
+    n = len(devices)
+    if backend.slots % n:
+        raise ConfigError(f"{backend.slots} slots do not split over {n} devices")
+    mesh = Mesh(np.asarray(devices), (AXIS,))
+    init = backend.init_state
+    spec = _state_specs(backend)
+    n_w = 2 if hasattr(backend, "draft_params") else 1
+    sh = _Sharded(mesh, spec, n_w, backend.slots // n)
+    backend.init_state = lambda: jax.device_put(
+        init(), jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec))
+    backend._cycles = {f: sh.cycle(j) for f, j in backend._cycles.items()}
+    backend._admits = {f: sh.admit(j) for f, j in backend._admits.items()}
+    backend._advance = sh.advance(backend._advance)
+    put = NamedSharding(mesh, P(AXIS))
+    backend.device_mask.put = lambda m: jax.device_put(m, put)
+    backend.mesh = mesh
+    return backend
+
