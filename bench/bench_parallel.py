@@ -14,7 +14,7 @@ plain decode step and of a speculative cycle (chain and tree presets) at batch 1
 the same on one GPU in the same run (the 8B model fits one H200; the point is the split).
 
     python bench/bench_parallel.py                 # GPU (2x H200): both parts
-    python bench/bench_parallel.py --part dp       # or tp
+    python bench/bench_parallel.py --part dp       # or tp; --dp-impl engine: dp_engine only
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python bench/bench_parallel.py --tiny
                                                    # CPU: tiny shapes, checks the script runs
 JSON goes to $OUT/bench_parallel.json when OUT is set.
@@ -106,6 +106,45 @@ def dp_end_to_end(cfg, p, d, args, replicas, preset):
                      slots_per_replica=b, single_tok_s=n1 / t1, dp_tok_s=nd / td,
                      scaling=(nd / td) / (n1 / t1), first_replica_equals_single=same))
     return rows
+
+
+def _engine(cfg, p, d, preset, slots, max_len, devices=None):
+    from jaxspec.engine import Engine, PlainBackend, SpecBackend
+    from jaxspec.parallel.dp_engine import data_parallel_backend
+    if preset == "plain":
+        be = PlainBackend(cfg, p, slots, max_len + 32, n_steps=16)
+    else:
+        from jaxspec.spec.config import resolve_spec
+        be = SpecBackend(cfg, p, d, preset, slots, max_len + 2 * resolve_spec(preset).max_emit)
+    if devices:
+        data_parallel_backend(be, devices)
+    eng = Engine(be, max_model_len=max_len, vocab_size=cfg.vocab_size)
+    eng.warmup()
+    return eng
+
+
+def _drain(eng, ps, max_tokens):
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    ids = [eng.add_request(x, sp) for x in ps]
+    list(eng.drain())
+    return [eng.pop_finished(i).output for i in ids]
+
+
+def dp_engine_end_to_end(cfg, p, d, args, replicas, preset):
+    """tokens/s of the continuous-batching engine on one device vs over `replicas`
+    (parallel.dp_engine, b slots per device), host loop included; equal outputs checked."""
+    b = args.slots
+    max_len = args.prompt_len + args.max_tokens + 64
+    ps1 = prompts(b, args.prompt_len, cfg.vocab_size)
+    psd = prompts(b * replicas, args.prompt_len, cfg.vocab_size)
+    one = _engine(cfg, p, d, preset, b, max_len)
+    dp = _engine(cfg, p, d, preset, b * replicas, max_len, jax.local_devices()[:replicas])
+    t1, o1 = timed_generate(lambda: _drain(one, ps1, args.max_tokens), args.reps)
+    td, od = timed_generate(lambda: _drain(dp, psd, args.max_tokens), args.reps)
+    n1, nd = sum(map(len, o1)), sum(map(len, od))
+    return [dict(part="dp", mode=preset, measure="engine end-to-end", replicas=replicas,
+                 slots_per_replica=b, single_tok_s=n1 / t1, dp_tok_s=nd / td,
+                 scaling=(nd / td) / (n1 / t1), first_replica_equals_single=od[:b] == o1)]
 
 
 def dp_device_only(cfg, p, d, args, replicas, preset):
@@ -248,6 +287,8 @@ def main(argv=None):
     ap.add_argument("--cycles", type=int, default=32, help="timed cycles per repeat")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dp-modes", default="plain,chain,tree")
+    ap.add_argument("--dp-impl", default="pmap,engine",
+                    help="pmap (the lockstep runners) and/or engine (parallel.dp_engine)")
     ap.add_argument("--tp-spec", default="chain,tree")
     ap.add_argument("--tp-batches", default="1,64")
     args = ap.parse_args(argv)
@@ -271,7 +312,10 @@ def main(argv=None):
         dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
         p, d = random_pair(dp_cfg, dtype)
         for mode in args.dp_modes.split(","):
-            rows += dp_end_to_end(dp_cfg, p, d, args, 2, mode)
+            if "pmap" in args.dp_impl:
+                rows += dp_end_to_end(dp_cfg, p, d, args, 2, mode)
+            if "engine" in args.dp_impl:
+                rows += dp_engine_end_to_end(dp_cfg, p, d, args, 2, mode)
             if mode != "plain":
                 rows += dp_device_only(dp_cfg, p, d, args, 2, mode)
             print(rows[-1], flush=True)
@@ -281,8 +325,8 @@ def main(argv=None):
     save()
     print(f"\n{device_name()} x{n}")
     for r in rows:
-        if r["part"] == "dp" and r["measure"] == "end-to-end":
-            print(f"dp {r['mode']:6s} end-to-end  1 GPU {r['single_tok_s']:9.0f} tok/s  "
+        if r["part"] == "dp" and r["measure"].endswith("end-to-end"):
+            print(f"dp {r['mode']:6s} {r['measure']:18s} 1 GPU {r['single_tok_s']:9.0f} tok/s  "
                   f"{r['replicas']} GPUs {r['dp_tok_s']:9.0f} tok/s  scaling "
                   f"{r['scaling']:.2f}x  equal {r['first_replica_equals_single']}")
         elif r["part"] == "dp":
