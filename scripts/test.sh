@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up (if needed) and runs the whole test suite on the CPU.
 # With arguments they go to one pytest run (e.g. `bash scripts/test.sh tests/test_llm.py -x`).
-# Without, the test files run in three pytest processes, one after another: a single process
+# Without, the test files run in five pytest processes, one after another: a single process
 # that compiles the whole suite's programs (hundreds of XLA CPU executables kept alive by jit
 # caches) has crashed inside XLA's compiler late in the run, while every file passes alone.
 set -euo pipefail
@@ -12,7 +12,7 @@ if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
 mapfile -t files < <(ls tests/test_*.py | sort)
-groups=3
+groups=5
 per=$(( (${#files[@]} + groups - 1) / groups ))
 status=0
 for ((i = 0; i < ${#files[@]}; i += per)); do
