@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxspec.config import ConfigError
+from jaxspec.engine.backends import MaskCache
 
 AXIS = "data"
 
@@ -71,10 +72,10 @@ class _Sharded:
     def admit(self, jitted):
         inner, per, n = jitted.__wrapped__, self.per, self.n
 
-        def local(*args):
-            w, (state, slot_idx), rest = args[:self.n_w], args[self.n_w:self.n_w + 2], \
-                args[self.n_w + 2:]
-            return inner(*w, state, _local_slots(slot_idx, per), *rest)
+        def local(*args):       # weights..., state, slot_idx, rest...: slot_idx made local
+            args = list(args)
+            args[self.n_w + 1] = _local_slots(args[self.n_w + 1], per)
+            return inner(*args)
 
         def call(*args):
             n_rest = len(args) - self.n_w - 1
@@ -111,8 +112,8 @@ def data_parallel_backend(backend, devices: Sequence[jax.Device]):
     backend._cycles = {f: sh.cycle(j) for f, j in backend._cycles.items()}
     backend._admits = {f: sh.admit(j) for f, j in backend._admits.items()}
     backend._advance = sh.advance(backend._advance)
-    put = NamedSharding(mesh, P(AXIS))
-    backend.device_mask.put = lambda m: jax.device_put(m, put)
+    split = NamedSharding(mesh, P(AXIS))
+    backend.device_mask = MaskCache(lambda m: jax.device_put(m, split))
     backend.mesh = mesh
     return backend
 
