@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import time
 
 import jax
@@ -57,7 +58,7 @@ def load(args):
     return cfg, params, head, tok
 
 
-def make(cfg, params, head, mode, batch, max_model_len, tok, bucket_growth=4):
+def make(cfg, params, head, mode, batch, max_model_len, tok, bucket_growth=4, admit_interval=1):
     """mode: 'plain' (4 decode steps per cycle), 'plain:N' (N steps; LLM uses 16), or a spec
     preset."""
     if mode.startswith("plain"):
@@ -67,7 +68,8 @@ def make(cfg, params, head, mode, batch, max_model_len, tok, bucket_growth=4):
         spec = resolve_spec(mode)
         backend = SpecBackend(cfg, params, head, spec, batch, max_model_len + 2 * spec.max_emit)
     return Engine(backend, max_model_len=max_model_len, vocab_size=cfg.vocab_size, chunk=256,
-                  bucket_growth=bucket_growth, detokenize=tok.decode if tok is not None else None)
+                  bucket_growth=bucket_growth, detokenize=tok.decode if tok is not None else None,
+                  admit_interval=admit_interval)
 
 
 def device_ms_per_cycle(engine, n):
@@ -92,9 +94,10 @@ def compiled(engine):
 
 
 def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, args,
-             masks="device"):
+             masks="device", admit_interval=1):
     rng = np.random.default_rng(0)
-    engine = make(cfg, params, head, mode, batch, max_model_len, tok, args.bucket_growth)
+    engine = make(cfg, params, head, mode, batch, max_model_len, tok, args.bucket_growth,
+                  admit_interval)
     engine.device_masks = masks == "device"
     t0 = time.perf_counter()
     engine.warmup()
@@ -128,7 +131,8 @@ def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, arg
     wall = time.perf_counter() - t0
     st = engine.stats
     host_ms = st.host_s / steps * 1e3
-    return dict(mode=mode, batch=batch, masks=masks, device_ms_per_cycle=dev_ms,
+    return dict(mode=mode, batch=batch, masks=masks, admit_interval=admit_interval,
+                device_ms_per_cycle=dev_ms,
                 engine_ms_per_step=wall / steps * 1e3, host_ms_per_step=host_ms,
                 dispatch_ms_per_step=st.dispatch_s / steps * 1e3,
                 step_p90_ms=float(np.percentile(st.step_s, 90) * 1e3),
@@ -157,15 +161,18 @@ def main():
     ap.add_argument("--masks", default="device",
                     help="comma list: device (the engine's cached device masks), numpy (the "
                          "active mask passed as numpy each cycle: the earlier engine)")
+    ap.add_argument("--admit-interval", default="1",
+                    help="comma list: Engine(admit_interval=) values to compare")
     args = ap.parse_args()
     compile_cache.enable()
     cfg, params, head, tok = load(args)
     rows = []
     for mode in args.modes.split(","):
         for b in (int(x) for x in args.batches.split(",")):
-            for masks in args.masks.split(","):
+            for masks, every in itertools.product(args.masks.split(","),
+                                                  args.admit_interval.split(",")):
                 r = run_case(cfg, params, head, tok, mode, b, args.steps, args.max_model_len,
-                             args.gen, args, masks)
+                             args.gen, args, masks, int(every))
                 rows.append(r)
                 print(r, flush=True)
     write_json("bench_engine.json", dict(device=device_name(), rows=rows))
@@ -175,10 +182,11 @@ def main():
             print(f"{r['mode']:6} {r['batch']:>3} warm-up {r['compile_s']:.1f} s "
                   f"({r['admission_shapes']} admission shapes + cycle)")
         return
-    print(f"{'mode':8} {'B':>3} {'masks':6} {'dev ms/cyc':>10} {'eng ms/step':>11} {'host ms':>8} "
+    print(f"{'mode':8} {'B':>3} {'masks':6} {'adm':>3} {'dev ms/cyc':>10} {'eng ms/step':>11} {'host ms':>8} "
           f"{'dispatch':>8} {'busy':>5} {'tok/s':>8} {'recompiled':>10}")
     for r in rows:
-        print(f"{r['mode']:8} {r['batch']:>3} {r['masks']:6} {r['device_ms_per_cycle']:>10.3f} "
+        print(f"{r['mode']:8} {r['batch']:>3} {r['masks']:6} {r['admit_interval']:>3} "
+              f"{r['device_ms_per_cycle']:>10.3f} "
               f"{r['engine_ms_per_step']:>11.3f} {r['host_ms_per_step']:>8.3f} "
               f"{r['dispatch_ms_per_step']:>8.3f} {r['busy']:>5.2f} "
               f"{r['tokens_per_s']:>8.0f} {str(r['recompiled']):>10}")

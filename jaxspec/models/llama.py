@@ -60,20 +60,26 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return out.astype(np.float32)
 
 
-def apply_rope(x, positions, inv_freq):
-    """x [B, N, H, D] (HF rotate-half layout), positions [B, N] int32."""
+def rope_tables(positions, inv_freq):
+    """positions [B, N] int32 -> (cos, sin) [B, N, 1, D/2] fp32. Computed once per forward and
+    shared by every layer: per layer, XLA launched a kernel each for them."""
     ang = positions.astype(jnp.float32)[..., None] * inv_freq          # [B, N, D/2]
-    cos = jnp.cos(ang)[:, :, None, :]
-    sin = jnp.sin(ang)[:, :, None, :]
+    return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+
+
+def apply_rope(x, positions, inv_freq, tables=None):
+    """x [B, N, H, D] (HF rotate-half layout), positions [B, N] int32; tables: rope_tables'."""
+    cos, sin = rope_tables(positions, inv_freq) if tables is None else tables
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm=False):
+def qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm=False, tables=None):
     """x [B, N, H] -> q [B, N, Hq, D], k, v [B, Hkv, N, D] (RoPE applied to q and k).
 
     skip_norm: EAGLE-1 draft layers feed the fc output straight in, without the input norm.
+    tables: rope_tables(positions, inv_freq), when the caller shares them between layers.
     """
     b, n, _ = x.shape
     h = x if skip_norm else rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
@@ -81,19 +87,22 @@ def qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm=False):
     if "bqkv" in lp:
         qkv = qkv + lp["bqkv"].reshape(qkv.shape[-2:])
     m = qkv.shape[-2]
-    q, k, v = jnp.split(qkv, [cfg.q_size // m, (cfg.q_size + cfg.kv_size) // m], axis=-1)
-    q = apply_rope(q.reshape(b, n, cfg.num_heads, cfg.head_dim), positions, inv_freq)
-    k = apply_rope(k.reshape(b, n, cfg.num_kv_heads, cfg.head_dim), positions, inv_freq)
-    k = k.transpose(0, 2, 1, 3)
-    v = v.reshape(b, n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 2, 1, 3)
+    hq, hkv, d = cfg.num_heads // m, cfg.num_kv_heads // m, cfg.head_dim
+    # q and k heads of each block rotated together: one elementwise pass instead of two.
+    qk, v = jnp.split(qkv, [(cfg.q_size + cfg.kv_size) // m], axis=-1)
+    qk = apply_rope(qk.reshape(b, n, m * (hq + hkv), d), positions, inv_freq, tables)
+    qk = qk.reshape(b, n, m, hq + hkv, d)
+    q = qk[:, :, :, :hq].reshape(b, n, cfg.num_heads, d)
+    k = qk[:, :, :, hq:].reshape(b, n, cfg.num_kv_heads, d).transpose(0, 2, 1, 3)
+    v = v.reshape(b, n, cfg.num_kv_heads, d).transpose(0, 2, 1, 3)
     return q, k, v
 
 
 def attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer, seq_lens, new_mask,
-                    skip_norm=False):
+                    skip_norm=False, tables=None):
     """Returns (attention output [B, N, H], k_new, v_new [B, Hkv, N, D])."""
     b, n, _ = x.shape
-    q, k, v = qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm)
+    q, k, v = qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm, tables)
     o = tree_attention(q, cache_k, cache_v, layer, seq_lens, k, v, new_mask,
                        sm_scale=cfg.head_dim ** -0.5)
     return o.reshape(b, n, cfg.q_size) @ lp["wo"], k, v
@@ -122,12 +131,13 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, seq_l
     captured [len(capture_layers), B, N, H] = outputs of those layers, or None).
     """
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
+    tables = rope_tables(positions, inv_freq)
     x = params["embed"][tokens]
 
     def layer_fn(x, inp):
         lp, layer = inp
         a, k, v = attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer,
-                                   seq_lens, new_mask)
+                                   seq_lens, new_mask, tables=tables)
         x = x + a
         x = x + mlp_block(cfg, lp, x)
         return x, (k, v, x if capture_layers else None)
