@@ -41,13 +41,16 @@ class LLM:
     "pmap" (`parallel.data_parallel`: groups of requests decoded in lockstep per replica, with
     jax.pmap) or "engine" (`parallel.dp_engine`: one continuous-batching engine over every
     replica's slots, so stream, abort and retract work as on one device).
+    admit_interval: the engine admits newcomers every this many cycles while others run
+    (`Engine(admit_interval=)`; 1, the default, admits at once).
     """
 
     def __init__(self, model: Optional[str] = None, *, dtype=None, max_batch: int = 8,
                  max_model_len: Optional[int] = None, kv_budget_gb: Optional[float] = None,
                  decode_chunk: int = 16, seed: int = 0, layer_layout: Optional[str] = None,
                  draft: Any = None, spec: Any = None, data_parallel: int = 1,
-                 tensor_parallel: int = 1, data_parallel_impl: str = "pmap"):
+                 tensor_parallel: int = 1, data_parallel_impl: str = "pmap",
+                 admit_interval: int = 1):
         from jaxspec.weights import load_model
         if max_batch <= 0:
             raise ConfigError(f"max_batch must be positive, got {max_batch}")
@@ -57,6 +60,8 @@ class LLM:
         if data_parallel > 1 and tensor_parallel > 1:
             raise ConfigError("data_parallel and tensor_parallel together (a 2-D mesh) are not "
                               "supported: choose one")
+        if admit_interval < 1:
+            raise ConfigError(f"admit_interval must be >= 1, got {admit_interval}")
         if data_parallel_impl not in ("pmap", "engine"):
             raise ConfigError(f"data_parallel_impl must be 'pmap' or 'engine', got "
                               f"{data_parallel_impl!r}")
@@ -103,7 +108,8 @@ class LLM:
             data_parallel_backend(backend, local_devices(data_parallel))
         self.engine = Engine(backend, max_model_len=self.max_model_len,
                              vocab_size=self.config.vocab_size, eos_ids=self._eos_ids(),
-                             chunk=512, detokenize=self.tokenizer.decode)
+                             chunk=512, detokenize=self.tokenizer.decode,
+                             admit_interval=admit_interval)
         self._inbox: dict = {}
 
     def _load_draft(self, draft: Optional[str]):

@@ -88,7 +88,7 @@ def expected(prompt, sp: SamplingParams, eos):
     return ref, "length"
 
 
-def make_engine(kind, kv_budget=None, eos=(), detokenize=None):
+def make_engine(kind, kv_budget=None, eos=(), detokenize=None, **kw):
     params, head = agreeing_pair()
     if kind == "spec":
         backend = SpecBackend(CFG, params, head, SPEC, SLOTS, MAX_MODEL_LEN + 2 * SPEC.max_emit)
@@ -96,7 +96,7 @@ def make_engine(kind, kv_budget=None, eos=(), detokenize=None):
         backend = PlainBackend(CFG, params, SLOTS, MAX_MODEL_LEN + 2 * PLAIN_STEPS,
                                n_steps=PLAIN_STEPS)
     return Engine(backend, max_model_len=MAX_MODEL_LEN, vocab_size=CFG.vocab_size, eos_ids=eos,
-                  kv_budget=kv_budget, chunk=CHUNK, detokenize=detokenize)
+                  kv_budget=kv_budget, chunk=CHUNK, detokenize=detokenize, **kw)
 
 
 class CompileCounter:
@@ -193,6 +193,38 @@ def test_eos_and_max_tokens_inside_an_accepted_chain():
     assert max(ra.accept_lens) > 1 and 1 + sum(x + 1 for x in rc.accept_lens) > 3
     for r in (ra, rb, rc):
         assert [t for d in deltas if d.request_id == r.request_id for t in d.token_ids] == r.output
+
+
+def _serve(engine, prompts, sps, arrive):
+    """Runs requests arriving at the given steps; (outputs by index, steps that admitted)."""
+    ids, admitted_at, step = {}, [], 0
+    while len(ids) < len(prompts) or engine.has_work():
+        for i in np.flatnonzero(arrive == step):
+            ids[int(i)] = engine.add_request(prompts[i], sps[i])
+        before = engine.stats.prefill_chunks
+        engine.step()
+        if engine.stats.prefill_chunks > before:
+            admitted_at.append(step)
+        step += 1
+        assert step < 2000
+    return {i: engine.pop_finished(rid).output for i, rid in ids.items()}, admitted_at
+
+
+def test_admit_interval_gathers_newcomers_and_keeps_outputs():
+    rng = np.random.default_rng(5)
+    n = 24
+    prompts = [[int(t) for t in rng.integers(0, CFG.vocab_size, rng.integers(1, 20))]
+               for _ in range(n)]
+    sps = [SamplingParams(max_tokens=int(rng.integers(1, 10)), ignore_eos=True) for _ in range(n)]
+    arrive = np.sort(rng.integers(0, 30, n))
+    every, every_at = _serve(make_engine("spec"), prompts, sps, arrive)
+    gathered_engine = make_engine("spec", admit_interval=3)
+    gathered, gathered_at = _serve(gathered_engine, prompts, sps, arrive)
+    for i in range(n):
+        assert every[i] == gathered[i] == expected(prompts[i], sps[i], ())[0], i
+    assert len(gathered_at) < len(every_at)
+    with pytest.raises(ValueError, match="admit_interval"):
+        make_engine("spec", admit_interval=0)
 
 
 def _detok(ids):

@@ -138,13 +138,23 @@ class Engine:
     accelerator's host; 1 on the CPU backend, whose compilations share the cores with everything
     else (measured slower with 2 threads than with 1 on a 2-core machine).
     detokenize: token ids -> text (needed for text deltas and stop strings).
+    admit_interval: while slots are running, admit waiting requests only every this many cycles
+    (SGLang's --num-continuous-decode-steps). Each admission is a dispatch of its own whose host
+    cost does not shrink with the requests it carries, so gathering newcomers saves host time
+    per cycle where requests finish often (large batches) at the cost of slots idling up to
+    admit_interval - 1 cycles. An engine with nothing running admits at once.
     """
 
     def __init__(self, backend, *, max_model_len: int, vocab_size: int, eos_ids: Iterable[int] = (),
                  kv_budget: Optional[int] = None, chunk: int = 512, min_chunk: int = 16,
                  bucket_growth: int = 4, compile_workers: Optional[int] = None,
-                 detokenize: Optional[Callable[[List[int]], str]] = None):
+                 detokenize: Optional[Callable[[List[int]], str]] = None,
+                 admit_interval: int = 1):
         self.backend = backend
+        if admit_interval < 1:
+            raise ValueError(f"admit_interval must be >= 1, got {admit_interval}")
+        self.admit_interval = admit_interval
+        self._since_admit = 0                              # cycles since the last admission
         self.slots, self.emit = backend.slots, backend.emit
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         if backend.max_len < max_model_len + 2 * self.emit:
@@ -314,6 +324,10 @@ class Engine:
     def _admit(self):
         if not self.waiting:
             return
+        if self.live.any() and self._since_admit + 1 < self.admit_interval:
+            self._since_admit += 1
+            return
+        self._since_admit = 0
         free = np.flatnonzero(~self.live).tolist()
         batch = []
         need = self._need()
