@@ -5,7 +5,10 @@ number of kernels per layer sets the step time and the host's CUDA-graph launch 
 compiles the engine's programs (random weights, warm-up as the engine does it) for 1 and 2
 layers, counts the kernel-launching instructions of the optimized HLO (fusions, custom calls:
 GEMMs, Pallas kernels, and the unfused copies/sorts/scatters), and prints the difference (= one
-layer) plus the one-layer instruction list of the chosen program.
+layer) by the source line each kernel came from, for the program named by --show.
+Admission programs run prompt chunks through a lax.scan (`ModelConfig.for_prefill`): their
+layers are one loop body, counted once, so their "per layer" figure is not a per-layer count
+(a one-layer scan is even inlined by XLA, which makes it negative).
 Usage: python -m bench.kernel_census [--mode chain] [--batch 1] [--show cycle]
 """
 from __future__ import annotations
@@ -16,7 +19,6 @@ import dataclasses
 import re
 
 import jax
-
 import jax.numpy as jnp
 
 from bench.bench_engine import make
@@ -123,10 +125,11 @@ def main():
     rows = []
     for key in sorted(one, key=str):
         per_layer = len(two.get(key, ())) - len(one[key])
+        full = len(one[key]) + (SMOLLM2_135M.num_layers - 1) * per_layer
         rows.append(dict(program=str(key), kernels_1_layer=len(one[key]), per_layer=per_layer,
-                         at_30_layers=len(one[key]) + 29 * per_layer))
+                         all_layers=full))
         print(f"{str(key):60s} 1 layer {len(one[key]):4d}  per layer {per_layer:3d}  "
-              f"30 layers ~{rows[-1]['at_30_layers']}")
+              f"{SMOLLM2_135M.num_layers} layers ~{full}")
     for key in one:
         if str(key[0]) == args.show:
             per = collections.Counter(k[1:] for k in two.get(key, ()))
