@@ -4,8 +4,10 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
-#   bash bench/gpu_plan.sh host        # issue 6: where the host waits (engine table, profile,
-#                                      #   command-buffer modes); random weights, no GGUF needed
+#   bash bench/gpu_plan.sh host        # issue 6: engine table with admit_interval 1 and 2, and the
+#                                      #   prefill loop inside the CUDA graph (+WHILE) with its
+#                                      #   batch-64 profile; random weights, no GGUF needed
+#   bash bench/gpu_plan.sh census      # issues 2/3: kernels per layer by source line (b1, b64)
 #   bash bench/gpu_plan.sh exact       # issues 3/8: fp32 greedy spec == plain on the GPU, batch 1
 #   bash bench/gpu_plan.sh e2e         # issues 5/7: bf16 batch 1 spec vs plain vs HF; accept at T=1
 #   bash bench/gpu_plan.sh sweep_a     # issue 8: batch 1, 4 (MT-bench)
@@ -15,7 +17,8 @@
 #   bash bench/gpu_plan.sh decode      # issues 2/4: 8B step overhead, kernels vs XLA, multi-step
 #   bash bench/gpu_plan.sh cycle       # issues 3/4: 8B cycle table incl. (6,10,60)
 #   bash bench/gpu_plan.sh eagle3      # issue 7: train an EAGLE-3 head, tau vs the shipped EAGLE-1
-#                                      #   (carry .gpu/run1/examples_sd.npz and .gpu/train/)
+#                                      #   (carry .gpu/train/; .gpu/run1/examples_sd.npz, the
+#                                      #   self-distilled answers of an earlier run, if present)
 #   bash bench/gpu_plan.sh parallel    # issue 9: needs the nvidia-h200-x2 kind
 # Every part writes its logs and JSON under $OUT (or ./gpu_out) and prints a short table last.
 set -uo pipefail
@@ -28,11 +31,15 @@ BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
 
 case "${1:-}" in
   host)
-    ENG="python3 -m bench.bench_engine --steps 100 --gen 128 --gen-min 16 --max-model-len 2048"
-    run host_default 200 $ENG --modes chain,plain:16 --batches 1,64
-    run host_profile_b1 120 python3 -m bench.profile_engine --mode chain --batch 1 --steps 30 --top 25
-    run host_while 150 env XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE $ENG --modes chain,plain:16 --batches 64
-    run host_skip 150 env XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_PROFILED $ENG --modes chain --batches 1,64
+    ENG="python3 -m bench.bench_engine --steps 150 --gen 128 --gen-min 16 --max-model-len 2048"
+    WHILE=--xla_gpu_enable_command_buffer=+WHILE
+    run host_default 240 $ENG --modes chain,plain:16 --batches 1,64 --admit-interval 1,2
+    run host_while 150 env XLA_FLAGS=$WHILE $ENG --modes chain,plain:16 --batches 64
+    run host_profile_b64 150 env XLA_FLAGS=$WHILE python3 -m bench.profile_engine --mode chain --batch 64 --steps 40 --top 40
+    ;;
+  census)
+    run census_b1 150 python3 -m bench.kernel_census --mode chain --batch 1
+    run census_b64 150 python3 -m bench.kernel_census --mode chain --batch 64
     ;;
   exact)
     run exact_fp32 420 $BENCH --dtype float32 --num-prompts 16 --max-tokens 256 --spec chain,tree --no-peers --json "$OUT/exact_fp32.json"
@@ -62,10 +69,13 @@ case "${1:-}" in
     run cycle 560 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "6,10,60;5,8,32;1,1,2"
     ;;
   eagle3)
-    run eagle3 580 python3 -m bench.train_gpu run --gguf "$GGUF" --out "$OUT/e3" --arch eagle3 --mode sd --sd-data .gpu/run1/examples_sd.npz --draft-vocab 16384 --ttt-steps 7 --batch-size 32 --lr 6e-4 --train-seconds 300 --vs-shipped
+    SD=.gpu/run1/examples_sd.npz
+    if [ -f "$SD" ]; then DATA="--sd-data $SD --train-seconds 300"
+    else DATA="--gen-seconds 120 --train-seconds 220"; fi   # self-distil in this call
+    run eagle3 580 python3 -m bench.train_gpu run --gguf "$GGUF" --out "$OUT/e3" --arch eagle3 --mode sd $DATA --draft-vocab 16384 --ttt-steps 7 --batch-size 32 --lr 6e-4 --vs-shipped
     ;;
   parallel)
     run parallel 560 python3 bench/bench_parallel.py
     ;;
-  *) sed -n 2,21p "$0"; exit 2 ;;
+  *) sed -n "2,/^# Every part/p" "$0"; exit 2 ;;
 esac
