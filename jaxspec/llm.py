@@ -13,7 +13,7 @@ from jaxspec import compile_cache
 from jaxspec.config import ConfigError
 from jaxspec.engine import Engine, PlainBackend, SpecBackend, StreamDelta
 from jaxspec.kv import kv_bytes_per_token
-from jaxspec.sampling import SamplingParams, apply_stop_strings
+from jaxspec.sampling import Features, SamplingParams, apply_stop_strings
 
 Chat = List[dict]
 Prompt = Union[str, Chat, Sequence[int]]
@@ -108,7 +108,7 @@ class LLM:
             data_parallel_backend(backend, local_devices(data_parallel))
         self.engine = Engine(backend, max_model_len=self.max_model_len,
                              vocab_size=self.config.vocab_size, eos_ids=self._eos_ids(),
-                             chunk=512, detokenize=self.tokenizer.decode,
+                             chunk=min(512, self.max_model_len), detokenize=self.tokenizer.decode,
                              admit_interval=admit_interval)
         self._inbox: dict = {}
 
@@ -160,12 +160,19 @@ class LLM:
                            self.max_model_len + 2 * spec.max_emit, seed=self.seed)
 
     # -- input handling ------------------------------------------------------------------
-    def warmup(self):
+    def warmup(self, sampling: Union[None, SamplingParams, Sequence[SamplingParams]] = None):
         """Compiles everything serving will run (the cycle and every admission bucket) now,
         ahead of time, so the first requests do not wait on compilation. Optional: without it,
-        each shape compiles on its first use."""
-        if self.dp_runner is None:
+        each shape compiles on its first use.
+        sampling: the parameters of the requests to come, when known: only the program variants
+        they need are compiled (all greedy without penalties or logprobs: half of them)."""
+        if self.dp_runner is not None:
+            return
+        if sampling is None:
             self.engine.warmup()
+            return
+        sps = [sampling] if isinstance(sampling, SamplingParams) else list(sampling)
+        self.engine.warmup(tuple(Features.of([sp]) for sp in sps))
 
     def compilations(self) -> int:
         """Calls so far that found no executable compiled ahead of time (each such shape

@@ -42,7 +42,7 @@ def sweep(tiny_chat_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-out")
     argv = ["--model", str(tiny_chat_model), "--draft", "random", "--num-prompts", "3",
             "--max-tokens", "12", "--probe-tokens", "17", "--batch-sizes", "1,2", "--spec", "chain",
-            "--max-model-len", "512", "--adaptive", "--no-peers", "--quiet", "--dtype", "float32",
+            "--max-model-len", "128", "--adaptive", "--no-peers", "--quiet", "--dtype", "float32",
             "--json", str(out / "r.json"), "--plot", str(out / "r.png")]
     assert bench_cli.main(argv) == 0
     return json.loads((out / "r.json").read_text()), out
@@ -133,7 +133,7 @@ def test_results_are_written_after_every_run(tiny_chat_model, tmp_path, monkeypa
     monkeypatch.setattr(runner.Target, "llm", llm)
     with pytest.raises(RuntimeError, match="cut off"):
         bench_cli.main(["--model", str(tiny_chat_model), "--draft", "random", "--spec", "chain",
-                        "--num-prompts", "2", "--max-tokens", "6", "--max-model-len", "512",
+                        "--num-prompts", "2", "--max-tokens", "6", "--max-model-len", "128",
                         "--no-peers", "--quiet", "--json", str(path)])
     mid = seen["on_disk"]
     assert mid["partial"] is True and "error" not in mid
@@ -157,7 +157,7 @@ def test_time_budget_starts_no_run_after_it_is_spent(tmp_path, capsys):
 def test_serving_run(tiny_chat_model, capsys):
     assert bench_cli.main(["--model", str(tiny_chat_model), "--no-spec", "--num-prompts", "2",
                            "--num-requests", "4", "--request-rate", "inf", "--batch-sizes", "2",
-                           "--max-tokens", "6", "--max-model-len", "512", "--json", "-",
+                           "--max-tokens", "6", "--max-model-len", "128", "--json", "-",
                            "--quiet"]) == 0
     res = json.loads(capsys.readouterr().out)
     s = res["serving"][0]

@@ -62,6 +62,25 @@ def test_warmup_compiles_ahead_and_serves_without_jit(kind):
     assert compiled_shapes(engine) != before and be.jit_calls == 1
 
 
+def test_warmup_of_the_variants_requests_need():
+    engine = make_engine("spec")
+    engine.warmup((LEAN,))
+    be = engine.backend
+    assert set(be.executables) == {("cycle", LEAN)} | \
+        {("admit", a, w, LEAN) for a, w in engine.admission_shapes()}
+    before = compiled_shapes(engine)
+    prompt = [5, 17, 42, 8, 99]
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    list(engine.drain())
+    assert engine.pop_finished(rid).output == greedy_ref(prompt)[:8]
+    assert compiled_shapes(engine) == before          # greedy serving found every program
+    engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=1.0, seed=1))
+    list(engine.drain())
+    assert be.jit_calls > 0                           # a sampled request compiled FULL
+    with pytest.raises(ValueError, match="variants"):
+        engine.warmup(())
+
+
 @pytest.mark.parametrize("kind", ["spec", "plain"])
 def test_cycle_variants_have_no_conditional(kind):
     """The engine's cycle variants decide sampling, penalties and logprobs at trace time: no

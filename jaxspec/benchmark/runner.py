@@ -108,10 +108,11 @@ class Target:
 
 
 def warm(llm, chats, sp):
-    """Compiles what the timed pass will use: the engine's own warm-up when the API has one,
-    then the same prompts with few tokens (the prefill buckets they fall in)."""
+    """Compiles what the timed pass will use: the engine's own warm-up when the API has one
+    (only the program variants `sp` needs), then the same prompts with few tokens (the prefill
+    buckets they fall in)."""
     if hasattr(llm, "warmup"):
-        llm.warmup()
+        llm.warmup(sp)
     llm.generate(chats, dataclasses.replace(sp, max_tokens=min(sp.max_tokens, WARMUP_TOKENS)))
 
 

@@ -286,29 +286,36 @@ class Engine:
         """(slot count, chunk width) of every admission bucket."""
         return [(a, w) for a in self.slot_buckets for w in self.widths]
 
-    def warmup(self):
+    def warmup(self, variants: Sequence[Features] = VARIANTS):
         """Compiles the cycle and every admission bucket ahead of time, concurrently (XLA
         compiles without the GIL), so serving never compiles. Tracing stays on this thread;
         each shape's compilation starts as soon as it is traced. Nothing runs but one idle
-        cycle (nothing changes)."""
+        cycle (nothing changes).
+        variants: the program variants to compile (`sampling.Features`; `Features.of` of the
+        requests to come). A request that needs another compiles it on its first use. The
+        key-advance programs serve only sampled requests, so they come with FULL."""
         idle = np.zeros(self.slots, bool)
+        variants = tuple(dict.fromkeys(variants))
+        if not variants or any(f not in VARIANTS for f in variants):
+            raise ValueError(f"variants must be a non-empty selection of {VARIANTS}, "
+                             f"got {variants}")
         with ThreadPoolExecutor(self.compile_workers) as pool:
             jobs = [self._compile(pool, self.backend.cycle(self.state, idle, f, lower=True))
-                    for f in VARIANTS]
+                    for f in variants]
             for a, w in sorted(self.admission_shapes(), key=lambda s: -s[0] * s[1]):
                 pad = np.full(a, self.slots, np.int32)
                 z = np.zeros(a, np.int32)
-                for f in VARIANTS:
+                for f in variants:
                     jobs.append(self._compile(pool, self.backend.admit(
                         self.state, pad, np.zeros((a, w), np.int32), z, z, z - 1, features=f,
                         lower=True)))
-            for a in self.slot_buckets:
+            for a in self.slot_buckets if FULL in variants else ():
                 pad = np.full(a, self.slots, np.int32)
                 jobs.append(self._compile(pool, self.backend.advance_keys(
                     self.state, pad, np.zeros(a, np.int32), lower=True)))
             self.backend.executables.update(job.result() for job in jobs)
         seed_key(0)   # compiles the host's seeded-key derivation
-        self.state, out = self.backend.cycle(self.state, idle)
+        self.state, out = self.backend.cycle(self.state, idle, variants[0])
         np.asarray(out.tokens)
 
     @staticmethod
