@@ -10,6 +10,8 @@ For each mode (speculative 'chain', plain) and batch (1, 64), in one run:
   dispatch  of host: in the backend's cycle and admit calls (argument handling, launch)
   busy      device ms per cycle x cycles / engine wall time: the fraction of wall time the
             device has work queued (goal >= 0.95 at batch 1)
+  +admit    busy counting the admissions' prompt chunks too (each admission shape the run
+            dispatched, timed back to back afterwards): the device's whole load
 Warm-up (compilation of the cycle and every admission bucket) is timed first; --warmup-only stops
 there (a sweep over batch sizes of compile times).
 Usage: python -m bench.bench_engine [--model PATH] [--head PATH] [--steps 300] [--tiny]
@@ -86,6 +88,24 @@ def device_ms_per_cycle(engine, n):
     return (time.perf_counter() - t0) / n * 1e3
 
 
+def device_ms_per_admit(engine, a, width, features, n):
+    """Back-to-back admissions of one shape, every row padding (dropped, so the state is kept):
+    the device's time for a prompt chunk of that shape. Arguments live on the device, since
+    numpy arguments make each call wait (bench_dispatch)."""
+    be, slots = engine.backend, engine.backend.slots
+    z = np.zeros(a, np.int32)
+    args = [jax.device_put(x) for x in (np.full(a, slots, np.int32),
+                                         np.zeros((a, width), np.int32), z, z, z - 1)]
+    state, first = be.admit(engine.state, *args, features=features)
+    np.asarray(first.tokens)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        state, first = be.admit(state, *args, features=features)
+    np.asarray(first.tokens)
+    engine.state = state
+    return (time.perf_counter() - t0) / n * 1e3
+
+
 def compiled(engine):
     """Executables compiled ahead, calls that found none, jit cache sizes: unchanged unless
     something compiled after warm-up."""
@@ -131,12 +151,17 @@ def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, arg
     wall = time.perf_counter() - t0
     st = engine.stats
     host_ms = st.host_s / steps * 1e3
+    # The device's whole load: the cycles and the admissions' prompt chunks, each shape timed.
+    admit_ms = sum(c * device_ms_per_admit(engine, a, w, f, 10)
+                   for (a, w, f), c in st.admit_shapes.items())
     return dict(mode=mode, batch=batch, masks=masks, admit_interval=admit_interval,
                 device_ms_per_cycle=dev_ms,
                 engine_ms_per_step=wall / steps * 1e3, host_ms_per_step=host_ms,
                 dispatch_ms_per_step=st.dispatch_s / steps * 1e3,
                 step_p90_ms=float(np.percentile(st.step_s, 90) * 1e3),
-                busy=min(1.0, dev_ms * st.cycles / (wall * 1e3)), cycles=st.cycles,
+                busy=min(1.0, dev_ms * st.cycles / (wall * 1e3)),
+                busy_all=min(1.0, (dev_ms * st.cycles + admit_ms) / (wall * 1e3)),
+                admit_device_ms_per_step=admit_ms / steps, cycles=st.cycles,
                 admissions=st.admissions, prefill_chunks=st.prefill_chunks,
                 tokens_per_s=tokens / wall, compile_s=compile_s,
                 recompiled=compiled(engine) != sizes)
@@ -183,12 +208,12 @@ def main():
                   f"({r['admission_shapes']} admission shapes + cycle)")
         return
     print(f"{'mode':8} {'B':>3} {'masks':6} {'adm':>3} {'dev ms/cyc':>10} {'eng ms/step':>11} {'host ms':>8} "
-          f"{'dispatch':>8} {'busy':>5} {'tok/s':>8} {'recompiled':>10}")
+          f"{'dispatch':>8} {'busy':>5} {'+admit':>6} {'tok/s':>8} {'recompiled':>10}")
     for r in rows:
         print(f"{r['mode']:8} {r['batch']:>3} {r['masks']:6} {r['admit_interval']:>3} "
               f"{r['device_ms_per_cycle']:>10.3f} "
               f"{r['engine_ms_per_step']:>11.3f} {r['host_ms_per_step']:>8.3f} "
-              f"{r['dispatch_ms_per_step']:>8.3f} {r['busy']:>5.2f} "
+              f"{r['dispatch_ms_per_step']:>8.3f} {r['busy']:>5.2f} {r['busy_all']:>6.2f} "
               f"{r['tokens_per_s']:>8.0f} {str(r['recompiled']):>10}")
 
 

@@ -15,7 +15,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.engine import Engine, PlainBackend, SpecBackend
 from jaxspec.kv import init_cache
 from jaxspec.models import llama
-from jaxspec.sampling import SamplingParams
+from jaxspec.sampling import LEAN, SamplingParams
 from jaxspec.spec import SpecConfig
 from pallas_kernels.kv_compact import kv_compact
 
@@ -223,6 +223,10 @@ def test_admit_interval_gathers_newcomers_and_keeps_outputs():
     for i in range(n):
         assert every[i] == gathered[i] == expected(prompts[i], sps[i], ())[0], i
     assert len(gathered_at) < len(every_at)
+    shapes = gathered_engine.stats.admit_shapes       # what the device ran besides the cycles
+    assert sum(shapes.values()) == gathered_engine.stats.prefill_chunks
+    assert {(a, w) for a, w, _ in shapes} <= set(gathered_engine.admission_shapes())
+    assert {f for _, _, f in shapes} == {LEAN}
     with pytest.raises(ValueError, match="admit_interval"):
         make_engine("spec", admit_interval=0)
 

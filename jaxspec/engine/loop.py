@@ -107,6 +107,9 @@ class EngineStats:
     host_s: float = 0.0                 # time in step() not spent waiting on the device
     wait_s: float = 0.0                 # time blocked reading device outputs
     dispatch_s: float = 0.0             # of host_s: in the backend's admit and cycle calls
+    # admission dispatches by (slot bucket, chunk width, features): what the device ran besides
+    # the cycles (bench/bench_engine.py times each shape to count the device's whole load)
+    admit_shapes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     step_s: List[float] = dataclasses.field(default_factory=list)
 
 
@@ -410,6 +413,7 @@ class Engine:
             self._prefetch(first)
             self.stats.dispatch_s += time.perf_counter() - t
             self.stats.prefill_chunks += 1
+            self.stats.admit_shapes[(a, width, features)] += 1
             self.pending.append(("admit", first, [r[0] for r in rows]))
             k += 1
         self._advance_resumed([(slot, adv) for (_, slot, _, _, adv), (_, _, req)
