@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import SMOLLM2_135M, device_name, write_json
+from bench.common import SMOLLM2_135M, device_name, timed, write_json
 from jaxspec import compile_cache
 from jaxspec.config import ModelConfig
 from jaxspec.engine import Engine, PlainBackend, SpecBackend
@@ -76,34 +76,23 @@ def make(cfg, params, head, mode, batch, max_model_len, tok, bucket_growth=4, ad
 
 def device_ms_per_cycle(engine, n):
     """Back-to-back cycles on a full state: the device's own time per cycle (host idle)."""
-    be, state = engine.backend, engine.state
+    be = engine.backend
     active = np.ones(be.slots, bool)
-    state, out = be.cycle(state, active, LEAN)
-    np.asarray(out.tokens)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        state, out = be.cycle(state, active, LEAN)
-    np.asarray(out.tokens)
-    engine.state = state
-    return (time.perf_counter() - t0) / n * 1e3
+    ms, engine.state = timed(lambda s: be.cycle(s, active, LEAN)[0], engine.state, n, 1)
+    return ms
 
 
 def device_ms_per_admit(engine, a, width, features, n):
     """Back-to-back admissions of one shape, every row padding (dropped, so the state is kept):
     the device's time for a prompt chunk of that shape. Arguments live on the device, since
     numpy arguments make each call wait (bench_dispatch)."""
-    be, slots = engine.backend, engine.backend.slots
+    be = engine.backend
     z = np.zeros(a, np.int32)
-    args = [jax.device_put(x) for x in (np.full(a, slots, np.int32),
+    args = [jax.device_put(x) for x in (np.full(a, be.slots, np.int32),
                                          np.zeros((a, width), np.int32), z, z, z - 1)]
-    state, first = be.admit(engine.state, *args, features=features)
-    np.asarray(first.tokens)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        state, first = be.admit(state, *args, features=features)
-    np.asarray(first.tokens)
-    engine.state = state
-    return (time.perf_counter() - t0) / n * 1e3
+    ms, engine.state = timed(lambda s: be.admit(s, *args, features=features)[0],
+                             engine.state, n, 1)
+    return ms
 
 
 def compiled(engine):
