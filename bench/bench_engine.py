@@ -62,13 +62,15 @@ def load(args):
 
 def make(cfg, params, head, mode, batch, max_model_len, tok, bucket_growth=4, admit_interval=1):
     """mode: 'plain' (4 decode steps per cycle), 'plain:N' (N steps; LLM uses 16), or a spec
-    preset."""
-    if mode.startswith("plain"):
-        n = int(mode.partition(":")[2] or 4)
+    preset, 'preset:K' for K cycles per call."""
+    name, _, n = mode.partition(":")
+    if name == "plain":
+        n = int(n or 4)
         backend = PlainBackend(cfg, params, batch, max_model_len + 2 * n, n_steps=n)
     else:
-        spec = resolve_spec(mode)
-        backend = SpecBackend(cfg, params, head, spec, batch, max_model_len + 2 * spec.max_emit)
+        spec, k = resolve_spec(name), int(n or 1)
+        backend = SpecBackend(cfg, params, head, spec, batch,
+                              max_model_len + 2 * spec.max_emit * k, cycles_per_call=k)
     return Engine(backend, max_model_len=max_model_len, vocab_size=cfg.vocab_size, chunk=256,
                   bucket_growth=bucket_growth, detokenize=tok.decode if tok is not None else None,
                   admit_interval=admit_interval)

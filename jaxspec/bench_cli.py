@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-sizes", "--batch-size", dest="batch_sizes", default="1",
                     help="comma list of batch sizes to sweep, e.g. 1,4,16")
     ap.add_argument("--spec", default=None,
-                    help="comma list of presets (naive, chain, tree) or STEPSxTOPKxTOKENS "
+                    help="comma list of presets (naive, chain, tree) or STEPSxTOPKxTOKENS, "
+                         "each optionally ':K' for K cycles per device call, e.g. chain:4 "
                          "(default: chain,tree on GPU, chain on CPU)")
     ap.add_argument("--no-spec", action="store_true", help="plain decoding only")
     ap.add_argument("--temperature", type=float, default=0.0)

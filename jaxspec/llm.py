@@ -43,6 +43,9 @@ class LLM:
     replica's slots, so stream, abort and retract work as on one device).
     admit_interval: the engine admits newcomers every this many cycles while others run
     (`Engine(admit_interval=)`; 1, the default, admits at once).
+    cycles_per_call: speculative cycles per device call (`SpecBackend(cycles_per_call=)`, the
+    speculative counterpart of decode_chunk): more amortize the host's cost per call where it
+    exceeds a cycle's device time (large batches of a small model).
     """
 
     def __init__(self, model: Optional[str] = None, *, dtype=None, max_batch: int = 8,
@@ -50,7 +53,7 @@ class LLM:
                  decode_chunk: int = 16, seed: int = 0, layer_layout: Optional[str] = None,
                  draft: Any = None, spec: Any = None, data_parallel: int = 1,
                  tensor_parallel: int = 1, data_parallel_impl: str = "pmap",
-                 admit_interval: int = 1):
+                 admit_interval: int = 1, cycles_per_call: int = 1):
         from jaxspec.weights import load_model
         if max_batch <= 0:
             raise ConfigError(f"max_batch must be positive, got {max_batch}")
@@ -62,6 +65,9 @@ class LLM:
                               "supported: choose one")
         if admit_interval < 1:
             raise ConfigError(f"admit_interval must be >= 1, got {admit_interval}")
+        if cycles_per_call < 1:
+            raise ConfigError(f"cycles_per_call must be >= 1, got {cycles_per_call}")
+        self.cycles_per_call = cycles_per_call
         if data_parallel_impl not in ("pmap", "engine"):
             raise ConfigError(f"data_parallel_impl must be 'pmap' or 'engine', got "
                               f"{data_parallel_impl!r}")
@@ -89,6 +95,9 @@ class LLM:
             self.mesh = make_mesh(tensor_parallel)
             self.params = shard_params(self.params, self.config, self.mesh)
         if data_parallel > 1 and data_parallel_impl == "pmap":
+            if cycles_per_call > 1:
+                raise ConfigError("cycles_per_call > 1 needs the engine: use "
+                                  "data_parallel_impl='engine'")
             self._init_data_parallel(draft, spec)
             return
         slots = max_batch * data_parallel
@@ -157,7 +166,8 @@ class LLM:
         draft, spec = self._resolve_spec(draft, spec)
         # Rows for the speculative tokens of the cycles that may run past a request's end.
         return SpecBackend(self.config, self.params, draft, spec, slots,
-                           self.max_model_len + 2 * spec.max_emit, seed=self.seed)
+                           self.max_model_len + 2 * spec.max_emit * self.cycles_per_call,
+                           seed=self.seed, cycles_per_call=self.cycles_per_call)
 
     # -- input handling ------------------------------------------------------------------
     def warmup(self, sampling: Union[None, SamplingParams, Sequence[SamplingParams]] = None):

@@ -85,7 +85,8 @@ def test_json_schema(sweep):
         assert r["compiled_in_timed_pass"] == 0, r
     plain, chain = res["rows"][0], res["rows"][1]
     assert plain["speedup"] == 1.0 and plain["accept_len"] is None
-    assert chain["spec"] == {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}
+    assert chain["spec"] == {"num_steps": 3, "topk": 1, "num_draft_tokens": 4,
+                             "cycles_per_call": 1}
     assert sum(chain["accept_hist"]) == chain["cycles"] and len(chain["accept_hist"]) == 4
     assert 1.0 <= chain["accept_len"] <= 4.0
     assert set(res["requests"]) == {"b1/plain", "b1/chain", "b2/plain", "b2/chain"}
@@ -213,11 +214,16 @@ def test_unknown_dataset_is_a_clear_error():
 
 
 def test_parse_specs():
-    ms = parse_specs("chain,2x2x4")
-    assert [m.label for m in ms] == ["chain", "2x2x4"]
-    assert ms[1].describe() == {"num_steps": 2, "topk": 2, "num_draft_tokens": 4}
+    ms = parse_specs("chain,2x2x4,chain:4")
+    assert [m.label for m in ms] == ["chain", "2x2x4", "chain:4"]
+    assert ms[1].describe() == {"num_steps": 2, "topk": 2, "num_draft_tokens": 4,
+                                "cycles_per_call": 1}
+    assert ms[2].spec == ms[0].spec and ms[2].cycles_per_call == 4
     with pytest.raises(Exception, match="STEPSxTOPKxTOKENS"):
         parse_specs("bushy")
+    for bad in ("chain:0", "chain:x"):
+        with pytest.raises(Exception, match="cycles per call"):
+            parse_specs(bad)
 
 
 def test_poisson_arrivals_and_percentiles():

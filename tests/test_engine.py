@@ -89,9 +89,12 @@ def expected(prompt, sp: SamplingParams, eos):
 
 
 def make_engine(kind, kv_budget=None, eos=(), detokenize=None, **kw):
+    """kind: 'plain', 'spec' or 'spec:K' (K cycles per device call)."""
     params, head = agreeing_pair()
-    if kind == "spec":
-        backend = SpecBackend(CFG, params, head, SPEC, SLOTS, MAX_MODEL_LEN + 2 * SPEC.max_emit)
+    if kind.startswith("spec"):
+        k = int(kind.partition(":")[2] or 1)
+        backend = SpecBackend(CFG, params, head, SPEC, SLOTS,
+                              MAX_MODEL_LEN + 2 * SPEC.max_emit * k, cycles_per_call=k)
     else:
         backend = PlainBackend(CFG, params, SLOTS, MAX_MODEL_LEN + 2 * PLAIN_STEPS,
                                n_steps=PLAIN_STEPS)
@@ -122,10 +125,10 @@ def compiled_shapes(engine):
     return (sorted(be.executables), be.jit_calls, [f._cache_size() for f in be.jitted()])
 
 
-@pytest.mark.parametrize("kind", ["spec", "plain"])
+@pytest.mark.parametrize("kind", ["spec", "plain", "spec:3"])
 def test_requests_over_time_with_aborts_and_retracts(kind):
-    rng = np.random.default_rng(0 if kind == "spec" else 1)
-    n = 200 if kind == "spec" else 120
+    rng = np.random.default_rng({"spec": 0, "plain": 1}.get(kind, 2))
+    n = 120 if kind == "plain" else 200
     # A common token of the references serves as EOS, so many requests stop early.
     prompts = [[int(t) for t in rng.integers(0, CFG.vocab_size, rng.integers(1, 41))]
                for _ in range(n)]
@@ -175,12 +178,13 @@ def test_requests_over_time_with_aborts_and_retracts(kind):
     assert not engine.requests and not engine.runs and not engine.finished_requests
 
 
-def test_eos_and_max_tokens_inside_an_accepted_chain():
+@pytest.mark.parametrize("kind", ["spec", "spec:3"])
+def test_eos_and_max_tokens_inside_an_accepted_chain(kind):
     prompt = [5, 17, 42, 8, 99]
     ref = greedy_ref(prompt)
     eos = ref[7]
     first = ref.index(eos)
-    engine = make_engine("spec", eos=(eos,))
+    engine = make_engine(kind, eos=(eos,))
     a = engine.add_request(prompt, SamplingParams(max_tokens=12))
     b = engine.add_request(prompt, SamplingParams(max_tokens=1))
     c = engine.add_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True))
@@ -193,6 +197,11 @@ def test_eos_and_max_tokens_inside_an_accepted_chain():
     assert max(ra.accept_lens) > 1 and 1 + sum(x + 1 for x in rc.accept_lens) > 3
     for r in (ra, rb, rc):
         assert [t for d in deltas if d.request_id == r.request_id for t in d.token_ids] == r.output
+        # accept lengths of exactly the cycles whose tokens it kept (not those that ran on
+        # inside the call after it ended); the first token came from the admission
+        if r.accept_lens:
+            made = 1 + np.cumsum([x + 1 for x in r.accept_lens])
+            assert made[-1] >= len(r.output) and (len(made) == 1 or made[-2] < len(r.output))
 
 
 def _serve(engine, prompts, sps, arrive):
@@ -421,7 +430,7 @@ def test_incremental_detokenization_equals_full_decode(smollm2_gguf):
     assert got == tok.decode(ids) == text
 
 
-@pytest.mark.parametrize("kind", ["spec", "plain"])
+@pytest.mark.parametrize("kind", ["spec", "plain", "spec:3"])
 def test_retracted_sampling_request_resumes_its_key(kind):
     """A seeded sampling request retracted after several cycles is resumed with its key moved
     past the draws it made (the separate key-advance call), so its output equals the run
@@ -436,7 +445,7 @@ def test_retracted_sampling_request_resumes_its_key(kind):
     engine = make_engine(kind)
     engine.add_request(list(range(30, 40)), SamplingParams(max_tokens=30, ignore_eos=True))
     rid = engine.add_request(prompt, sp)           # admitted last: the retract's victim
-    for _ in range(4):
+    for _ in range(max(2, 4 // int(kind.partition(":")[2] or 1))):  # a few cycles: spec:3 runs 3 a step
         engine.step()
     budget, engine.kv_budget = engine.kv_budget, engine._need() - 1
     engine.step()                                  # retracts it, after several cycles

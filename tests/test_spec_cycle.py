@@ -337,6 +337,37 @@ def test_second_cycle_call_does_not_recompile():
     assert int(out.accept_len[0]) == 0 and (np.asarray(out.tokens[0]) == -1).all()
 
 
+def test_cycles_per_call_equal_separate_cycles():
+    """Three cycles in one program give the state and the tokens of three calls: each slot's
+    emitted tokens in order, first, -1 after; accept lengths per cycle; an idle slot emits
+    nothing."""
+    spec = SpecConfig(3, 1, 4)
+    params, head = agreeing_pair()
+    tokens = jnp.asarray(np.arange(48).reshape(3, 16) % 97)
+    lens = jnp.array([5, 16, 9], jnp.int32)
+    active = jnp.array([True, True, False])
+    pre = jit_prefill(CFG, spec)
+    state, _ = pre(params, head, init_state(CFG, spec, 3, 96, jnp.float32), tokens, lens)
+    one = jit_cycle(CFG, spec)
+    ref_toks, ref_acc = [], []
+    for _ in range(3):
+        state, out = one(params, head, state, active)
+        ref_toks.append(np.asarray(out.tokens))                     # [B, S+1]
+        ref_acc.append(np.asarray(out.accept_len))
+    state3, _ = pre(params, head, init_state(CFG, spec, 3, 96, jnp.float32), tokens, lens)
+    state3, out3 = jit_cycle(CFG, spec, n_cycles=3)(params, head, state3, active)
+    toks = np.asarray(out3.tokens)
+    assert toks.shape == (3, 12) and out3.accept_len.shape == (3, 3)
+    np.testing.assert_array_equal(np.asarray(out3.accept_len), np.stack(ref_acc, 1))
+    assert max(np.asarray(out3.accept_len)[:2].ravel()) > 0       # chains were accepted
+    for b in range(3):
+        want = [int(t) for c in range(3) for t in ref_toks[c][b] if t >= 0]
+        assert toks[b].tolist() == want + [-1] * (12 - len(want)), b
+    assert (toks[2] == -1).all()
+    for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(state3)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # ---------------------------------------------------------------- real weights
 
 

@@ -18,37 +18,48 @@ WARMUP_TOKENS = 8
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """A decoding mode: plain (spec None) or speculative with a SpecConfig."""
+    """A decoding mode: plain (spec None) or speculative with a SpecConfig, run cycles_per_call
+    cycles per device call."""
     label: str
     spec: Any = None
+    cycles_per_call: int = 1
 
     def describe(self) -> Optional[dict]:
         if self.spec is None:
             return None
         s = self.spec
-        return {"num_steps": s.num_steps, "topk": s.topk, "num_draft_tokens": s.num_draft_tokens}
+        return {"num_steps": s.num_steps, "topk": s.topk, "num_draft_tokens": s.num_draft_tokens,
+                "cycles_per_call": self.cycles_per_call}
 
 
 PLAIN = Mode("plain")
 
 
 def parse_specs(text: str) -> List[Mode]:
-    """'chain,tree,3x1x4': presets or num_steps x topk x num_draft_tokens."""
+    """'chain,tree,3x1x4,chain:4': presets or num_steps x topk x num_draft_tokens, each with an
+    optional ':K' for K cycles per device call."""
     from jaxspec.spec.config import PRESETS, SpecConfig
     modes = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
             continue
-        if item in PRESETS:
-            modes.append(Mode(item, PRESETS[item]))
-            continue
-        parts = item.lower().split("x")
+        name, colon, k = item.partition(":")
         try:
-            s, k, n = (int(p) for p in parts)
+            k = int(k) if colon else 1
+            if k < 1:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"--spec {item!r}: ':K' must be a positive number of cycles per "
+                              "call") from None
+        if name in PRESETS:
+            modes.append(Mode(item, PRESETS[name], k))
+            continue
+        try:
+            s, t, n = (int(p) for p in name.lower().split("x"))
         except ValueError:
             raise ConfigError(f"--spec {item!r}: a preset ({', '.join(PRESETS)}) or "
-                              "STEPSxTOPKxTOKENS such as 3x1x4") from None
-        modes.append(Mode(item, SpecConfig(num_steps=s, topk=k, num_draft_tokens=n)))
+                              "STEPSxTOPKxTOKENS such as 3x1x4, optionally ':K'") from None
+        modes.append(Mode(item, SpecConfig(num_steps=s, topk=t, num_draft_tokens=n), k))
     if len({m.label for m in modes}) != len(modes):
         raise ConfigError(f"--spec {text!r} names a config twice")
     return modes
@@ -90,7 +101,8 @@ class Target:
             draft = self._random_draft()
         try:
             return LLM(self.model, max_batch=batch, max_model_len=self.max_model_len,
-                       seed=self.seed, draft=draft, spec=mode.spec, **self.common)
+                       seed=self.seed, draft=draft, spec=mode.spec,
+                       cycles_per_call=mode.cycles_per_call, **self.common)
         except (ValueError, FileNotFoundError) as e:
             raise SystemExit(f"cannot load the draft head ({e}); pass --draft PATH, or "
                              "--draft random to time the cycle with an untrained head") from None

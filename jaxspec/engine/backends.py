@@ -121,10 +121,16 @@ def _admit_key(slot_idx, tokens, features) -> tuple:
 
 class SpecBackend(_Dispatch):
     """EAGLE speculative decoding: one jitted cycle (draft -> verify -> accept -> compaction ->
-    catch-up) per engine cycle; greedy and sampled slots (lossless speculative sampling) mix."""
+    catch-up) per engine cycle; greedy and sampled slots (lossless speculative sampling) mix.
+
+    cycles_per_call: speculative cycles per device call (`spec.cycle.cycles`; the counterpart of
+    PlainBackend's n_steps). Where the host's cost per call exceeds a cycle's device time (large
+    batches of a small model) more cycles per call keep the device busy; a request that ends
+    inside a call still runs to the call's end (its extra tokens are dropped), and newcomers wait
+    up to a call for admission. The accept lengths come per cycle ([B, cycles_per_call])."""
 
     def __init__(self, cfg: ModelConfig, params, draft_params, spec, slots: int, max_len: int,
-                 seed: int = 0):
+                 seed: int = 0, cycles_per_call: int = 1):
         from jaxspec.spec.config import check_vocab, resolve_spec
         from jaxspec.spec.draft import check_head
         from jaxspec.spec.cycle import jit_cycle
@@ -132,11 +138,15 @@ class SpecBackend(_Dispatch):
         self.spec = resolve_spec(spec)
         check_vocab(self.spec, cfg.vocab_size)
         check_head(cfg, self.spec, draft_params)
+        if cycles_per_call < 1:
+            raise ValueError(f"cycles_per_call must be >= 1, got {cycles_per_call}")
         self.slots, self.max_len = slots, max_len
         self.dtype = params["embed"].dtype
-        self.emit = self.spec.max_emit
+        self.cycles_per_call = cycles_per_call
+        self.emit = self.spec.max_emit * cycles_per_call
         self.key = _engine_key(seed)
-        self._cycles = {f: jit_cycle(cfg, self.spec, features=f) for f in VARIANTS}
+        self._cycles = {f: jit_cycle(cfg, self.spec, features=f, n_cycles=cycles_per_call)
+                        for f in VARIANTS}
         self._admits, self._advance = jit_spec_admit(cfg, self.spec, slots, max_len, self.dtype)
         self._init_dispatch()
 
@@ -146,7 +156,7 @@ class SpecBackend(_Dispatch):
                           self.draft_params)
 
     def key_advances(self, n_out: int, n_cycles: int) -> int:
-        return n_cycles          # the cycle splits each active slot's key once
+        return n_cycles          # each cycle splits each active slot's key once
 
     def admit(self, state, slot_idx, tokens, start, n_valid, next_tok, adm=None, *,
               features: Features = FULL, lower=False):

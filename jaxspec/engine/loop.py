@@ -126,6 +126,21 @@ def _bucket(n: int, buckets: List[int]) -> int:
     return buckets[bisect.bisect_left(buckets, n)]
 
 
+def _cycles_kept(accepts, kept: int) -> List[int]:
+    """The accept lengths of the cycles whose tokens a request kept: accepts is one cycle's
+    (an int) or those of a call's cycles in order (each emitted accept + 1 tokens); kept, the
+    tokens taken (fewer when the request ended inside the call)."""
+    if not isinstance(accepts, list):
+        return [accepts]
+    out, total = [], 0
+    for a in accepts:
+        if total >= kept:
+            break
+        out.append(a)
+        total += a + 1
+    return out
+
+
 class Engine:
     """backend: SpecBackend or PlainBackend. max_model_len: prompt + max_tokens per request.
     The backend's state has max_model_len + 2 * emit rows per slot.
@@ -499,12 +514,13 @@ class Engine:
             acc = None if acc is None else acc.tolist()
             for slot in slots:
                 run = self.runs[runs[slot]]
-                touched.append(run.req)
-                if acc is not None:
-                    run.req.accept_lens.append(acc[slot])
-                n = n_got[slot]
+                req = run.req
+                touched.append(req)
+                n, before = n_got[slot], len(req.output)
                 self._take(run, rows[slot][:n],
                            None if lp is None else [x[slot][:n] for x in lp])
+                if acc is not None:
+                    req.accept_lens += _cycles_kept(acc[slot], len(req.output) - before)
         self._flush(touched)
 
     def _take(self, run: _Run, tokens: List[int], lp=None):

@@ -202,15 +202,41 @@ def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, s
                                jnp.where(active, acc.accept_len, 0), *lp)
 
 
+def cycles(params, draft_params, state: SpecState, active, *, n_cycles: int, **kw):
+    """n_cycles cycles back to back in one program (vLLM's multi-step scheduling): the host pays
+    its per-call cost (launch, argument handling) once for all of them. The cycles are unrolled,
+    not a loop: a loop runs as a host-driven `while` on the GPU, outside the CUDA graph.
+
+    Returns (state, CycleOut) with tokens, logprob, top_* [B, n_cycles * (S+1), ...] (each slot's
+    emitted tokens first, in order, -1 after them, as one cycle's) and accept_len [B, n_cycles].
+    n_cycles == 1 is `cycle` itself (accept_len [B])."""
+    outs = []
+    for _ in range(n_cycles):
+        state, out = cycle(params, draft_params, state, active, **kw)
+        outs.append(out)
+    if n_cycles == 1:
+        return state, outs[0]
+    tokens = jnp.concatenate([o.tokens for o in outs], axis=1)
+    order = jnp.argsort(tokens < 0, axis=1, stable=True)       # emitted first, order kept
+
+    def gather(x):
+        idx = order.reshape(order.shape + (1,) * (x.ndim - 2))
+        return jnp.take_along_axis(x, idx, axis=1)
+
+    cat = [gather(jnp.concatenate(xs, axis=1)) for xs in zip(*(o[2:] for o in outs))]
+    return state, CycleOut(gather(tokens), jnp.stack([o.accept_len for o in outs], axis=1), *cat)
+
+
 @functools.lru_cache(maxsize=None)
 def jit_cycle(cfg: ModelConfig, spec: SpecConfig, greedy_only: bool = False,
-              features: Optional[Features] = None):
+              features: Optional[Features] = None, n_cycles: int = 1):
     """cycle(params, draft_params, state, active) -> (state, CycleOut); the state is donated.
+    n_cycles > 1: `cycles` (that many per call).
 
-    One jitted function per (cfg, spec, greedy_only, features), so runners of the same shapes
-    share executables."""
-    return jax.jit(functools.partial(cycle, cfg=cfg, spec=spec, greedy_only=greedy_only,
-                                     features=features), donate_argnums=(2,))
+    One jitted function per (cfg, spec, greedy_only, features, n_cycles), so runners of the same
+    shapes share executables."""
+    return jax.jit(functools.partial(cycles, cfg=cfg, spec=spec, greedy_only=greedy_only,
+                                     features=features, n_cycles=n_cycles), donate_argnums=(2,))
 
 
 @functools.lru_cache(maxsize=None)
