@@ -204,6 +204,22 @@ def test_eos_and_max_tokens_inside_an_accepted_chain(kind):
             assert made[-1] >= len(r.output) and (len(made) == 1 or made[-2] < len(r.output))
 
 
+@pytest.mark.parametrize("kind,max_tokens,calls", [("plain", 7, 2), ("spec:3", 4, 1),
+                                                    ("spec", 2, 1)])
+def test_no_call_after_the_end_by_max_tokens_is_certain(kind, max_tokens, calls):
+    """The host reads a call's tokens a step late. A slot whose calls in flight are sure to
+    bring max_tokens (each active call brings >= min_emit tokens: plain n_steps, spec one per
+    cycle) sits out further calls instead of running one more that is thrown away."""
+    prompt = [5, 17, 42, 8, 99]
+    engine = make_engine(kind)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    list(engine.drain())
+    r = engine.pop_finished(rid)
+    assert (r.output, r.finish_reason) == (greedy_ref(prompt)[:max_tokens], "length")
+    assert engine.stats.cycles == calls
+    assert not engine.live.any() and not engine.rows.any()
+
+
 def _serve(engine, prompts, sps, arrive):
     """Runs requests arriving at the given steps; (outputs by index, steps that admitted)."""
     ids, admitted_at, step = {}, [], 0

@@ -17,6 +17,7 @@ retract) does not know which one runs:
                                                  executable each, neither with a conditional
   emit                                           E, the most tokens (and KV rows) a slot gains
                                                  per cycle
+  min_emit                                       the fewest tokens an active slot gains per cycle
   key_advances(n_out, n_cycles)                  key splits past the first draw that a request
                                                  with n_out tokens from n_cycles cycles made
 Sampling parameters, per-slot rng keys and token counts (penalties) live in the state; admission
@@ -144,6 +145,7 @@ class SpecBackend(_Dispatch):
         self.dtype = params["embed"].dtype
         self.cycles_per_call = cycles_per_call
         self.emit = self.spec.max_emit * cycles_per_call
+        self.min_emit = cycles_per_call          # an active slot emits >= 1 token per cycle
         self.key = _engine_key(seed)
         self._cycles = {f: jit_cycle(cfg, self.spec, features=f, n_cycles=cycles_per_call)
                         for f in VARIANTS}
@@ -251,7 +253,7 @@ class PlainBackend(_Dispatch):
         self.cfg, self.params = cfg, params
         self.slots, self.max_len, self.seed = slots, max_len, seed
         self.dtype = params["embed"].dtype
-        self.emit = n_steps
+        self.emit = self.min_emit = n_steps
         self.key = _engine_key(seed)
         self._admits, self._cycles, self._advance = _jit_plain(cfg, slots, max_len, self.dtype,
                                                                n_steps)

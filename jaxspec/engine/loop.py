@@ -131,7 +131,7 @@ def _cycles_kept(accepts, kept: int) -> List[int]:
     (an int) or those of a call's cycles in order (each emitted accept + 1 tokens); kept, the
     tokens taken (fewer when the request ended inside the call)."""
     if not isinstance(accepts, list):
-        return [accepts]
+        return [accepts] if kept else []
     out, total = [], 0
     for a in accepts:
         if total >= kept:
@@ -196,6 +196,10 @@ class Engine:
         self.live = np.zeros(self.slots, bool)             # slot_run[s] is not None
         self.runs: Dict[int, _Run] = {}
         self.rows = np.zeros(self.slots, np.int64)         # reserved KV rows (0 when free)
+        # Tokens a slot's run may still emit beyond its output and the least its calls in
+        # flight will bring (backend.min_emit per call): at <= 0 its end by max_tokens is
+        # certain, so it runs no further cycle (the host learns it a call late).
+        self.left = np.zeros(self.slots, np.int64)
         self._logprob_runs = 0                             # live runs that asked for logprobs
         self._full_runs = 0                                # live runs that need the FULL cycle
         self._device_outputs = jax.default_backend() != "cpu"
@@ -273,8 +277,8 @@ class Engine:
         self._admit()
         self._fit_budget()
         keep = 0
-        if self.live.any():
-            active = self.live.copy()
+        active = self.live & (self.left > 0)
+        if active.any():
             mask = self.backend.device_mask(active) if self.device_masks else active
             t = time.perf_counter()
             # LEAN (no sampling, penalty or logprob code) while every live request is greedy and
@@ -285,6 +289,7 @@ class Engine:
             self.stats.dispatch_s += time.perf_counter() - t
             self.pending.append(("cycle", out, list(self.slot_run)))
             self.rows[active] += self.emit
+            self.left[active] -= self.backend.min_emit
             self.stats.cycles += 1
             keep = 1
         while len(self.pending) > keep:
@@ -373,6 +378,7 @@ class Engine:
             self._logprob_runs += req.logprobs is not None
             self._full_runs += Features.of([req.sp]) is FULL
             self.rows[slot] = len(ids)
+            self.left[slot] = req.sp.max_tokens - len(req.output)
             need += cost
             batch.append((run_id, slot, req))
             self.stats.admissions += 1
@@ -502,13 +508,16 @@ class Engine:
             for i, (rid, tok) in enumerate(zip(runs, toks.tolist())):
                 if tok >= 0 and rid in self.runs:
                     touched.append(self.runs[rid].req)
+                    self.left[self.runs[rid].slot] -= 1
                     self._take(self.runs[rid], [tok],
                                None if lp is None else [x[i:i + 1] for x in lp])
         else:
             # One pass over the block in numpy; Python only per live slot, never per token.
             # Emitted tokens come first in a row, -1 after them.
             n_got = np.count_nonzero(toks >= 0, axis=1)
-            slots = [s for s, rid in enumerate(runs) if rid is not None and rid in self.runs]
+            # (a live slot with no token sat this call out: its end was already certain)
+            slots = [s for s, rid in enumerate(runs)
+                     if rid is not None and rid in self.runs and n_got[s]]
             self.rows[slots] -= self.emit - n_got[slots]   # rows actually written
             rows, n_got = toks.tolist(), n_got.tolist()
             acc = None if acc is None else acc.tolist()
@@ -519,8 +528,10 @@ class Engine:
                 n, before = n_got[slot], len(req.output)
                 self._take(run, rows[slot][:n],
                            None if lp is None else [x[slot][:n] for x in lp])
+                kept = len(req.output) - before
+                self.left[slot] += self.backend.min_emit - kept   # the guess, then the fact
                 if acc is not None:
-                    req.accept_lens += _cycles_kept(acc[slot], len(req.output) - before)
+                    req.accept_lens += _cycles_kept(acc[slot], kept)
         self._flush(touched)
 
     def _take(self, run: _Run, tokens: List[int], lp=None):
