@@ -398,7 +398,7 @@ def run_serve(args, result):
         R.warm(llm, chats[:len(prompts)], sp)
         res = serving.serve(llm, chats, sp, rate, seed=args.seed, tag=f"bench-{m.label}",
                             how=args.serve_how)
-        rows.append({"mode": m.label, "batch": b, "spec": m.describe(), **res})
+        rows.append({"mode": m.label, "batch": b, "spec": m.describe(b), **res})
         del llm
         result["serving"] = rows
         _checkpoint(args, result)

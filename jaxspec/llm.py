@@ -12,6 +12,7 @@ import jax
 from jaxspec import compile_cache
 from jaxspec.config import ConfigError
 from jaxspec.engine import Engine, PlainBackend, SpecBackend, StreamDelta
+from jaxspec.engine.backends import default_cycles_per_call
 from jaxspec.kv import kv_bytes_per_token
 from jaxspec.sampling import Features, SamplingParams, apply_stop_strings
 
@@ -45,7 +46,8 @@ class LLM:
     (`Engine(admit_interval=)`; 1, the default, admits at once).
     cycles_per_call: speculative cycles per device call (`SpecBackend(cycles_per_call=)`, the
     speculative counterpart of decode_chunk): more amortize the host's cost per call where it
-    exceeds a cycle's device time (large batches of a small model).
+    exceeds a cycle's device time (large batches of a small model). None:
+    `engine.default_cycles_per_call(max_batch)` (4 on a GPU for max_batch > 1, else 1).
     """
 
     def __init__(self, model: Optional[str] = None, *, dtype=None, max_batch: int = 8,
@@ -53,7 +55,7 @@ class LLM:
                  decode_chunk: int = 16, seed: int = 0, layer_layout: Optional[str] = None,
                  draft: Any = None, spec: Any = None, data_parallel: int = 1,
                  tensor_parallel: int = 1, data_parallel_impl: str = "pmap",
-                 admit_interval: int = 1, cycles_per_call: int = 1):
+                 admit_interval: int = 1, cycles_per_call: Optional[int] = None):
         from jaxspec.weights import load_model
         if max_batch <= 0:
             raise ConfigError(f"max_batch must be positive, got {max_batch}")
@@ -65,9 +67,9 @@ class LLM:
                               "supported: choose one")
         if admit_interval < 1:
             raise ConfigError(f"admit_interval must be >= 1, got {admit_interval}")
-        if cycles_per_call < 1:
+        if cycles_per_call is not None and cycles_per_call < 1:
             raise ConfigError(f"cycles_per_call must be >= 1, got {cycles_per_call}")
-        self.cycles_per_call = cycles_per_call
+        self.cycles_per_call = cycles_per_call or default_cycles_per_call(max_batch)
         if data_parallel_impl not in ("pmap", "engine"):
             raise ConfigError(f"data_parallel_impl must be 'pmap' or 'engine', got "
                               f"{data_parallel_impl!r}")
@@ -95,7 +97,7 @@ class LLM:
             self.mesh = make_mesh(tensor_parallel)
             self.params = shard_params(self.params, self.config, self.mesh)
         if data_parallel > 1 and data_parallel_impl == "pmap":
-            if cycles_per_call > 1:
+            if (cycles_per_call or 1) > 1:
                 raise ConfigError("cycles_per_call > 1 needs the engine: use "
                                   "data_parallel_impl='engine'")
             self._init_data_parallel(draft, spec)

@@ -217,8 +217,9 @@ def test_parse_specs():
     ms = parse_specs("chain,2x2x4,chain:4")
     assert [m.label for m in ms] == ["chain", "2x2x4", "chain:4"]
     assert ms[1].describe() == {"num_steps": 2, "topk": 2, "num_draft_tokens": 4,
-                                "cycles_per_call": 1}
-    assert ms[2].spec == ms[0].spec and ms[2].cycles_per_call == 4
+                                "cycles_per_call": None}          # the LLM's default
+    assert ms[1].describe(1)["cycles_per_call"] == 1
+    assert ms[2].spec == ms[0].spec and ms[2].describe(64)["cycles_per_call"] == 4
     with pytest.raises(Exception, match="STEPSxTOPKxTOKENS"):
         parse_specs("bushy")
     for bad in ("chain:0", "chain:x"):

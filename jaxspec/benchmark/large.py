@@ -53,7 +53,7 @@ def run(modes, shape: str = "llama3-8b", prefix: Optional[int] = None,
     cfg = dataclasses.replace(cfg, unroll_layers=jax.default_backend() == "gpu")
     dtype = jnp.float32 if tiny and jax.default_backend() == "cpu" else jnp.bfloat16
     prefix = prefix or (128 if tiny else 1024)
-    if any(m.cycles_per_call > 1 for m in modes):
+    if any((m.cycles_per_call or 1) > 1 for m in modes):
         raise ConfigError("cycle mode times one cycle per call: drop ':K' from --spec")
     n, reps = cycles or (5 if tiny else 30), repeats or (3 if tiny else 7)
     max_len = prefix + 128

@@ -19,17 +19,23 @@ WARMUP_TOKENS = 8
 @dataclasses.dataclass(frozen=True)
 class Mode:
     """A decoding mode: plain (spec None) or speculative with a SpecConfig, run cycles_per_call
-    cycles per device call."""
+    cycles per device call (None: the LLM's default for the batch size)."""
     label: str
     spec: Any = None
-    cycles_per_call: int = 1
+    cycles_per_call: Optional[int] = None
 
-    def describe(self) -> Optional[dict]:
+    def describe(self, batch: Optional[int] = None) -> Optional[dict]:
+        """The config; cycles_per_call as run at `batch` (None if left to the default and no
+        batch is given)."""
         if self.spec is None:
             return None
         s = self.spec
+        k = self.cycles_per_call
+        if k is None and batch is not None:
+            from jaxspec.engine.backends import default_cycles_per_call
+            k = default_cycles_per_call(batch)
         return {"num_steps": s.num_steps, "topk": s.topk, "num_draft_tokens": s.num_draft_tokens,
-                "cycles_per_call": self.cycles_per_call}
+                "cycles_per_call": k}
 
 
 PLAIN = Mode("plain")
@@ -45,8 +51,8 @@ def parse_specs(text: str) -> List[Mode]:
             continue
         name, colon, k = item.partition(":")
         try:
-            k = int(k) if colon else 1
-            if k < 1:
+            k = int(k) if colon else None
+            if k is not None and k < 1:
                 raise ValueError
         except ValueError:
             raise ConfigError(f"--spec {item!r}: ':K' must be a positive number of cycles per "
@@ -143,7 +149,7 @@ def summarize(mode: Mode, batch: int, outs, secs: float, draft_label: str) -> di
     include the wait for a free slot when there are more requests than the batch size)."""
     ntok = sum(len(o.token_ids) for o in outs)
     taus = [a + 1 for o in outs for a in (o.accept_lens or [])]
-    row = {"mode": mode.label, "batch": batch, "spec": mode.describe(),
+    row = {"mode": mode.label, "batch": batch, "spec": mode.describe(batch),
            "draft": draft_label if mode.spec is not None else None,
            "requests": len(outs), "tokens": ntok, "seconds": secs,
            "tokens_per_s": ntok / secs if secs > 0 else 0.0,
