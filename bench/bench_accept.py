@@ -28,16 +28,17 @@ def mt_bench_questions(path=None, n: int = 80) -> List[str]:
 
 def measure_acceptance(cfg, params, draft, prompts: Sequence[Sequence[int]], presets=("chain", "tree"),
                        max_new: int = 256, max_slots: int = 0, runners=None) -> Dict[str, dict]:
-    """{preset: {tau, cycles, tokens, wall_s, accept_hist}} with SpecRunner, greedy.
+    """{preset: {tau, cycles, tokens, wall_s, accept_hist}} with SpecRunner, greedy. presets:
+    names or STEPSxTOPKxTOKENS (as jaxspec-bench --spec).
 
     runners: a dict kept by the caller to reuse compiled runners across heads of one shape."""
-    from jaxspec.spec import SpecRunner, resolve_spec
+    from jaxspec.benchmark.runner import parse_specs
+    from jaxspec.spec import SpecRunner
 
     out = {}
     slots = max_slots or len(prompts)
     longest = max(len(p) for p in prompts)
-    for name in presets:
-        spec = resolve_spec(name)
+    for name, spec in ((m.label, m.spec) for m in parse_specs(",".join(presets))):
         max_len = _round_up(max(16, 1 << (longest - 1).bit_length()) + max_new + spec.num_steps + 2,
                             128)
         key = (name, slots, max_len)
@@ -74,7 +75,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--head", default=None, help="draft head: our .safetensors, or a public EAGLE-1/EAGLE-3 checkpoint "
                     "(default: the shipped head)")
-    ap.add_argument("--presets", nargs="+", default=["chain", "tree"])
+    ap.add_argument("--presets", nargs="+", default=["chain", "tree"],
+                    help="preset names or STEPSxTOPKxTOKENS, e.g. chain 5x1x6 4x2x8")
     ap.add_argument("--questions", type=int, default=80)
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--out", default=None)

@@ -10,15 +10,17 @@
 #   bash bench/gpu_plan.sh census      # issues 2/3: kernels per layer by source line (b1, b64)
 #   bash bench/gpu_plan.sh exact       # issues 3/8: fp32 greedy spec == plain on the GPU, batch 1
 #   bash bench/gpu_plan.sh e2e         # issues 5/7: bf16 batch 1 spec vs plain vs HF; accept at T=1
-#   bash bench/gpu_plan.sh sweep_a     # issue 8: batch 1, 4 (MT-bench)
-#   bash bench/gpu_plan.sh sweep_b     # issue 8: batch 16, 64 (MT-bench)
+#   bash bench/gpu_plan.sh sweep_a     # issue 8: batch 1, 4 (MT-bench); chain = the default
+#                                      #   cycles per call (1 at batch 1, else 4), chain:1 = one
+#   bash bench/gpu_plan.sh sweep_b     # issue 8: batch 16, 64 (MT-bench), 4 and 8 cycles per call
+#   bash bench/gpu_plan.sh chains      # issues 7/8: longer chains and small trees at batch 1
 #   bash bench/gpu_plan.sh sharegpt    # issue 8: batch 1, 16, 64 (ShareGPT)
 #   bash bench/gpu_plan.sh engine      # issue 6: busy fraction and host ms per step, real model
 #   bash bench/gpu_plan.sh decode      # issues 2/4: 8B step overhead, kernels vs XLA, multi-step
 #   bash bench/gpu_plan.sh cycle       # issues 3/4: 8B cycle table incl. (6,10,60)
 #   bash bench/gpu_plan.sh eagle3      # issue 7: train an EAGLE-3 head, tau vs the shipped EAGLE-1
-#                                      #   (carry .gpu/train/; .gpu/run1/examples_sd.npz, the
-#                                      #   self-distilled answers of an earlier run, if present)
+#                                      #   (carry .gpu/train/ and .gpu/run2/examples_sd.npz, the
+#                                      #   self-distilled answers of an earlier call, if present)
 #   bash bench/gpu_plan.sh parallel    # issue 9: needs the nvidia-h200-x2 kind
 # Every part writes its logs and JSON under $OUT (or ./gpu_out) and prints a short table last.
 set -uo pipefail
@@ -49,10 +51,13 @@ case "${1:-}" in
     run sampling_accept 200 python3 -m bench.bench_sampling_accept --model "$GGUF" --questions 16 --max-new 128
     ;;
   sweep_a)
-    run sweep_a 560 $BENCH --batch-sizes 1,4 --spec chain,tree --num-prompts 64 --max-tokens 128 --no-peers --time-budget 480 --json "$OUT/sweep_a.json" --plot "$OUT/sweep_a.png"
+    run sweep_a 560 $BENCH --batch-sizes 1,4 --spec chain,chain:1,tree --num-prompts 80 --max-tokens 128 --no-peers --time-budget 480 --json "$OUT/sweep_a.json" --plot "$OUT/sweep_a.png"
     ;;
   sweep_b)
-    run sweep_b 560 $BENCH --batch-sizes 16,64 --spec chain,tree --num-prompts 128 --max-tokens 128 --no-peers --time-budget 480 --json "$OUT/sweep_b.json" --plot "$OUT/sweep_b.png"
+    run sweep_b 560 $BENCH --batch-sizes 16,64 --spec chain,chain:8,tree --num-prompts 80 --max-tokens 256 --no-peers --time-budget 480 --json "$OUT/sweep_b.json" --plot "$OUT/sweep_b.png"
+    ;;
+  chains)
+    run chains 560 $BENCH --batch-sizes 1 --spec chain,4x2x8,5x2x10,4x4x16 --num-prompts 80 --max-tokens 128 --no-peers --time-budget 480 --json "$OUT/chains.json"
     ;;
   sharegpt)
     run sharegpt 560 $BENCH --dataset sharegpt --batch-sizes 1,16,64 --spec chain --num-prompts 128 --max-tokens 128 --no-peers --time-budget 480 --json "$OUT/sharegpt.json"
@@ -69,10 +74,10 @@ case "${1:-}" in
     run cycle 560 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "6,10,60;5,8,32;1,1,2"
     ;;
   eagle3)
-    SD=.gpu/run1/examples_sd.npz
-    if [ -f "$SD" ]; then DATA="--sd-data $SD --train-seconds 300"
-    else DATA="--gen-seconds 120 --train-seconds 220"; fi   # self-distil in this call
-    run eagle3 580 python3 -m bench.train_gpu run --gguf "$GGUF" --out "$OUT/e3" --arch eagle3 --mode sd $DATA --draft-vocab 16384 --ttt-steps 7 --batch-size 32 --lr 6e-4 --vs-shipped
+    SD=.gpu/run2/examples_sd.npz       # 16,680 self-distilled answers of an earlier call
+    if [ -f "$SD" ]; then DATA="--sd-data $SD --train-seconds 420"
+    else DATA="--more-data .gpu/train/sharegpt_more.npz --gen-seconds 60 --train-seconds 300"; fi
+    run eagle3 580 python3 -m bench.train_gpu run --gguf "$GGUF" --out "$OUT/e3" --arch eagle3 --mode sd $DATA --draft-vocab 16384 --ttt-steps 5 --batch-size 32 --lr 6e-4 --vs-shipped
     ;;
   parallel)
     run parallel 560 python3 bench/bench_parallel.py

@@ -55,16 +55,29 @@ def prepare(a):
         f"({path.stat().st_size / 2**20:.1f} MiB)")
 
 
-def precompute_features(params, cfg, tokens, chunk: int):
+def precompute_features(params, cfg, tokens, chunk: int, fn=None):
+    """Features of every row, computed `chunk` rows at a time into buffers allocated once (no
+    concatenation, which would hold them twice). fn(params, cfg, tokens [c, T]) -> an array or
+    a tuple of arrays [c, T, ...] (default: EAGLE-1's post-norm features)."""
     import jax
     import jax.numpy as jnp
 
     from jaxspec.train.loss import target_features
 
-    parts = [target_features(params, cfg, jnp.asarray(tokens[i:i + chunk]))
-             for i in range(0, len(tokens), chunk)]
-    feats = jnp.concatenate(parts, axis=0)
-    return jax.block_until_ready(feats)
+    fn = fn or target_features
+    first = fn(params, cfg, jnp.asarray(tokens[:chunk]))
+    bufs = jax.tree_util.tree_map(lambda x: jnp.zeros((len(tokens),) + x.shape[1:], x.dtype), first)
+    put = jax.jit(lambda b, x, i: jax.lax.dynamic_update_slice_in_dim(b, x, i, 0),
+                  donate_argnums=0)
+    for i in range(0, len(tokens), chunk):
+        part = first if i == 0 else fn(params, cfg, jnp.asarray(tokens[i:i + chunk]))
+        bufs = jax.tree_util.tree_map(lambda b, x: put(b, x, i), bufs, part)
+    return jax.block_until_ready(bufs)
+
+
+def feature_bytes(n_rows: int, seq_len: int, width: int, dtype) -> int:
+    import numpy as np
+    return n_rows * seq_len * width * np.dtype(dtype).itemsize
 
 
 def run(a):
@@ -120,15 +133,27 @@ def run(a):
             eval_batch = (jnp.asarray(tokens[:ne]),
                           objective.features(params, cfg, jnp.asarray(tokens[:ne])),
                           jnp.asarray(mask[:ne]))
-            batches = Batches(tokens[ne:], mask[ne:], a.batch_size, seed=0,
-                              feature_fn=objective.features)
+            # The three layers and the post-norm hidden of every row, once, if they fit in a
+            # third of the device's memory; else a target forward per batch.
+            need = feature_bytes(len(tokens) - ne, a.seq_len, 4 * cfg.hidden_size,
+                                 params["embed"].dtype)
+            limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
             feats = None
+            if a.precompute and need < limit / 3:
+                t = time.perf_counter()
+                feats = precompute_features(params, cfg, tokens[ne:], a.feature_chunk,
+                                            objective.features)
+                log(f"[{tag}] EAGLE-3 features of {len(tokens) - ne} rows ({need / 2**30:.1f} "
+                    f"GiB) in {time.perf_counter() - t:.1f}s")
+            batches = Batches(tokens[ne:], mask[ne:], a.batch_size, seed=0, features=feats,
+                              feature_fn=objective.features, trim=a.trim)
         else:
             t = time.perf_counter()
             feats = precompute_features(params, cfg, tokens, a.feature_chunk)
             log(f"[{tag}] features {feats.shape} {feats.dtype} in {time.perf_counter() - t:.1f}s")
             eval_batch = (jnp.asarray(tokens[:ne]), feats[:ne], jnp.asarray(mask[:ne]))
-            batches = Batches(tokens[ne:], mask[ne:], a.batch_size, seed=0, features=feats[ne:])
+            batches = Batches(tokens[ne:], mask[ne:], a.batch_size, seed=0, features=feats[ne:],
+                              trim=a.trim)
         noise = a.noise if a.noise is not None else (0.0 if arch == "eagle3" else 0.2)
         tc = TrainConfig(steps=10 ** 6, batch_size=a.batch_size, lr=a.lr, warmup_steps=a.warmup,
                          noise=noise, log_every=a.log_every, ckpt_every=10 ** 9,
@@ -273,6 +298,11 @@ def main(argv=None):
     r.add_argument("--seq-len", type=int, default=512)
     r.add_argument("--eval-rows", type=int, default=32)
     r.add_argument("--feature-chunk", type=int, default=64)
+    r.add_argument("--trim", type=int, default=128,
+                   help="batch rows of similar length, cut to the longest rounded up to this "
+                        "(0: every batch --seq-len wide)")
+    r.add_argument("--precompute", action=argparse.BooleanOptionalAction, default=True,
+                   help="eagle3: target features of all rows computed once when they fit")
     r.add_argument("--log-every", type=int, default=20)
     r.add_argument("--presets", nargs="+", default=["chain", "tree"])
     r.add_argument("--questions", type=int, default=80)

@@ -83,6 +83,35 @@ def _objective(toks, mask):
     return Eagle3Objective(head)
 
 
+def test_trimmed_batches_keep_the_eagle3_loss():
+    """A length-grouped batch cut to its longest row (Batches(trim=)) gives the loss and the
+    chained-pass accuracies of the uncut rows."""
+    toks, mask = corpus(24, seed=2)
+    lens = np.random.default_rng(2).integers(9, T + 1, len(toks))
+    keep = np.arange(T)[None] < lens[:, None]
+    toks, mask = np.where(keep, toks, 0), np.where(keep, mask, 0)
+    obj = _objective(toks, mask)
+    cut = Batches(toks, mask, 4, seed=0, feature_fn=obj.features, trim=8, group=2)
+    key = jax.random.PRNGKey(0)
+    widths = set()
+    for step in range(cut.per_epoch):
+        tk, ft, mk = cut.get(step, target(), CFG)
+        widths.add(tk.shape[1])
+        uncut = jnp.asarray(toks[cut.indices(step)])
+        want = obj.loss(obj.init, target(), CFG, uncut, obj.features(target(), CFG, uncut),
+                        jnp.asarray(mask[cut.indices(step)]), key, ttt_steps=3)
+        got = obj.loss(obj.init, target(), CFG, tk, ft, mk, key, ttt_steps=3)
+        np.testing.assert_allclose(got[0], want[0], rtol=2e-5)
+        np.testing.assert_allclose(got[1]["acc_2"], want[1]["acc_2"], rtol=1e-6)
+    assert min(widths) < T
+    # the GPU script's features of all rows at once, chunk by chunk into buffers
+    from bench.train_gpu import precompute_features
+    aux, normed = precompute_features(target(), CFG, toks, 5, obj.features)
+    want = obj.features(target(), CFG, jnp.asarray(toks))
+    np.testing.assert_allclose(aux, want[0], rtol=1e-4, atol=1e-4)     # other batch sizes
+    np.testing.assert_allclose(normed, want[1], rtol=1e-4, atol=1e-4)
+
+
 def test_training_lowers_loss_and_the_head_round_trips(tmp_path):
     toks, mask = corpus(48)
     obj = _objective(toks, mask)

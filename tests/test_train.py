@@ -129,6 +129,42 @@ def test_loss_weights_and_mask():
     np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
+def ragged(n=40, seed=1):
+    """corpus rows cut to random lengths (the rest right padding, out of the loss mask)."""
+    toks, mask = corpus(n, seed)
+    lens = np.random.default_rng(seed).integers(8, T + 1, n)
+    cols = np.arange(T)[None]
+    return np.where(cols < lens[:, None], toks, 0), np.where(cols < lens[:, None], mask, 0)
+
+
+def test_trimmed_batches_cover_each_row_once_and_keep_the_loss():
+    toks, mask = ragged()
+    full = Batches(toks, mask, 4, seed=0)
+    cut = Batches(toks, mask, 4, seed=0, trim=8, group=3)
+    seen, widths = [], set()
+    for step in range(cut.per_epoch):
+        idx = cut.indices(step)
+        w = cut.width(idx)
+        widths.add(w)
+        assert w % 8 == 0 or w == T
+        assert cut.lengths[idx].max() <= w < cut.lengths[idx].max() + 8
+        seen += idx.tolist()
+    assert sorted(seen) == sorted(full._order(0).ravel().tolist())    # same rows, once each
+    assert len(widths) > 1 and min(widths) < T
+    assert not np.array_equal(cut.indices(0), cut.indices(cut.per_epoch))   # next epoch
+    head = eagle.init_eagle_params(CFG, jax.random.PRNGKey(3), scale=0.2)
+    key = jax.random.PRNGKey(0)
+    for step in range(3):
+        tk, ft, mk = cut.get(step, target(), CFG)
+        idx = cut.indices(step)
+        uncut = jnp.asarray(toks[idx])
+        want = eagle1_loss(head, target(), CFG, uncut, target_features(target(), CFG, uncut),
+                           jnp.asarray(mask[idx]), key, ttt_steps=2)
+        got = eagle1_loss(head, target(), CFG, tk, ft, mk, key, ttt_steps=2)
+        np.testing.assert_allclose(got[0], want[0], rtol=2e-5)
+        np.testing.assert_allclose(got[1]["acc_1"], want[1]["acc_1"], rtol=1e-6)
+
+
 def _run(tmp, steps, **kw):
     toks, mask = corpus(48)
     tc = TrainConfig(steps=steps, batch_size=8, lr=1e-2, warmup_steps=5, log_every=5,

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttt-steps", type=int, default=None,
                    help="chained passes trained on the head's own predictions (training-time "
                         "test; default 1 for eagle1, 7 for eagle3)")
+    p.add_argument("--trim", type=int, default=128,
+                   help="batch rows of similar length, each batch cut to its longest row "
+                        "rounded up to this (0: every batch --seq-len wide)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, help="target dtype (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -136,7 +139,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         et = jnp.asarray(tokens[:n_eval])
         eval_batch = (et, feature_fn(params, cfg, et), jnp.asarray(mask[:n_eval]))
     batches = Batches(tokens[n_eval:], mask[n_eval:], args.batch_size, args.seed,
-                      feature_fn=feature_fn)
+                      feature_fn=feature_fn, trim=args.trim)
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                      warmup_steps=args.warmup, noise=noise, seed=args.seed,
                      log_every=args.log_every, ckpt_every=args.ckpt_every,

@@ -144,32 +144,70 @@ class Batches:
     features: None (computed on the fly by a teacher-forced target forward: `feature_fn`, by
     default EAGLE-1's post-norm features) or arrays [n, T, ...] (numpy or device, or a tuple
     of them) precomputed once.
+    trim: 0 (every batch T columns wide) or a multiple, e.g. 128: rows of similar length are
+    batched together (HF's group_by_length: each epoch's shuffled rows are sorted by length
+    within groups of `group` batches, and the batches of an epoch are shuffled), and a batch is
+    cut to its longest row rounded up to the multiple. The cut columns are right padding that
+    no loss reads and causal attention never lets earlier rows see, so the loss is the uncut
+    one; the step compiles once per width (T / trim widths at most).
+    The order is a function of (seed, epoch) only, so a resumed run sees the same batches.
     """
 
     def __init__(self, tokens, loss_mask, batch_size: int, seed: int, features=None,
-                 feature_fn=None):
+                 feature_fn=None, trim: int = 0, group: int = 64):
         if len(tokens) < batch_size:
             raise ValueError(f"{len(tokens)} training rows < batch_size={batch_size}")
+        if trim < 0:
+            raise ValueError(f"trim must be >= 0, got {trim}")
         self.tokens, self.mask, self.features = tokens, loss_mask, features
         self.feature_fn = feature_fn or target_features
         self.batch_size, self.seed = batch_size, seed
         self.per_epoch = len(tokens) // batch_size
+        self.trim, self.group = trim, group
+        self._epoch = (None, None)
+        m = np.asarray(loss_mask) > 0
+        # a row's length: through its last loss token (what follows is padding)
+        self.lengths = np.where(m.any(1), m.shape[1] - np.argmax(m[:, ::-1], axis=1), 1)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """[per_epoch, batch_size] row indices of an epoch's batches."""
+        if self._epoch[0] == epoch:
+            return self._epoch[1]
+        rng = np.random.default_rng((self.seed, epoch))
+        perm = rng.permutation(len(self.tokens))[:self.per_epoch * self.batch_size]
+        if self.trim:
+            chunk = self.group * self.batch_size
+            perm = np.concatenate([c[np.argsort(self.lengths[c], kind="stable")]
+                                   for c in np.split(perm, range(chunk, len(perm), chunk))])
+        order = perm.reshape(self.per_epoch, self.batch_size)
+        if self.trim:
+            order = order[rng.permutation(self.per_epoch)]
+        self._epoch = (epoch, order)
+        return order
 
     def indices(self, step: int) -> np.ndarray:
         epoch, i = divmod(step, self.per_epoch)
-        perm = np.random.default_rng((self.seed, epoch)).permutation(len(self.tokens))
-        return np.sort(perm[i * self.batch_size:(i + 1) * self.batch_size])
+        return np.sort(self._order(epoch)[i])
+
+    def width(self, idx) -> int:
+        """Columns a batch of rows idx keeps."""
+        full = self.tokens.shape[1]
+        if not self.trim:
+            return full
+        longest = int(self.lengths[idx].max())
+        return min(full, -(-longest // self.trim) * self.trim)
 
     def get(self, step: int, params, cfg: ModelConfig):
         idx = self.indices(step)
-        tokens = jnp.asarray(self.tokens[idx])
-        mask = jnp.asarray(self.mask[idx])
+        w = self.width(idx)
+        tokens = jnp.asarray(self.tokens[idx][:, :w])
+        mask = jnp.asarray(self.mask[idx][:, :w])
         if self.features is None:
             feats = self.feature_fn(params, cfg, tokens)
         else:
             feats = jax.tree_util.tree_map(
-                lambda f: jnp.asarray(f[jnp.asarray(idx)] if isinstance(f, jax.Array) else f[idx]),
-                self.features)
+                lambda f: jnp.asarray(f[jnp.asarray(idx)] if isinstance(f, jax.Array)
+                                      else f[idx])[:, :w], self.features)
         return tokens, feats, mask
 
 
