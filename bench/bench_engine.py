@@ -76,11 +76,13 @@ def make(cfg, params, head, mode, batch, max_model_len, tok, bucket_growth=4, ad
                   admit_interval=admit_interval)
 
 
-def device_ms_per_cycle(engine, n):
-    """Back-to-back cycles on a full state: the device's own time per cycle (host idle)."""
+def device_ms_per_cycle(engine, n, size=None):
+    """Back-to-back calls (of `size`, default the largest) on a full state: the device's own
+    time per call (host idle)."""
     be = engine.backend
     active = np.ones(be.slots, bool)
-    ms, engine.state = timed(lambda s: be.cycle(s, active, LEAN)[0], engine.state, n, 1)
+    ms, engine.state = timed(lambda s: be.cycle(s, active, LEAN, size=size)[0], engine.state,
+                             n, 1)
     return ms
 
 
@@ -131,7 +133,9 @@ def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, arg
         engine.add_request(prompt(), params_())
     for _ in range(20):                       # fill every slot
         engine.step()
-    dev_ms = device_ms_per_cycle(engine, 50)  # slots hold live requests: a realistic state
+    # slots hold live requests: a realistic state; each call size the engine may run
+    dev = {k: device_ms_per_cycle(engine, 50, k) for k in engine.backend.sizes}
+    dev_ms = dev[max(dev)]
     engine.stats = type(engine.stats)()
     t0 = time.perf_counter()
     tokens = 0
@@ -145,13 +149,14 @@ def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, arg
     # The device's whole load: the cycles and the admissions' prompt chunks, each shape timed.
     admit_ms = sum(c * device_ms_per_admit(engine, a, w, f, 10)
                    for (a, w, f), c in st.admit_shapes.items())
+    cycle_ms = sum(c * dev[k] for k, c in st.call_sizes.items())
     return dict(mode=mode, batch=batch, masks=masks, admit_interval=admit_interval,
                 device_ms_per_cycle=dev_ms,
                 engine_ms_per_step=wall / steps * 1e3, host_ms_per_step=host_ms,
                 dispatch_ms_per_step=st.dispatch_s / steps * 1e3,
                 step_p90_ms=float(np.percentile(st.step_s, 90) * 1e3),
-                busy=min(1.0, dev_ms * st.cycles / (wall * 1e3)),
-                busy_all=min(1.0, (dev_ms * st.cycles + admit_ms) / (wall * 1e3)),
+                busy=min(1.0, cycle_ms / (wall * 1e3)),
+                busy_all=min(1.0, (cycle_ms + admit_ms) / (wall * 1e3)),
                 admit_device_ms_per_step=admit_ms / steps, cycles=st.cycles,
                 admissions=st.admissions, prefill_chunks=st.prefill_chunks,
                 tokens_per_s=tokens / wall, compile_s=compile_s,

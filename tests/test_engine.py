@@ -162,6 +162,8 @@ def test_requests_over_time_with_aborts_and_retracts(kind):
         _COUNTER.on = False
     assert _COUNTER.n == 0, "compiled after warm-up"
     assert compiled_shapes(engine) == sizes
+    if kind == "spec:3":      # 3 cycles per call, 1 while a single slot is active
+        assert set(engine.stats.call_sizes) == {1, 3}
     assert engine.stats.retracts > 0 and engine.stats.prefill_chunks > n
     n_aborted = n_one = 0
     for i, rid in ids.items():
@@ -212,10 +214,12 @@ def test_no_call_after_the_end_by_max_tokens_is_certain(kind, max_tokens, calls)
     cycle) sits out further calls instead of running one more that is thrown away."""
     prompt = [5, 17, 42, 8, 99]
     engine = make_engine(kind)
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    rids = [engine.add_request(prompt, sp) for _ in range(2)]    # 2 active: full-size calls
     list(engine.drain())
-    r = engine.pop_finished(rid)
-    assert (r.output, r.finish_reason) == (greedy_ref(prompt)[:max_tokens], "length")
+    for rid in rids:
+        r = engine.pop_finished(rid)
+        assert (r.output, r.finish_reason) == (greedy_ref(prompt)[:max_tokens], "length")
     assert engine.stats.cycles == calls
     assert not engine.live.any() and not engine.rows.any()
 

@@ -32,12 +32,12 @@ def test_admission_shapes_follow_bucket_growth():
         shapes(bucket_growth=1)
 
 
-@pytest.mark.parametrize("kind", ["spec", "plain"])
+@pytest.mark.parametrize("kind", ["spec", "plain", "spec:3"])
 def test_warmup_compiles_ahead_and_serves_without_jit(kind):
     engine = make_engine(kind)
     engine.warmup()
     be = engine.backend
-    want = {("cycle", f) for f in VARIANTS} | \
+    want = {("cycle", f, k) for f in VARIANTS for k in be.sizes} | \
         {("admit", a, w, f) for a, w in engine.admission_shapes() for f in VARIANTS} | \
         {("advance", a) for a in engine.slot_buckets}
     assert set(be.executables) == want
@@ -66,7 +66,7 @@ def test_warmup_of_the_variants_requests_need():
     engine = make_engine("spec")
     engine.warmup((LEAN,))
     be = engine.backend
-    assert set(be.executables) == {("cycle", LEAN)} | \
+    assert set(be.executables) == {("cycle", LEAN, 1)} | \
         {("admit", a, w, LEAN) for a, w in engine.admission_shapes()}
     before = compiled_shapes(engine)
     prompt = [5, 17, 42, 8, 99]
@@ -81,7 +81,7 @@ def test_warmup_of_the_variants_requests_need():
         engine.warmup(())
 
 
-@pytest.mark.parametrize("kind", ["spec", "plain"])
+@pytest.mark.parametrize("kind", ["spec", "plain", "spec:3"])
 def test_cycle_variants_have_no_conditional(kind):
     """The engine's cycle variants decide sampling, penalties and logprobs at trace time: no
     conditional in the program. The device-flag form (features=None) is what they replace."""
@@ -90,8 +90,9 @@ def test_cycle_variants_have_no_conditional(kind):
     be = engine.backend
     idle = np.zeros(SLOTS, bool)
     for f in VARIANTS:
-        _, lowered = be.cycle(engine.state, idle, f, lower=True)
-        assert "stablehlo.case" not in lowered.as_text(), f
+        for k in be.sizes:
+            _, lowered = be.cycle(engine.state, idle, f, size=k, lower=True)
+            assert "stablehlo.case" not in lowered.as_text(), (f, k)
     if kind == "spec":
         dyn = jax.jit(lambda p, d, s, a: cycle(p, d, s, a, cfg=be.cfg, spec=be.spec))
         text = dyn.lower(be.params, be.draft_params, engine.state, idle).as_text()
@@ -112,7 +113,7 @@ def _primitives(jaxpr) -> set:
     return names
 
 
-@pytest.mark.parametrize("kind", ["spec", "plain"])
+@pytest.mark.parametrize("kind", ["spec", "plain", "spec:3"])
 def test_serving_programs_have_no_device_control_flow(kind):
     """Cycles and admissions, both variants: no cond and no loop on a device value (on the GPU
     each reads a flag back and holds the host until the device gets there). Scans over layers or
@@ -123,15 +124,16 @@ def test_serving_programs_have_no_device_control_flow(kind):
     pad = np.full(2, SLOTS, np.int32)
     z = np.zeros(2, np.int32)
     adm = AdmitArgs.host(2)
-    params = (be.params, be.draft_params) if kind == "spec" else (be.params,)
+    params = (be.params, be.draft_params) if kind != "plain" else (be.params,)
+    for key, fn in be._cycles.items():           # every variant and call size
+        cyc = _primitives(jax.make_jaxpr(fn)(*params, engine.state,
+                                             np.zeros(SLOTS, bool)).jaxpr)
+        assert not cyc & {"cond", "while"}, (key, cyc & {"cond", "while"})
     for f in VARIANTS:
-        cyc = _primitives(jax.make_jaxpr(be._cycles[f])(*params, engine.state,
-                                                        np.zeros(SLOTS, bool)).jaxpr)
         adm_p = _primitives(jax.make_jaxpr(be._admits[f])(
             *params, engine.state, pad, np.zeros((2, 16), np.int32), z, z, z - 1, adm,
             be.key).jaxpr)
-        for names in (cyc, adm_p):
-            assert not names & {"cond", "while"}, (f, names & {"cond", "while"})
+        assert not adm_p & {"cond", "while"}, (f, adm_p & {"cond", "while"})
     adv = _primitives(jax.make_jaxpr(be._advance)(engine.state, pad, z + 3).jaxpr)
     assert "while" in adv          # the check can see a loop on a device value
 

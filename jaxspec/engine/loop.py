@@ -110,6 +110,7 @@ class EngineStats:
     # admission dispatches by (slot bucket, chunk width, features): what the device ran besides
     # the cycles (bench/bench_engine.py times each shape to count the device's whole load)
     admit_shapes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    call_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     step_s: List[float] = dataclasses.field(default_factory=list)
 
 
@@ -284,12 +285,15 @@ class Engine:
             # LEAN (no sampling, penalty or logprob code) while every live request is greedy and
             # plain; a slot that leaves keeps its rows (idle), so LEAN stays exact for the rest.
             features = FULL if self._full_runs else LEAN
-            self.state, out = self.backend.cycle(self.state, mask, features)
+            size = self.backend.call_size(int(np.count_nonzero(active)))
+            self.state, out = self.backend.cycle(self.state, mask, features, size=size)
             self._prefetch(out)
             self.stats.dispatch_s += time.perf_counter() - t
-            self.pending.append(("cycle", out, list(self.slot_run)))
-            self.rows[active] += self.emit
-            self.left[active] -= self.backend.min_emit
+            emit, min_emit = self.backend.emits(size)
+            self.stats.call_sizes[size] += 1
+            self.pending.append(("cycle", out, list(self.slot_run), emit, min_emit))
+            self.rows[active] += emit
+            self.left[active] -= min_emit
             self.stats.cycles += 1
             keep = 1
         while len(self.pending) > keep:
@@ -323,8 +327,9 @@ class Engine:
             raise ValueError(f"variants must be a non-empty selection of {VARIANTS}, "
                              f"got {variants}")
         with ThreadPoolExecutor(self.compile_workers) as pool:
-            jobs = [self._compile(pool, self.backend.cycle(self.state, idle, f, lower=True))
-                    for f in variants]
+            jobs = [self._compile(pool, self.backend.cycle(self.state, idle, f, size=k,
+                                                           lower=True))
+                    for f in variants for k in self.backend.sizes]
             for a, w in sorted(self.admission_shapes(), key=lambda s: -s[0] * s[1]):
                 pad = np.full(a, self.slots, np.int32)
                 z = np.zeros(a, np.int32)
@@ -494,7 +499,7 @@ class Engine:
                 x.copy_to_host_async()
 
     def _absorb(self, item):
-        kind, dev, runs = item
+        kind, dev, runs, *emits = item        # a cycle's: (emit, min_emit) of its call size
         t = time.perf_counter()
         # Logprobs cross to the host only when a request in this batch asked for them.
         lp = None
@@ -518,7 +523,8 @@ class Engine:
             # (a live slot with no token sat this call out: its end was already certain)
             slots = [s for s, rid in enumerate(runs)
                      if rid is not None and rid in self.runs and n_got[s]]
-            self.rows[slots] -= self.emit - n_got[slots]   # rows actually written
+            emit, min_emit = emits
+            self.rows[slots] -= emit - n_got[slots]        # rows actually written
             rows, n_got = toks.tolist(), n_got.tolist()
             acc = None if acc is None else acc.tolist()
             for slot in slots:
@@ -529,7 +535,7 @@ class Engine:
                 self._take(run, rows[slot][:n],
                            None if lp is None else [x[slot][:n] for x in lp])
                 kept = len(req.output) - before
-                self.left[slot] += self.backend.min_emit - kept   # the guess, then the fact
+                self.left[slot] += min_emit - kept     # the guess, then the fact
                 if acc is not None:
                     req.accept_lens += _cycles_kept(acc[slot], kept)
         self._flush(touched)
