@@ -76,7 +76,6 @@ def precompute_features(params, cfg, tokens, chunk: int, fn=None):
 
 
 def feature_bytes(n_rows: int, seq_len: int, width: int, dtype) -> int:
-    import numpy as np
     return n_rows * seq_len * width * np.dtype(dtype).itemsize
 
 

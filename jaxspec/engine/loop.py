@@ -127,12 +127,10 @@ def _bucket(n: int, buckets: List[int]) -> int:
     return buckets[bisect.bisect_left(buckets, n)]
 
 
-def _cycles_kept(accepts, kept: int) -> List[int]:
-    """The accept lengths of the cycles whose tokens a request kept: accepts is one cycle's
-    (an int) or those of a call's cycles in order (each emitted accept + 1 tokens); kept, the
-    tokens taken (fewer when the request ended inside the call)."""
-    if not isinstance(accepts, list):
-        return [accepts] if kept else []
+def _cycles_kept(accepts: List[int], kept: int) -> List[int]:
+    """The accept lengths of the cycles whose tokens a request kept: accepts, those of a call's
+    cycles in order (each emitted accept + 1 tokens); kept, the tokens taken (fewer when the
+    request ended inside the call)."""
     out, total = [], 0
     for a in accepts:
         if total >= kept:
@@ -291,7 +289,7 @@ class Engine:
             self.stats.dispatch_s += time.perf_counter() - t
             emit, min_emit = self.backend.emits(size)
             self.stats.call_sizes[size] += 1
-            self.pending.append(("cycle", out, list(self.slot_run), emit, min_emit))
+            self.pending.append(("cycle", out, list(self.slot_run), size))
             self.rows[active] += emit
             self.left[active] -= min_emit
             self.stats.cycles += 1
@@ -440,7 +438,7 @@ class Engine:
             self.stats.dispatch_s += time.perf_counter() - t
             self.stats.prefill_chunks += 1
             self.stats.admit_shapes[(a, width, features)] += 1
-            self.pending.append(("admit", first, [r[0] for r in rows]))
+            self.pending.append(("admit", first, [r[0] for r in rows], None))
             k += 1
         self._advance_resumed([(slot, adv) for (_, slot, _, _, adv), (_, _, req)
                                in zip(rows_all, batch) if adv > 0 and req.sp.temperature > 0])
@@ -499,7 +497,7 @@ class Engine:
                 x.copy_to_host_async()
 
     def _absorb(self, item):
-        kind, dev, runs, *emits = item        # a cycle's: (emit, min_emit) of its call size
+        kind, dev, runs, size = item          # size: a cycle's call size (None: admission)
         t = time.perf_counter()
         # Logprobs cross to the host only when a request in this batch asked for them.
         lp = None
@@ -523,10 +521,11 @@ class Engine:
             # (a live slot with no token sat this call out: its end was already certain)
             slots = [s for s, rid in enumerate(runs)
                      if rid is not None and rid in self.runs and n_got[s]]
-            emit, min_emit = emits
+            emit, min_emit = self.backend.emits(size)
             self.rows[slots] -= emit - n_got[slots]        # rows actually written
             rows, n_got = toks.tolist(), n_got.tolist()
-            acc = None if acc is None else acc.tolist()
+            # [B] (one cycle per call) or [B, cycles]: per slot, a list of the call's cycles
+            acc = None if acc is None else acc.reshape(len(acc), -1).tolist()
             for slot in slots:
                 run = self.runs[runs[slot]]
                 req = run.req
