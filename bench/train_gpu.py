@@ -160,8 +160,10 @@ def run(a):
         if Path(work).exists():
             shutil.rmtree(work)
         t = time.perf_counter()
+        from jaxspec.train.cli import initial_head
         draft, records = train(
             params, cfg, batches, tc, work, eval_batch=eval_batch, progress=False,
+            draft=initial_head(a.init_head, cfg, arch) if tag == "main" else None,
             objective=objective,
             on_log=lambda r: r["step"] % (a.log_every * 25) == 0 and log(
                 f"[{tag}] step {r['step']} loss {r['loss']:.4f} acc {r['acc']:.3f} eval_acc "
@@ -218,7 +220,7 @@ def run(a):
             "batch_size": a.batch_size, "lr": a.lr, "ttt_steps": ttt, "arch": a.arch,
             "final_loss": last["loss"], "final_eval_loss": last.get("eval_loss"),
             "final_eval_acc": last.get("eval_acc"), "train_seconds": round(train_s, 1),
-            "device": dev}
+            "device": dev, "init": a.init_head or "random"}
     if objective is not None:
         from jaxspec.loading.eagle_ckpt import save_eagle3
         meta["draft_vocab_size"] = objective.config.draft_vocab_size
@@ -278,6 +280,8 @@ def main(argv=None):
                    help="eagle3: target layer ids, e.g. 1,14,26 (default SpecForge's)")
     r.add_argument("--vs-shipped", action="store_true",
                    help="also measure the shipped EAGLE-1 head's tau on the same questions")
+    r.add_argument("--init-head", default=None,
+                   help="eagle1: fine-tune this head file ('shipped': the default head)")
     r.add_argument("--ttt-steps", type=int, default=None,
                    help="training-time-test passes (default 1 for eagle1, 7 for eagle3)")
     r.add_argument("--compare-seconds", type=float, default=0,

@@ -180,7 +180,9 @@ def _say(args, *a):
 def _setup(args, result):
     from jaxspec.benchmark import prompts as P
     from jaxspec.benchmark.runner import PLAIN, Target, parse_specs
-    prompts = P.load_prompts(args.dataset, args.num_prompts)
+    # ShareGPT: every first turn is read, _fit keeps the held-out ones up to --num-prompts
+    held_out = args.dataset == "sharegpt"
+    prompts = P.load_prompts(args.dataset, None if held_out else args.num_prompts)
     if not prompts:
         raise SystemExit(f"--dataset {args.dataset}: no prompts")
     modes = [PLAIN] + ([] if args.no_spec else parse_specs(args.spec))
@@ -203,10 +205,22 @@ def _sampling(args):
 
 def _fit(args, result, target, prompts):
     from jaxspec.benchmark.runner import fit_prompts
-    kept, dropped = fit_prompts(target.tokenizer, prompts, args.max_tokens, args.max_model_len)
-    if dropped:
+    from jaxspec.benchmark.prompts import SHAREGPT_TRAIN_PROMPT_TOKENS
+    held_out = args.dataset == "sharegpt"
+    shortest = SHAREGPT_TRAIN_PROMPT_TOKENS + 1 if held_out else 0
+    kept, dropped = fit_prompts(target.tokenizer, prompts, args.max_tokens, args.max_model_len,
+                                shortest, args.num_prompts if held_out else None)
+    if held_out:
+        result["notes"].append(
+            f"sharegpt: first turns of {shortest} to {args.max_model_len - args.max_tokens} "
+            "prompt tokens, held out from the shipped head's training (its prompts had at most "
+            f"{SHAREGPT_TRAIN_PROMPT_TOKENS})")
+    elif dropped:
         result["notes"].append(f"{dropped} prompts longer than max_model_len - max_tokens "
                                "were left out")
+    if args.dataset == "mt-bench" and len(kept) > 80:
+        result["notes"].append(f"mt-bench: {len(kept)} requests go round the 80 questions "
+                               f"{len(kept) / 80:.1f} times")
     if not kept:
         raise SystemExit("no prompt fits in --max-model-len with --max-tokens")
     return kept

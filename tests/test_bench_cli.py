@@ -208,6 +208,30 @@ def test_gsm8k_answers():
     assert prompts.last_number("no digits") is None
 
 
+def test_mt_bench_goes_round_again_past_80_questions():
+    qs = prompts.load_prompts("mt-bench", 200)
+    assert len(qs) == 200 and len({q["id"] for q in qs}) == 200
+    assert qs[80]["chat"] == qs[0]["chat"] and qs[199]["chat"] == qs[39]["chat"]
+    assert qs[199]["round"] == 2 and len(prompts.load_prompts("mt-bench", 5)) == 5
+
+
+class _LengthTokenizer:
+    """A chat's token count = its number of words."""
+    def apply_chat_template(self, chat):
+        return chat[0]["content"].split()
+
+
+def test_fit_prompts_keeps_a_length_window_up_to_the_limit():
+    from jaxspec.benchmark.runner import fit_prompts
+    rows = [{"chat": [{"role": "user", "content": "w " * n}]} for n in (3, 9, 5, 12, 7, 6, 8)]
+    kept, dropped = fit_prompts(_LengthTokenizer(), rows, max_tokens=4, max_model_len=16,
+                                min_prompt_tokens=6, limit=3)
+    # 3 < 6 dropped, 9 kept, 5 dropped, 12 + 4 = 16 kept, 7 kept; then the limit stops it
+    assert [len(r["chat"][0]["content"].split()) for r in kept] == [9, 12, 7] and dropped == 2
+    kept, dropped = fit_prompts(_LengthTokenizer(), rows, 4, 12)
+    assert len(kept) == 5 and dropped == 2
+
+
 def test_unknown_dataset_is_a_clear_error():
     with pytest.raises(SystemExit, match="not one of mt-bench, gsm8k, sharegpt"):
         prompts.load_prompts("no-such-set")

@@ -180,6 +180,27 @@ def test_training_lowers_loss(tmp_path):
     assert (tmp_path / "full" / "loss.png").stat().st_size > 1000
 
 
+def test_training_continues_from_a_head_file(tmp_path):
+    """--init-head: a saved head is the starting point (fp32 master weights), e.g. to fine-tune
+    it with chained passes; a random start is far behind it."""
+    from jaxspec.train.cli import initial_head
+    trained, recs = _run(tmp_path / "a", 30)
+    path = save_head(tmp_path / "h.safetensors", jax.tree_util.tree_map(np.asarray, trained))
+    start = initial_head(str(path), CFG)
+    for a, b in zip(jax.tree_util.tree_leaves(trained), jax.tree_util.tree_leaves(start)):
+        assert b.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    toks, mask = corpus(48)
+    tc = TrainConfig(steps=5, batch_size=8, lr=1e-3, warmup_steps=1, log_every=5,
+                     ckpt_every=10, ttt_steps=2)
+    _, tuned = train(target(), CFG, Batches(toks, mask, 8, seed=0), tc, tmp_path / "b",
+                     draft=start, progress=False)
+    assert tuned[0]["loss"] < 0.8 * recs[0]["loss"] and tuned[0]["acc"] > recs[0]["acc"]
+    assert initial_head(None, CFG) is None
+    with pytest.raises(ValueError, match="EAGLE-1"):
+        initial_head(str(path), CFG, "eagle3")
+
+
 def test_resume_mid_run_equals_uninterrupted(tmp_path):
     full, _ = _run(tmp_path / "a", 20)
     # Interrupt after the step-10 checkpoint: drop the later checkpoint, as if killed there.

@@ -13,6 +13,11 @@ from typing import List, Optional
 
 DATASETS = ("mt-bench", "gsm8k", "sharegpt")
 
+# The shipped draft head was trained on ShareGPT first turns whose chat-templated prompt has at
+# most this many tokens (bench/train_gpu.py prepare --max-prompt-len), answered by the target:
+# `--dataset sharegpt` benchmarks the longer ones, which it never saw.
+SHAREGPT_TRAIN_PROMPT_TOKENS = 256
+
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
@@ -72,13 +77,21 @@ def sharegpt(limit: Optional[int] = None) -> List[dict]:
     return out
 
 
+def repeat(rows: List[dict], n: Optional[int]) -> List[dict]:
+    """The first n rows, going round again when n exceeds them (MT-bench has 80 questions; a
+    batch-64 throughput run needs several times that to reach a steady state). Repeated rows
+    get new ids and the 'round' they belong to."""
+    if not n or n <= len(rows):
+        return rows[:n] if n else rows
+    return [{**rows[i % len(rows)], "id": i, "round": i // len(rows)} for i in range(n)]
+
+
 def load_prompts(dataset: str, limit: Optional[int] = None) -> List[dict]:
     """dataset: 'mt-bench', 'gsm8k', 'sharegpt' or a jsonl path (rows with 'prompt',
     'messages', 'chat', 'turns' or 'question'; GSM8K-style 'answer' rows keep their number)."""
     from jaxspec.datasets import load_jsonl_prompts, mt_bench
     if dataset == "mt-bench":
-        rows = mt_bench(limit)
-        return [{**r, "answer": None} for r in rows]
+        return [{**r, "answer": None} for r in repeat(mt_bench(), limit)]
     if dataset == "gsm8k":
         return gsm8k(limit)
     if dataset == "sharegpt":

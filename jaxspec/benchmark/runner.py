@@ -236,11 +236,16 @@ def divergence(ref: Sequence[Sequence[int]], got: Sequence[Sequence[int]]) -> di
             "prefix_token_frac": sum(prefix) / emitted if emitted else None}
 
 
-def fit_prompts(tokenizer, prompts, max_tokens: int, max_model_len: int):
-    """(prompts that fit in max_model_len with max_tokens, how many were dropped)."""
-    keep = []
+def fit_prompts(tokenizer, prompts, max_tokens: int, max_model_len: int,
+                min_prompt_tokens: int = 0, limit: Optional[int] = None):
+    """(the first `limit` prompts that fit in max_model_len with max_tokens and have at least
+    min_prompt_tokens tokens, how many of those looked at were dropped)."""
+    keep, seen = [], 0
     for p in prompts:
+        if limit and len(keep) >= limit:
+            break
+        seen += 1
         n = len(tokenizer.apply_chat_template(list(p["chat"])))
-        if n + max_tokens <= max_model_len:
+        if min_prompt_tokens <= n and n + max_tokens <= max_model_len:
             keep.append(p)
-    return keep, len(prompts) - len(keep)
+    return keep, seen - len(keep)

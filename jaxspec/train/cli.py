@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trim", type=int, default=128,
                    help="batch rows of similar length, each batch cut to its longest row "
                         "rounded up to this (0: every batch --seq-len wide)")
+    p.add_argument("--init-head", default=None,
+                   help="EAGLE-1: start from this head file ('shipped' = the default model's "
+                        "head) instead of a random head, e.g. to fine-tune it with --ttt-steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, help="target dtype (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -104,6 +107,18 @@ def eagle3_setup(params, cfg, tokens, mask, draft_vocab: int, aux_layers=None, s
     return Eagle3Objective(head), ids
 
 
+def initial_head(spec: Optional[str], cfg, arch: str = "eagle1"):
+    """--init-head: None -> None (a random head); 'shipped' or a head file -> fp32 params."""
+    if spec is None:
+        return None
+    if arch != "eagle1":
+        raise ValueError("--init-head takes an EAGLE-1 head; EAGLE-3 heads start random")
+    from jaxspec.loading.eagle_ckpt import load_default_head, load_head
+    if spec == "shipped":
+        return load_default_head(cfg, jnp.float32)
+    return load_head(spec, cfg, jnp.float32)
+
+
 def parse_layers(s: Optional[str]):
     return tuple(int(x) for x in s.split(",")) if s else None
 
@@ -145,6 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      log_every=args.log_every, ckpt_every=args.ckpt_every,
                      max_seconds=args.max_seconds, ttt_steps=ttt)
     draft, records = train(params, cfg, batches, tc, out, eval_batch=eval_batch,
+                           draft=initial_head(args.init_head, cfg, args.arch),
                            progress=not args.no_progress, objective=objective)
     last = records[-1] if records else {}
     meta = {"target": {k: getattr(cfg, k) for k in ("arch", "hidden_size", "num_layers",
