@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping, Optional, Tuple
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -45,14 +46,24 @@ class ModelConfig:
     # slices XLA copies out every step: 2.6x slower on the H100, bench/RESULTS.md). The scan
     # compiles much faster, which is what the CPU wants.
     unroll_layers: bool = False
+    # With the scan: layers per loop iteration. Each iteration of a loop XLA runs outside the
+    # CUDA graph is a launch the host makes (~0.3 ms on the H100), so a 30-layer prompt chunk
+    # cost an admission ~9.6 ms of host time at batch 64 (bench/RESULTS.md).
+    scan_unroll: int = 1
 
-    def for_prefill(self) -> "ModelConfig":
+    def for_prefill(self, unroll: Optional[int] = None) -> "ModelConfig":
         """The layout prompt chunks run with: always the scan. A serving engine compiles one
         prefill per (slot count, chunk width) bucket, dozens in all; the scan compiles one layer
         body per bucket where the unrolled loop compiles all L (with their attention kernels),
         which on the H100 made warm-up take minutes. A chunk does far more arithmetic per weight
-        byte than a decode step, so the scan's weight copies cost it little."""
-        return dataclasses.replace(self, unroll_layers=False)
+        byte than a decode step, so the scan's weight copies cost it little.
+
+        unroll: layers per scan iteration (default: JAXSPEC_PREFILL_UNROLL, else 1)."""
+        if unroll is None:
+            unroll = int(os.environ.get("JAXSPEC_PREFILL_UNROLL", "1"))
+        if unroll < 1:
+            raise ConfigError(f"prefill unroll must be >= 1, got {unroll}")
+        return dataclasses.replace(self, unroll_layers=False, scan_unroll=unroll)
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.config import ModelConfig, RopeScaling
+from jaxspec.config import ConfigError, ModelConfig, RopeScaling
 from jaxspec.decode import PlainRunner, decode_steps, prefill_chunk, finish
 from jaxspec.kv import init_cache
 from jaxspec.models import llama
@@ -112,10 +112,18 @@ def test_unrolled_layers_equal_scan(params):
     args = (toks, pos, cache.k, cache.v, cache.lens, llama.causal_mask(2, 6))
     ref = llama.forward(params, CFG, *args, capture_layers=(0, 1))
     for p, cfg in [(params, dataclasses.replace(CFG, unroll_layers=True)),
-                   (llama.unstack_layers(params), CFG)]:
+                   (llama.unstack_layers(params), CFG), (params, CFG.for_prefill(2))]:
         got = llama.forward(p, cfg, *args, capture_layers=(0, 1))
         for a, b in zip(ref, got):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=3e-5)  # fp32, other fusion order
+
+
+def test_prefill_unroll_setting(monkeypatch):
+    assert CFG.for_prefill().scan_unroll == 1 and not CFG.for_prefill().unroll_layers
+    monkeypatch.setenv("JAXSPEC_PREFILL_UNROLL", "5")
+    assert CFG.for_prefill().scan_unroll == 5 and CFG.for_prefill(3).scan_unroll == 3
+    with pytest.raises(ConfigError, match="unroll"):
+        CFG.for_prefill(0)
 
 
 def _stacked_weight_slices(jaxpr, shapes):

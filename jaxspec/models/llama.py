@@ -152,7 +152,8 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, seq_l
         captured = jnp.stack([ys[i][2] for i in capture_layers]) if capture_layers else None
     else:
         layers = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32))
-        x, (k_new, v_new, outs) = jax.lax.scan(layer_fn, x, layers)
+        x, (k_new, v_new, outs) = jax.lax.scan(layer_fn, x, layers,
+                                               unroll=min(cfg.scan_unroll, cfg.num_layers))
         captured = outs[jnp.asarray(capture_layers)] if capture_layers else None
     return x, k_new, v_new, captured
 
