@@ -86,7 +86,7 @@ def device_ms_per_cycle(engine, n, size=None):
     return ms
 
 
-def device_ms_per_admit(engine, a, width, features, n):
+def device_ms_per_admit(engine, a, width, features, first, n):
     """Back-to-back admissions of one shape, every row padding (dropped, so the state is kept):
     the device's time for a prompt chunk of that shape. Arguments live on the device, since
     numpy arguments make each call wait (bench_dispatch)."""
@@ -94,7 +94,7 @@ def device_ms_per_admit(engine, a, width, features, n):
     z = np.zeros(a, np.int32)
     args = [jax.device_put(x) for x in (np.full(a, be.slots, np.int32),
                                          np.zeros((a, width), np.int32), z, z, z - 1)]
-    ms, engine.state = timed(lambda s: be.admit(s, *args, features=features)[0],
+    ms, engine.state = timed(lambda s: be.admit(s, *args, features=features, first=first)[0],
                              engine.state, n, 1)
     return ms
 
@@ -147,8 +147,8 @@ def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, arg
     st = engine.stats
     host_ms = st.host_s / steps * 1e3
     # The device's whole load: the cycles and the admissions' prompt chunks, each shape timed.
-    admit_ms = sum(c * device_ms_per_admit(engine, a, w, f, 10)
-                   for (a, w, f), c in st.admit_shapes.items())
+    admit_ms = sum(c * device_ms_per_admit(engine, a, w, f, first, 10)
+                   for (a, w, f, first), c in st.admit_shapes.items())
     cycle_ms = sum(c * dev[k] for k, c in st.call_sizes.items())
     return dict(mode=mode, batch=batch, masks=masks, admit_interval=admit_interval,
                 device_ms_per_cycle=dev_ms,

@@ -254,8 +254,8 @@ def test_admit_interval_gathers_newcomers_and_keeps_outputs():
     assert len(gathered_at) < len(every_at)
     shapes = gathered_engine.stats.admit_shapes       # what the device ran besides the cycles
     assert sum(shapes.values()) == gathered_engine.stats.prefill_chunks
-    assert {(a, w) for a, w, _ in shapes} <= set(gathered_engine.admission_shapes())
-    assert {f for _, _, f in shapes} == {LEAN}
+    assert {(a, w) for a, w, _, _ in shapes} <= set(gathered_engine.admission_shapes())
+    assert {f for _, _, f, _ in shapes} == {LEAN}
     with pytest.raises(ValueError, match="admit_interval"):
         make_engine("spec", admit_interval=0)
 
@@ -327,6 +327,59 @@ def test_admission_equals_the_batch_prefill():
     for a, b in zip(jax.tree_util.tree_leaves(owned(take_slots(ref, axes, slot))),
                     jax.tree_util.tree_leaves(owned(take_slots(got, axes, slot)))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["spec", "plain"])
+def test_first_chunk_admission_equals_the_gathered_one(kind):
+    """A first chunk's admission (KV caches not gathered: zero rows, only the chunk's rows
+    written back) leaves the same state as the general one: the other slots untouched, the
+    admitted slots' live rows and everything else equal."""
+    from jaxspec.engine.backends import init_plain_state
+    from jaxspec.spec.admit import batch_axes
+    from jaxspec.spec.cycle import init_state
+    engine = make_engine(kind)
+    for p in ([5, 17, 42, 8, 99, 3, 7], [3, 9, 27, 81]):      # live slots 0 and 1
+        engine.add_request(p, SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    be = engine.backend
+    snap = jax.tree_util.tree_map(np.array, engine.state)
+    slot_idx = np.array([3, 2, SLOTS], np.int32)                # two slots and a padding row
+    tokens = np.zeros((3, 16), np.int32)
+    tokens[0, :6], tokens[1, :3] = [5, 17, 42, 8, 99, 3], [60, 61, 62]
+    nv = np.array([6, 3, 0], np.int32)
+    run = lambda first: be.admit(jax.tree_util.tree_map(jnp.asarray, snap), slot_idx, tokens,
+                                 np.zeros(3, np.int32), nv, np.full(3, -1, np.int32),
+                                 first=first)
+    (gathered, f_g), (fresh, f_f) = run(False), run(True)
+    np.testing.assert_array_equal(np.asarray(f_g.tokens)[:2], np.asarray(f_f.tokens)[:2])
+    if kind == "spec":
+        init = lambda b, t: init_state(CFG, SPEC, b, t, jnp.float32)     # noqa: E731
+    else:
+        init = lambda b, t: init_plain_state(CFG, b, t, jnp.float32)     # noqa: E731
+    rows = jax.tree_util.tree_leaves(batch_axes(lambda t: init(SLOTS, t), be.max_len, "row"))
+    axes = jax.tree_util.tree_leaves(batch_axes(lambda b: init(b, be.max_len), SLOTS))
+    leaves = zip(jax.tree_util.tree_leaves(snap), jax.tree_util.tree_leaves(gathered),
+                 jax.tree_util.tree_leaves(fresh), axes, rows)
+    n_kv = 0
+    for before, g, f, ax, rax in leaves:
+        g, f = np.asarray(g), np.asarray(f)
+        if rax < 0:
+            np.testing.assert_array_equal(g, f)
+            continue
+        n_kv += 1
+        for slot in range(SLOTS):
+            take = lambda x: np.take(x, slot, axis=ax)
+            r = rax - (rax > ax)
+            if slot in (0, 1):                                  # live, not admitted: untouched
+                np.testing.assert_array_equal(take(f), take(before))
+                np.testing.assert_array_equal(take(g), take(before))
+            elif slot in (2, 3):                                # admitted: the chunk's rows
+                n = int(nv[list(slot_idx).index(slot)])
+                np.testing.assert_allclose(np.take(take(f), range(n), axis=r),
+                                           np.take(take(g), range(n), axis=r), atol=1e-6)
+                assert np.abs(np.take(take(f), range(n), axis=r)).max() > 0
+    assert n_kv == (4 if kind == "spec" else 2)     # target k, v (+ draft k, v)
 
 
 # ---------------------------------------------------------------- sampling through the engine

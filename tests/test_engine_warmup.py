@@ -38,7 +38,8 @@ def test_warmup_compiles_ahead_and_serves_without_jit(kind):
     engine.warmup()
     be = engine.backend
     want = {("cycle", f, k) for f in VARIANTS for k in be.sizes} | \
-        {("admit", a, w, f) for a, w in engine.admission_shapes() for f in VARIANTS} | \
+        {("admit", a, w, f, first) for a, w in engine.admission_shapes() for f in VARIANTS
+         for first in (True, False)} | \
         {("advance", a) for a in engine.slot_buckets}
     assert set(be.executables) == want
     assert be.jit_calls == 0
@@ -67,7 +68,8 @@ def test_warmup_of_the_variants_requests_need():
     engine.warmup((LEAN,))
     be = engine.backend
     assert set(be.executables) == {("cycle", LEAN, 1)} | \
-        {("admit", a, w, LEAN) for a, w in engine.admission_shapes()}
+        {("admit", a, w, LEAN, first) for a, w in engine.admission_shapes()
+         for first in (True, False)}
     before = compiled_shapes(engine)
     prompt = [5, 17, 42, 8, 99]
     rid = engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -129,7 +131,7 @@ def test_serving_programs_have_no_device_control_flow(kind):
         cyc = _primitives(jax.make_jaxpr(fn)(*params, engine.state,
                                              np.zeros(SLOTS, bool)).jaxpr)
         assert not cyc & {"cond", "while"}, (key, cyc & {"cond", "while"})
-    for f in VARIANTS:
+    for f in be._admits:                         # every variant, first chunks and later ones
         adm_p = _primitives(jax.make_jaxpr(be._admits[f])(
             *params, engine.state, pad, np.zeros((2, 16), np.int32), z, z, z - 1, adm,
             be.key).jaxpr)

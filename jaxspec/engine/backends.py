@@ -120,8 +120,8 @@ class _Dispatch:
         return fn(*args)
 
 
-def _admit_key(slot_idx, tokens, features) -> tuple:
-    return ("admit", len(slot_idx), tokens.shape[1], features)
+def _admit_key(slot_idx, tokens, features, first: bool) -> tuple:
+    return ("admit", len(slot_idx), tokens.shape[1], features, first)
 
 
 def default_cycles_per_call(slots: int) -> int:
@@ -183,9 +183,12 @@ class SpecBackend(_Dispatch):
         return 1 if n_active <= 1 else self.cycles_per_call
 
     def admit(self, state, slot_idx, tokens, start, n_valid, next_tok, adm=None, *,
-              features: Features = FULL, lower=False):
+              features: Features = FULL, first: bool = False, lower=False):
+        """One prefill chunk (admit.spec_admit). first: every row starts at 0, which runs the
+        form that neither gathers nor scatters whole KV caches."""
         adm = AdmitArgs.host(len(slot_idx)) if adm is None else adm
-        return self._call(_admit_key(slot_idx, tokens, features), self._admits[features],
+        return self._call(_admit_key(slot_idx, tokens, features, first),
+                          self._admits[features, first],
                           (self.params, self.draft_params, state, slot_idx, tokens, start,
                            n_valid, next_tok, adm, self.key), lower)
 
@@ -225,10 +228,10 @@ def init_plain_state(cfg: ModelConfig, slots: int, max_len: int, dtype):
 
 def plain_admit(params, state: PlainState, slot_idx, tokens, start, n_valid, next_tok,
                 adm: AdmitArgs, engine_key, *, cfg: ModelConfig, axes,
-                features: Features = FULL):
+                features: Features = FULL, kv_rows=None):
     """One prefill chunk for A requests in slots slot_idx (see spec_admit for the arguments);
     on a new request's last chunk the first token is drawn with the slot's parameters."""
-    sub = take_slots(state, axes, slot_idx)
+    sub = take_slots(state, axes, slot_idx, None if kv_rows is None else (kv_rows, tokens.shape[1]))
     cache, hidden = _chunk_forward(params, cfg, sub.cache, tokens, start, n_valid)
     is_last = next_tok < 0
     hist = chunk_history(sub.history, tokens, start, n_valid, adm.n_prompt)
@@ -236,7 +239,7 @@ def plain_admit(params, state: PlainState, slot_idx, tokens, start, n_valid, nex
     sp, first, hist, keys = admit_sampling(logits, hist, adm, engine_key, is_last, features)
     root = jnp.where(adm.root >= 0, adm.root, first.tokens)
     new = PlainState(cache, jnp.where(is_last, root, sub.tokens), sp, keys, hist)
-    return put_slots(state, axes, slot_idx, new), first
+    return put_slots(state, axes, slot_idx, new, kv_rows), first
 
 
 def plain_cycle(params, state: PlainState, active, *, cfg: ModelConfig, n_steps: int,
@@ -257,8 +260,11 @@ def plain_cycle(params, state: PlainState, active, *, cfg: ModelConfig, n_steps:
 @functools.lru_cache(maxsize=None)
 def _jit_plain(cfg: ModelConfig, slots: int, max_len: int, dtype, n_steps: int):
     axes = batch_axes(lambda b: init_plain_state(cfg, b, max_len, dtype), slots)
-    admits = {f: jax.jit(functools.partial(plain_admit, cfg=cfg, axes=axes, features=f),
-                         donate_argnums=(1,)) for f in VARIANTS}
+    rows = batch_axes(lambda t: init_plain_state(cfg, slots, t, dtype), max_len, "row")
+    admits = {(f, first): jax.jit(functools.partial(plain_admit, cfg=cfg, axes=axes, features=f,
+                                                    kv_rows=rows if first else None),
+                                  donate_argnums=(1,))
+              for f in VARIANTS for first in (False, True)}
     cycles = {f: jax.jit(functools.partial(plain_cycle, cfg=cfg, n_steps=n_steps, features=f),
                          donate_argnums=(1,)) for f in VARIANTS}
     # Each decode step splits a slot's key into 2 (next key, the draw).
@@ -296,9 +302,10 @@ class PlainBackend(_Dispatch):
         return self.emit
 
     def admit(self, state, slot_idx, tokens, start, n_valid, next_tok, adm=None, *,
-              features: Features = FULL, lower=False):
+              features: Features = FULL, first: bool = False, lower=False):
         adm = AdmitArgs.host(len(slot_idx)) if adm is None else adm
-        return self._call(_admit_key(slot_idx, tokens, features), self._admits[features],
+        return self._call(_admit_key(slot_idx, tokens, features, first),
+                          self._admits[features, first],
                           (self.params, state, slot_idx, tokens, start, n_valid, next_tok, adm,
                            self.key), lower)
 

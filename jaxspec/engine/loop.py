@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import itertools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -331,10 +332,10 @@ class Engine:
             for a, w in sorted(self.admission_shapes(), key=lambda s: -s[0] * s[1]):
                 pad = np.full(a, self.slots, np.int32)
                 z = np.zeros(a, np.int32)
-                for f in variants:
+                for f, first in itertools.product(variants, (True, False)):
                     jobs.append(self._compile(pool, self.backend.admit(
                         self.state, pad, np.zeros((a, w), np.int32), z, z, z - 1, features=f,
-                        lower=True)))
+                        first=first, lower=True)))
             for a in self.slot_buckets if FULL in variants else ():
                 pad = np.full(a, self.slots, np.int32)
                 jobs.append(self._compile(pool, self.backend.advance_keys(
@@ -433,11 +434,11 @@ class Engine:
                     getattr(adm, name)[i] = value
             t = time.perf_counter()
             self.state, first = self.backend.admit(self.state, slot_idx, tokens, starts, nv, nxt,
-                                                   adm, features=features)
+                                                   adm, features=features, first=k == 0)
             self._prefetch(first)
             self.stats.dispatch_s += time.perf_counter() - t
             self.stats.prefill_chunks += 1
-            self.stats.admit_shapes[(a, width, features)] += 1
+            self.stats.admit_shapes[(a, width, features, k == 0)] += 1
             self.pending.append(("admit", first, [r[0] for r in rows], None))
             k += 1
         self._advance_resumed([(slot, adv) for (_, slot, _, _, adv), (_, _, req)

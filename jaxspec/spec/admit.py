@@ -139,36 +139,60 @@ def advance_rows(keys, slot_idx, advance, key_splits: int):
     return keys.at[slot_idx].set(rows, mode="drop")
 
 
-def batch_axes(make_state, slots: int):
-    """Pytree (the state's structure) of each leaf's batch axis, -1 where it has none."""
+def batch_axes(make_state, slots: int, what: str = "batch"):
+    """Pytree (the state's structure) of each leaf's batch axis, -1 where it has none.
+    (With make_state taking the cache length instead: each leaf's row axis.)"""
     a = jax.eval_shape(lambda: make_state(slots))
     b = jax.eval_shape(lambda: make_state(slots + 1))
 
     def axis(x, y):
         diff = [i for i, (p, q) in enumerate(zip(x.shape, y.shape)) if p != q]
         if len(diff) > 1 or (diff and (x.shape[diff[0]], y.shape[diff[0]]) != (slots, slots + 1)):
-            raise ValueError(f"cannot tell the batch axis of a state leaf: {x.shape} vs {y.shape}")
+            raise ValueError(f"cannot tell the {what} axis of a state leaf: {x.shape} vs {y.shape}")
         return diff[0] if diff else -1
 
     return jax.tree_util.tree_map(axis, a, b)
 
 
-def take_slots(state, axes, slot_idx):
-    """The sub-state of slots slot_idx [A] (indices >= B are clipped: padding rows)."""
-    return jax.tree_util.tree_map(
-        lambda x, ax: x if ax < 0 else jnp.take(x, slot_idx, axis=ax, mode="clip"), state, axes)
+def take_slots(state, axes, slot_idx, fresh=None):
+    """The sub-state of slots slot_idx [A] (indices >= B are clipped: padding rows).
 
+    fresh: (row axes, width) for a first chunk (every row starts at 0). The KV leaves (those
+    with a row axis, -1 elsewhere) are then not gathered; they start as zeros `width` rows
+    long. A gathered slot is its whole cache (47 MB per slot for SmolLM2 at 2,048 rows), and a
+    first chunk reads none of it.
+    """
+    rows, width = fresh if fresh is not None else (None, 0)
 
-def put_slots(state, axes, slot_idx, sub):
-    """Writes sub-state rows into slots slot_idx [A]; rows with an index >= B are dropped.
-    Leaves without a batch axis keep the state's value."""
-    def put(x, ax, s):
+    def take(x, ax, rax=-1):
         if ax < 0:
             return x
-        where = (slice(None),) * ax + (slot_idx,)
-        return x.at[where].set(s.astype(x.dtype), mode="drop")
+        if rax >= 0:
+            shape = list(x.shape)
+            shape[ax], shape[rax] = slot_idx.shape[0], width
+            return jnp.zeros(shape, x.dtype)
+        return jnp.take(x, slot_idx, axis=ax, mode="clip")
 
-    return jax.tree_util.tree_map(put, state, axes, sub)
+    extra = () if rows is None else (rows,)
+    return jax.tree_util.tree_map(take, state, axes, *extra)
+
+
+def put_slots(state, axes, slot_idx, sub, rows=None):
+    """Writes sub-state rows into slots slot_idx [A]; rows with an index >= B are dropped.
+    Leaves without a batch axis keep the state's value. rows (a first chunk's row axes, see
+    take_slots): of the KV leaves only the sub-state's rows 0..width-1 are written (the slot's
+    later rows are past its length)."""
+    def put(x, ax, s, rax=-1):
+        if ax < 0:
+            return x
+        where = [slice(None)] * x.ndim
+        where[ax] = slot_idx
+        if rax >= 0:
+            where[rax] = slice(0, s.shape[rax])
+        return x.at[tuple(where)].set(s.astype(x.dtype), mode="drop")
+
+    extra = () if rows is None else (rows,)
+    return jax.tree_util.tree_map(put, state, axes, sub, *extra)
 
 
 def _chunk_forward(params, cfg: ModelConfig, cache: KVCache, tokens, start, n_valid):
@@ -198,7 +222,7 @@ def _last_row(x, n_valid):
 
 def spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, next_tok,
                adm: AdmitArgs, engine_key, *, cfg: ModelConfig, spec: SpecConfig, axes,
-               features: Features = FULL):
+               features: Features = FULL, kv_rows=None):
     """One prefill chunk of target and draft for A requests in slots slot_idx.
 
     slot_idx [A] int32 (B = padding); tokens [A, C] (padded); start [A] rows already prefilled;
@@ -206,9 +230,11 @@ def spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, ne
     adm: the requests' sampling (AdmitArgs); engine_key [2] uint32.
     Returns (state, Emitted [A]): the root (first generated token) and its logprobs on a new
     request's last chunk, else token -1.
+    kv_rows: the state's row axes for a first chunk (start = 0 in every row), whose KV caches are
+    neither gathered nor scattered whole (take_slots); None for any chunk.
     """
     a, c = tokens.shape
-    sub = take_slots(state, axes, slot_idx)
+    sub = take_slots(state, axes, slot_idx, None if kv_rows is None else (kv_rows, c))
     target, hidden, captured = _chunk_forward_captured(
         params, cfg, sub.target, tokens, start, n_valid, draft_lib.capture_layers(draft_params))
     normed = llama.final_norm(params, cfg, hidden)
@@ -227,18 +253,21 @@ def spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, ne
     new = sub.replace(target=target, draft_k=dk, draft_v=dv,
                       root=jnp.where(is_last, root, sub.root), seed=seed, sampling=sp, rng=keys,
                       history=hist)
-    return put_slots(state, axes, slot_idx, new), first
+    return put_slots(state, axes, slot_idx, new, kv_rows), first
 
 
 @functools.lru_cache(maxsize=None)
 def jit_spec_admit(cfg: ModelConfig, spec: SpecConfig, slots: int, max_len: int, dtype):
-    """{features: spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid,
-    next_tok, adm, engine_key)} per `sampling.VARIANTS`, and advance(state, slot_idx, advance);
-    the state is donated. Buckets are the input shapes."""
+    """{(features, first chunk): spec_admit(params, draft_params, state, slot_idx, tokens, start,
+    n_valid, next_tok, adm, engine_key)} per `sampling.VARIANTS`, with the first-chunk form
+    (take_slots' `fresh`) and the general one, and advance(state, slot_idx, advance); the state
+    is donated. Buckets are the input shapes."""
     axes = batch_axes(lambda b: init_state(cfg, spec, b, max_len, dtype), slots)
-    admits = {f: jax.jit(functools.partial(spec_admit, cfg=cfg, spec=spec, axes=axes,
-                                           features=f), donate_argnums=(2,))
-              for f in VARIANTS}
+    rows = batch_axes(lambda t: init_state(cfg, spec, slots, t, dtype), max_len, "row")
+    admits = {(f, first): jax.jit(functools.partial(spec_admit, cfg=cfg, spec=spec, axes=axes,
+                                                    features=f, kv_rows=rows if first else None),
+                                  donate_argnums=(2,))
+              for f in VARIANTS for first in (False, True)}
     # The cycle splits each slot's key into 3 (next key, draft draws, verify draws).
     advance = jax.jit(lambda st, idx, n: st.replace(rng=advance_rows(st.rng, idx, n, 3)),
                       donate_argnums=(0,))
