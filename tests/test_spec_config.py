@@ -37,6 +37,15 @@ def test_unknown_preset_and_type():
         resolve_spec(3)
 
 
+def test_shape_strings():
+    assert resolve_spec("6x8x40") == SpecConfig(num_steps=6, topk=8, num_draft_tokens=40)
+    assert resolve_spec("3X1X4") == resolve_spec("chain")
+    with pytest.raises(ConfigError, match="STEPSxTOPKxTOKENS"):
+        resolve_spec("6x8")
+    with pytest.raises(ConfigError, match="num_draft_tokens"):     # SpecConfig's own check
+        resolve_spec("2x1x9")
+
+
 def test_topk_larger_than_vocab():
     with pytest.raises(ConfigError, match="exceeds the vocabulary"):
         check_vocab(SpecConfig(2, 8, 4), 5)

@@ -44,7 +44,7 @@ PLAIN = Mode("plain")
 def parse_specs(text: str) -> List[Mode]:
     """'chain,tree,3x1x4,chain:4': presets or num_steps x topk x num_draft_tokens, each with an
     optional ':K' for K cycles per device call."""
-    from jaxspec.spec.config import PRESETS, SpecConfig
+    from jaxspec.spec.config import PRESETS, resolve_spec
     modes = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
@@ -57,15 +57,12 @@ def parse_specs(text: str) -> List[Mode]:
         except ValueError:
             raise ConfigError(f"--spec {item!r}: ':K' must be a positive number of cycles per "
                               "call") from None
-        if name in PRESETS:
-            modes.append(Mode(item, PRESETS[name], k))
-            continue
         try:
-            s, t, n = (int(p) for p in name.lower().split("x"))
-        except ValueError:
+            spec = resolve_spec(name)
+        except ConfigError:
             raise ConfigError(f"--spec {item!r}: a preset ({', '.join(PRESETS)}) or "
                               "STEPSxTOPKxTOKENS such as 3x1x4, optionally ':K'") from None
-        modes.append(Mode(item, SpecConfig(num_steps=s, topk=t, num_draft_tokens=n), k))
+        modes.append(Mode(item, spec, k))
     if len({m.label for m in modes}) != len(modes):
         raise ConfigError(f"--spec {text!r} names a config twice")
     return modes

@@ -69,12 +69,19 @@ PRESETS = {
 
 
 def resolve_spec(spec: Union[SpecConfig, str]) -> SpecConfig:
+    """A SpecConfig, a preset name, or 'STEPSxTOPKxTOKENS' (e.g. '6x8x40', the jaxspec-bench
+    spelling) -> SpecConfig."""
     if isinstance(spec, SpecConfig):
         return spec
     if isinstance(spec, str):
-        if spec not in PRESETS:
-            raise ConfigError(f"unknown speculation preset {spec!r}; presets: {', '.join(PRESETS)}")
-        return PRESETS[spec]
+        if spec in PRESETS:
+            return PRESETS[spec]
+        try:
+            s, t, n = (int(p) for p in spec.lower().split("x"))
+        except ValueError:
+            raise ConfigError(f"unknown speculation preset {spec!r}; presets: "
+                              f"{', '.join(PRESETS)}, or STEPSxTOPKxTOKENS such as 3x1x4") from None
+        return SpecConfig(num_steps=s, topk=t, num_draft_tokens=n)
     raise ConfigError(f"spec must be a SpecConfig or a preset name, got {type(spec).__name__}")
 
 
