@@ -17,6 +17,6 @@ per=$(( (${#files[@]} + groups - 1) / groups ))
 status=0
 for ((i = 0; i < ${#files[@]}; i += per)); do
   echo "== pytest ${files[*]:i:per}"
-  .venv/bin/python -m pytest "${files[@]:i:per}" || status=$?
+  .venv/bin/python -m pytest --durations=8 "${files[@]:i:per}" || status=$?
 done
 exit "$status"
