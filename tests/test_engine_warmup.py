@@ -38,8 +38,8 @@ def test_warmup_compiles_ahead_and_serves_without_jit(kind):
     engine.warmup()
     be = engine.backend
     want = {("cycle", f, k) for f in VARIANTS for k in be.sizes} | \
-        {("admit", a, w, f, first) for a, w in engine.admission_shapes() for f in VARIANTS
-         for first in (True, False)} | \
+        {("admit", a, w, f, first) for a, w, first in engine.admission_forms()
+         for f in VARIANTS} | \
         {("advance", a) for a in engine.slot_buckets}
     assert set(be.executables) == want
     assert be.jit_calls == 0
@@ -68,8 +68,7 @@ def test_warmup_of_the_variants_requests_need():
     engine.warmup((LEAN,))
     be = engine.backend
     assert set(be.executables) == {("cycle", LEAN, 1)} | \
-        {("admit", a, w, LEAN, first) for a, w in engine.admission_shapes()
-         for first in (True, False)}
+        {("admit", a, w, LEAN, first) for a, w, first in engine.admission_forms()}
     before = compiled_shapes(engine)
     prompt = [5, 17, 42, 8, 99]
     rid = engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))

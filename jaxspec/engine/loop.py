@@ -31,7 +31,6 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-import itertools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -312,6 +311,13 @@ class Engine:
         """(slot count, chunk width) of every admission bucket."""
         return [(a, w) for a in self.slot_buckets for w in self.widths]
 
+    def admission_forms(self) -> List[tuple]:
+        """(slot count, chunk width, first chunk) of every admission program: first chunks in
+        every bucket; later chunks (prompts longer than a chunk) always a whole chunk wide, so
+        their general form is compiled once per slot count."""
+        return [(a, w, True) for a, w in self.admission_shapes()] + \
+            [(a, self.chunk, False) for a in self.slot_buckets]
+
     def warmup(self, variants: Sequence[Features] = VARIANTS):
         """Compiles the cycle and every admission bucket ahead of time, concurrently (XLA
         compiles without the GIL), so serving never compiles. Tracing stays on this thread;
@@ -329,10 +335,10 @@ class Engine:
             jobs = [self._compile(pool, self.backend.cycle(self.state, idle, f, size=k,
                                                            lower=True))
                     for f in variants for k in self.backend.sizes]
-            for a, w in sorted(self.admission_shapes(), key=lambda s: -s[0] * s[1]):
+            for a, w, first in sorted(self.admission_forms(), key=lambda s: -s[0] * s[1]):
                 pad = np.full(a, self.slots, np.int32)
                 z = np.zeros(a, np.int32)
-                for f, first in itertools.product(variants, (True, False)):
+                for f in variants:
                     jobs.append(self._compile(pool, self.backend.admit(
                         self.state, pad, np.zeros((a, w), np.int32), z, z, z - 1, features=f,
                         first=first, lower=True)))
@@ -418,7 +424,8 @@ class Engine:
             a = _bucket(len(rows), self.slot_buckets)
             start = k * self.chunk
             n_valid = [min(self.chunk, len(ids) - start) for _, _, ids, _, _ in rows]
-            width = _bucket(max(n_valid), self.widths)
+            # a later chunk is a whole chunk wide (one general form per slot count)
+            width = _bucket(max(n_valid), self.widths) if k == 0 else self.chunk
             slot_idx = np.full(a, self.slots, np.int32)
             tokens = np.zeros((a, width), np.int32)
             starts = np.zeros(a, np.int32)
