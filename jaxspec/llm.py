@@ -12,7 +12,7 @@ import jax
 from jaxspec import compile_cache
 from jaxspec.config import ConfigError
 from jaxspec.engine import Engine, PlainBackend, SpecBackend, StreamDelta
-from jaxspec.engine.backends import default_cycles_per_call
+from jaxspec.engine.backends import default_cycles_per_call, default_spec
 from jaxspec.kv import kv_bytes_per_token
 from jaxspec.sampling import Features, SamplingParams, apply_stop_strings
 
@@ -133,10 +133,12 @@ class LLM:
     def _resolve_spec(self, draft, spec):
         """draft: None/'default' (the shipped head for the default model), a checkpoint path
         (a public EAGLE-1 or EAGLE-3 head), or draft params (an EAGLE-1 dict or an
-        `eagle3.Eagle3Head`). spec: a SpecConfig or a preset name ('naive', 'chain', 'tree')."""
+        `eagle3.Eagle3Head`). spec: a SpecConfig, a preset name ('naive', 'chain', 'tree') or
+        'STEPSxTOPKxTOKENS'; None: `engine.default_spec(max_batch)` ('6x8x40' on a GPU at
+        max_batch 1, else 'chain')."""
         from jaxspec.models.eagle3 import is_eagle3
         from jaxspec.spec.config import resolve_spec
-        self.spec = resolve_spec(spec if spec is not None else "chain")
+        self.spec = resolve_spec(spec if spec is not None else default_spec(self.max_batch))
         if draft is None or isinstance(draft, (str, os.PathLike)):
             draft = self._load_draft(None if draft is None else str(draft))
         if is_eagle3(draft) and self.mesh is not None:

@@ -167,3 +167,17 @@ def test_features_of_params():
                SamplingParams(repetition_penalty=1.2), SamplingParams(frequency_penalty=0.1),
                SamplingParams(logprobs=0), SamplingParams(logprobs=3)):
         assert Features.of([SamplingParams(), sp]) is FULL, sp   # logprobs=0: its own logprob
+
+
+def test_defaults_by_backend_and_batch(monkeypatch):
+    """Tree shape and cycles per call when none is asked for (bench/RESULTS.md, sixth and
+    seventh sets): on a GPU a 40-token tree at batch 1 and the chain with 4 cycles per call
+    above it; on a CPU the chain, one cycle per call."""
+    from jaxspec.engine import backends
+    from jaxspec.spec.config import resolve_spec
+    assert backends.default_spec(1) == backends.default_spec(8) == "chain"
+    assert backends.default_cycles_per_call(8) == 1
+    monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
+    assert resolve_spec(backends.default_spec(1)).num_draft_tokens == 40
+    assert backends.default_spec(4) == "chain"
+    assert (backends.default_cycles_per_call(1), backends.default_cycles_per_call(4)) == (1, 4)

@@ -133,6 +133,16 @@ def default_cycles_per_call(slots: int) -> int:
     return 4 if slots > 1 and jax.default_backend() == "gpu" else 1
 
 
+def default_spec(slots: int) -> str:
+    """The tree shape when none is asked for: '6x8x40' on a GPU for a single slot, else 'chain'.
+    Measured on the H100 with SmolLM2 and its head (bench/RESULTS.md, seventh set): at batch 1
+    a cycle is latency-bound and a 40-token tree costs about what the chain does (2.02x over
+    plain against 1.45x); from batch 4 on the verify's work grows with the tree and the chain
+    led (4 cycles per call: 1.92x at batch 4 against 1.84x for 4x2x8 and 1.81x for 4x4x16). A
+    CPU pays for every tree token."""
+    return "6x8x40" if slots == 1 and jax.default_backend() == "gpu" else "chain"
+
+
 class SpecBackend(_Dispatch):
     """EAGLE speculative decoding: one jitted cycle (draft -> verify -> accept -> compaction ->
     catch-up) per engine cycle; greedy and sampled slots (lossless speculative sampling) mix.
