@@ -5,8 +5,12 @@ steps with jax.profiler (perfetto trace; CUDA graphs kept on while profiling, so
 one measured) and sums the host events by name: the runtime's own spans (argument handling,
 executable launch, command-buffer updates, transfers) next to the engine's (step, dispatch,
 absorb, admit), labeled with jax.profiler.TraceAnnotation.
+With --admit A,W it traces --steps back-to-back admissions of one shape instead (A slots, chunk
+width W, first-chunk form, every row padding so the state is kept).
+Both print the device's events too (kernels per name, summed over the GPU streams).
 Usage: python -m bench.profile_engine [--mode chain] [--batch 1] [--steps 40] [--top 40]
-Writes $OUT/profile_<mode>_b<B>/ (the trace) and prints the table.
+           [--admit 4,128]
+Writes $OUT/profile_<mode>_b<B>/ (the trace) and prints the tables.
 """
 from __future__ import annotations
 
@@ -49,7 +53,24 @@ def summarize(trace_dir: str, top: int):
     print(f"{'event (python thread)':70} {'ms':>9} {'count':>6}")
     for (thread, name), ms in rows:
         print(f"{name[:70]:70} {ms:>9.2f} {cnt[(thread, name)]:>6}")
+    _device_table(events, top)
     _one_step(events, names)
+
+
+def _device_table(events, top):
+    """Device events (processes named after a GPU) summed per name: where the device's time goes."""
+    gpu = {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in str(e.get("args", {}).get("name", ""))}
+    tot, cnt = collections.defaultdict(float), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu:
+            tot[e["name"]] += e.get("dur", 0) / 1e3
+            cnt[e["name"]] += 1
+    if not tot:
+        return
+    print(f"\n{'device event':70} {'ms':>9} {'count':>6}   (all: {sum(tot.values()):.2f} ms)")
+    for name, ms in sorted(tot.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"{name[:70]:70} {ms:>9.2f} {cnt[name]:>6}")
 
 
 def _one_step(events, names, which=10, min_us=20):
@@ -73,6 +94,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--admit", default=None, help="A,W: trace admissions of this shape only")
     args = ap.parse_args()
     _flags()
     from bench.bench_engine import load, make
@@ -93,6 +115,17 @@ def main():
         top_up()
         eng.step()
     out = os.path.join(os.environ.get("OUT", "."), f"profile_{args.mode}_b{args.batch}")
+    if args.admit:
+        a, w = (int(x) for x in args.admit.split(","))
+        be, z = eng.backend, np.zeros(a, np.int32)
+        call = [jax.device_put(x) for x in (np.full(a, be.slots, np.int32),
+                                            np.zeros((a, w), np.int32), z, z, z - 1)]
+        with jax.profiler.trace(out, create_perfetto_trace=True):
+            for _ in range(args.steps):
+                with jax.profiler.TraceAnnotation("engine.admit"):
+                    eng.state, _ = be.admit(eng.state, *call, first=True)
+            jax.block_until_ready(eng.state)
+        return summarize(out, args.top)
     with jax.profiler.trace(out, create_perfetto_trace=True):
         for _ in range(args.steps):
             top_up()

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Sets up (if needed) and runs the whole test suite on the CPU.
 # With arguments they go to one pytest run (e.g. `bash scripts/test.sh tests/test_llm.py -x`).
-# Without, the test files run in five pytest processes, one after another: a single process
-# that compiles the whole suite's programs (hundreds of XLA CPU executables kept alive by jit
-# caches) has crashed inside XLA's compiler late in the run, while every file passes alone.
+# Without, the test files run in five pytest processes: a single process that compiles the
+# whole suite's programs (hundreds of XLA CPU executables kept alive by jit caches) has crashed
+# inside XLA's compiler late in the run, while every file passes alone. The processes run
+# TEST_JOBS at a time (default: 2, or 1 on a single core): most of a test's time is XLA
+# compiling on one thread, so two processes keep two cores busy. Each group's output is
+# printed whole when it ends.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -14,9 +17,21 @@ fi
 mapfile -t files < <(ls tests/test_*.py | sort)
 groups=5
 per=$(( (${#files[@]} + groups - 1) / groups ))
-status=0
+cores=$(nproc 2>/dev/null || echo 1)
+jobs=${TEST_JOBS:-$(( cores > 1 ? 2 : 1 ))}
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+pids=()
 for ((i = 0; i < ${#files[@]}; i += per)); do
-  echo "== pytest ${files[*]:i:per}"
-  .venv/bin/python -m pytest --durations=8 "${files[@]:i:per}" || status=$?
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 1; done
+  ( echo "== pytest ${files[*]:i:per}"
+    .venv/bin/python -m pytest --durations=8 "${files[@]:i:per}" ) > "$logs/$i.log" 2>&1 &
+  pids+=("$i:$!")
+done
+status=0
+for entry in "${pids[@]}"; do
+  i=${entry%%:*}
+  wait "${entry#*:}" || status=$?
+  cat "$logs/$i.log"
 done
 exit "$status"
