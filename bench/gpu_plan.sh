@@ -4,6 +4,11 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
+#   bash bench/gpu_plan.sh admit       # issues 6/8: where an admission's ~3.6 ms of device time goes
+#                                      #   (kernels of one admission shape), and chain:4 at batch 64
+#                                      #   with the loops captured in the CUDA graph (+WHILE)
+#   bash bench/gpu_plan.sh steady      # issue 8: 512 requests, MT-bench and held-out ShareGPT
+#                                      #   (carry .gpu/sharegpt_heldout.jsonl), batch 1 to 64
 #   bash bench/gpu_plan.sh host        # issue 6: engine table with admit_interval 1 and 2, and the
 #                                      #   prefill loop inside the CUDA graph (+WHILE) with its
 #                                      #   batch-64 profile; random weights, no GGUF needed
@@ -32,6 +37,17 @@ run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 
 BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
 
 case "${1:-}" in
+  admit)
+    run admit_profile 200 python3 -m bench.profile_engine --mode chain:4 --batch 64 --steps 20 --top 30 --admit 4,256
+    ENG="python3 -m bench.bench_engine --steps 150 --gen 128 --gen-min 16 --max-model-len 2048 --modes chain:4,plain:16 --batches 64"
+    run admit_default 180 $ENG
+    run admit_while 180 env XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE $ENG
+    ;;
+  steady)
+    S="$BENCH --no-peers --max-tokens 128 --num-prompts 512"
+    run steady_mt 290 $S --batch-sizes 1,4,16,64 --spec chain:4 --time-budget 270 --json "$OUT/steady_mt.json"
+    run steady_sg 290 $S --dataset .gpu/sharegpt_heldout.jsonl --batch-sizes 1,4,16,64 --spec chain:4 --time-budget 270 --json "$OUT/steady_sg.json"
+    ;;
   host)
     ENG="python3 -m bench.bench_engine --steps 150 --gen 128 --gen-min 16 --max-model-len 2048"
     WHILE=--xla_gpu_enable_command_buffer=+WHILE
