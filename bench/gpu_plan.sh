@@ -4,6 +4,8 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
+#   bash bench/gpu_plan.sh exact       # first: checks the first-chunk admission form (commit
+#                                      #   72d02ab) on the GPU, fp32 greedy spec == plain
 #   bash bench/gpu_plan.sh admit       # issues 6/8: where an admission's ~3.6 ms of device time goes
 #                                      #   (kernels of one admission shape), and chain:4 at batch 64
 #                                      #   with the loops captured in the CUDA graph (+WHILE)
