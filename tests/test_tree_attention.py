@@ -29,12 +29,14 @@ def _rel_err(out, ref):
 
 
 # b, n, hq, hkv, d, t, seq_lens: GQA groups 1/4/8; N 1/7/16/64; prefixes ending at the last row,
-# slots of very different lengths (0 included).
+# slots of very different lengths (0 included); a first prompt chunk as admission runs it (empty
+# prefix, a cache only as long as the chunk, SmolLM2's 9 query heads over 3 KV heads).
 CASES = [
     (2, 1, 8, 2, 64, 96, [96, 0]),
     (3, 7, 8, 8, 64, 80, [0, 80, 13]),
     (2, 16, 8, 1, 64, 64, [64, 5]),
     (1, 64, 4, 1, 64, 40, [40]),
+    (2, 16, 9, 3, 64, 16, [0, 0]),
 ]
 
 
