@@ -86,14 +86,20 @@ def device_ms_per_cycle(engine, n, size=None):
     return ms
 
 
+def padding_admit_args(backend, a: int, width: int) -> list:
+    """Device arguments (slot_idx, tokens, start, n_valid, next_tok) of an admission of a slots,
+    chunk width `width`, every row padding: the state is kept, so it can run again and again."""
+    z = np.zeros(a, np.int32)
+    return [jax.device_put(x) for x in (np.full(a, backend.slots, np.int32),
+                                        np.zeros((a, width), np.int32), z, z, z - 1)]
+
+
 def device_ms_per_admit(engine, a, width, features, first, n):
     """Back-to-back admissions of one shape, every row padding (dropped, so the state is kept):
     the device's time for a prompt chunk of that shape. Arguments live on the device, since
     numpy arguments make each call wait (bench_dispatch)."""
     be = engine.backend
-    z = np.zeros(a, np.int32)
-    args = [jax.device_put(x) for x in (np.full(a, be.slots, np.int32),
-                                         np.zeros((a, width), np.int32), z, z, z - 1)]
+    args = padding_admit_args(be, a, width)
     ms, engine.state = timed(lambda s: be.admit(s, *args, features=features, first=first)[0],
                              engine.state, n, 1)
     return ms

@@ -97,7 +97,7 @@ def main():
     ap.add_argument("--admit", default=None, help="A,W: trace admissions of this shape only")
     args = ap.parse_args()
     _flags()
-    from bench.bench_engine import load, make
+    from bench.bench_engine import load, make, padding_admit_args
 
     class A:
         model = head = None
@@ -117,9 +117,8 @@ def main():
     out = os.path.join(os.environ.get("OUT", "."), f"profile_{args.mode}_b{args.batch}")
     if args.admit:
         a, w = (int(x) for x in args.admit.split(","))
-        be, z = eng.backend, np.zeros(a, np.int32)
-        call = [jax.device_put(x) for x in (np.full(a, be.slots, np.int32),
-                                            np.zeros((a, w), np.int32), z, z, z - 1)]
+        be = eng.backend
+        call = padding_admit_args(be, a, w)
         with jax.profiler.trace(out, create_perfetto_trace=True):
             for _ in range(args.steps):
                 with jax.profiler.TraceAnnotation("engine.admit"):

@@ -181,8 +181,7 @@ def _setup(args, result):
     from jaxspec.benchmark import prompts as P
     from jaxspec.benchmark.runner import PLAIN, Target, parse_specs
     # ShareGPT: every first turn is read, _fit keeps the held-out ones up to --num-prompts
-    held_out = args.dataset == "sharegpt"
-    prompts = P.load_prompts(args.dataset, None if held_out else args.num_prompts)
+    prompts = P.load_prompts(args.dataset, None if _held_out(args) else args.num_prompts)
     if not prompts:
         raise SystemExit(f"--dataset {args.dataset}: no prompts")
     modes = [PLAIN] + ([] if args.no_spec else parse_specs(args.spec))
@@ -203,10 +202,15 @@ def _sampling(args):
                           max_tokens=args.max_tokens)
 
 
+def _held_out(args) -> bool:
+    """--dataset sharegpt keeps only prompts the shipped head never saw (_fit picks them)."""
+    return args.dataset == "sharegpt"
+
+
 def _fit(args, result, target, prompts):
     from jaxspec.benchmark.runner import fit_prompts
     from jaxspec.benchmark.prompts import SHAREGPT_TRAIN_PROMPT_TOKENS
-    held_out = args.dataset == "sharegpt"
+    held_out = _held_out(args)
     shortest = SHAREGPT_TRAIN_PROMPT_TOKENS + 1 if held_out else 0
     kept, dropped = fit_prompts(target.tokenizer, prompts, args.max_tokens, args.max_model_len,
                                 shortest, args.num_prompts if held_out else None)

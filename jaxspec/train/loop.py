@@ -200,14 +200,14 @@ class Batches:
     def get(self, step: int, params, cfg: ModelConfig):
         idx = self.indices(step)
         w = self.width(idx)
-        tokens = jnp.asarray(self.tokens[idx][:, :w])
-        mask = jnp.asarray(self.mask[idx][:, :w])
+        tokens = jnp.asarray(self.tokens[idx, :w])
+        mask = jnp.asarray(self.mask[idx, :w])
         if self.features is None:
             feats = self.feature_fn(params, cfg, tokens)
-        else:
+        else:       # one gather of the kept columns (device arrays take device indices)
             feats = jax.tree_util.tree_map(
-                lambda f: jnp.asarray(f[jnp.asarray(idx)] if isinstance(f, jax.Array)
-                                      else f[idx])[:, :w], self.features)
+                lambda f: jnp.asarray(f[jnp.asarray(idx) if isinstance(f, jax.Array) else idx,
+                                        :w]), self.features)
         return tokens, feats, mask
 
 
