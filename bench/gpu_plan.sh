@@ -4,13 +4,14 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
-#   bash bench/gpu_plan.sh exact       # first: checks the first-chunk admission form (commit
-#                                      #   72d02ab) on the GPU, fp32 greedy spec == plain
-#   bash bench/gpu_plan.sh admit       # issues 6/8: where an admission's ~3.6 ms of device time goes
-#                                      #   (kernels of one admission shape), and chain:4 at batch 64
-#                                      #   with the loops captured in the CUDA graph (+WHILE)
-#   bash bench/gpu_plan.sh steady      # issue 8: 512 requests, MT-bench and held-out ShareGPT
-#                                      #   (carry .gpu/sharegpt_heldout.jsonl), batch 1 to 64
+#   bash bench/gpu_plan.sh steady_big  # issue 8: 512 requests at batch 16 and 64, MT-bench and
+#                                      #   held-out ShareGPT (carry .gpu/sharegpt_heldout.jsonl),
+#                                      #   after the admission fix of commit b499da5
+#   bash bench/gpu_plan.sh admit       # issues 6/8: the kernels of one admission shape, and
+#                                      #   chain:4 at batch 64 with the loops captured in the
+#                                      #   CUDA graph (+WHILE)
+#   bash bench/gpu_plan.sh steady      # issue 8: 512 requests, batch 1 to 64 (the budget ends
+#                                      #   it partway: batch 1 and 4 on 2026-11-24)
 #   bash bench/gpu_plan.sh host        # issue 6: engine table with admit_interval 1 and 2, and the
 #                                      #   prefill loop inside the CUDA graph (+WHILE) with its
 #                                      #   batch-64 profile; random weights, no GGUF needed
@@ -44,6 +45,11 @@ case "${1:-}" in
     ENG="python3 -m bench.bench_engine --steps 150 --gen 128 --gen-min 16 --max-model-len 2048 --modes chain:4,plain:16 --batches 64"
     run admit_default 180 $ENG
     run admit_while 180 env XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE $ENG
+    ;;
+  steady_big)
+    S="$BENCH --no-peers --max-tokens 128 --num-prompts 512 --spec chain:4,4x1x5:4 --time-budget 270"
+    run steady_big_mt 290 $S --batch-sizes 64,16 --json "$OUT/steady_big_mt.json"
+    run steady_big_sg 290 $S --dataset .gpu/sharegpt_heldout.jsonl --batch-sizes 64,16 --json "$OUT/steady_big_sg.json"
     ;;
   steady)
     S="$BENCH --no-peers --max-tokens 128 --num-prompts 512"
