@@ -7,6 +7,9 @@
 #   bash bench/gpu_plan.sh steady_big  # issue 8: 512 requests at batch 16 and 64, MT-bench and
 #                                      #   held-out ShareGPT (carry .gpu/sharegpt_heldout.jsonl),
 #                                      #   after the admission fix of commit b499da5
+#   bash bench/gpu_plan.sh widths      # issues 6/8: batch 64, MT-bench x 6.4, prefill widths
+#                                      #   16, 64, 256, 512 against 16, 32, .., 512 (1.83x against
+#                                      #   1.35x the prompts' tokens), same call
 #   bash bench/gpu_plan.sh admit       # issues 6/8: the kernels of one admission shape, and
 #                                      #   chain:4 at batch 64 with the loops captured in the
 #                                      #   CUDA graph (+WHILE)
@@ -50,6 +53,11 @@ case "${1:-}" in
     S="$BENCH --no-peers --max-tokens 128 --num-prompts 512 --spec chain:4,4x1x5:4 --time-budget 270"
     run steady_big_mt 290 $S --batch-sizes 64,16 --json "$OUT/steady_big_mt.json"
     run steady_big_sg 290 $S --dataset .gpu/sharegpt_heldout.jsonl --batch-sizes 64,16 --json "$OUT/steady_big_sg.json"
+    ;;
+  widths)
+    S="$BENCH --no-peers --max-tokens 128 --num-prompts 512 --batch-sizes 64 --spec chain:4 --time-budget 260"
+    run widths_4 280 $S --json "$OUT/widths_4.json"
+    run widths_2 280 $S --prefill-width-growth 2 --json "$OUT/widths_2.json"
     ;;
   steady)
     S="$BENCH --no-peers --max-tokens 128 --num-prompts 512"

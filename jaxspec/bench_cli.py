@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "engine over every replica's slots")
     ap.add_argument("--tensor-parallel", type=int, default=1,
                     help="shard the model over this many local GPUs (a model axis)")
+    ap.add_argument("--prefill-width-growth", type=int, default=4,
+                    help="ratio of successive prefill chunk widths: 4 runs 16, 64, 256, 512; 2 "
+                         "pads short prompts less for more warm-up compilations")
     ap.add_argument("--adaptive", action="store_true",
                     help="choose the config (or plain) per batch size from measured costs")
     ap.add_argument("--probe-tokens", type=int, default=None, help=argparse.SUPPRESS)
@@ -122,6 +125,8 @@ def _defaults(args):
         raise SystemExit(f"--batch-sizes {args.batch_sizes!r}: a comma list of integers") from None
     if not args.batch_list or min(args.batch_list) < 1:
         raise SystemExit(f"--batch-sizes {args.batch_sizes!r}: batch sizes must be >= 1")
+    if args.prefill_width_growth < 2:
+        raise SystemExit(f"--prefill-width-growth {args.prefill_width_growth}: must be >= 2")
     return args
 
 
@@ -188,7 +193,8 @@ def _setup(args, result):
     target = Target(args.model, args.draft, args.max_model_len, args.seed,
                     data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel,
                     dtype=None if args.dtype == "auto" else args.dtype,
-                    data_parallel_impl=args.data_parallel_impl)
+                    data_parallel_impl=args.data_parallel_impl,
+                    prefill_width_growth=args.prefill_width_growth)
     result["draft_label"] = target.draft_label if len(modes) > 1 else None
     if args.draft == "random":
         result["notes"].append("draft: a RANDOM EAGLE head; accept lengths and speedups measure "

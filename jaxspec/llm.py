@@ -48,6 +48,9 @@ class LLM:
     speculative counterpart of decode_chunk): more amortize the host's cost per call where it
     exceeds a cycle's device time (large batches of a small model). None:
     `engine.default_cycles_per_call(max_batch)` (4 on a GPU for max_batch > 1, else 1).
+    prefill_width_growth: ratio of successive prefill chunk widths (`Engine(width_growth=)`): 4
+    runs chunks 16, 64, 256 or 512 wide; 2 pads short chat prompts less (16, 32, .., 512) for
+    more programs to compile at warm-up.
     """
 
     def __init__(self, model: Optional[str] = None, *, dtype=None, max_batch: int = 8,
@@ -55,7 +58,8 @@ class LLM:
                  decode_chunk: int = 16, seed: int = 0, layer_layout: Optional[str] = None,
                  draft: Any = None, spec: Any = None, data_parallel: int = 1,
                  tensor_parallel: int = 1, data_parallel_impl: str = "pmap",
-                 admit_interval: int = 1, cycles_per_call: Optional[int] = None):
+                 admit_interval: int = 1, cycles_per_call: Optional[int] = None,
+                 prefill_width_growth: int = 4):
         from jaxspec.weights import load_model
         if max_batch <= 0:
             raise ConfigError(f"max_batch must be positive, got {max_batch}")
@@ -67,6 +71,8 @@ class LLM:
                               "supported: choose one")
         if admit_interval < 1:
             raise ConfigError(f"admit_interval must be >= 1, got {admit_interval}")
+        if prefill_width_growth < 2:
+            raise ConfigError(f"prefill_width_growth must be >= 2, got {prefill_width_growth}")
         if cycles_per_call is not None and cycles_per_call < 1:
             raise ConfigError(f"cycles_per_call must be >= 1, got {cycles_per_call}")
         self.cycles_per_call = cycles_per_call or default_cycles_per_call(max_batch)
@@ -120,7 +126,7 @@ class LLM:
         self.engine = Engine(backend, max_model_len=self.max_model_len,
                              vocab_size=self.config.vocab_size, eos_ids=self._eos_ids(),
                              chunk=min(512, self.max_model_len), detokenize=self.tokenizer.decode,
-                             admit_interval=admit_interval)
+                             admit_interval=admit_interval, width_growth=prefill_width_growth)
         self._inbox: dict = {}
 
     def _load_draft(self, draft: Optional[str]):

@@ -191,6 +191,14 @@ def test_dtype_option(capsys):
     assert "--dtype: invalid choice: 'fp16'" in err and "bfloat16" in err and "float32" in err
 
 
+def test_prefill_width_growth_option():
+    parse = bench_cli.build_parser().parse_args
+    assert bench_cli._defaults(parse([])).prefill_width_growth == 4
+    assert bench_cli._defaults(parse(["--prefill-width-growth", "2"])).prefill_width_growth == 2
+    with pytest.raises(SystemExit, match="--prefill-width-growth 1: must be >= 2"):
+        bench_cli._defaults(parse(["--prefill-width-growth", "1"]))
+
+
 def test_bf16_differences_are_explained():
     res = {"dtype": "bfloat16", "notes": []}
     bench_cli._exactness_note(res, {"equals_plain": 1.0})

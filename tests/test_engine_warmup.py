@@ -30,6 +30,10 @@ def test_admission_shapes_follow_bucket_growth():
     assert shapes(chunk=64, bucket_growth=2) == [(a, w) for a in (1, 2, 4) for w in (16, 32, 64)]
     with pytest.raises(ValueError, match="bucket_growth"):
         shapes(bucket_growth=1)
+    # widths alone finer: the slot buckets keep bucket_growth's
+    assert shapes(chunk=64, width_growth=2) == [(a, w) for a in (1, 4) for w in (16, 32, 64)]
+    with pytest.raises(ValueError, match="width_growth"):
+        shapes(width_growth=1)
 
 
 @pytest.mark.parametrize("kind", ["spec", "plain"])   # spec:3: test_engine's over-time test

@@ -78,6 +78,14 @@ def test_max_tokens_must_be_positive():
         SamplingParams(max_tokens=0)
 
 
+@pytest.mark.parametrize("kw,needle", [({"max_batch": 0}, "max_batch"),
+                                       ({"admit_interval": 0}, "admit_interval"),
+                                       ({"prefill_width_growth": 1}, "prefill_width_growth")])
+def test_bad_engine_settings_rejected_before_loading(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        LLM("no-such-file.gguf", **kw)       # the setting is named, not the missing file
+
+
 def test_missing_model_file_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         LLM(str(tmp_path / "nope.gguf"))

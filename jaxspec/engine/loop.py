@@ -151,6 +151,10 @@ class Engine:
     64, 256, 512 wide; 1, 4, 16, 64 slots) keeps warm-up short and costs little where prefill is
     cheap (a small model: a chunk's time is mostly reading the weights); 2 halves the worst
     padding for a model whose prefill is compute bound, for about twice the compilations.
+    width_growth: the ratio of successive chunk widths alone (default bucket_growth). Short chat
+    prompts sit between the default widths: MT-bench's (median 68 tokens in SmolLM2's template)
+    run at 1.83x their tokens with widths 16, 64, 256, 512 and at 1.35x with 2 (16, 32, .., 512),
+    which costs 2 more widths per slot bucket to compile, not the slot buckets' growth too.
     compile_workers: threads compiling the warm-up shapes. Default: the CPU count on an
     accelerator's host; 1 on the CPU backend, whose compilations share the cores with everything
     else (measured slower with 2 threads than with 1 on a 2-core machine).
@@ -166,7 +170,7 @@ class Engine:
                  kv_budget: Optional[int] = None, chunk: int = 512, min_chunk: int = 16,
                  bucket_growth: int = 4, compile_workers: Optional[int] = None,
                  detokenize: Optional[Callable[[List[int]], str]] = None,
-                 admit_interval: int = 1):
+                 admit_interval: int = 1, width_growth: Optional[int] = None):
         self.backend = backend
         if admit_interval < 1:
             raise ValueError(f"admit_interval must be >= 1, got {admit_interval}")
@@ -179,11 +183,13 @@ class Engine:
                              f"max_model_len + 2 * {self.emit}")
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.kv_budget = kv_budget if kv_budget is not None else self.slots * backend.max_len
-        if not 1 <= min_chunk <= chunk or bucket_growth < 2:
-            raise ValueError(f"need 1 <= min_chunk ({min_chunk}) <= chunk ({chunk}) and "
-                             f"bucket_growth ({bucket_growth}) >= 2")
+        width_growth = bucket_growth if width_growth is None else width_growth
+        if not 1 <= min_chunk <= chunk or bucket_growth < 2 or width_growth < 2:
+            raise ValueError(f"need 1 <= min_chunk ({min_chunk}) <= chunk ({chunk}), "
+                             f"bucket_growth ({bucket_growth}) >= 2 and width_growth "
+                             f"({width_growth}) >= 2")
         self.chunk, self.min_chunk = chunk, min_chunk
-        self.widths = _buckets(min_chunk, chunk, bucket_growth)
+        self.widths = _buckets(min_chunk, chunk, width_growth)
         self.slot_buckets = _buckets(1, self.slots, bucket_growth)
         self.compile_workers = compile_workers or (
             1 if jax.default_backend() == "cpu" else os.cpu_count() or 1)
