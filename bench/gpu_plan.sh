@@ -10,9 +10,8 @@
 #   bash bench/gpu_plan.sh widths      # issues 6/8: batch 64, MT-bench x 6.4, prefill widths
 #                                      #   16, 64, 256, 512 against 16, 32, .., 512 (1.83x against
 #                                      #   1.35x the prompts' tokens), same call
-#   bash bench/gpu_plan.sh admit       # issues 6/8: the kernels of one admission shape, and
-#                                      #   chain:4 at batch 64 with the loops captured in the
-#                                      #   CUDA graph (+WHILE)
+#   bash bench/gpu_plan.sh admit       # issues 6/8: the kernels of one admission shape, with
+#                                      #   and without XLA's dynamic-slice fusion (random weights)
 #   bash bench/gpu_plan.sh steady      # issue 8: 512 requests, batch 1 to 64 (the budget ends
 #                                      #   it partway: batch 1 and 4 on 2026-11-24)
 #   bash bench/gpu_plan.sh host        # issue 6: engine table with admit_interval 1 and 2, and the
@@ -44,10 +43,11 @@ BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
 
 case "${1:-}" in
   admit)
-    run admit_profile 200 python3 -m bench.profile_engine --mode chain:4 --batch 64 --steps 20 --top 30 --admit 4,256
-    ENG="python3 -m bench.bench_engine --steps 150 --gen 128 --gen-min 16 --max-model-len 2048 --modes chain:4,plain:16 --batches 64"
-    run admit_default 180 $ENG
-    run admit_while 180 env XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE $ENG
+    # the admission's weight slices (8 memcpys per layer, 17% of its kernels): XLA's
+    # dynamic-slice fusion lets the GEMMs read the stacked weights in place, if it applies
+    P="python3 -m bench.profile_engine --mode chain --batch 4 --steps 10 --top 12 --admit 4,256"
+    run admit_profile 150 $P
+    run admit_profile_dsf 150 env XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true $P
     ;;
   steady_big)
     S="$BENCH --no-peers --max-tokens 128 --num-prompts 512 --spec chain:4,4x1x5:4 --time-budget 270"
