@@ -51,9 +51,9 @@ from jaxspec.decode import decode_scan
 from jaxspec.kv import KVCache, init_cache
 from jaxspec.models import llama
 from jaxspec.sampling import FULL, VARIANTS, Features, SlotSampling, TokenCounts
-from jaxspec.spec.admit import (AdmitArgs, _chunk_forward, _last_row, admit_sampling,
-                                advance_rows, batch_axes, chunk_history, jit_spec_admit,
-                                put_slots, take_slots)
+from jaxspec.spec.admit import (AdmitArgs, _chunk_forward, _last_row, admit_programs,
+                                admit_sampling, advance_rows, batch_axes, chunk_history,
+                                jit_spec_admit, put_slots, take_slots)
 
 
 class CycleTokens(NamedTuple):
@@ -109,6 +109,19 @@ class _Dispatch:
         padding rows carry slot index B)."""
         return self._call(("advance", len(slot_idx)), self._advance, (state, slot_idx, advance),
                           lower)
+
+    def admit(self, state, slot_idx, tokens, start, n_valid, next_tok, adm=None, *,
+              features: Features = FULL, first: bool = False, lower=False):
+        """One prefill chunk (admit.spec_admit / plain_admit). first: every row starts at 0,
+        which runs the form that neither gathers nor scatters whole KV caches."""
+        adm = AdmitArgs.host(len(slot_idx)) if adm is None else adm
+        return self._call(_admit_key(slot_idx, tokens, features, first),
+                          self._admits[features, first],
+                          (*self.weights, state, slot_idx, tokens, start, n_valid, next_tok, adm,
+                           self.key), lower)
+
+    def jitted(self) -> List:
+        return [*self._cycles.values(), *self._admits.values(), self._advance]
 
     def _call(self, key: tuple, jitted, args, lower: bool):
         if lower:
@@ -192,28 +205,20 @@ class SpecBackend(_Dispatch):
     def call_size(self, n_active: int) -> int:
         return 1 if n_active <= 1 else self.cycles_per_call
 
-    def admit(self, state, slot_idx, tokens, start, n_valid, next_tok, adm=None, *,
-              features: Features = FULL, first: bool = False, lower=False):
-        """One prefill chunk (admit.spec_admit). first: every row starts at 0, which runs the
-        form that neither gathers nor scatters whole KV caches."""
-        adm = AdmitArgs.host(len(slot_idx)) if adm is None else adm
-        return self._call(_admit_key(slot_idx, tokens, features, first),
-                          self._admits[features, first],
-                          (self.params, self.draft_params, state, slot_idx, tokens, start,
-                           n_valid, next_tok, adm, self.key), lower)
+    @property
+    def weights(self) -> tuple:
+        """What every jitted call takes first: (target params, draft params)."""
+        return self.params, self.draft_params
 
     def cycle(self, state, active, features: Features = FULL, *, size=None, lower=False):
         size = size or self.cycles_per_call
         got = self._call(("cycle", features, size), self._cycles[features, size],
-                         (self.params, self.draft_params, state, active), lower)
+                         (*self.weights, state, active), lower)
         if lower:
             return got
         state, out = got
         return state, CycleTokens(out.tokens, out.accept_len, out.logprob, out.top_ids,
                                   out.top_logprobs)
-
-    def jitted(self) -> List:
-        return [*self._cycles.values(), *self._admits.values(), self._advance]
 
 
 # ----------------------------------------------------------------------------- plain decoding
@@ -271,10 +276,7 @@ def plain_cycle(params, state: PlainState, active, *, cfg: ModelConfig, n_steps:
 def _jit_plain(cfg: ModelConfig, slots: int, max_len: int, dtype, n_steps: int):
     axes = batch_axes(lambda b: init_plain_state(cfg, b, max_len, dtype), slots)
     rows = batch_axes(lambda t: init_plain_state(cfg, slots, t, dtype), max_len, "row")
-    admits = {(f, first): jax.jit(functools.partial(plain_admit, cfg=cfg, axes=axes, features=f,
-                                                    kv_rows=rows if first else None),
-                                  donate_argnums=(1,))
-              for f in VARIANTS for first in (False, True)}
+    admits = admit_programs(functools.partial(plain_admit, cfg=cfg, axes=axes), rows, donate=1)
     cycles = {f: jax.jit(functools.partial(plain_cycle, cfg=cfg, n_steps=n_steps, features=f),
                          donate_argnums=(1,)) for f in VARIANTS}
     # Each decode step splits a slot's key into 2 (next key, the draw).
@@ -311,17 +313,11 @@ class PlainBackend(_Dispatch):
     def call_size(self, n_active: int) -> int:
         return self.emit
 
-    def admit(self, state, slot_idx, tokens, start, n_valid, next_tok, adm=None, *,
-              features: Features = FULL, first: bool = False, lower=False):
-        adm = AdmitArgs.host(len(slot_idx)) if adm is None else adm
-        return self._call(_admit_key(slot_idx, tokens, features, first),
-                          self._admits[features, first],
-                          (self.params, state, slot_idx, tokens, start, n_valid, next_tok, adm,
-                           self.key), lower)
+    @property
+    def weights(self) -> tuple:
+        """What every jitted call takes first: (target params,)."""
+        return (self.params,)
 
     def cycle(self, state, active, features: Features = FULL, *, size=None, lower=False):
         return self._call(("cycle", features, self.emit), self._cycles[features],
-                          (self.params, state, active), lower)
-
-    def jitted(self) -> List:
-        return [*self._cycles.values(), *self._admits.values(), self._advance]
+                          (*self.weights, state, active), lower)

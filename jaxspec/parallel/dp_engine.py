@@ -105,7 +105,7 @@ def data_parallel_backend(backend, devices: Sequence[jax.Device]):
     mesh = Mesh(np.asarray(devices), (AXIS,))
     init = backend.init_state
     spec = _state_specs(backend)
-    n_w = 2 if hasattr(backend, "draft_params") else 1
+    n_w = len(backend.weights)
     sh = _Sharded(mesh, spec, n_w, backend.slots // n)
     backend.init_state = lambda: jax.device_put(
         init(), jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec))

@@ -259,6 +259,16 @@ def spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, ne
     return put_slots(state, axes, slot_idx, new, kv_rows), first
 
 
+def admit_programs(admit_fn, rows, donate: int) -> dict:
+    """{(features, first chunk): jitted admit_fn} per `sampling.VARIANTS`: the first-chunk form
+    (kv_rows=rows, take_slots' `fresh`) and the general one; argument `donate` (the state) is
+    donated. admit_fn: spec_admit or plain_admit with its static arguments bound."""
+    return {(f, first): jax.jit(functools.partial(admit_fn, features=f,
+                                                  kv_rows=rows if first else None),
+                                donate_argnums=(donate,))
+            for f in VARIANTS for first in (False, True)}
+
+
 @functools.lru_cache(maxsize=None)
 def jit_spec_admit(cfg: ModelConfig, spec: SpecConfig, slots: int, max_len: int, dtype):
     """{(features, first chunk): spec_admit(params, draft_params, state, slot_idx, tokens, start,
@@ -267,10 +277,8 @@ def jit_spec_admit(cfg: ModelConfig, spec: SpecConfig, slots: int, max_len: int,
     is donated. Buckets are the input shapes."""
     axes = batch_axes(lambda b: init_state(cfg, spec, b, max_len, dtype), slots)
     rows = batch_axes(lambda t: init_state(cfg, spec, slots, t, dtype), max_len, "row")
-    admits = {(f, first): jax.jit(functools.partial(spec_admit, cfg=cfg, spec=spec, axes=axes,
-                                                    features=f, kv_rows=rows if first else None),
-                                  donate_argnums=(2,))
-              for f in VARIANTS for first in (False, True)}
+    admits = admit_programs(functools.partial(spec_admit, cfg=cfg, spec=spec, axes=axes), rows,
+                            donate=2)
     # The cycle splits each slot's key into 3 (next key, draft draws, verify draws).
     advance = jax.jit(lambda st, idx, n: st.replace(rng=advance_rows(st.rng, idx, n, 3)),
                       donate_argnums=(0,))
