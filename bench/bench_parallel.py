@@ -108,18 +108,21 @@ def dp_end_to_end(cfg, p, d, args, replicas, preset):
     return rows
 
 
-def _engine(cfg, p, d, preset, slots, max_len, devices=None):
+def _engine(cfg, p, d, preset, slots, max_len, chunk, cycles_per_call, devices=None):
     from jaxspec.engine import Engine, PlainBackend, SpecBackend
     from jaxspec.parallel.dp_engine import data_parallel_backend
     if preset == "plain":
         be = PlainBackend(cfg, p, slots, max_len + 32, n_steps=16)
     else:
         from jaxspec.spec.config import resolve_spec
-        be = SpecBackend(cfg, p, d, preset, slots, max_len + 2 * resolve_spec(preset).max_emit)
+        k = cycles_per_call
+        be = SpecBackend(cfg, p, d, preset, slots, max_len + 2 * k * resolve_spec(preset).max_emit,
+                         cycles_per_call=k)
     if devices:
         data_parallel_backend(be, devices)
-    eng = Engine(be, max_model_len=max_len, vocab_size=cfg.vocab_size)
-    eng.warmup()
+    # every prompt has the same length: widths up to it, and greedy programs only, compile
+    eng = Engine(be, max_model_len=max_len, vocab_size=cfg.vocab_size, chunk=max(16, chunk))
+    eng.warmup(variants=(LEAN,))
     return eng
 
 
@@ -137,8 +140,10 @@ def dp_engine_end_to_end(cfg, p, d, args, replicas, preset):
     max_len = args.prompt_len + args.max_tokens + 64
     ps1 = prompts(b, args.prompt_len, cfg.vocab_size)
     psd = prompts(b * replicas, args.prompt_len, cfg.vocab_size)
-    one = _engine(cfg, p, d, preset, b, max_len)
-    dp = _engine(cfg, p, d, preset, b * replicas, max_len, jax.local_devices()[:replicas])
+    kw = dict(chunk=args.prompt_len, cycles_per_call=args.cycles_per_call)
+    one = _engine(cfg, p, d, preset, b, max_len, **kw)
+    dp = _engine(cfg, p, d, preset, b * replicas, max_len, devices=jax.local_devices()[:replicas],
+                 **kw)
     t1, o1 = timed_generate(lambda: _drain(one, ps1, args.max_tokens), args.reps)
     td, od = timed_generate(lambda: _drain(dp, psd, args.max_tokens), args.reps)
     n1, nd = sum(map(len, o1)), sum(map(len, od))
@@ -287,6 +292,8 @@ def main(argv=None):
     ap.add_argument("--cycles", type=int, default=32, help="timed cycles per repeat")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dp-modes", default="plain,chain,tree")
+    ap.add_argument("--cycles-per-call", type=int, default=4,
+                    help="spec cycles per device call of the engine (LLM's default above batch 1)")
     ap.add_argument("--dp-impl", default="pmap,engine",
                     help="pmap (the lockstep runners) and/or engine (parallel.dp_engine)")
     ap.add_argument("--tp-spec", default="chain,tree")

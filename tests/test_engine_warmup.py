@@ -185,3 +185,18 @@ def test_defaults_by_backend_and_batch(monkeypatch):
     assert resolve_spec(backends.default_spec(1)).num_draft_tokens == 40
     assert backends.default_spec(4) == "chain"
     assert (backends.default_cycles_per_call(1), backends.default_cycles_per_call(4)) == (1, 4)
+
+
+@pytest.mark.parametrize("kind", ["spec", "plain"])
+def test_first_chunk_wider_than_the_slot(kind):
+    """Chunk widths up to 128 over slots of ~60 rows: a first chunk's zero caches are wider than
+    the slot, and only the slot's rows are written back."""
+    be = make_engine(kind).backend
+    engine = Engine(be, max_model_len=MAX_MODEL_LEN, vocab_size=CFG.vocab_size, chunk=128)
+    assert max(engine.widths) > be.max_len
+    prompts = [[5, 17, 42, 8, 99], list(range(10, 50))]    # widths 16 and 64, 128 in warm-up
+    engine.warmup()
+    ids = [engine.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
+    list(engine.drain())
+    for rid, p in zip(ids, prompts):
+        assert engine.pop_finished(rid).output == greedy_ref(p)

@@ -191,7 +191,11 @@ def put_slots(state, axes, slot_idx, sub, rows=None):
         where = [slice(None)] * x.ndim
         where[ax] = slot_idx
         if rax >= 0:
-            where[rax] = slice(0, s.shape[rax])
+            # a first chunk wider than the slot (a short max_model_len under the default
+            # widths): its rows past the slot's are padding, never a prompt's
+            n = min(s.shape[rax], x.shape[rax])
+            s = jax.lax.slice_in_dim(s, 0, n, axis=rax)
+            where[rax] = slice(0, n)
         return x.at[tuple(where)].set(s.astype(x.dtype), mode="drop")
 
     extra = () if rows is None else (rows,)
