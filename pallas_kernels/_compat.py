@@ -1,4 +1,7 @@
 """Pallas API differences between the jax releases we support (0.10 on CPU, 0.11 on the GPU)."""
+import os
+
+import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -12,3 +15,9 @@ CompilerParams = (getattr(plgpu, "CompilerParams", None)
 
 def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def on_gpu() -> bool:
+    """Whether the Pallas GPU kernels serve (JAXSPEC_KERNELS=0 forces the jnp references, to
+    compare or to rule the kernels out of a GPU problem)."""
+    return jax.default_backend() == "gpu" and os.environ.get("JAXSPEC_KERNELS", "1") != "0"

@@ -24,6 +24,7 @@ from pallas_kernels.head_sharding import MODEL_AXIS, model_axis_size, per_head_s
 from pallas_kernels._compat import CompilerParams as _CompilerParams
 from pallas_kernels._compat import load as _load
 from pallas_kernels._compat import next_pow2 as _next_pow2
+from pallas_kernels._compat import on_gpu
 from pallas_kernels._compat import store as _store
 
 
@@ -137,6 +138,6 @@ def kv_compact(k_cache, v_cache, k_new, v_new, seq_lens, src_idx, count):
 
 def _kv_compact_local(k_cache, v_cache, k_new, v_new, seq_lens, src_idx, count):
     d = k_cache.shape[-1]
-    if jax.default_backend() == "gpu" and d == _next_pow2(d) and src_idx.shape[1] > 0:
+    if on_gpu() and d == _next_pow2(d) and src_idx.shape[1] > 0:
         return tuple(kv_compact_pallas(k_cache, v_cache, k_new, v_new, seq_lens, src_idx, count))
     return kv_compact_reference(k_cache, v_cache, k_new, v_new, seq_lens, src_idx, count)

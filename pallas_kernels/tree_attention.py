@@ -40,6 +40,7 @@ _TARGET_PROGRAMS = 528
 from pallas_kernels._compat import CompilerParams as _CompilerParams
 from pallas_kernels._compat import load as _load
 from pallas_kernels._compat import next_pow2 as _next_pow2
+from pallas_kernels._compat import on_gpu
 from pallas_kernels._compat import store as _store
 
 
@@ -325,7 +326,7 @@ def tree_attention_pallas(
 def kernel_supported(q, k_cache) -> bool:
     """Shapes the kernel is built and checked for; the reference covers the rest."""
     d = q.shape[-1]
-    return (jax.default_backend() == "gpu" and d in (64, 128)
+    return (on_gpu() and d in (64, 128)
             and q.shape[2] % k_cache.shape[2] == 0 and q.shape[1] <= 4096
             and k_cache.dtype == q.dtype)
 

@@ -148,6 +148,11 @@ def catch_up(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k, 
     return draft_k, draft_v, DraftSeed(tok, logp, hidden)
 
 
+def _pad_rows(x, n):
+    """x [B, R, ...] -> [B, n + R, ...]: n zero rows first."""
+    return jnp.pad(x, [(0, 0), (n, 0)] + [(0, 0)] * (x.ndim - 2))
+
+
 def draft_tree(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k, draft_v, lens,
                seed: DraftSeed) -> Candidates:
     """Draft steps 1..S-1 from the catch-up's seed; returns all K + (S-1)K^2 candidates.
@@ -166,26 +171,26 @@ def draft_tree(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k
     cand_parent = [jnp.full((b, kk), -1, jnp.int32)]
     front = jnp.broadcast_to(jnp.arange(kk, dtype=jnp.int32)[None], (b, kk))  # candidate ids
     m = (s - 1) * kk
-    kv_shape = (b, lcfg.num_kv_heads, m, lcfg.head_dim)
-    k_buf = jnp.zeros(kv_shape, seed.hidden.dtype)
-    v_buf = jnp.zeros(kv_shape, seed.hidden.dtype)
+    ks, vs = [], []                              # the buffer rows' K/V, [B, Hkv, K, D] per step
     anc = jnp.zeros((b, kk, m), bool)            # buffer rows that are ancestors of the frontier
     for i in range(1, s):
         lo, hi = (i - 1) * kk, i * kk
         x = head.fuse_input(params, draft_params, tok, feat)
         pos = jnp.broadcast_to(lens[:, None] + (i - 1), (b, kk)).astype(jnp.int32)
         q, k, v = head.qkv(cfg, draft_params, x, pos)
-        k_buf = k_buf.at[:, :, lo:hi].set(k)
-        v_buf = v_buf.at[:, :, lo:hi].set(v)
+        ks.append(k)
+        vs.append(v)
         self_rows = np.zeros((kk, m), bool)
         self_rows[np.arange(kk), lo + np.arange(kk)] = True
         anc = anc | self_rows[None]
         # tree_attention takes a square [n, n] mask: the queries sit at their buffer rows 0..hi-1,
         # earlier rows get zero queries whose outputs are dropped (at most (S-2)K wasted rows).
-        q_sq = jnp.zeros((b, hi) + q.shape[2:], q.dtype).at[:, lo:hi].set(q)
-        mask = jnp.zeros((b, hi, hi), bool).at[:, lo:hi].set(anc[:, :, :hi])
-        o = head.attend(cfg, q_sq, draft_k, draft_v, lens, k_buf[:, :, :hi], v_buf[:, :, :hi],
-                        mask)[:, lo:hi]
+        # (Padding, not zeros().at[].set: jax 0.11's Shardy partitioner crashes on an update
+        # that covers its whole operand inside a shard_map, as step 1's does.)
+        q_sq = _pad_rows(q, lo)
+        mask = _pad_rows(anc[:, :, :hi], lo)
+        o = head.attend(cfg, q_sq, draft_k, draft_v, lens, jnp.concatenate(ks, axis=2),
+                        jnp.concatenate(vs, axis=2), mask)[:, lo:hi]
         hid = head.finish_layer(cfg, draft_params, x, o)                    # [B, K, H]
         ctok, clogp = _children(params, draft_params, hid, spec)            # [B, K, K]
         cum = score[:, :, None] + clogp
