@@ -126,6 +126,9 @@ def check_dp_engine(n, kind):
     list(eng.drain())
     assert eng.backend.jit_calls == 0
     assert all("data" in tuple(x.sharding.spec) for x in jax.tree_util.tree_leaves(eng.state))
+    # the weights sit on every device already (else each call copies them there)
+    assert all(x.sharding.device_set == set(jax.devices()[:n]) and x.sharding.is_fully_replicated
+               for x in jax.tree_util.tree_leaves(eng.backend.weights))
     ref = spec_reference() if kind == "spec" else plain_reference()
     check(f"dp{n}-engine-{kind}", [eng.pop_finished(i).output for i in ids], ref)
     check(f"dp{n}-engine-{kind}-sampled", [eng.pop_finished(got).output],

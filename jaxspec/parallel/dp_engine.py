@@ -107,6 +107,12 @@ def data_parallel_backend(backend, devices: Sequence[jax.Device]):
     spec = _state_specs(backend)
     n_w = len(backend.weights)
     sh = _Sharded(mesh, spec, n_w, backend.slots // n)
+    # The weights live on every device once: left on one (or uncommitted), each call would copy
+    # them to the others (for SmolLM2, 270 MB per call).
+    rep = NamedSharding(mesh, P())
+    for name in ("params", "draft_params", "key"):
+        if getattr(backend, name, None) is not None:
+            setattr(backend, name, jax.device_put(getattr(backend, name), rep))
     backend.init_state = lambda: jax.device_put(
         init(), jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec))
     backend._cycles = {f: sh.cycle(j) for f, j in backend._cycles.items()}
