@@ -41,7 +41,8 @@ class LLM:
     data_parallel: replicas over local devices, max_batch slots each. data_parallel_impl:
     "pmap" (`parallel.data_parallel`: groups of requests decoded in lockstep per replica, with
     jax.pmap) or "engine" (`parallel.dp_engine`: one continuous-batching engine over every
-    replica's slots, so stream, abort and retract work as on one device).
+    replica's slots, so stream, abort and retract work as on one device; on two H200s it
+    scaled 1.87-1.96x against pmap's 1.26-1.92x, bench/RESULTS.md, 2026-11-24 ninth set).
     admit_interval: the engine admits newcomers every this many cycles while others run
     (`Engine(admit_interval=)`; 1, the default, admits at once).
     cycles_per_call: speculative cycles per device call (`SpecBackend(cycles_per_call=)`, the
