@@ -170,7 +170,7 @@ def run(a):
         from jaxspec.train.cli import initial_head
         draft, records = train(
             params, cfg, batches, tc, work, eval_batch=eval_batch, progress=False,
-            draft=initial_head(a.init_head, cfg, arch) if tag == "main" else None,
+            draft=initial_head(a.init_head, cfg, arch, a.mlp_width) if tag == "main" else None,
             objective=objective,
             on_log=lambda r: r["step"] % (a.log_every * 25) == 0 and log(
                 f"[{tag}] step {r['step']} loss {r['loss']:.4f} acc {r['acc']:.3f} eval_acc "
@@ -292,6 +292,8 @@ def main(argv=None):
                    help="also measure the shipped EAGLE-1 head's tau on the same questions")
     r.add_argument("--init-head", default=None,
                    help="eagle1: fine-tune this head file ('shipped': the default head)")
+    r.add_argument("--mlp-width", type=int, default=None,
+                   help="EAGLE-1 head's MLP width (with --init-head: that head widened)")
     r.add_argument("--ttt-steps", type=int, default=None,
                    help="training-time-test passes (default 1 for eagle1, 7 for eagle3)")
     r.add_argument("--compare-seconds", type=float, default=0,

@@ -290,3 +290,42 @@ def test_load_draft_reads_our_own_head_file(tmp_path):
     got = load_draft(path, CFG)
     for a, b in zip(jax.tree_util.tree_leaves(head), jax.tree_util.tree_leaves(got)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_widened_head_computes_the_same_and_round_trips(tmp_path):
+    """eagle.widen_mlp keeps the head's function (new w_down rows are zero); its file records the
+    width, loads back exactly, and a width the tensors do not have is named."""
+    from safetensors.numpy import load_file, save_file
+
+    from jaxspec.loading.eagle_ckpt import HEAD_META_KEY, load_head, read_head_meta, save_head
+
+    p = llama.init_random_params(CFG, jax.random.PRNGKey(0), jnp.float32)
+    head = eagle.init_eagle_params(CFG, jax.random.PRNGKey(3))
+    wide = eagle.widen_mlp(head, 3 * F, jax.random.PRNGKey(4))
+    assert eagle.mlp_width(wide) == 3 * F and eagle.mlp_width(head) == F
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 67, (2, 5)), jnp.int32)
+    feats = jnp.asarray(rnd(rng, 2, 5, H))
+    pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    cache = jnp.zeros((1, 2, 2, 8, 8), jnp.float32)
+    mask = jnp.asarray(np.tril(np.ones((5, 5), bool)))[None].repeat(2, 0)
+    run = lambda d: eagle.forward(p, d, CFG, tokens, feats, pos, cache, cache,
+                                  jnp.zeros(2, jnp.int32), mask)[0]
+    np.testing.assert_allclose(np.asarray(run(wide)), np.asarray(run(head)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="narrow"):
+        eagle.widen_mlp(wide, F, jax.random.PRNGKey(5))
+
+    path = save_head(tmp_path / "wide.safetensors", wide, {"steps": 1})
+    assert read_head_meta(path) == {"steps": 1, "mlp_width": 3 * F}
+    got = load_head(path, CFG)
+    for a, b in zip(jax.tree_util.tree_leaves(wide), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # metadata claiming the target's width: the MLP tensors are named as wrong
+    bad = tmp_path / "bad.safetensors"
+    save_file(load_file(str(path)), str(bad), metadata={HEAD_META_KEY: json.dumps({})})
+    with pytest.raises(WeightsError, match="w_gate_up"):
+        load_head(bad, CFG)
+    for meta, match in (("{not json", "not JSON"), ('{"mlp_width": -3}', "positive integer")):
+        save_file(load_file(str(path)), str(bad), metadata={HEAD_META_KEY: meta})
+        with pytest.raises(WeightsError, match=match):
+            load_head(bad, CFG)

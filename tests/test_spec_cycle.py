@@ -90,6 +90,22 @@ def test_greedy_spec_equals_plain_greedy(shape, which):
     assert runner._cycle._cache_size() == 1   # random and agreeing share it: same shapes
 
 
+def test_a_wider_head_is_exact_and_drafts_as_before():
+    """A head whose MLP is wider than the target's (eagle.widen_mlp, --mlp-width): the cycle
+    takes its width from the params, stays exact, and accepts as the head it came from."""
+    params, head = agreeing_pair()
+    wide = eagle.widen_mlp(head, 3 * CFG.intermediate_size, jax.random.PRNGKey(7))
+    spec = SpecConfig(3, 1, 4)
+    out = {}
+    for name, h in (("head", head), ("wide", wide)):
+        runner = SpecRunner(CFG, params, h, spec, max_slots=4, max_len=MAX_LEN)
+        out[name] = runner.generate(PROMPTS, [NEW] * 3, eos_ids=())
+    for r, ref in zip(out["wide"], reference_outputs("agreeing")):
+        assert r.token_ids == ref
+    np.testing.assert_allclose(np.mean([a for r in out["wide"] for a in r.accept_lens]),
+                               np.mean([a for r in out["head"] for a in r.accept_lens]), rtol=0.05)
+
+
 def test_eos_and_max_tokens_inside_an_accepted_chain():
     params, head = agreeing_pair()
     ref = reference_outputs("agreeing")[0]

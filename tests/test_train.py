@@ -200,6 +200,23 @@ def test_training_continues_from_a_head_file(tmp_path):
     with pytest.raises(ValueError, match="EAGLE-1"):
         initial_head(str(path), CFG, "eagle3")
 
+    # --mlp-width: the trained head widened starts at the trained head's loss (same function),
+    # and training the wider head lowers it further; a random head of that width is far behind
+    wide = initial_head(str(path), CFG, mlp_width=96)
+    assert eagle.mlp_width(wide) == 96
+    tk = jnp.asarray(toks[:8])
+    loss = lambda d: eagle1_loss(d, target(), CFG, tk, target_features(target(), CFG, tk),
+                                 jnp.asarray(mask[:8]), jax.random.PRNGKey(0))[0]
+    before = loss(wide)                       # (train donates the head it starts from)
+    np.testing.assert_allclose(before, loss(initial_head(str(path), CFG)), rtol=1e-5)
+    tc = TrainConfig(steps=20, batch_size=8, lr=3e-3, warmup_steps=1, log_every=5, ckpt_every=50)
+    wide_tuned, _ = train(target(), CFG, Batches(toks, mask, 8, seed=0), tc, tmp_path / "c",
+                          draft=wide, progress=False)
+    assert loss(wide_tuned) < before
+    assert eagle.mlp_width(initial_head(None, CFG, mlp_width=96)) == 96
+    with pytest.raises(ValueError, match="mlp-width"):
+        initial_head(None, CFG, mlp_width=0)
+
 
 def test_resume_mid_run_equals_uninterrupted(tmp_path):
     full, _ = _run(tmp_path / "a", 20)

@@ -51,9 +51,10 @@ DEFAULT_TARGET_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size
 
 
 # -- our own head files ------------------------------------------------------------------------
-def eagle1_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
-    """Flat key -> shape of an EAGLE-1 head for target `cfg` (eagle.init_eagle_params' layout)."""
-    h, f = cfg.hidden_size, cfg.intermediate_size
+def eagle1_shapes(cfg: ModelConfig, mlp_width: Optional[int] = None) -> Dict[str, Tuple[int, ...]]:
+    """Flat key -> shape of an EAGLE-1 head for target `cfg` (eagle.init_eagle_params' layout);
+    mlp_width: the head's MLP intermediate size (default the target's)."""
+    h, f = cfg.hidden_size, mlp_width or cfg.intermediate_size
     qkv = cfg.q_size + 2 * cfg.kv_size
     shapes = {"fc": (2 * h, h), "fc_bias": (h,), "layers.attn_norm": (1, h),
               "layers.wqkv": (1, h, qkv), "layers.wo": (1, cfg.q_size, h),
@@ -88,7 +89,8 @@ def save_head(path, draft_params, meta: Optional[dict] = None) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     flat = {k: np.ascontiguousarray(v) for k, v in flatten_head(draft_params).items()}
-    save_file(flat, str(path), metadata={HEAD_META_KEY: json.dumps(meta or {})})
+    meta = {**(meta or {}), "mlp_width": int(flat["layers.w_down"].shape[1])}
+    save_file(flat, str(path), metadata={HEAD_META_KEY: json.dumps(meta)})
     return path
 
 
@@ -96,7 +98,14 @@ def read_head_meta(path) -> dict:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="numpy") as f:
-        return json.loads((f.metadata() or {}).get(HEAD_META_KEY, "{}"))
+        text = (f.metadata() or {}).get(HEAD_META_KEY, "{}")
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise WeightsError(f"{path}: its {HEAD_META_KEY} metadata is not JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise WeightsError(f"{path}: its {HEAD_META_KEY} metadata is not a JSON object")
+    return meta
 
 
 def load_head(path, cfg: ModelConfig, dtype=None):
@@ -111,11 +120,20 @@ def load_head(path, cfg: ModelConfig, dtype=None):
     if not path.is_file():
         raise FileNotFoundError(f"draft head file {str(path)!r} does not exist")
     flat = load_file(str(path))
-    check_shapes(flat, eagle1_shapes(cfg), str(path))
+    check_shapes(flat, eagle1_shapes(cfg, _mlp_width(read_head_meta(path), cfg, path)), str(path))
     params = unflatten_head(flat)
     cast = (lambda a: jnp.asarray(a, dtype)) if dtype is not None else jnp.asarray
     import jax
     return jax.tree_util.tree_map(cast, params)
+
+
+def _mlp_width(meta: Mapping, cfg: ModelConfig, path) -> int:
+    """The head's MLP width from its metadata (heads saved before it was recorded: the
+    target's)."""
+    f = meta.get("mlp_width", cfg.intermediate_size)
+    if not isinstance(f, int) or isinstance(f, bool) or f <= 0:
+        raise WeightsError(f"{path}: metadata mlp_width must be a positive integer, got {f!r}")
+    return f
 
 
 def matches_default_target(cfg: ModelConfig) -> bool:

@@ -26,9 +26,11 @@ from jaxspec.models import llama
 from pallas_kernels.tree_attention import tree_attention
 
 
-def init_eagle_params(cfg: ModelConfig, key, dtype=jnp.float32, scale=0.02):
-    """Random EAGLE-1 head for `cfg` (the target's config): tests and shape benchmarks."""
-    h, f = cfg.hidden_size, cfg.intermediate_size
+def init_eagle_params(cfg: ModelConfig, key, dtype=jnp.float32, scale=0.02,
+                      intermediate_size=None):
+    """Random EAGLE-1 head for `cfg` (the target's config): tests and shape benchmarks.
+    intermediate_size: the head's MLP width (default the target's)."""
+    h, f = cfg.hidden_size, intermediate_size or cfg.intermediate_size
     qkv = cfg.q_size + 2 * cfg.kv_size
     ks = iter(jax.random.split(key, 8))
 
@@ -43,6 +45,32 @@ def init_eagle_params(cfg: ModelConfig, key, dtype=jnp.float32, scale=0.02):
     if cfg.attention_bias:
         layers["bqkv"] = rnd((1, qkv))
     return {"fc": rnd((2 * h, h)), "fc_bias": rnd((h,)), "layers": layers}
+
+
+def mlp_width(draft_params) -> int:
+    """The head's MLP intermediate size (w_down [1, F, H])."""
+    return int(draft_params["layers"]["w_down"].shape[1])
+
+
+def widen_mlp(draft_params, width: int, key, scale=0.02):
+    """The same head with its MLP widened to `width`, computing exactly the same function: the
+    new gate/up columns are random, the new w_down rows zero, so their products add nothing
+    until training moves them (a larger head that starts where a trained one left off)."""
+    lp = draft_params["layers"]
+    f = mlp_width(draft_params)
+    if width < f:
+        raise ValueError(f"cannot narrow the head's MLP from {f} to {width}")
+    if width == f:
+        return draft_params
+    gate, up = jnp.split(lp["w_gate_up"], 2, axis=-1)                     # [1, H, F] each
+    kg, ku = jax.random.split(key)
+    extra = lambda k: (scale * jax.random.normal(k, gate.shape[:-1] + (width - f,),
+                                                 jnp.float32)).astype(gate.dtype)
+    down = lp["w_down"]
+    return {**draft_params, "layers": {
+        **lp, "w_gate_up": jnp.concatenate([gate, extra(kg), up, extra(ku)], axis=-1),
+        "w_down": jnp.concatenate([down, jnp.zeros((1, width - f) + down.shape[2:], down.dtype)],
+                                  axis=1)}}
 
 
 def layer_params(draft_params):

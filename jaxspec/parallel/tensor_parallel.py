@@ -187,6 +187,9 @@ def shard_draft_params(draft_params, cfg: ModelConfig, mesh: Mesh, axis: str = A
     """EAGLE-1 draft params: its decoder layer as the target's; fc and fc_bias replicated."""
     m = mesh.shape[axis]
     check_shardable(cfg, m)
+    f = int(draft_params["layers"]["w_down"].shape[1])
+    if f % m:
+        raise ConfigError(f"the draft head's MLP width {f} does not split over {m} devices")
     blocked = dict(draft_params, layers=_map_layers(draft_params["layers"],
                                                     lambda lp: _blocked_layer(lp, cfg, m)))
     specs = {k: P() for k in blocked if k != "layers"}

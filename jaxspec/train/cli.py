@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-head", default=None,
                    help="EAGLE-1: start from this head file ('shipped' = the default model's "
                         "head) instead of a random head, e.g. to fine-tune it with --ttt-steps")
+    p.add_argument("--mlp-width", type=int, default=None,
+                   help="EAGLE-1: the head's MLP intermediate size (default the target's); with "
+                        "--init-head, that head widened without changing what it computes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, help="target dtype (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -107,16 +110,26 @@ def eagle3_setup(params, cfg, tokens, mask, draft_vocab: int, aux_layers=None, s
     return Eagle3Objective(head), ids
 
 
-def initial_head(spec: Optional[str], cfg, arch: str = "eagle1"):
-    """--init-head: None -> None (a random head); 'shipped' or a head file -> fp32 params."""
+def initial_head(spec: Optional[str], cfg, arch: str = "eagle1", mlp_width: Optional[int] = None,
+                 seed: int = 0):
+    """--init-head: None -> None (a random head), or with mlp_width a random head of that MLP
+    width; 'shipped' or a head file -> fp32 params, its MLP widened to mlp_width if given
+    (`eagle.widen_mlp`: the same function, more capacity to train)."""
+    if mlp_width is not None and (arch != "eagle1" or mlp_width <= 0):
+        raise ValueError(f"--mlp-width takes a positive width for an EAGLE-1 head, got "
+                         f"{mlp_width} ({arch})")
     if spec is None:
-        return None
+        if mlp_width is None:
+            return None
+        from jaxspec.train.loop import init_head
+        return init_head(cfg, jax.random.PRNGKey(seed + 1), mlp_width=mlp_width)
     if arch != "eagle1":
         raise ValueError("--init-head takes an EAGLE-1 head; EAGLE-3 heads start random")
     from jaxspec.loading.eagle_ckpt import load_default_head, load_head
-    if spec == "shipped":
-        return load_default_head(cfg, jnp.float32)
-    return load_head(spec, cfg, jnp.float32)
+    from jaxspec.models.eagle import widen_mlp
+    head = (load_default_head(cfg, jnp.float32) if spec == "shipped"
+            else load_head(spec, cfg, jnp.float32))
+    return head if mlp_width is None else widen_mlp(head, mlp_width, jax.random.PRNGKey(seed + 2))
 
 
 def parse_layers(s: Optional[str]):
@@ -160,7 +173,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      log_every=args.log_every, ckpt_every=args.ckpt_every,
                      max_seconds=args.max_seconds, ttt_steps=ttt)
     draft, records = train(params, cfg, batches, tc, out, eval_batch=eval_batch,
-                           draft=initial_head(args.init_head, cfg, args.arch),
+                           draft=initial_head(args.init_head, cfg, args.arch, args.mlp_width,
+                                              args.seed),
                            progress=not args.no_progress, objective=objective)
     last = records[-1] if records else {}
     meta = {"target": {k: getattr(cfg, k) for k in ("arch", "hidden_size", "num_layers",

@@ -49,11 +49,11 @@ class TrainConfig:
     ttt_decay: float = 0.8
 
 
-def init_head(cfg: ModelConfig, key, scale: float = 0.02):
+def init_head(cfg: ModelConfig, key, scale: float = 0.02, mlp_width=None):
     """Random fp32 EAGLE-1 head whose fc starts as the identity on the feature half (the first
     prediction of f_{t+1} is f_t plus the layer's residual updates), which converges faster
-    than a fully random fc."""
-    p = eagle.init_eagle_params(cfg, key, jnp.float32, scale)
+    than a fully random fc. mlp_width: its MLP's intermediate size (default the target's)."""
+    p = eagle.init_eagle_params(cfg, key, jnp.float32, scale, intermediate_size=mlp_width)
     h = cfg.hidden_size
     fc = p["fc"].at[h:].set(jnp.eye(h, dtype=jnp.float32))
     return {**p, "fc": fc, "fc_bias": jnp.zeros((h,), jnp.float32),
