@@ -4,6 +4,10 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
+#   bash bench/gpu_plan.sh parallel    # issue 9 (nvidia-h200-x2): data parallel, engine and pmap,
+#                                      #   then the engine at 8 cycles per call, then tensor parallel
+#   bash bench/gpu_plan.sh wide        # issue 7: batch 1 end to end, the 2x-MLP head (carry
+#                                      #   .gpu/run7/head.safetensors) against the shipped one
 #   bash bench/gpu_plan.sh steady_big  # issue 8: 512 requests at batch 16 and 64, MT-bench and
 #                                      #   held-out ShareGPT (carry .gpu/sharegpt_heldout.jsonl),
 #                                      #   after the admission fix of commit b499da5
@@ -31,7 +35,6 @@
 #   bash bench/gpu_plan.sh eagle3      # issue 7: train an EAGLE-3 head, tau vs the shipped EAGLE-1
 #                                      #   (carry .gpu/train/ and .gpu/run2/examples_sd.npz, the
 #                                      #   self-distilled answers of an earlier call, if present)
-#   bash bench/gpu_plan.sh parallel    # issue 9: needs the nvidia-h200-x2 kind
 # Every part writes its logs and JSON under $OUT (or ./gpu_out) and prints a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -112,7 +115,16 @@ case "${1:-}" in
     run eagle3 580 python3 -m bench.train_gpu run --gguf "$GGUF" --out "$OUT/e3" --arch eagle3 --mode sd $DATA --draft-vocab 16384 --ttt-steps 5 --batch-size 32 --lr 6e-4 --vs-shipped
     ;;
   parallel)
-    run parallel 560 python3 bench/bench_parallel.py
+    # (bench/dp_compile_probe.py names the program if a two-device compile crashes again)
+    run parallel_dp 300 python3 bench/bench_parallel.py --part dp --dp-impl engine,pmap --reps 3
+    run parallel_dp8 150 python3 bench/bench_parallel.py --part dp --dp-impl engine \
+      --dp-modes chain --cycles-per-call 8 --reps 3
+    run parallel_tp 280 python3 bench/bench_parallel.py --part tp --reps 3
+    ;;
+  wide)
+    S="$BENCH --no-peers --batch-sizes 1 --spec chain,6x8x40 --num-prompts 80 --max-tokens 128"
+    run wide_shipped 280 $S --json "$OUT/wide_shipped.json"
+    run wide_2x 280 $S --draft .gpu/run7/head.safetensors --json "$OUT/wide_2x.json"
     ;;
   *) sed -n "2,/^# Every part/p" "$0"; exit 2 ;;
 esac
