@@ -4,8 +4,9 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
-#   bash bench/gpu_plan.sh parallel    # issue 9 (nvidia-h200-x2): data parallel, engine and pmap,
-#                                      #   then the engine at 8 cycles per call, then tensor parallel
+#   bash bench/gpu_plan.sh parallel    # issue 9 (nvidia-h200-x2): data parallel, engine and pmap
+#   bash bench/gpu_plan.sh parallel_more  # issue 9 (nvidia-h200-x2): the engine at 8 cycles per
+#                                      #   call, then tensor parallel
 #   bash bench/gpu_plan.sh wide        # issue 7: batch 1 end to end, the 2x-MLP head (carry
 #                                      #   .gpu/run7/head.safetensors) against the shipped one
 #   bash bench/gpu_plan.sh steady_big  # issue 8: 512 requests at batch 16 and 64, MT-bench and
@@ -116,10 +117,12 @@ case "${1:-}" in
     ;;
   parallel)
     # (bench/dp_compile_probe.py names the program if a two-device compile crashes again)
-    run parallel_dp 300 python3 bench/bench_parallel.py --part dp --dp-impl engine,pmap --reps 3
-    run parallel_dp8 150 python3 bench/bench_parallel.py --part dp --dp-impl engine \
+    run parallel_dp 560 python3 bench/bench_parallel.py --part dp --dp-impl engine,pmap --reps 3
+    ;;
+  parallel_more)
+    run parallel_dp8 200 python3 bench/bench_parallel.py --part dp --dp-impl engine \
       --dp-modes chain --cycles-per-call 8 --reps 3
-    run parallel_tp 280 python3 bench/bench_parallel.py --part tp --reps 3
+    run parallel_tp 360 python3 bench/bench_parallel.py --part tp --reps 3
     ;;
   wide)
     S="$BENCH --no-peers --batch-sizes 1 --spec chain,6x8x40 --num-prompts 80 --max-tokens 128"
