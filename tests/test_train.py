@@ -240,7 +240,7 @@ def test_head_file_round_trip(tmp_path, dtype):
     for a, b in zip(jax.tree_util.tree_leaves(head), jax.tree_util.tree_leaves(back)):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    assert read_head_meta(path) == {"steps": 3}
+    assert read_head_meta(path) == {"steps": 3, "mlp_width": CFG.intermediate_size}
 
 
 def test_head_file_wrong_shape_names_tensor(tmp_path):
