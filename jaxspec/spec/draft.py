@@ -162,7 +162,6 @@ def draft_tree(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k
     mask of self + ancestors; nothing is written to the draft cache.
     """
     head = head_module(draft_params)
-    lcfg = layer_config(cfg, draft_params)
     s, kk = spec.num_steps, spec.topk
     b, h = seed.hidden.shape
     tok, score = seed.tokens, seed.logp                                     # [B, K]
