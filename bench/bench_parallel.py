@@ -108,16 +108,21 @@ def dp_end_to_end(cfg, p, d, args, replicas, preset):
     return rows
 
 
-def _engine(cfg, p, d, preset, slots, max_len, chunk, cycles_per_call, devices=None):
-    from jaxspec.engine import Engine, PlainBackend, SpecBackend
-    from jaxspec.parallel.dp_engine import data_parallel_backend
+def engine_backend(cfg, p, d, preset, slots, max_len, cycles_per_call):
+    """The engine backend of the engine rows: plain at 16 steps per call, or the spec preset at
+    cycles_per_call cycles, with rows for max_len plus what its calls may add."""
+    from jaxspec.engine import PlainBackend, SpecBackend
     if preset == "plain":
-        be = PlainBackend(cfg, p, slots, max_len + 32, n_steps=16)
-    else:
-        from jaxspec.spec.config import resolve_spec
-        k = cycles_per_call
-        be = SpecBackend(cfg, p, d, preset, slots, max_len + 2 * k * resolve_spec(preset).max_emit,
-                         cycles_per_call=k)
+        return PlainBackend(cfg, p, slots, max_len + 32, n_steps=16)
+    k = cycles_per_call
+    return SpecBackend(cfg, p, d, preset, slots, max_len + 2 * k * resolve_spec(preset).max_emit,
+                       cycles_per_call=k)
+
+
+def _engine(cfg, p, d, preset, slots, max_len, chunk, cycles_per_call, devices=None):
+    from jaxspec.engine import Engine
+    from jaxspec.parallel.dp_engine import data_parallel_backend
+    be = engine_backend(cfg, p, d, preset, slots, max_len, cycles_per_call)
     if devices:
         data_parallel_backend(be, devices)
     # every prompt has the same length: widths up to it, and greedy programs only, compile

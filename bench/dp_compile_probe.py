@@ -22,12 +22,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_parallel import TINY, random_pair  # noqa: E402
+from bench.bench_parallel import TINY, engine_backend, random_pair  # noqa: E402
 from bench.common import SMOLLM2_135M  # noqa: E402
-from jaxspec.engine import Engine, PlainBackend, SpecBackend  # noqa: E402
+from jaxspec.engine import Engine  # noqa: E402
 from jaxspec.parallel.dp_engine import data_parallel_backend  # noqa: E402
 from jaxspec.sampling import LEAN  # noqa: E402
-from jaxspec.spec.config import resolve_spec  # noqa: E402
 
 
 def programs(eng):
@@ -61,12 +60,7 @@ def main(argv=None):
     dtype = jax.numpy.bfloat16 if jax.default_backend() == "gpu" else jax.numpy.float32
     p, d = random_pair(cfg, dtype)
     slots, max_len = args.slots * len(devices), 320
-    if args.mode == "plain":
-        be = PlainBackend(cfg, p, slots, max_len + 32, n_steps=16)
-    else:
-        k = args.cycles_per_call
-        be = SpecBackend(cfg, p, d, args.mode, slots,
-                         max_len + 2 * k * resolve_spec(args.mode).max_emit, cycles_per_call=k)
+    be = engine_backend(cfg, p, d, args.mode, slots, max_len, args.cycles_per_call)
     data_parallel_backend(be, devices)
     eng = Engine(be, max_model_len=max_len, vocab_size=cfg.vocab_size, chunk=128)
     progs = programs(eng)

@@ -89,6 +89,7 @@ def save_head(path, draft_params, meta: Optional[dict] = None) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     flat = {k: np.ascontiguousarray(v) for k, v in flatten_head(draft_params).items()}
+    # the width from w_gate_up, so that a w_down of another width is the tensor load_head names
     meta = {**(meta or {}), "mlp_width": int(flat["layers.w_gate_up"].shape[-1]) // 2}
     save_file(flat, str(path), metadata={HEAD_META_KEY: json.dumps(meta)})
     return path

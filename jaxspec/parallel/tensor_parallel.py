@@ -187,7 +187,8 @@ def shard_draft_params(draft_params, cfg: ModelConfig, mesh: Mesh, axis: str = A
     """EAGLE-1 draft params: its decoder layer as the target's; fc and fc_bias replicated."""
     m = mesh.shape[axis]
     check_shardable(cfg, m)
-    f = int(draft_params["layers"]["w_down"].shape[1])
+    from jaxspec.models.eagle import mlp_width
+    f = mlp_width(draft_params)
     if f % m:
         raise ConfigError(f"the draft head's MLP width {f} does not split over {m} devices")
     blocked = dict(draft_params, layers=_map_layers(draft_params["layers"],
