@@ -244,10 +244,23 @@ def ref_fits(b, n, length):
     return need < 24e9
 
 
-def sweep(quick):
+# The split grid: (B, N, L) -> num_splits tried (the default's is added). Short prefixes at
+# batch 1 are what the 8B decode step and cycle run (L ~ 1K), long ones the issue's table.
+SPLIT_GRID = {(1, 1, 1024): (4, 8, 16, 32), (1, 1, 8192): (16, 32, 64, 128),
+              (1, 1, 32768): (33, 66, 132), (8, 1, 8192): (8, 16, 32, 64),
+              (64, 1, 1024): (1, 2, 4), (1, 16, 8192): (8, 16, 32, 64),
+              (8, 16, 8192): (4, 8, 16), (1, 64, 1024): (2, 4, 8, 16),
+              (64, 16, 1024): (1, 2)}
+
+
+def sweep(quick, grid: str = "blocks"):
+    """`blocks`: block sizes, warps and stages around the default on four shapes; `splits`:
+    num_splits x block_k (64, 128) x warps (4, 2) on SPLIT_GRID's shapes."""
     shapes = [(1, 1, 8192), (8, 16, 8192), (64, 1, 8192), (8, 64, 8192)]
     configs = [dict(), dict(block_k=32), dict(block_k=128), dict(num_stages=2),
                dict(num_stages=4), dict(num_warps=8), dict(num_warps=2)]
+    if grid == "splits":
+        shapes = list(SPLIT_GRID)
     if quick:
         shapes, configs = shapes[:1], configs[:2]
     if SMOKE:
@@ -256,18 +269,24 @@ def sweep(quick):
     for b, n, length in shapes:
         key, k = jax.random.split(key)
         base = ta.default_config(b, n, HQ, HKV, D, length)
-        extra = [dict(num_splits=max(1, base[2] // 2)), dict(num_splits=base[2] * 2)]
-        if n > 1:
-            extra += [dict(block_r=32), dict(block_r=128, num_warps=8)]
-        fns = {json.dumps(c): kernel_fn(**c) for c in configs + extra}
+        if grid == "splits":
+            splits = sorted(set(SPLIT_GRID.get((b, n, length), (2, 4))) | {base[2]})
+            cfgs = [dict(num_splits=sp, block_k=bk, num_warps=w) for sp in splits
+                    for bk in (64, 128) for w in ((4, 2) if b == n == 1 else (base[3],))
+                    if sp * bk * (1 if SMOKE else 2) <= length]
+        else:
+            cfgs = configs + [dict(num_splits=max(1, base[2] // 2)),
+                              dict(num_splits=base[2] * 2)]
+            if n > 1:
+                cfgs += [dict(block_r=32), dict(block_r=128, num_warps=8)]
+        fns = {json.dumps(c): kernel_fn(**c) for c in cfgs}
+        fns["{}"] = kernel_fn()
         fns["again"] = kernel_fn()  # the default a second time: the run-to-run spread
         row = bench_attention(b, n, length, fns, k)
         row["default"] = base
+        row["grid"] = grid
         RESULTS["sweep"].append(row)
-        best = min(((v, k) for k, v in row.items() if k.endswith("_us") and v),
-                   default=None)
-        print("sweep", b, n, length, "default", base, {k: round(v, 1) for k, v in row.items()
-              if k.endswith("_us") and v}, "best", best, flush=True)
+        print_sweep_row(row)
         save()
 
 
@@ -341,6 +360,13 @@ def bench_compact():
         save()
 
 
+def print_sweep_row(r):
+    times = sorted((v, k[:-3]) for k, v in r.items() if k.endswith("_us") and v)
+    print(f"sweep B={r['b']} N={r['n']} L={r['L']}: default {r['default']} "
+          f"{r.get('{}_us') or float('nan'):.1f} us (again {r.get('again_us') or float('nan'):.1f});"
+          " best " + ", ".join(f"{k} {v:.1f}" for v, k in times[:3]), flush=True)
+
+
 def print_tables():
     copy_bw = RESULTS["copy"].get("torch_TBs") or RESULTS["copy"].get("jax_TBs")
     print(f"\ndevice: {RESULTS['device']}  jax {jax.__version__}  copy (read+write): "
@@ -357,6 +383,8 @@ def print_tables():
               f"{100 * (kt or float('nan')) / copy_bw:>5.0f} | "
               f"{x or float('nan'):>8.1f} {r.get('xla_ref_TBs') or float('nan'):>5.2f} "
               f"{(x / k) if (x and k) else float('nan'):>5.2f} | {xb or float('nan'):>8.1f}")
+    for r in RESULTS["sweep"]:
+        print_sweep_row(r)
     print(f"{'L':>3} {'B':>3} {'N':>4} {'M':>4} | {'kern us':>8} {'ref us':>8}")
     for r in RESULTS["compact"]:
         print(f"{r['nl']:>3} {r['b']:>3} {r['n']:>4} {r['m']:>4} | "
@@ -369,6 +397,7 @@ def main():
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--skip", default="", help="comma list of: check,sweep,table,compact")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    p.add_argument("--sweep-grid", choices=("blocks", "splits"), default="blocks")
     a = p.parse_args()
     global SMOKE, HQ, HKV, D
     if a.smoke:
@@ -382,7 +411,7 @@ def main():
     RESULTS["copy"]["jax_TBs"] = jax_copy_bandwidth() / 1e12
     print("copy", RESULTS["copy"], RESULTS["device"], flush=True)
     for name, f in (("check", checks), ("table", lambda: table(a.quick)),
-                    ("sweep", lambda: sweep(a.quick)), ("compact", bench_compact)):
+                    ("sweep", lambda: sweep(a.quick, a.sweep_grid)), ("compact", bench_compact)):
         if name in skip or (name == "sweep" and a.no_sweep):
             continue
         s = time.time()

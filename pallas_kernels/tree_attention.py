@@ -89,9 +89,9 @@ def _flash_step(q, k, v, valid, carry, scale_log2):
     return o_next, m_next, l_next
 
 
-def _store_rows(out_ref, o, b, h, r, live, group):
-    """Store rows r = n * G + g of KV head h to out[b, n, h * G + g, :] (final layout)."""
-    col = jnp.arange(o.shape[-1])[None, :]
+def _store_rows(out_ref, o, b, h, r, live, group, col0=0):
+    """Store rows r = n * G + g of KV head h to out[b, n, h * G + g, col0:] (final layout)."""
+    col = col0 + jnp.arange(o.shape[-1])[None, :]
     n, g = r // group, r % group
     _store(out_ref.at[b, n[:, None], (h * group + g)[:, None], col], o.astype(out_ref.dtype),
            mask=live[:, None])
@@ -186,50 +186,52 @@ def _combine_kernel(
     group: int,
     block_r: int,
     block_s: int,
+    block_d: int,
 ):
     """Merge the splits' partial softmaxes (base-2 log-sum-exp) into the final layout.
 
-    The splits are read `block_s` at a time as one [block_s, block_r, D] gather, so the loads of
-    a chunk are in flight together: a loop of one dependent load per split was latency-bound
-    (about 0.4 us per split at batch 1).
+    One program per (slot * KV head, row block, head-dim block): at batch 1 a program per
+    (b, h) alone left 8 programs to do all the loads, a few us of latency per call. The splits
+    are read `block_s` at a time as one [block_s, block_r, block_d] gather, merged with a running
+    max in one pass, so with block_s >= num_splits every load of the program is in flight at once.
     """
-    bh, rb = pl.program_id(0), pl.program_id(1)
+    bh, rb, db = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = bh // num_kv_heads, bh % num_kv_heads
     num_splits, num_rows = m_ref.shape[1], m_ref.shape[2]
     r = rb * block_r + jnp.arange(block_r)
     row_live = r < num_rows
     rr = jnp.minimum(r, num_rows - 1)[None, :]
-    col = jnp.arange(o_ref.shape[-1])[None, None, :]
+    col = db * block_d + jnp.arange(block_d)[None, None, :]
 
-    def split_chunk(c):
+    def body(c, carry):
+        acc, den, m_run = carry
         s = c * block_s + jnp.arange(block_s)
         live = (s < num_splits)[:, None] & row_live[None, :]
-        return jnp.minimum(s, num_splits - 1)[:, None], live
-
-    def max_body(c, m_max):
-        s, live = split_chunk(c)
-        m = _load(m_ref.at[bh, s, rr], mask=live, other=MASK_VALUE)
-        return jnp.maximum(m_max, m.max(axis=0))
-
-    num_chunks = pl.cdiv(num_splits, block_s)
-    m_max = lax.fori_loop(0, num_chunks, max_body,
-                          jnp.full((block_r,), MASK_VALUE, jnp.float32))
-
-    def sum_body(c, carry):
-        acc, den = carry
-        s, live = split_chunk(c)
+        s = jnp.minimum(s, num_splits - 1)[:, None]
         m = _load(m_ref.at[bh, s, rr], mask=live, other=MASK_VALUE)
         l = _load(l_ref.at[bh, s, rr], mask=live, other=0.0)
         o = _load(o_ref.at[bh, s[:, :, None], rr[:, :, None], col], mask=live[:, :, None],
                   other=0.0)
-        w = jnp.where(live, jnp.exp2(m - m_max[None, :]), 0.0)
-        return acc + (w[:, :, None] * o).sum(axis=0), den + (w * l).sum(axis=0)
+        m_next = jnp.maximum(m_run, m.max(axis=0))
+        corr = jnp.exp2(m_run - m_next)
+        w = jnp.where(live, jnp.exp2(m - m_next[None, :]), 0.0)
+        return (corr[:, None] * acc + (w[:, :, None] * o).sum(axis=0),
+                corr * den + (w * l).sum(axis=0), m_next)
 
-    acc = jnp.zeros((block_r, o_ref.shape[-1]), jnp.float32)
-    den = jnp.zeros((block_r,), jnp.float32)
-    acc, den = lax.fori_loop(0, num_chunks, sum_body, (acc, den))
+    carry = (jnp.zeros((block_r, block_d), jnp.float32), jnp.zeros((block_r,), jnp.float32),
+             jnp.full((block_r,), MASK_VALUE, jnp.float32))
+    acc, den, _ = lax.fori_loop(0, pl.cdiv(num_splits, block_s), body, carry)
     den = jnp.where(row_live, den, 1.0)
-    _store_rows(out_ref, acc / den[:, None], b, h, r, row_live, group)
+    _store_rows(out_ref, acc / den[:, None], b, h, r, row_live, group, db * block_d)
+
+
+def combine_config(rows, head_dim, num_splits):
+    """(block_r, block_d, block_s) of the combine: a [block_s, block_r, block_d] f32 tile of at
+    most 8K elements (64 registers a thread at 4 warps), head dim cut in 32-wide blocks."""
+    block_r = min(_next_pow2(rows), 16)   # no dot here, so G rows at N == 1 are fine
+    block_d = min(32, head_dim)
+    block_s = max(1, min(_next_pow2(num_splits), 8192 // (block_r * block_d)))
+    return block_r, block_d, block_s
 
 
 def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_len):
@@ -308,14 +310,12 @@ def tree_attention_pallas(
     if num_splits == 1:
         return out
 
-    # No dot in the combine, so its row block need not be 16: G rows at N == 1.
-    combine_r = min(_next_pow2(rows), 16)
-    block_s = max(1, min(_next_pow2(num_splits), 8192 // (combine_r * d)))
+    combine_r, combine_d, block_s = combine_config(rows, d, num_splits)
     combine = functools.partial(_combine_kernel, num_kv_heads=hkv, group=g, block_r=combine_r,
-                                block_s=block_s)
+                                block_s=block_s, block_d=combine_d)
     return pl.pallas_call(
         combine,
-        grid=(b * hkv, pl.cdiv(rows, combine_r)),
+        grid=(b * hkv, pl.cdiv(rows, combine_r), d // combine_d),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,

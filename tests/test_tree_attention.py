@@ -82,3 +82,15 @@ def test_dispatch_uses_reference_off_gpu():
 def test_default_config_fills_gpu_at_batch_one():
     block_r, block_k, splits, _, _ = ta.default_config(1, 1, 32, 8, 128, 32768)
     assert block_r == 16 and 8 * splits >= 132
+
+
+def test_combine_merges_more_splits_than_one_chunk():
+    # 20 splits over 400 rows with a combine chunk of 16 splits: the running max is carried
+    # from one chunk of partials to the next.
+    b, n, hq, hkv, d, t = 2, 16, 8, 2, 64, 400
+    assert ta.combine_config(n * hq // hkv, d, 20)[2] < 20
+    q, kc, vc, sl, kn, vn, mask = _inputs(3, b, n, hq, hkv, d, t, 1, jnp.float32, [400, 170])
+    out = ta.tree_attention_pallas(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=0.125,
+                                   block_k=16, num_splits=20, interpret=True)
+    ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=0.125)
+    assert _rel_err(out, ref) < TOL[jnp.float32]
