@@ -29,6 +29,7 @@ from bench.common import LLAMA3_8B, copy_bandwidth, timed  # noqa: E402
 from jaxspec.config import ModelConfig  # noqa: E402
 from jaxspec.kv import KVCache  # noqa: E402
 from jaxspec.models import llama  # noqa: E402
+from jaxspec.sampling import FULL, LEAN  # noqa: E402
 from jaxspec.spec import SpecConfig, init_state, jit_cycle  # noqa: E402
 from jaxspec.spec import draft as draft_lib  # noqa: E402
 from pallas_kernels.kv_compact import kv_compact  # noqa: E402
@@ -107,8 +108,14 @@ def spec_state(cfg, spec, prefix, max_len, dtype, key):
                       seed=seed)
 
 
-def cycle_ms(cfg, params, head, spec, prefix, max_len, n, repeats):
-    cyc = jit_cycle(cfg, spec)
+# The cycle's compiled variants: what the engine runs for greedy batches (LEAN) and for batches
+# that sample, penalize or want logprobs (FULL), both without a conditional; `cond` tests device
+# flags under lax.cond instead (a host round trip per conditional on the GPU).
+VARIANTS = {"lean": LEAN, "full": FULL, "cond": None}
+
+
+def cycle_ms(cfg, params, head, spec, prefix, max_len, n, repeats, variant="lean"):
+    cyc = jit_cycle(cfg, spec, features=VARIANTS[variant])
     active = jnp.ones((1,), bool)
     st = spec_state(cfg, spec, prefix, max_len, params["embed"].dtype, jax.random.PRNGKey(3))
     reset = jax.jit(lambda s: s.replace(target=KVCache(s.target.k, s.target.v,
@@ -154,6 +161,9 @@ def main(argv=None):
     ap.add_argument("--cycles", type=int, default=None, help="dispatches per repeat")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--shapes", default=None, help="e.g. 1,1,2;3,1,4")
+    ap.add_argument("--variants", default="lean",
+                    help="comma list of cycle variants timed per shape: lean (the engine's "
+                         "greedy program, the row's cycle_ms), full, cond (" + "lax.cond on device flags)")
     ap.add_argument("--no-ablation", action="store_true",
                     help="skip the argmax / dead-row ablations")
     a = ap.parse_args(argv)
@@ -193,7 +203,12 @@ def main(argv=None):
     for s, k, t in shapes:
         spec = SpecConfig(s, k, t)
         row = {"shape": [s, k, t]}
-        row["cycle_ms"] = cycle_ms(cfg, params, head, spec, prefix, max_len, n, repeats)
+        variants = a.variants.split(",")
+        for v in variants:
+            row[f"cycle_{v}_ms"] = cycle_ms(cfg, params, head, spec, prefix, max_len, n,
+                                            repeats, v)
+        row["cycle_ms"] = row[f"cycle_{variants[0]}_ms"]
+        row["variant"] = variants[0]
         row["floor_ms"] = (target_read + s * (draft_layer_b + lm_head_b)) / bw * 1e3
         row["cycle_over_decode"] = row["cycle_ms"] / decode
         row["floor_over_decode"] = row["floor_ms"] / decode
@@ -231,6 +246,10 @@ def main(argv=None):
           "catch-up ms (no skip) (softmax) | cycle no-opt")
     for row in res["cycles"]:
         s, k, t = row["shape"]
+        others = [v for v in VARIANTS if f"cycle_{v}_ms" in row and v != row["variant"]]
+        if others:
+            print(f"   ({row['variant']} cycle; " + ", ".join(
+                f"{v} {row[f'cycle_{v}_ms']:.3f} ms" for v in others) + ")")
         print(f"{s:2d} {k:2d} {t:3d} | {row['cycle_ms']:9.3f} {row['cycle_over_decode']:8.2f} | "
               f"{row['floor_ms']:9.3f} {row['floor_over_decode']:8.2f} | "
               f"{f(row, 'draft_steps_ms')} {f(row, 'draft_steps_softmax_ms')} | "

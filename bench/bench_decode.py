@@ -3,12 +3,16 @@
 For each shape and batch: ms per decode step with the layers scanned (stacked weights) and
 unrolled (per-layer weights), at 1 and `--steps` decode steps per dispatch, beside the floor
 (weight bytes + live KV bytes) / copy bandwidth measured in the same run.
-Usage: python bench/bench_decode.py [--tiny]
+`--program engine` (default) times the engine's greedy program (`backends.plain_cycle` with
+`sampling.LEAN`: no conditional, no sampling code); `decode_steps` the older entry, whose
+sampling runs under a lax.cond on device flags (a host round trip per call on the GPU).
+Usage: python bench/bench_decode.py [--tiny] [--program engine,decode_steps]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 
 import jax
@@ -17,9 +21,10 @@ import jax.numpy as jnp
 from bench.common import SHAPES, copy_bandwidth, device_name, param_bytes, write_json
 from jaxspec.config import ModelConfig
 from jaxspec.decode import decode_steps
+from jaxspec.engine.backends import init_plain_state, plain_cycle
 from jaxspec.kv import KVCache, kv_bytes_per_token
 from jaxspec.models import llama
-from jaxspec.sampling import SamplingParams, SlotSampling
+from jaxspec.sampling import LEAN, SamplingParams, SlotSampling
 
 
 def use_reference_kernels():
@@ -34,6 +39,27 @@ def random_cache(cfg, batch, ctx, max_len, dtype, key):
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     k = jax.random.normal(key, shape, dtype)
     return KVCache(k, k * 0.5, jnp.full((batch,), ctx, jnp.int32))
+
+
+def time_engine_program(params, cfg, batch, ctx, steps_per_call, calls, dtype):
+    """The plain engine's greedy program (plain_cycle, LEAN), back to back, state donated."""
+    total = steps_per_call * (calls + 2)
+    max_len = -(-(ctx + total) // 128) * 128
+    state = init_plain_state(cfg, batch, 16, dtype).replace(
+        cache=random_cache(cfg, batch, ctx, max_len, dtype, jax.random.PRNGKey(1)))
+    fn = jax.jit(functools.partial(plain_cycle, cfg=cfg, n_steps=steps_per_call,
+                                   features=LEAN), donate_argnums=(1,))
+    active = jnp.ones((batch,), bool)
+    for _ in range(2):  # compile + warm
+        state, out = fn(params, state, active)
+    out.tokens.block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        state, out = fn(params, state, active)
+    out.tokens.block_until_ready()
+    dt = (time.perf_counter() - t0) / (calls * steps_per_call)
+    del state
+    return dt
 
 
 def time_decode(params, cfg, batch, ctx, steps_per_call, calls, dtype):
@@ -66,6 +92,8 @@ def main():
     ap.add_argument("--layouts", default="static,scan,leaves",
                     help="static: stacked weights, unrolled loop (the GPU default); scan: "
                          "lax.scan over stacked weights; leaves: one leaf per layer weight")
+    ap.add_argument("--program", default="engine",
+                    help="comma list: engine (plain_cycle, LEAN), decode_steps")
     args = ap.parse_args()
     if args.attn == "reference":
         use_reference_kernels()
@@ -90,20 +118,23 @@ def main():
         for layout in args.layouts.split(","):
             params = llama.unstack_layers(stacked) if layout == "leaves" else stacked
             lcfg = dataclasses.replace(cfg, unroll_layers=layout == "static")
-            for spc in (1, args.steps):
-                dt = time_decode(params, lcfg, batch, ctx, spc, max(4, 256 // spc), dtype)
-                rows.append(dict(attn=args.attn, shape=shape, batch=batch, ctx=ctx, layout=layout,
-                                 steps_per_call=spc, ms_per_step=dt * 1e3, floor_ms=floor * 1e3,
-                                 ratio_to_floor=dt / floor))
-                print(rows[-1], flush=True)
+            for prog in args.program.split(","):
+                timer = time_engine_program if prog == "engine" else time_decode
+                for spc in (1, args.steps):
+                    dt = timer(params, lcfg, batch, ctx, spc, max(4, 256 // spc), dtype)
+                    rows.append(dict(attn=args.attn, shape=shape, batch=batch, ctx=ctx,
+                                     layout=layout, program=prog, steps_per_call=spc,
+                                     ms_per_step=dt * 1e3, floor_ms=floor * 1e3,
+                                     ratio_to_floor=dt / floor))
+                    print(rows[-1], flush=True)
             del params
         del stacked
     write_json("bench_decode.json", dict(device=device_name(), copy_bw=bw, rows=rows))
     print(f"\ndevice {device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'shape':14s} {'B':>3s} {'ctx':>5s} {'layout':9s} {'steps/call':>10s} "
+    print(f"{'shape':14s} {'B':>3s} {'ctx':>5s} {'layout':9s} {'program':12s} {'steps/call':>10s} "
           f"{'ms/step':>8s} {'floor':>7s} {'x floor':>7s}")
     for r in rows:
-        print(f"{r['shape']:14s} {r['batch']:3d} {r['ctx']:5d} {r['layout']:9s} "
+        print(f"{r['shape']:14s} {r['batch']:3d} {r['ctx']:5d} {r['layout']:9s} {r['program']:12s} "
               f"{r['steps_per_call']:10d} {r['ms_per_step']:8.3f} {r['floor_ms']:7.3f} "
               f"{r['ratio_to_floor']:7.3f}")
 

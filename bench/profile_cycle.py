@@ -7,6 +7,7 @@ next to the wall time per call of the same run. Kernel time under the wall time 
 time the GPU sat between kernels.
 
     python3 -m bench.profile_cycle [--shapes "6,10,60;5,8,32"] [--calls 10] [--top 25]
+                                   [--variant lean|full|cond]
     python3 -m bench.profile_cycle --attention     # the tree-attention kernel alone, small shapes
     python3 -m bench.profile_cycle --tiny          # CPU check of the script
 Writes $OUT/profile_cycle.json.
@@ -93,6 +94,7 @@ def model_programs(a, out):
     import jax
     import jax.numpy as jnp
     from bench import bench_cycle as bc
+    from bench.bench_cycle import VARIANTS
     from bench.common import LLAMA3_8B
     from jaxspec.spec import SpecConfig, jit_cycle
     cfg = bc.TINY if a.tiny else LLAMA3_8B
@@ -107,12 +109,12 @@ def model_programs(a, out):
     out.append(table("decode", *profile(step[0], step[1], a.calls)[:2], a.calls, a.top))
     active = jnp.ones((1,), bool)
     for s, k, t in a.shape_list:
-        cyc = jit_cycle(cfg, SpecConfig(s, k, t))
+        cyc = jit_cycle(cfg, SpecConfig(s, k, t), features=VARIANTS[a.variant])
         st = bc.spec_state(cfg, SpecConfig(s, k, t), prefix, max_len, dtype, jax.random.PRNGKey(3))
         # Each call leaves lens where it was (KVCache reset inside): the prefix stays fixed.
         fn = _fixed_prefix(lambda st: cyc(params, head, st, active)[0], prefix)
         wall, ev, _ = profile(fn, st, a.calls)
-        out.append(table(f"cycle {s},{k},{t}", wall, ev, a.calls, a.top))
+        out.append(table(f"cycle {s},{k},{t} ({a.variant})", wall, ev, a.calls, a.top))
 
 
 def _fixed_prefix(fn, prefix):
@@ -202,6 +204,8 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--attention", action="store_true", help="the attention kernel alone")
+    ap.add_argument("--variant", default="lean", choices=("lean", "full", "cond"),
+                    help="the cycle's compiled variant (bench_cycle.VARIANTS)")
     ap.add_argument("--attn-shapes", default="1,1,1024;1,1,8192;1,64,1024;1,10,1024;64,1,1024")
     a = ap.parse_args(argv)
     a.shape_list = _shapes(a.shapes)

@@ -33,8 +33,11 @@ from pallas_kernels.head_sharding import MODEL_AXIS, model_axis_size, per_head_s
 # Large finite negative rather than -inf: a fully masked row must not produce NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = 1.4426950408889634
-# Programs wanted per launch: a few per SM (132 on H100) so loads of one hide the latency of another.
-_TARGET_PROGRAMS = 528
+# Split-K sizing (default_config): keys per split, programs wanted for short prefixes, and the
+# cap for wide row tiles (2 per SM on the H100's 132).
+_SPLIT_KEYS = 512
+_MIN_PROGRAMS = 64
+_WIDE_TILE_PROGRAMS = 264
 
 
 from pallas_kernels._compat import CompilerParams as _CompilerParams
@@ -225,25 +228,37 @@ def _combine_kernel(
     _store_rows(out_ref, acc / den[:, None], b, h, r, row_live, group, db * block_d)
 
 
-def combine_config(rows, head_dim, num_splits):
+def combine_config(rows, head_dim, num_splits, num_heads_total=1):
     """(block_r, block_d, block_s) of the combine: a [block_s, block_r, block_d] f32 tile of at
-    most 8K elements (64 registers a thread at 4 warps), head dim cut in 32-wide blocks."""
+    most 8K elements (64 registers a thread at 4 warps). The head dim is cut in 32-wide blocks
+    only while B * Hkv row blocks leave SMs idle: at batch 64 the extra programs cost more than
+    they hide (H100: 3.1 against 2.3 us a call)."""
     block_r = min(_next_pow2(rows), 16)   # no dot here, so G rows at N == 1 are fine
-    block_d = min(32, head_dim)
+    programs = num_heads_total * pl.cdiv(rows, block_r)
+    block_d = min(32, head_dim) if programs < _WIDE_TILE_PROGRAMS else head_dim
     block_s = max(1, min(_next_pow2(num_splits), 8192 // (block_r * block_d)))
     return block_r, block_d, block_s
 
 
 def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_len):
-    """Static block sizes for a shape: (block_r, block_k, num_splits, num_warps, num_stages)."""
+    """Static block sizes for a shape: (block_r, block_k, num_splits, num_warps, num_stages).
+
+    Splits (measured on the H100, bench/RESULTS.md tenth set): about 512 keys of the cache per
+    split, at least 64 programs while a split keeps 4 key blocks (short prefixes at batch 1),
+    and for tiles of more than 16 rows no more than ~2 programs per SM (each split's partials of
+    64+ rows, written then merged, cost more than the extra parallelism gives).
+    """
     rows = num_new * (num_q_heads // num_kv_heads)
     # Up to 128 rows per tile: at N * G = 256 this halved the time against 64-row tiles (fewer
     # re-reads of each KV block, and larger dots).
     block_r = min(max(16, _next_pow2(rows)), 128)
     block_k = 64
     programs = batch * num_kv_heads * pl.cdiv(rows, block_r)
-    # Enough splits to reach the target program count, but no split shorter than 4 key blocks.
-    num_splits = max(1, min(pl.cdiv(_TARGET_PROGRAMS, programs), cache_len // (4 * block_k)))
+    by_length = pl.cdiv(cache_len, _SPLIT_KEYS)
+    fill = min(pl.cdiv(_MIN_PROGRAMS, programs), cache_len // (4 * block_k))
+    num_splits = max(1, by_length, fill)
+    if rows > 16:
+        num_splits = min(num_splits, pl.cdiv(_WIDE_TILE_PROGRAMS, programs))
     num_warps = 4 if block_r <= 32 else 8
     return block_r, block_k, num_splits, num_warps, 3
 
@@ -310,7 +325,7 @@ def tree_attention_pallas(
     if num_splits == 1:
         return out
 
-    combine_r, combine_d, block_s = combine_config(rows, d, num_splits)
+    combine_r, combine_d, block_s = combine_config(rows, d, num_splits, b * hkv)
     combine = functools.partial(_combine_kernel, num_kv_heads=hkv, group=g, block_r=combine_r,
                                 block_s=block_s, block_d=combine_d)
     return pl.pallas_call(

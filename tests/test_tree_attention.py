@@ -94,3 +94,13 @@ def test_combine_merges_more_splits_than_one_chunk():
                                    block_k=16, num_splits=20, interpret=True)
     ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=0.125)
     assert _rel_err(out, ref) < TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("b,n,t", [(1, 1, 1024), (1, 1, 32768), (8, 1, 8192), (64, 1, 1024),
+                                   (1, 16, 8192), (8, 16, 8192), (1, 60, 1152), (64, 60, 2048),
+                                   (4, 16, 16)])
+def test_default_config_splits_stay_whole_and_fill(b, n, t):
+    block_r, block_k, splits, _, _ = ta.default_config(b, n, 32, 8, 128, t)
+    programs = b * 8 * -(-n * 4 // block_r)
+    assert splits == 1 or t // splits >= 4 * block_k      # no split shorter than 4 key blocks
+    assert programs * splits >= min(64, programs * max(1, t // (4 * block_k)))
