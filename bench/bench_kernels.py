@@ -290,28 +290,28 @@ def sweep(quick, grid: str = "blocks"):
         save()
 
 
-def table(quick):
+def table(quick, shapes=""):
     key = jax.random.key(4)
     bs, lens, ns = (1, 8, 64), (8192, 32768, 1024), (1, 16, 64)
     if quick:
         bs, lens, ns = (1, 8), (8192,), (1, 16)
     if SMOKE:
         bs, lens, ns = (1, 2), (512,), (1, 16)
-    for length in lens:
-        for b in bs:
-            for n in ns:
-                key, k = jax.random.split(key)
-                fns = {"kernel": kernel_fn(),
-                       "xla_ref": ref_fn if ref_fits(b, n, length) else None}
-                if length == lens[0] and n <= 16:
-                    fns["xla_bf16"] = xla_bf16_fn
-                row = bench_attention(b, n, length, fns, k)
-                if row.get("kernel_us") and row.get("xla_ref_us"):
-                    row["speedup_vs_ref"] = row["xla_ref_us"] / row["kernel_us"]
-                RESULTS["attention"].append(row)
-                print("attn", {k: (round(v, 3) if isinstance(v, float) else v)
-                               for k, v in row.items()}, flush=True)
-                save()
+    grid = [(b, n, length) for length in lens for b in bs for n in ns]
+    if shapes:
+        grid = [tuple(int(x) for x in s.split(",")) for s in shapes.split(";") if s]
+    for b, n, length in grid:
+        key, k = jax.random.split(key)
+        fns = {"kernel": kernel_fn(), "xla_ref": ref_fn if ref_fits(b, n, length) else None}
+        if length == (512 if SMOKE else 8192) and n <= 16:
+            fns["xla_bf16"] = xla_bf16_fn
+        row = bench_attention(b, n, length, fns, k)
+        if row.get("kernel_us") and row.get("xla_ref_us"):
+            row["speedup_vs_ref"] = row["xla_ref_us"] / row["kernel_us"]
+        RESULTS["attention"].append(row)
+        print("attn", {k: (round(v, 3) if isinstance(v, float) else v)
+                       for k, v in row.items()}, flush=True)
+        save()
 
 
 def bench_compact():
@@ -398,6 +398,7 @@ def main():
     p.add_argument("--skip", default="", help="comma list of: check,sweep,table,compact")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
     p.add_argument("--sweep-grid", choices=("blocks", "splits"), default="blocks")
+    p.add_argument("--table-shapes", default="", help='only these "B,N,L;..." in the table')
     a = p.parse_args()
     global SMOKE, HQ, HKV, D
     if a.smoke:
@@ -410,7 +411,7 @@ def main():
     RESULTS["jax"] = jax.__version__
     RESULTS["copy"]["jax_TBs"] = jax_copy_bandwidth() / 1e12
     print("copy", RESULTS["copy"], RESULTS["device"], flush=True)
-    for name, f in (("check", checks), ("table", lambda: table(a.quick)),
+    for name, f in (("check", checks), ("table", lambda: table(a.quick, a.table_shapes)),
                     ("sweep", lambda: sweep(a.quick, a.sweep_grid)), ("compact", bench_compact)):
         if name in skip or (name == "sweep" and a.no_sweep):
             continue

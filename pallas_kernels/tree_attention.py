@@ -245,8 +245,8 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
     Splits (measured on the H100, bench/RESULTS.md tenth set): about 512 keys of the cache per
     split, at least 64 programs while a split keeps 4 key blocks (short prefixes at batch 1),
-    and for tiles of more than 16 rows no more than ~2 programs per SM (each split's partials of
-    64+ rows, written then merged, cost more than the extra parallelism gives).
+    and for tiles of more than 16 rows no more than 2 programs per SM, in one wave (each split's
+    partials of 64+ rows, written then merged, cost more than the extra parallelism gives).
     """
     rows = num_new * (num_q_heads // num_kv_heads)
     # Up to 128 rows per tile: at N * G = 256 this halved the time against 64-row tiles (fewer
@@ -257,8 +257,8 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
     by_length = pl.cdiv(cache_len, _SPLIT_KEYS)
     fill = min(pl.cdiv(_MIN_PROGRAMS, programs), cache_len // (4 * block_k))
     num_splits = max(1, by_length, fill)
-    if rows > 16:
-        num_splits = min(num_splits, pl.cdiv(_WIDE_TILE_PROGRAMS, programs))
+    if rows > 16:   # whole waves: 320 programs (5 splits at B = 8, N = 16) ran 1.28x 256's
+        num_splits = max(1, min(num_splits, _WIDE_TILE_PROGRAMS // programs))
     num_warps = 4 if block_r <= 32 else 8
     return block_r, block_k, num_splits, num_warps, 3
 
