@@ -13,6 +13,7 @@ JSON goes to $OUT/bench_cycle.json when OUT is set.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -31,6 +32,7 @@ from jaxspec.kv import KVCache  # noqa: E402
 from jaxspec.models import llama  # noqa: E402
 from jaxspec.sampling import FULL, LEAN  # noqa: E402
 from jaxspec.spec import SpecConfig, init_state, jit_cycle  # noqa: E402
+from jaxspec.spec import topk as topk_lib  # noqa: E402
 from jaxspec.spec import draft as draft_lib  # noqa: E402
 from pallas_kernels.kv_compact import kv_compact  # noqa: E402
 
@@ -114,6 +116,21 @@ def spec_state(cfg, spec, prefix, max_len, dtype, key):
 VARIANTS = {"lean": LEAN, "full": FULL, "cond": None}
 
 
+@contextlib.contextmanager
+def two_stage_top_k():
+    """The draft's vocab top-k as the chunked two-stage top_k (before top_k_by_chunk_max), for
+    a same-run comparison; jit caches are cleared on entry and exit so the cycle is retraced."""
+    from unittest import mock
+    wide = lambda x, k: (topk_lib.top_k(x, k) if topk_lib.use_two_stage(x.shape[-1], k)  # noqa
+                         else jax.lax.top_k(x, k))
+    jit_cycle.cache_clear()
+    jax.clear_caches()
+    with mock.patch.object(topk_lib, "vocab_top_k", wide):
+        yield
+    jit_cycle.cache_clear()
+    jax.clear_caches()
+
+
 def cycle_ms(cfg, params, head, spec, prefix, max_len, n, repeats, variant="lean"):
     cyc = jit_cycle(cfg, spec, features=VARIANTS[variant])
     active = jnp.ones((1,), bool)
@@ -164,6 +181,8 @@ def main(argv=None):
     ap.add_argument("--variants", default="lean",
                     help="comma list of cycle variants timed per shape: lean (the engine's "
                          "greedy program, the row's cycle_ms), full, cond (" + "lax.cond on device flags)")
+    ap.add_argument("--vs-two-stage", action="store_true",
+                    help="also time each tree (topk > 1) cycle with the older two-stage top-k")
     ap.add_argument("--no-ablation", action="store_true",
                     help="skip the argmax / dead-row ablations")
     a = ap.parse_args(argv)
@@ -207,6 +226,10 @@ def main(argv=None):
         for v in variants:
             row[f"cycle_{v}_ms"] = cycle_ms(cfg, params, head, spec, prefix, max_len, n,
                                             repeats, v)
+            if a.vs_two_stage and k > 1:
+                with two_stage_top_k():
+                    row[f"cycle_{v}_two_stage_ms"] = cycle_ms(cfg, params, head, spec, prefix,
+                                                              max_len, n, repeats, v)
         row["cycle_ms"] = row[f"cycle_{variants[0]}_ms"]
         row["variant"] = variants[0]
         row["floor_ms"] = (target_read + s * (draft_layer_b + lm_head_b)) / bw * 1e3
@@ -246,7 +269,8 @@ def main(argv=None):
           "catch-up ms (no skip) (softmax) | cycle no-opt")
     for row in res["cycles"]:
         s, k, t = row["shape"]
-        others = [v for v in VARIANTS if f"cycle_{v}_ms" in row and v != row["variant"]]
+        others = [v for v in list(VARIANTS) + [f"{x}_two_stage" for x in VARIANTS]
+                  if f"cycle_{v}_ms" in row and v != row["variant"]]
         if others:
             print(f"   ({row['variant']} cycle; " + ", ".join(
                 f"{v} {row[f'cycle_{v}_ms']:.3f} ms" for v in others) + ")")

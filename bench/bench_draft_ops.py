@@ -8,6 +8,8 @@ here, each alone:
   (c) logsumexp  over [1, K, V]
   (d) two_stage  jaxspec.spec.topk.top_k at each chunk bound (plus the row padded to a
                  multiple of 4096, the layout the balanced chunks avoid)
+  (d') chunk_max  jaxspec.spec.topk.top_k_by_chunk_max at widths 64, 128, 256 (the default
+                 of vocab_top_k)
   (e) approx_max_k  recall_target 0.95 (TPU-oriented: other backends lower it to an exact TopK)
   (f) top_children  draft.top_children on the logits with each top-k above, and lm_head +
                  top_children from the hidden rows, as a draft step runs them
@@ -177,6 +179,8 @@ def main(argv=None):
     variants = {"lax_top_k": jax.lax.top_k}
     for c in chunks:
         variants[f"two_stage_c{c}"] = functools.partial(topk_lib.top_k, chunk=c)
+    for w in (64, 128, 256):
+        variants[f"chunk_max_w{w}"] = functools.partial(topk_lib.top_k_by_chunk_max, width=w)
     variants["two_stage_pad4096"] = padded_two_stage
     variants["approx_max_k_r0.95"] = approx
     for name, fn in variants.items():

@@ -1,4 +1,5 @@
-"""Two-stage top_k == jax.lax.top_k bit for bit: values, indices and tie order."""
+"""Two-stage top_k and top_k_by_chunk_max == jax.lax.top_k bit for bit: values, indices and tie
+order."""
 from __future__ import annotations
 
 import functools
@@ -18,11 +19,16 @@ CHUNK = 64
 
 def _check(x, k, chunk=CHUNK):
     want = jax.jit(functools.partial(jax.lax.top_k, k=k))(x)
-    got = jax.jit(functools.partial(topk_lib.top_k, k=k, chunk=chunk))(x)
-    assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype
-    assert got[1].dtype == jnp.int32
-    np.testing.assert_array_equal(np.asarray(got[0], np.float64), np.asarray(want[0], np.float64))
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    # chunk-max widths: chunk / 8 gives rows of several chunks at CHUNK; 1 and 3 are the edges.
+    for fn in (functools.partial(topk_lib.top_k, k=k, chunk=chunk),
+               functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=max(1, chunk // 8)),
+               functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=3)):
+        got = jax.jit(fn)(x)
+        assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype
+        assert got[1].dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(got[0], np.float64),
+                                      np.asarray(want[0], np.float64))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
 # V: prime (padded), split evenly into chunks under the bound, a multiple of the bound, below one
@@ -106,3 +112,14 @@ def test_top_children_two_stage_equals_lax():
     np.testing.assert_allclose(np.asarray(logp),
                                np.asarray(vals - jax.nn.logsumexp(logits, -1, keepdims=True)),
                                rtol=0, atol=1e-6)
+
+
+def test_chunk_max_tie_across_chunks():
+    """The k-th value tied between a chunk with a larger max and an earlier chunk whose max is
+    that value: the earlier chunk's element (lower index) must win, as in lax.top_k."""
+    x = jnp.full((1, 12), -5.0).at[0, 1].set(1.0)          # chunk 0 (width 4): max 1.0
+    x = x.at[0, 8].set(9.0).at[0, 11].set(1.0)            # chunk 2: max 9.0, then a 1.0 at 11
+    want = jax.lax.top_k(x, 2)
+    got = topk_lib.top_k_by_chunk_max(x, 2, width=4)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))   # [8, 1]
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))

@@ -30,6 +30,9 @@ import jax.numpy as jnp
 # chunks of 4008: 320 rows for the ten of a draft step, about 2.4 blocks per H100 SM, and 320
 # survivors per row for the second stage. Widths under 65535 keep the kernel's 16-bit indices.
 DEFAULT_CHUNK = 4096
+# Chunk width of `top_k_by_chunk_max`: 1002 chunk maxima for 128256 (no padding), 384 for
+# SmolLM2's 49152, and a final top-k over k * 128 candidates.
+CHUNK_MAX_WIDTH = 128
 # Below this width one block per row is short work and the second launch is not worth it. Set
 # under 32000 so that EAGLE-3's draft vocabulary (32000 wide, the same ten rows) is split too;
 # bench_draft_ops.py --vocab 32000 measures that case.
@@ -101,9 +104,45 @@ def top_k(x, k: int, *, chunk: int | None = None):
     return vals.reshape(lead + (k,)), idx.reshape(lead + (k,)).astype(jnp.int32)
 
 
+def top_k_by_chunk_max(x, k: int, *, width: int | None = None):
+    """jax.lax.top_k(x, k) over the last axis: only the k chunks with the largest maxima can
+    hold the top k, so it reduces each `width`-wide chunk to its max, takes the top k of those,
+    and runs the final top-k over the k chosen chunks alone.
+
+    Exact, ties included: take e in the top k, in a chunk c that was not chosen. The chosen
+    chunks' maxima are k elements, each ahead of e in lax.top_k's order: a larger value than e,
+    or (max(c_i) == max(c) == e's value, chunk c_i chosen first, so c_i < c) an equal value at a
+    lower index. Then e has k elements ahead of it and is not in the top k. The chosen chunks
+    are gathered in index order, so the final top-k breaks ties by original index. Padding (the
+    lowest value, at the end of the last chunk, which always holds a real element) is never
+    returned. NaN as in `top_k`.
+
+    Why: a [10, 128256] draft step's top 10 ran XLA's TopK kernel at k <= 16 on 320 chunk rows
+    (90 us on the H100, 6 calls per 6-step tree cycle) where a max-reduction and two small top-ks
+    read the row once (bench/RESULTS.md, tenth set)."""
+    width = CHUNK_MAX_WIDTH if width is None else width
+    if x.ndim == 0 or not 1 <= k <= x.shape[-1]:
+        return jax.lax.top_k(x, k)                     # lax's own errors and empty results
+    v = x.shape[-1]
+    n = -(-v // width)
+    if n <= k:                                         # every chunk would be chosen
+        return jax.lax.top_k(x, k)
+    lead = x.shape[:-1]
+    pad = n * width - v
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)], constant_values=_lowest(x.dtype))
+    rows = x.reshape(-1, n, width)                                        # [R, n, w]
+    _, chosen = jax.lax.top_k(rows.max(axis=-1), k)                       # [R, k]
+    chosen = jnp.sort(chosen, axis=-1)
+    cand = jnp.take_along_axis(rows, chosen[:, :, None], axis=1)          # [R, k, w]
+    vals, pos = jax.lax.top_k(cand.reshape(-1, k * width), k)             # [R, k]
+    idx = jnp.take_along_axis(chosen, pos // width, axis=-1) * width + pos % width
+    return vals.reshape(lead + (k,)), idx.reshape(lead + (k,)).astype(jnp.int32)
+
+
 def vocab_top_k(x, k: int):
-    """x [..., V] -> (values, indices [..., k] int32): lax.top_k's result, two-stage where
-    `use_two_stage` says so."""
+    """x [..., V] -> (values, indices [..., k] int32): lax.top_k's result, by chunk maxima
+    where `use_two_stage` says a wide row's one-block-per-row TopK would leave SMs idle."""
     if use_two_stage(x.shape[-1], k):
-        return top_k(x, k)
+        return top_k_by_chunk_max(x, k)
     return jax.lax.top_k(x, k)
