@@ -116,12 +116,20 @@ def spec_state(cfg, spec, prefix, max_len, dtype, key):
 VARIANTS = {"lean": LEAN, "full": FULL, "cond": None}
 
 
+TOP_K_IMPLS = {
+    "two_stage": lambda x, k: topk_lib.top_k(x, k),
+    "chunk_max_sort": lambda x, k: topk_lib.top_k_by_chunk_max(x, k, small="sort"),
+}
+
+
 @contextlib.contextmanager
-def two_stage_top_k():
-    """The draft's vocab top-k as the chunked two-stage top_k (before top_k_by_chunk_max), for
-    a same-run comparison; jit caches are cleared on entry and exit so the cycle is retraced."""
+def vocab_top_k_impl(name: str):
+    """The draft's wide vocab top-k as TOP_K_IMPLS[name] (the chunked two-stage top-k used
+    before top_k_by_chunk_max, or chunk maxima with sorts), for a same-run comparison; jit
+    caches are cleared on entry and exit so the cycle is retraced."""
     from unittest import mock
-    wide = lambda x, k: (topk_lib.top_k(x, k) if topk_lib.use_two_stage(x.shape[-1], k)  # noqa
+    impl = TOP_K_IMPLS[name]
+    wide = lambda x, k: (impl(x, k) if topk_lib.use_two_stage(x.shape[-1], k)  # noqa: E731
                          else jax.lax.top_k(x, k))
     jit_cycle.cache_clear()
     jax.clear_caches()
@@ -181,8 +189,9 @@ def main(argv=None):
     ap.add_argument("--variants", default="lean",
                     help="comma list of cycle variants timed per shape: lean (the engine's "
                          "greedy program, the row's cycle_ms), full, cond (" + "lax.cond on device flags)")
-    ap.add_argument("--vs-two-stage", action="store_true",
-                    help="also time each tree (topk > 1) cycle with the older two-stage top-k")
+    ap.add_argument("--top-k-impls", default="",
+                    help="comma list of TOP_K_IMPLS (two_stage, chunk_max_sort): also time each "
+                         "tree (topk > 1) cycle with that vocab top-k")
     ap.add_argument("--no-ablation", action="store_true",
                     help="skip the argmax / dead-row ablations")
     a = ap.parse_args(argv)
@@ -226,10 +235,10 @@ def main(argv=None):
         for v in variants:
             row[f"cycle_{v}_ms"] = cycle_ms(cfg, params, head, spec, prefix, max_len, n,
                                             repeats, v)
-            if a.vs_two_stage and k > 1:
-                with two_stage_top_k():
-                    row[f"cycle_{v}_two_stage_ms"] = cycle_ms(cfg, params, head, spec, prefix,
-                                                              max_len, n, repeats, v)
+            for impl in (a.top_k_impls.split(",") if a.top_k_impls and k > 1 else []):
+                with vocab_top_k_impl(impl):
+                    row[f"cycle_{v}_{impl}_ms"] = cycle_ms(cfg, params, head, spec, prefix,
+                                                           max_len, n, repeats, v)
         row["cycle_ms"] = row[f"cycle_{variants[0]}_ms"]
         row["variant"] = variants[0]
         row["floor_ms"] = (target_read + s * (draft_layer_b + lm_head_b)) / bw * 1e3
@@ -269,7 +278,7 @@ def main(argv=None):
           "catch-up ms (no skip) (softmax) | cycle no-opt")
     for row in res["cycles"]:
         s, k, t = row["shape"]
-        others = [v for v in list(VARIANTS) + [f"{x}_two_stage" for x in VARIANTS]
+        others = [v for v in list(VARIANTS) + [f"{x}_{i}" for x in VARIANTS for i in TOP_K_IMPLS]
                   if f"cycle_{v}_ms" in row and v != row["variant"]]
         if others:
             print(f"   ({row['variant']} cycle; " + ", ".join(

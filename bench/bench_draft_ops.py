@@ -9,7 +9,7 @@ here, each alone:
   (d) two_stage  jaxspec.spec.topk.top_k at each chunk bound (plus the row padded to a
                  multiple of 4096, the layout the balanced chunks avoid)
   (d') chunk_max  jaxspec.spec.topk.top_k_by_chunk_max at widths 64, 128, 256 (the default
-                 of vocab_top_k)
+                 of vocab_top_k), and with its two small top-ks as sorts (chunk_max_sort)
   (e) approx_max_k  recall_target 0.95 (TPU-oriented: other backends lower it to an exact TopK)
   (f) top_children  draft.top_children on the logits with each top-k above, and lm_head +
                  top_children from the hidden rows, as a draft step runs them
@@ -181,6 +181,7 @@ def main(argv=None):
         variants[f"two_stage_c{c}"] = functools.partial(topk_lib.top_k, chunk=c)
     for w in (64, 128, 256):
         variants[f"chunk_max_w{w}"] = functools.partial(topk_lib.top_k_by_chunk_max, width=w)
+    variants["chunk_max_sort"] = functools.partial(topk_lib.top_k_by_chunk_max, small="sort")
     variants["two_stage_pad4096"] = padded_two_stage
     variants["approx_max_k_r0.95"] = approx
     for name, fn in variants.items():

@@ -8,6 +8,7 @@ time the GPU sat between kernels.
 
     python3 -m bench.profile_cycle [--shapes "6,10,60;5,8,32"] [--calls 10] [--top 25]
                                    [--variant lean|full|cond]
+    python3 -m bench.profile_cycle --shapes "" --batch 64 --prefix 512   # the decode step alone
     python3 -m bench.profile_cycle --attention     # the tree-attention kernel alone, small shapes
     python3 -m bench.profile_cycle --tiny          # CPU check of the script
 Writes $OUT/profile_cycle.json.
@@ -105,8 +106,9 @@ def model_programs(a, out):
     key = jax.random.PRNGKey(0)
     params = bc.random_params(cfg, key, dtype)
     head = bc.random_head(cfg, jax.random.fold_in(key, 1), dtype)
-    step = decode_step(cfg, params, prefix, max_len)
-    out.append(table("decode", *profile(step[0], step[1], a.calls)[:2], a.calls, a.top))
+    step = decode_step(cfg, params, prefix, max_len, a.batch)
+    out.append(table(f"decode B={a.batch} L={prefix}", *profile(step[0], step[1], a.calls)[:2],
+                     a.calls, a.top))
     active = jnp.ones((1,), bool)
     for s, k, t in a.shape_list:
         cyc = jit_cycle(cfg, SpecConfig(s, k, t), features=VARIANTS[a.variant])
@@ -127,29 +129,32 @@ def _fixed_prefix(fn, prefix):
     return lambda st: reset(fn(st))
 
 
-def decode_step(cfg, params, prefix, max_len):
-    """bench_cycle's plain decode step with its carry, lens reset each call."""
+def decode_step(cfg, params, prefix, max_len, batch=1):
+    """bench_cycle's plain decode step (batch slots) with its carry, lens reset each call."""
     import functools
     import jax
     import jax.numpy as jnp
     from jaxspec.models import llama
     from pallas_kernels.kv_compact import kv_compact
     dt = params["embed"].dtype
-    shape = (cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim)
+    b = batch
+    shape = (cfg.num_layers, b, cfg.num_kv_heads, max_len, cfg.head_dim)
 
     @functools.partial(jax.jit, donate_argnums=1)
     def step_fn(p, c):
         k, v, _, tok = c
-        lens = jnp.full((1,), prefix, jnp.int32)
+        lens = jnp.full((b,), prefix, jnp.int32)
         h, kn, vn, _ = llama.forward(p, cfg, tok[:, None], lens[:, None], k, v, lens,
-                                     jnp.ones((1, 1, 1), bool))
-        k, v = kv_compact(k, v, kn, vn, lens, jnp.zeros((1, 1), jnp.int32),
-                          jnp.ones((1,), jnp.int32))
+                                     jnp.ones((b, 1, 1), bool))
+        k, v = kv_compact(k, v, kn, vn, lens, jnp.zeros((b, 1), jnp.int32),
+                          jnp.ones((b,), jnp.int32))
         nxt = jnp.argmax(llama.lm_head(p, cfg, h[:, 0]), -1).astype(jnp.int32)
         return k, v, lens, nxt
 
-    carry = (jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.full((1,), prefix, jnp.int32),
-             jnp.zeros((1,), jnp.int32))
+    # Random caches, not zeros: the kernels read every live row either way, but zeros can run
+    # faster than real data (METHOD.md).
+    kc = jax.random.normal(jax.random.PRNGKey(9), shape, dt)
+    carry = (kc, kc * 0.5, jnp.full((b,), prefix, jnp.int32), jnp.zeros((b,), jnp.int32))
     return functools.partial(step_fn, params), carry
 
 
@@ -200,6 +205,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--prefix", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=1, help="slots of the decode step")
     ap.add_argument("--shapes", default="3,1,4;6,10,60")
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
@@ -208,7 +214,7 @@ def main(argv=None):
                     help="the cycle's compiled variant (bench_cycle.VARIANTS)")
     ap.add_argument("--attn-shapes", default="1,1,1024;1,1,8192;1,64,1024;1,10,1024;64,1,1024")
     a = ap.parse_args(argv)
-    a.shape_list = _shapes(a.shapes)
+    a.shape_list = _shapes(a.shapes)   # "" profiles the decode step alone
     a.attn_shapes = _shapes(a.attn_shapes)
     if a.tiny:
         a.attn_shapes = [(1, 1, 256), (2, 7, 128)]

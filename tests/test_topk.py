@@ -22,7 +22,8 @@ def _check(x, k, chunk=CHUNK):
     # chunk-max widths: chunk / 8 gives rows of several chunks at CHUNK; 1 and 3 are the edges.
     for fn in (functools.partial(topk_lib.top_k, k=k, chunk=chunk),
                functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=max(1, chunk // 8)),
-               functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=3)):
+               functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=3),
+               functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=5, small="sort")):
         got = jax.jit(fn)(x)
         assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype
         assert got[1].dtype == jnp.int32
@@ -120,6 +121,15 @@ def test_chunk_max_tie_across_chunks():
     x = jnp.full((1, 12), -5.0).at[0, 1].set(1.0)          # chunk 0 (width 4): max 1.0
     x = x.at[0, 8].set(9.0).at[0, 11].set(1.0)            # chunk 2: max 9.0, then a 1.0 at 11
     want = jax.lax.top_k(x, 2)
-    got = topk_lib.top_k_by_chunk_max(x, 2, width=4)
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))   # [8, 1]
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    for small in ("top_k", "sort"):
+        got = topk_lib.top_k_by_chunk_max(x, 2, width=4, small=small)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))   # [8, 1]
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
+def test_sort_top_k_signed_zeros():
+    """Signed zeros in lax.top_k's CPU order (+0.0 ahead of -0.0)."""
+    x = jnp.array([[0.0, -0.0, 1.0, -0.0, 0.0]], jnp.float32)
+    want = jax.lax.top_k(x, 4)
+    got = topk_lib._top_k_by_sort(x, 4)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))

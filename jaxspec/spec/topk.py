@@ -104,7 +104,30 @@ def top_k(x, k: int, *, chunk: int | None = None):
     return vals.reshape(lead + (k,)), idx.reshape(lead + (k,)).astype(jnp.int32)
 
 
-def top_k_by_chunk_max(x, k: int, *, width: int | None = None):
+def _descending_key(x):
+    """An integer key whose ascending order is x's descending order in lax.top_k's CPU order
+    (a total order: +0.0 ahead of -0.0), ties kept as ties. Floats: the IEEE bits made
+    monotone (negatives' magnitude bits flipped), then inverted. XLA's GPU TopK compares with
+    `>`, so there -0.0 and +0.0 tie and the two may differ on rows holding both (as on rows
+    holding NaN)."""
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return ~x
+    bits = jnp.dtype(x.dtype).itemsize * 8
+    i = jax.lax.bitcast_convert_type(x, jnp.dtype(f"int{bits}"))
+    mono = i ^ ((i >> (bits - 1)) & jnp.array((1 << (bits - 1)) - 1, i.dtype))
+    return ~mono
+
+
+def _top_k_by_sort(x, k: int):
+    """lax.top_k(x, k) of 2-D x by one stable sort of the row (for short rows, where XLA's TopK
+    kernel at k in 9..16 costs tens of microseconds regardless of width)."""
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+    _, vals, idx = jax.lax.sort((_descending_key(x), x, iota), dimension=1, is_stable=True,
+                                num_keys=1)
+    return vals[:, :k], idx[:, :k]
+
+
+def top_k_by_chunk_max(x, k: int, *, width: int | None = None, small: str = "top_k"):
     """jax.lax.top_k(x, k) over the last axis: only the k chunks with the largest maxima can
     hold the top k, so it reduces each `width`-wide chunk to its max, takes the top k of those,
     and runs the final top-k over the k chosen chunks alone.
@@ -115,7 +138,7 @@ def top_k_by_chunk_max(x, k: int, *, width: int | None = None):
     lower index. Then e has k elements ahead of it and is not in the top k. The chosen chunks
     are gathered in index order, so the final top-k breaks ties by original index. Padding (the
     lowest value, at the end of the last chunk, which always holds a real element) is never
-    returned. NaN as in `top_k`.
+    returned. NaN as in `top_k`. small="sort": both small top-ks by a stable sort instead.
 
     Why: a [10, 128256] draft step's top 10 ran XLA's TopK kernel at k <= 16 on 320 chunk rows
     (90 us on the H100, 6 calls per 6-step tree cycle) where a max-reduction and two small top-ks
@@ -131,11 +154,12 @@ def top_k_by_chunk_max(x, k: int, *, width: int | None = None):
     pad = n * width - v
     if pad:
         x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)], constant_values=_lowest(x.dtype))
+    small_top_k = _top_k_by_sort if small == "sort" else jax.lax.top_k
     rows = x.reshape(-1, n, width)                                        # [R, n, w]
-    _, chosen = jax.lax.top_k(rows.max(axis=-1), k)                       # [R, k]
+    _, chosen = small_top_k(rows.max(axis=-1), k)                         # [R, k]
     chosen = jnp.sort(chosen, axis=-1)
     cand = jnp.take_along_axis(rows, chosen[:, :, None], axis=1)          # [R, k, w]
-    vals, pos = jax.lax.top_k(cand.reshape(-1, k * width), k)             # [R, k]
+    vals, pos = small_top_k(cand.reshape(-1, k * width), k)               # [R, k]
     idx = jnp.take_along_axis(chosen, pos // width, axis=-1) * width + pos % width
     return vals.reshape(lead + (k,)), idx.reshape(lead + (k,)).astype(jnp.int32)
 
