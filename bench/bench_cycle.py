@@ -119,6 +119,7 @@ VARIANTS = {"lean": LEAN, "full": FULL, "cond": None}
 TOP_K_IMPLS = {
     "two_stage": lambda x, k: topk_lib.top_k(x, k),
     "chunk_max_sort": lambda x, k: topk_lib.top_k_by_chunk_max(x, k, small="sort"),
+    "chunk_max_top_k": lambda x, k: topk_lib.top_k_by_chunk_max(x, k, small="top_k"),
 }
 
 
@@ -190,7 +191,8 @@ def main(argv=None):
                     help="comma list of cycle variants timed per shape: lean (the engine's "
                          "greedy program, the row's cycle_ms), full, cond (" + "lax.cond on device flags)")
     ap.add_argument("--top-k-impls", default="",
-                    help="comma list of TOP_K_IMPLS (two_stage, chunk_max_sort): also time each "
+                    help="comma list of TOP_K_IMPLS (two_stage, chunk_max_sort, chunk_max_top_k): "
+                         "also time each "
                          "tree (topk > 1) cycle with that vocab top-k")
     ap.add_argument("--no-ablation", action="store_true",
                     help="skip the argmax / dead-row ablations")

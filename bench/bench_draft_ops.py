@@ -180,7 +180,8 @@ def main(argv=None):
     for c in chunks:
         variants[f"two_stage_c{c}"] = functools.partial(topk_lib.top_k, chunk=c)
     for w in (64, 128, 256):
-        variants[f"chunk_max_w{w}"] = functools.partial(topk_lib.top_k_by_chunk_max, width=w)
+        variants[f"chunk_max_w{w}"] = functools.partial(topk_lib.top_k_by_chunk_max, width=w,
+                                                        small="top_k")
     variants["chunk_max_sort"] = functools.partial(topk_lib.top_k_by_chunk_max, small="sort")
     variants["two_stage_pad4096"] = padded_two_stage
     variants["approx_max_k_r0.95"] = approx

@@ -22,7 +22,7 @@ def _check(x, k, chunk=CHUNK):
     # chunk-max widths: chunk / 8 gives rows of several chunks at CHUNK; 1 and 3 are the edges.
     for fn in (functools.partial(topk_lib.top_k, k=k, chunk=chunk),
                functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=max(1, chunk // 8)),
-               functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=3),
+               functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=3, small="top_k"),
                functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=5, small="sort")):
         got = jax.jit(fn)(x)
         assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype

@@ -127,7 +127,7 @@ def _top_k_by_sort(x, k: int):
     return vals[:, :k], idx[:, :k]
 
 
-def top_k_by_chunk_max(x, k: int, *, width: int | None = None, small: str = "top_k"):
+def top_k_by_chunk_max(x, k: int, *, width: int | None = None, small: str = "sort"):
     """jax.lax.top_k(x, k) over the last axis: only the k chunks with the largest maxima can
     hold the top k, so it reduces each `width`-wide chunk to its max, takes the top k of those,
     and runs the final top-k over the k chosen chunks alone.
@@ -138,11 +138,17 @@ def top_k_by_chunk_max(x, k: int, *, width: int | None = None, small: str = "top
     lower index. Then e has k elements ahead of it and is not in the top k. The chosen chunks
     are gathered in index order, so the final top-k breaks ties by original index. Padding (the
     lowest value, at the end of the last chunk, which always holds a real element) is never
-    returned. NaN as in `top_k`. small="sort": both small top-ks by a stable sort instead.
+    returned. NaN as in `top_k`.
+
+    small: how the two small top-ks (over the n chunk maxima, over the k * width candidates)
+    run. "sort" (default): one stable sort of the row on a total-order key; "top_k":
+    lax.top_k, whose GPU kernel at k in 9..16 took tens of microseconds whatever the width
+    (the whole op: 0.045 ms with sorts against 0.067 with lax.top_k, H100, tenth set). With
+    "sort", signed zeros follow lax.top_k's CPU order (see `_descending_key`).
 
     Why: a [10, 128256] draft step's top 10 ran XLA's TopK kernel at k <= 16 on 320 chunk rows
-    (90 us on the H100, 6 calls per 6-step tree cycle) where a max-reduction and two small top-ks
-    read the row once (bench/RESULTS.md, tenth set)."""
+    (90 us on the H100, 6 calls per 6-step tree cycle) where a max-reduction and two small
+    selections read the row once (bench/RESULTS.md, tenth set)."""
     width = CHUNK_MAX_WIDTH if width is None else width
     if x.ndim == 0 or not 1 <= k <= x.shape[-1]:
         return jax.lax.top_k(x, k)                     # lax's own errors and empty results
