@@ -31,8 +31,10 @@
 #   bash bench/gpu_plan.sh chains      # issues 7/8: longer chains and small trees at batch 1
 #   bash bench/gpu_plan.sh sharegpt    # issue 8: batch 1, 16, 64 (ShareGPT)
 #   bash bench/gpu_plan.sh engine      # issue 6: busy fraction and host ms per step, real model
-#   bash bench/gpu_plan.sh decode      # issues 2/4: 8B step overhead, kernels vs XLA, multi-step
-#   bash bench/gpu_plan.sh cycle       # issues 3/4: 8B cycle table incl. (6,10,60)
+#   bash bench/gpu_plan.sh decode      # issue 2: the engine's 8B decode program (LEAN) against
+#                                      #   decode_steps, SmolLM2 shape, the batch-64 step's profile
+#   bash bench/gpu_plan.sh cycle       # issues 3/4: 8B LEAN cycle table incl. (6,10,60), its profile
+#   bash bench/gpu_plan.sh kernels     # issue 4: kernel table and the chained-call kernel profile
 #   bash bench/gpu_plan.sh eagle3      # issue 7: train an EAGLE-3 head, tau vs the shipped EAGLE-1
 #                                      #   (carry .gpu/train/ and .gpu/run2/examples_sd.npz, the
 #                                      #   self-distilled answers of an earlier call, if present)
@@ -102,12 +104,17 @@ case "${1:-}" in
     run engine 560 python3 -m bench.bench_engine --model "$GGUF"
     ;;
   decode)
-    run step_overhead 240 python3 -m bench.bench_step_overhead
-    run decode 300 python3 -m bench.bench_decode --layouts static --only llama3-8b
-    run decode_xla 200 python3 -m bench.bench_decode --layouts static --attn reference --only llama3-8b
+    run decode 250 python3 -m bench.bench_decode --layouts static --only llama3-8b --program engine,decode_steps
+    run decode_small 60 python3 -m bench.bench_decode --layouts static --only smollm2-135m --program engine
+    run decode_b64_profile 120 python3 -m bench.profile_cycle --shapes "" --batch 64 --prefix 512
     ;;
   cycle)
-    run cycle 560 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "6,10,60;5,8,32;1,1,2"
+    run cycle 390 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "6,10,60;5,8,32;3,1,4;1,1,2" --variants lean
+    run cycle_profile 200 python3 -m bench.profile_cycle --shapes "6,10,60" --variant lean
+    ;;
+  kernels)
+    run kernels 280 python3 bench/bench_kernels.py --no-sweep --skip compact
+    run kernels_profile 90 python3 -m bench.profile_cycle --attention --attn-shapes "1,1,1024;1,1,8192;1,1,32768;64,1,1024;1,60,1024"
     ;;
   eagle3)
     SD=.gpu/run2/examples_sd.npz       # 16,680 self-distilled answers of an earlier call
