@@ -10,10 +10,11 @@ Kernel (Pallas, Triton lowering), flash-decoding style:
     once for all of them;
   * the live prefix of slot b (rows < seq_lens[b]) is cut into `num_splits` equal chunks at run
     time, so a short slot costs short loops and batch 1 with a long prefix still fills the GPU.
-    The loop is bounded by seq_lens[b]: rows past it are never loaded;
+    The loop is bounded by seq_lens[b]: rows past it are never loaded. `default_config` sizes
+    the splits from an H100 sweep (about 512 keys each);
   * split 0 also attends to the N new keys under the tree mask;
-  * each program writes an unnormalised partial (o, running max m, sum l); a small XLA combine
-    merges the splits (log-sum-exp in base 2).
+  * each program writes an unnormalised partial (o, running max m, sum l); a second Pallas
+    kernel merges the splits in one pass (log-sum-exp in base 2) and writes the final layout.
 The cache is passed whole and the layer is indexed inside the kernel: slicing it outside would
 materialise a copy of the layer.
 """
