@@ -133,3 +133,17 @@ def test_sort_top_k_signed_zeros():
     want = jax.lax.top_k(x, 4)
     got = topk_lib._top_k_by_sort(x, 4)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_chunk_max_small_selection_policy():
+    """Sorts above SORT_MIN_K, lax.top_k at or below it (both exact; only the ops differ)."""
+    x = jax.random.normal(jax.random.PRNGKey(3), (2, 4096), jnp.float32)
+
+    def ops(k):
+        text = jax.jit(functools.partial(topk_lib.top_k_by_chunk_max, k=k)).lower(x).as_text()
+        return text.count("stablehlo.sort"), "chlo.top_k" in text
+
+    sorts_above, top_k_above = ops(topk_lib.SORT_MIN_K + 2)
+    sorts_at, top_k_at = ops(topk_lib.SORT_MIN_K)
+    assert not top_k_above and top_k_at
+    assert sorts_above > sorts_at >= 1          # at or below: only the chosen chunks' index sort

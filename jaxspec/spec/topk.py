@@ -33,6 +33,9 @@ DEFAULT_CHUNK = 4096
 # Chunk width of `top_k_by_chunk_max`: 1002 chunk maxima for 128256 (no padding), 384 for
 # SmolLM2's 49152, and a final top-k over k * 128 candidates.
 CHUNK_MAX_WIDTH = 128
+# top_k_by_chunk_max selects by sorting above this k: XLA's GPU TopK kernel instantiates for
+# k <= 8 and k <= 16, and the k <= 16 one cost 63-90 us a call in the 8B tree cycle.
+SORT_MIN_K = 8
 # Below this width one block per row is short work and the second launch is not worth it. Set
 # under 32000 so that EAGLE-3's draft vocabulary (32000 wide, the same ten rows) is split too;
 # bench_draft_ops.py --vocab 32000 measures that case.
@@ -127,7 +130,7 @@ def _top_k_by_sort(x, k: int):
     return vals[:, :k], idx[:, :k]
 
 
-def top_k_by_chunk_max(x, k: int, *, width: int | None = None, small: str = "sort"):
+def top_k_by_chunk_max(x, k: int, *, width: int | None = None, small: str | None = None):
     """jax.lax.top_k(x, k) over the last axis: only the k chunks with the largest maxima can
     hold the top k, so it reduces each `width`-wide chunk to its max, takes the top k of those,
     and runs the final top-k over the k chosen chunks alone.
@@ -141,10 +144,12 @@ def top_k_by_chunk_max(x, k: int, *, width: int | None = None, small: str = "sor
     returned. NaN as in `top_k`.
 
     small: how the two small top-ks (over the n chunk maxima, over the k * width candidates)
-    run. "sort" (default): one stable sort of the row on a total-order key; "top_k":
-    lax.top_k, whose GPU kernel at k in 9..16 took tens of microseconds whatever the width
-    (the whole op: 0.045 ms with sorts against 0.067 with lax.top_k, H100, tenth set). With
-    "sort", signed zeros follow lax.top_k's CPU order (see `_descending_key`).
+    run. "sort": one stable sort of the row on a total-order key; "top_k": lax.top_k, whose
+    GPU kernel at k in 9..16 took tens of microseconds whatever the width (k = 10, the whole
+    op: 0.045 ms with sorts against 0.067 with lax.top_k, H100, tenth set). None: "sort" for
+    k > SORT_MIN_K, else "top_k" (XLA's k <= 8 kernel took 24 us a call, and sorts at k <= 8
+    were not measured). With "sort", signed zeros follow lax.top_k's CPU order (see
+    `_descending_key`).
 
     Why: a [10, 128256] draft step's top 10 ran XLA's TopK kernel at k <= 16 on 320 chunk rows
     (90 us on the H100, 6 calls per 6-step tree cycle) where a max-reduction and two small
@@ -160,6 +165,8 @@ def top_k_by_chunk_max(x, k: int, *, width: int | None = None, small: str = "sor
     pad = n * width - v
     if pad:
         x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)], constant_values=_lowest(x.dtype))
+    if small is None:
+        small = "sort" if k > SORT_MIN_K else "top_k"
     small_top_k = _top_k_by_sort if small == "sort" else jax.lax.top_k
     rows = x.reshape(-1, n, width)                                        # [R, n, w]
     _, chosen = small_top_k(rows.max(axis=-1), k)                         # [R, k]
