@@ -41,45 +41,50 @@ def random_cache(cfg, batch, ctx, max_len, dtype, key):
     return KVCache(k, k * 0.5, jnp.full((batch,), ctx, jnp.int32))
 
 
+def _cache_len(ctx, steps_per_call, calls):
+    """Rows for ctx committed tokens plus every step of the warm-up and timed calls."""
+    return -(-(ctx + steps_per_call * (calls + 2)) // 128) * 128
+
+
+def _seconds_per_step(call, carry, calls, steps_per_call):
+    """call(carry) -> (carry, tokens): two warm calls (compile), then `calls` back to back,
+    blocked at the end; seconds per decode step."""
+    for _ in range(2):  # compile + warm
+        carry, tok = call(carry)
+    tok.block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        carry, tok = call(carry)
+    tok.block_until_ready()
+    return (time.perf_counter() - t0) / (calls * steps_per_call)
+
+
 def time_engine_program(params, cfg, batch, ctx, steps_per_call, calls, dtype):
     """The plain engine's greedy program (plain_cycle, LEAN), back to back, state donated."""
-    total = steps_per_call * (calls + 2)
-    max_len = -(-(ctx + total) // 128) * 128
+    max_len = _cache_len(ctx, steps_per_call, calls)
     state = init_plain_state(cfg, batch, 16, dtype).replace(
         cache=random_cache(cfg, batch, ctx, max_len, dtype, jax.random.PRNGKey(1)))
     fn = jax.jit(functools.partial(plain_cycle, cfg=cfg, n_steps=steps_per_call,
                                    features=LEAN), donate_argnums=(1,))
     active = jnp.ones((batch,), bool)
-    for _ in range(2):  # compile + warm
+
+    def call(state):
         state, out = fn(params, state, active)
-    out.tokens.block_until_ready()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        state, out = fn(params, state, active)
-    out.tokens.block_until_ready()
-    dt = (time.perf_counter() - t0) / (calls * steps_per_call)
-    del state
-    return dt
+        return state, out.tokens
+    return _seconds_per_step(call, state, calls, steps_per_call)
 
 
 def time_decode(params, cfg, batch, ctx, steps_per_call, calls, dtype):
-    total = steps_per_call * (calls + 2)
-    max_len = -(-(ctx + total) // 128) * 128
+    max_len = _cache_len(ctx, steps_per_call, calls)
     cache = random_cache(cfg, batch, ctx, max_len, dtype, jax.random.PRNGKey(1))
     sp = SlotSampling.from_params([SamplingParams()] * batch, batch)
-    tok, key = jnp.ones((batch,), jnp.int32), jax.random.PRNGKey(0)
-    for _ in range(2):  # compile + warm
+
+    def call(carry):
+        cache, tok, key = carry
         cache, out, key = decode_steps(params, cfg, cache, tok, sp, key, steps_per_call)
-        tok = out[:, -1]
-    tok.block_until_ready()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        cache, out, key = decode_steps(params, cfg, cache, tok, sp, key, steps_per_call)
-        tok = out[:, -1]
-    tok.block_until_ready()
-    dt = (time.perf_counter() - t0) / (calls * steps_per_call)
-    del cache
-    return dt
+        return (cache, out[:, -1], key), out[:, -1]
+    carry = (cache, jnp.ones((batch,), jnp.int32), jax.random.PRNGKey(0))
+    return _seconds_per_step(call, carry, calls, steps_per_call)
 
 
 def main():

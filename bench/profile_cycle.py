@@ -120,12 +120,8 @@ def model_programs(a, out):
 
 
 def _fixed_prefix(fn, prefix):
-    import jax
-    import jax.numpy as jnp
-    from jaxspec.kv import KVCache
-    reset = jax.jit(lambda s: s.replace(target=KVCache(s.target.k, s.target.v,
-                                                       jnp.full((1,), prefix, jnp.int32))),
-                    donate_argnums=0)
+    from bench.bench_cycle import prefix_reset
+    reset = prefix_reset(prefix)
     return lambda st: reset(fn(st))
 
 
