@@ -195,11 +195,12 @@ def main(argv=None):
     ap.add_argument("--shapes", default=None, help="e.g. 1,1,2;3,1,4")
     ap.add_argument("--variants", default="lean",
                     help="comma list of cycle variants timed per shape: lean (the engine's "
-                         "greedy program, the row's cycle_ms), full, cond (" + "lax.cond on device flags)")
+                         "greedy program, the row's cycle_ms), full, cond (lax.cond on device "
+                         "flags)")
     ap.add_argument("--top-k-impls", default="",
-                    help="comma list of TOP_K_IMPLS (two_stage, chunk_max_sort, chunk_max_top_k): "
-                         "also time each "
-                         "tree (topk > 1) cycle with that vocab top-k")
+                    help="comma list of TOP_K_IMPLS (two_stage, chunk_max_sort, "
+                         "chunk_max_top_k): also time each tree (topk > 1) cycle with that "
+                         "vocab top-k")
     ap.add_argument("--no-ablation", action="store_true",
                     help="skip the argmax / dead-row ablations")
     a = ap.parse_args(argv)
