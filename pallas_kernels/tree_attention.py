@@ -258,7 +258,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
     by_length = pl.cdiv(cache_len, _SPLIT_KEYS)
     fill = min(pl.cdiv(_MIN_PROGRAMS, programs), cache_len // (4 * block_k))
     num_splits = max(1, by_length, fill)
-    if rows > 16:   # whole waves: 320 programs (5 splits at B = 8, N = 16) ran 1.28x 256's
+    if rows > 16:   # whole waves: 320 programs (5 splits, B = 8, N = 16) ran 1.28x 256's (2 calls)
         num_splits = max(1, min(num_splits, _WIDE_TILE_PROGRAMS // programs))
     num_warps = 4 if block_r <= 32 else 8
     return block_r, block_k, num_splits, num_warps, 3
