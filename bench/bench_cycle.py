@@ -34,6 +34,7 @@ from jaxspec.sampling import FULL, LEAN  # noqa: E402
 from jaxspec.spec import SpecConfig, init_state, jit_cycle  # noqa: E402
 from jaxspec.spec import topk as topk_lib  # noqa: E402
 from jaxspec.spec import draft as draft_lib  # noqa: E402
+from jaxspec.xla_options import gemm_backend, jit  # noqa: E402
 from pallas_kernels.kv_compact import kv_compact  # noqa: E402
 
 TINY = ModelConfig(arch="LlamaForCausalLM", vocab_size=4096, hidden_size=256,
@@ -79,7 +80,7 @@ def plain_decode_ms(cfg, params, prefix, max_len, n, repeats):
     shape = (cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim)
 
     # Weights are arguments, never closed over: a closure would bake them in as constants.
-    @functools.partial(jax.jit, donate_argnums=1)
+    @functools.partial(jit, rows=1, donate_argnums=1)
     def step_fn(p, c):
         k, v, lens, tok = c
         h, kn, vn, _ = llama.forward(p, cfg, tok[:, None], lens[:, None], k, v, lens,
@@ -149,7 +150,7 @@ def prefix_reset(prefix):
 
 
 def cycle_ms(cfg, params, head, spec, prefix, max_len, n, repeats, variant="lean"):
-    cyc = jit_cycle(cfg, spec, features=VARIANTS[variant])
+    cyc = jit_cycle(cfg, spec, features=VARIANTS[variant], slots=1)
     active = jnp.ones((1,), bool)
     st = spec_state(cfg, spec, prefix, max_len, params["embed"].dtype, jax.random.PRNGKey(3))
     ms, _ = timed(lambda s: cyc(params, head, s, active)[0], st, n, repeats,
@@ -159,7 +160,7 @@ def cycle_ms(cfg, params, head, spec, prefix, max_len, n, repeats, variant="lean
 
 def draft_steps_ms(cfg, params, head, spec, prefix, max_len, n, repeats):
     st = spec_state(cfg, spec, prefix, max_len, params["embed"].dtype, jax.random.PRNGKey(4))
-    f = jax.jit(functools.partial(draft_lib.draft_tree, cfg=cfg, spec=spec))
+    f = jit(functools.partial(draft_lib.draft_tree, cfg=cfg, spec=spec), rows=1)
     # The draft cache is read only; chaining the root token keeps dispatches dependent.
     step = lambda seed: seed._replace(tokens=f(params, head, draft_k=st.draft_k,  # noqa: E731
                                                draft_v=st.draft_v, lens=st.target.lens,
@@ -176,7 +177,7 @@ def catch_up_ms(cfg, params, head, spec, prefix, max_len, n, repeats):
     n_live = jnp.full((1,), r, jnp.int32)   # a full accept: every row live, all but one dead after KV
     base = st.target.lens
 
-    @functools.partial(jax.jit, donate_argnums=2)
+    @functools.partial(jit, rows=1, donate_argnums=2)
     def step_fn(p, hd, c):
         dk, dv, _ = c
         return draft_lib.catch_up(p, hd, cfg, spec, dk, dv, base, feats, toks, n_live)
@@ -201,6 +202,10 @@ def main(argv=None):
                     help="comma list of TOP_K_IMPLS (two_stage, chunk_max_sort, "
                          "chunk_max_top_k): also time each tree (topk > 1) cycle with that "
                          "vocab top-k")
+    ap.add_argument("--gemm", default="auto",
+                    help="comma list of GEMM backends (xla_options.GEMM_BACKENDS); the first "
+                         "gives the row's figures, the others are timed beside it: plain decode "
+                         "and each cycle variant")
     ap.add_argument("--no-ablation", action="store_true",
                     help="skip the argmax / dead-row ablations")
     a = ap.parse_args(argv)
@@ -232,8 +237,14 @@ def main(argv=None):
           f"{bw / 1e9:.0f} GB/s; target {target_read / 1e9:.2f} GB, draft layer "
           f"{draft_layer_b / 1e9:.3f} GB, lm_head {lm_head_b / 1e9:.3f} GB", flush=True)
 
-    decode = plain_decode_ms(cfg, params, prefix, max_len, n, repeats)
-    res["decode_ms"] = decode
+    gemms = a.gemm.split(",")
+    with gemm_backend(gemms[0]):
+        decode = plain_decode_ms(cfg, params, prefix, max_len, n, repeats)
+    res["decode_ms"], res["gemm"] = decode, gemms[0]
+    for g in gemms[1:]:
+        with gemm_backend(g):
+            res[f"decode_{g}_ms"] = plain_decode_ms(cfg, params, prefix, max_len, n, repeats)
+        print(f"# plain decode with {g} GEMMs {res[f'decode_{g}_ms']:.3f} ms", flush=True)
     res["decode_floor_ms"] = target_read / bw * 1e3
     print(f"# plain decode {decode:.3f} ms (floor {res['decode_floor_ms']:.3f})", flush=True)
 
@@ -242,8 +253,13 @@ def main(argv=None):
         row = {"shape": [s, k, t]}
         variants = a.variants.split(",")
         for v in variants:
-            row[f"cycle_{v}_ms"] = cycle_ms(cfg, params, head, spec, prefix, max_len, n,
-                                            repeats, v)
+            with gemm_backend(gemms[0]):
+                row[f"cycle_{v}_ms"] = cycle_ms(cfg, params, head, spec, prefix, max_len, n,
+                                                repeats, v)
+            for g in gemms[1:]:
+                with gemm_backend(g):
+                    row[f"cycle_{v}_{g}_ms"] = cycle_ms(cfg, params, head, spec, prefix,
+                                                        max_len, n, repeats, v)
             for impl in (a.top_k_impls.split(",") if a.top_k_impls and k > 1 else []):
                 with vocab_top_k_impl(impl):
                     row[f"cycle_{v}_{impl}_ms"] = cycle_ms(cfg, params, head, spec, prefix,
@@ -281,13 +297,16 @@ def main(argv=None):
     def f(row, key):
         return f"{row[key]:8.3f}" if key in row else "       -"
 
-    print(f"\ndecode {decode:.3f} ms  floor {res['decode_floor_ms']:.3f} ms  copy "
+    for g in gemms[1:]:
+        print(f"(decode with {g} GEMMs {res[f'decode_{g}_ms']:.3f} ms)")
+    print(f"\ndecode ({gemms[0]} GEMMs) {decode:.3f} ms  floor {res['decode_floor_ms']:.3f} ms  copy "
           f"{bw / 1e9:.0f} GB/s  ({res['device']}, {res['model']}, prefix {prefix})")
     print(" S  K   N |  cycle ms  x decode |  floor ms  x decode | draft ms (softmax) | "
           "catch-up ms (no skip) (softmax) | cycle no-opt")
     for row in res["cycles"]:
         s, k, t = row["shape"]
-        others = [v for v in list(VARIANTS) + [f"{x}_{i}" for x in VARIANTS for i in TOP_K_IMPLS]
+        others = [v for v in list(VARIANTS) + [f"{x}_{i}" for x in VARIANTS
+                                               for i in list(TOP_K_IMPLS) + gemms[1:]]
                   if f"cycle_{v}_ms" in row and v != row["variant"]]
         if others:
             print(f"   ({row['variant']} cycle; " + ", ".join(

@@ -11,6 +11,7 @@ Usage: python bench/bench_decode.py [--tiny] [--program engine,decode_steps]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import time
@@ -25,6 +26,7 @@ from jaxspec.engine.backends import init_plain_state, plain_cycle
 from jaxspec.kv import KVCache, kv_bytes_per_token
 from jaxspec.models import llama
 from jaxspec.sampling import LEAN, SamplingParams, SlotSampling
+from jaxspec.xla_options import gemm_backend, jit
 
 
 def use_reference_kernels():
@@ -64,8 +66,8 @@ def time_engine_program(params, cfg, batch, ctx, steps_per_call, calls, dtype):
     max_len = _cache_len(ctx, steps_per_call, calls)
     state = init_plain_state(cfg, batch, 16, dtype).replace(
         cache=random_cache(cfg, batch, ctx, max_len, dtype, jax.random.PRNGKey(1)))
-    fn = jax.jit(functools.partial(plain_cycle, cfg=cfg, n_steps=steps_per_call,
-                                   features=LEAN), donate_argnums=(1,))
+    fn = jit(functools.partial(plain_cycle, cfg=cfg, n_steps=steps_per_call,
+                               features=LEAN), rows=batch, donate_argnums=(1,))
     active = jnp.ones((batch,), bool)
 
     def call(state):
@@ -99,6 +101,11 @@ def main():
                          "lax.scan over stacked weights; leaves: one leaf per layer weight")
     ap.add_argument("--program", default="engine",
                     help="comma list: engine (plain_cycle, LEAN), decode_steps")
+    ap.add_argument("--batches", default="",
+                    help="comma list of batch sizes replacing each shape's default ones")
+    ap.add_argument("--gemm", default="auto",
+                    help="comma list of GEMM backends the engine program is compiled with "
+                         "(xla_options.GEMM_BACKENDS: auto = the engine's rule)")
     args = ap.parse_args()
     if args.attn == "reference":
         use_reference_kernels()
@@ -111,6 +118,10 @@ def main():
                            head_dim=16)
         SHAPES["tiny"] = tiny
         cases = [("tiny", 1, 64), ("tiny", 4, 64)]
+    if args.batches:
+        shapes = dict.fromkeys(c[0] for c in cases)
+        cases = [(sh, int(b), 64 if args.tiny else 512) for sh in shapes
+                 for b in args.batches.split(",")]
     rows = []
     for shape, batch, ctx in cases:
         if args.only and shape not in args.only.split(","):
@@ -125,21 +136,25 @@ def main():
             lcfg = dataclasses.replace(cfg, unroll_layers=layout == "static")
             for prog in args.program.split(","):
                 timer = time_engine_program if prog == "engine" else time_decode
-                for spc in (1, args.steps):
-                    dt = timer(params, lcfg, batch, ctx, spc, max(4, 256 // spc), dtype)
-                    rows.append(dict(attn=args.attn, shape=shape, batch=batch, ctx=ctx,
-                                     layout=layout, program=prog, steps_per_call=spc,
-                                     ms_per_step=dt * 1e3, floor_ms=floor * 1e3,
-                                     ratio_to_floor=dt / floor))
-                    print(rows[-1], flush=True)
+                # decode_steps is compiled at import, with the default options only
+                for gemm in args.gemm.split(",") if prog == "engine" else ["default"]:
+                    for spc in sorted({1, args.steps}):
+                        with gemm_backend(gemm) if gemm != "default" else contextlib.nullcontext():
+                            dt = timer(params, lcfg, batch, ctx, spc, max(4, 256 // spc), dtype)
+                        rows.append(dict(attn=args.attn, shape=shape, batch=batch, ctx=ctx,
+                                         layout=layout, program=prog, gemm=gemm,
+                                         steps_per_call=spc, ms_per_step=dt * 1e3,
+                                         floor_ms=floor * 1e3, ratio_to_floor=dt / floor))
+                        print(rows[-1], flush=True)
             del params
         del stacked
     write_json("bench_decode.json", dict(device=device_name(), copy_bw=bw, rows=rows))
     print(f"\ndevice {device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'shape':14s} {'B':>3s} {'ctx':>5s} {'layout':9s} {'program':12s} {'steps/call':>10s} "
-          f"{'ms/step':>8s} {'floor':>7s} {'x floor':>7s}")
+    print(f"{'shape':14s} {'B':>3s} {'ctx':>5s} {'layout':9s} {'program':12s} {'gemm':8s} "
+          f"{'steps/call':>10s} {'ms/step':>8s} {'floor':>7s} {'x floor':>7s}")
     for r in rows:
         print(f"{r['shape']:14s} {r['batch']:3d} {r['ctx']:5d} {r['layout']:9s} {r['program']:12s} "
+              f"{r['gemm']:8s} "
               f"{r['steps_per_call']:10d} {r['ms_per_step']:8.3f} {r['floor_ms']:7.3f} "
               f"{r['ratio_to_floor']:7.3f}")
 

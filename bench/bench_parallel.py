@@ -43,6 +43,7 @@ from jaxspec.parallel.tensor_parallel import tp_cycle  # noqa: E402
 from jaxspec.sampling import LEAN, SamplingParams  # noqa: E402
 from jaxspec.spec import init_state, jit_cycle  # noqa: E402
 from jaxspec.spec.config import resolve_spec  # noqa: E402
+from jaxspec.xla_options import jit  # noqa: E402
 
 TINY = ModelConfig(arch="LlamaForCausalLM", vocab_size=512, hidden_size=128,
                    intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
@@ -268,7 +269,7 @@ def _plain_step(cfg, batch):
         tok = jnp.argmax(llama.lm_head(params, cfg, h[:, 0]), -1).astype(jnp.int32)
         return state.replace(target=c.replace(k=k, v=v, lens=c.lens + 1), root=tok)
 
-    return jax.jit(step, donate_argnums=(1,))
+    return jit(step, donate_argnums=(1,))
 
 
 def _time_steps(cyc, plain, params, draft, state, args):

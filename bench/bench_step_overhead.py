@@ -28,6 +28,7 @@ from jaxspec.kv import KVCache
 from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams, SlotSampling, sample
 from jaxspec.spec import SpecConfig, jit_cycle
+from jaxspec.xla_options import jit
 from pallas_kernels.kv_compact import kv_compact
 
 
@@ -35,7 +36,7 @@ def bare_step(cfg, with_cond: bool):
     """One decode step over a batch-1 cache carried as (k, v, lens, tok, key)."""
     sp = SlotSampling.from_params([SamplingParams()], 1)
 
-    @functools.partial(jax.jit, donate_argnums=1)
+    @functools.partial(jit, rows=1, donate_argnums=1)
     def step(p, c):
         k, v, lens, tok, key = c
         h, kn, vn, _ = llama.forward(p, cfg, tok[:, None], lens[:, None], k, v, lens,

@@ -111,7 +111,7 @@ def model_programs(a, out):
                      a.calls, a.top))
     active = jnp.ones((1,), bool)
     for s, k, t in a.shape_list:
-        cyc = jit_cycle(cfg, SpecConfig(s, k, t), features=VARIANTS[a.variant])
+        cyc = jit_cycle(cfg, SpecConfig(s, k, t), features=VARIANTS[a.variant], slots=1)
         st = bc.spec_state(cfg, SpecConfig(s, k, t), prefix, max_len, dtype, jax.random.PRNGKey(3))
         # Each call leaves lens where it was (KVCache reset inside): the prefix stays fixed.
         fn = _fixed_prefix(lambda st: cyc(params, head, st, active)[0], prefix)
@@ -131,12 +131,13 @@ def decode_step(cfg, params, prefix, max_len, batch=1):
     import jax
     import jax.numpy as jnp
     from jaxspec.models import llama
+    from jaxspec.xla_options import jit
     from pallas_kernels.kv_compact import kv_compact
     dt = params["embed"].dtype
     b = batch
     shape = (cfg.num_layers, b, cfg.num_kv_heads, max_len, cfg.head_dim)
 
-    @functools.partial(jax.jit, donate_argnums=1)
+    @functools.partial(jit, rows=b, donate_argnums=1)
     def step_fn(p, c):
         k, v, _, tok = c
         lens = jnp.full((b,), prefix, jnp.int32)
@@ -208,6 +209,8 @@ def main(argv=None):
     ap.add_argument("--attention", action="store_true", help="the attention kernel alone")
     ap.add_argument("--variant", default="lean", choices=("lean", "full", "cond"),
                     help="the cycle's compiled variant (bench_cycle.VARIANTS)")
+    ap.add_argument("--gemm", default="auto",
+                    help="GEMM backend the programs are compiled with (xla_options.GEMM_BACKENDS)")
     ap.add_argument("--attn-shapes", default="1,1,1024;1,1,8192;1,64,1024;1,10,1024;64,1,1024")
     a = ap.parse_args(argv)
     a.shape_list = _shapes(a.shapes)   # "" profiles the decode step alone
@@ -219,7 +222,9 @@ def main(argv=None):
     if a.attention:
         attention_programs(a, out)
     else:
-        model_programs(a, out)
+        from jaxspec.xla_options import gemm_backend
+        with gemm_backend(a.gemm):
+            model_programs(a, out)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "profile_cycle.json"), "w") as f:
             json.dump(out, f, indent=1)

@@ -20,6 +20,7 @@ from jaxspec.models import llama
 from jaxspec.sampling import (MAX_LOGPROBS, Emitted, Features, SamplingParams, SlotSampling,
                               TokenCounts, apply_penalties, cond, logprob_dicts, sample,
                               sample_slots, slot_keys, split_slot_keys, token_logprobs)
+from jaxspec.xla_options import jit
 from pallas_kernels.kv_compact import kv_compact
 
 
@@ -31,7 +32,7 @@ def _append(cache: KVCache, k_new, v_new, count) -> KVCache:
     return KVCache(k, v, cache.lens + count)
 
 
-@functools.partial(jax.jit, static_argnums=(1,), donate_argnums=(2,))
+@functools.partial(jit, static_argnums=(1,), donate_argnums=(2,))
 def prefill_chunk(params, cfg: ModelConfig, cache: KVCache, tokens, n_valid):
     """tokens [B, C] (padded), n_valid [B] -> (cache, hidden of each slot's last valid row [B, H]).
 
@@ -46,7 +47,7 @@ def prefill_chunk(params, cfg: ModelConfig, cache: KVCache, tokens, n_valid):
     return _append(cache, k_new, v_new, n_valid), last
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
+@functools.partial(jit, static_argnums=(1,))
 def sample_from_hidden(params, cfg: ModelConfig, hidden, sp: SlotSampling, key):
     """hidden [B, H] (before the final norm) -> next tokens [B]."""
     return sample(llama.lm_head(params, cfg, hidden), sp, key)
@@ -78,7 +79,7 @@ def scan_steps(step, carry, xs, n_steps: int):
     return carry, jax.tree_util.tree_map(lambda a: a[None], y)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 6), donate_argnums=(2,))
+@functools.partial(jit, static_argnums=(1, 6), donate_argnums=(2,))
 def decode_steps(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampling, key,
                  n_steps: int):
     """n_steps decode steps. tokens [B] sit at position cache.lens.
@@ -118,7 +119,7 @@ def _emit(logits, sp: SlotSampling, hist: TokenCounts, keys, forced, num_top: in
     return Emitted(tok, lp[:, 0], ids[:, 0], tlp[:, 0]), hist, keys
 
 
-@functools.partial(jax.jit, static_argnums=(1,), static_argnames=("num_top",))
+@functools.partial(jit, static_argnums=(1,), static_argnames=("num_top",))
 def first_token(params, cfg: ModelConfig, hidden, sp: SlotSampling, hist: TokenCounts, keys,
                 forced=None, num_top: int = MAX_LOGPROBS):
     """hidden [B, H] of the last prompt row -> (Emitted [B], hist, keys). hist holds the prompt
@@ -156,7 +157,7 @@ def decode_scan(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampli
     return cache, hist, keys, out
 
 
-@functools.partial(jax.jit, static_argnums=(1,), static_argnames=("n_steps", "num_top"),
+@functools.partial(jit, static_argnums=(1,), static_argnames=("n_steps", "num_top"),
                    donate_argnums=(2, 5))
 def sample_steps(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampling,
                  hist: TokenCounts, keys, forced=None, *, n_steps: int,

@@ -54,6 +54,7 @@ from jaxspec.sampling import FULL, VARIANTS, Features, SlotSampling, TokenCounts
 from jaxspec.spec.admit import (AdmitArgs, _chunk_forward, _last_row, admit_programs,
                                 admit_sampling, advance_rows, batch_axes, chunk_history,
                                 jit_spec_admit, put_slots, take_slots)
+from jaxspec.xla_options import gemm_choice, jit
 
 
 class CycleTokens(NamedTuple):
@@ -186,7 +187,7 @@ class SpecBackend(_Dispatch):
         self.sizes = tuple(sorted({1, cycles_per_call}))
         self.emit, self.min_emit = self.emits(cycles_per_call)
         self.key = _engine_key(seed)
-        self._cycles = {(f, k): jit_cycle(cfg, self.spec, features=f, n_cycles=k)
+        self._cycles = {(f, k): jit_cycle(cfg, self.spec, features=f, n_cycles=k, slots=slots)
                         for f in VARIANTS for k in self.sizes}
         self._admits, self._advance = jit_spec_admit(cfg, self.spec, slots, max_len, self.dtype)
         self._init_dispatch()
@@ -272,16 +273,20 @@ def plain_cycle(params, state: PlainState, active, *, cfg: ModelConfig, n_steps:
                             em.top_ids, em.top_logprobs)
 
 
-@functools.lru_cache(maxsize=None)
 def _jit_plain(cfg: ModelConfig, slots: int, max_len: int, dtype, n_steps: int):
+    return _jit_plain_cached(cfg, slots, max_len, dtype, n_steps, gemm_choice())
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_plain_cached(cfg, slots, max_len, dtype, n_steps, _gemm):
     axes = batch_axes(lambda b: init_plain_state(cfg, b, max_len, dtype), slots)
     rows = batch_axes(lambda t: init_plain_state(cfg, slots, t, dtype), max_len, "row")
     admits = admit_programs(functools.partial(plain_admit, cfg=cfg, axes=axes), rows, donate=1)
-    cycles = {f: jax.jit(functools.partial(plain_cycle, cfg=cfg, n_steps=n_steps, features=f),
-                         donate_argnums=(1,)) for f in VARIANTS}
+    cycles = {f: jit(functools.partial(plain_cycle, cfg=cfg, n_steps=n_steps, features=f),
+                     rows=slots, donate_argnums=(1,)) for f in VARIANTS}
     # Each decode step splits a slot's key into 2 (next key, the draw).
-    advance = jax.jit(lambda st, idx, n: st.replace(keys=advance_rows(st.keys, idx, n, 2)),
-                      donate_argnums=(0,))
+    advance = jit(lambda st, idx, n: st.replace(keys=advance_rows(st.keys, idx, n, 2)),
+                  donate_argnums=(0,))
     return admits, cycles, advance
 
 

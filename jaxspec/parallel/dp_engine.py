@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxspec.config import ConfigError
 from jaxspec.engine.backends import MaskCache
+from jaxspec.xla_options import jit
 
 AXIS = "data"
 
@@ -66,8 +67,8 @@ class _Sharded:
     def cycle(self, jitted):
         inner = jitted.__wrapped__
         specs = (P(),) * self.n_w + (self.state_spec, P(AXIS))
-        return jax.jit(self._smap(inner, specs, (self.state_spec, P(AXIS))),
-                       donate_argnums=(self.n_w,))
+        return jit(self._smap(inner, specs, (self.state_spec, P(AXIS))),
+                   donate_argnums=(self.n_w,))
 
     def admit(self, jitted):
         inner, per, n = jitted.__wrapped__, self.per, self.n
@@ -84,15 +85,15 @@ class _Sharded:
             slot_idx = args[self.n_w + 1]
             return state, jax.tree_util.tree_map(lambda x: _owner_rows(x, slot_idx, per, n),
                                                  first)
-        return jax.jit(call, donate_argnums=(self.n_w,))
+        return jit(call, donate_argnums=(self.n_w,))
 
     def advance(self, jitted):
         inner, per = jitted.__wrapped__, self.per
 
         def local(state, slot_idx, advance):
             return inner(state, _local_slots(slot_idx, per), advance)
-        return jax.jit(self._smap(local, (self.state_spec, P(), P()), self.state_spec),
-                       donate_argnums=(0,))
+        return jit(self._smap(local, (self.state_spec, P(), P()), self.state_spec),
+                   donate_argnums=(0,))
 
 
 def data_parallel_backend(backend, devices: Sequence[jax.Device]):

@@ -55,6 +55,7 @@ from jaxspec.config import ConfigError, ModelConfig
 from jaxspec.kv import KVCache
 from jaxspec.spec.config import SpecConfig
 from jaxspec.spec.runner import SpecRunner
+from jaxspec.xla_options import jit
 
 AXIS = "model"
 
@@ -254,8 +255,8 @@ def tp_cycle(cfg: ModelConfig, spec: SpecConfig, mesh: Mesh, state, greedy_only:
     from jaxspec.spec.cycle import cycle
     rep = NamedSharding(mesh, P())
     st = state_shardings(state, cfg, mesh)
-    return on_mesh(jax.jit(functools.partial(cycle, cfg=cfg, spec=spec, greedy_only=greedy_only),
-                           out_shardings=(st, rep), donate_argnums=(2,)), mesh)
+    return on_mesh(jit(functools.partial(cycle, cfg=cfg, spec=spec, greedy_only=greedy_only),
+                       out_shardings=(st, rep), donate_argnums=(2,)), mesh)
 
 
 def tp_prefill(cfg: ModelConfig, spec: SpecConfig, mesh: Mesh, state,
@@ -263,8 +264,8 @@ def tp_prefill(cfg: ModelConfig, spec: SpecConfig, mesh: Mesh, state,
     from jaxspec.spec.cycle import prefill
     rep = NamedSharding(mesh, P())
     st = state_shardings(state, cfg, mesh)
-    return on_mesh(jax.jit(functools.partial(prefill, cfg=cfg, spec=spec,
-                                             with_logprobs=with_logprobs),
+    return on_mesh(jit(functools.partial(prefill, cfg=cfg, spec=spec,
+                                         with_logprobs=with_logprobs),
                            out_shardings=(st, rep), donate_argnums=(2,)), mesh)
 
 

@@ -49,6 +49,7 @@ from jaxspec.sampling import (FULL, MAX_LOGPROBS, VARIANTS, Emitted, Features, S
                               TokenCounts, apply_penalties, cond, sample_slots, split_slot_keys,
                               token_logprobs)
 from jaxspec.spec.cycle import init_state
+from jaxspec.xla_options import jit
 from pallas_kernels.kv_compact import kv_compact
 
 
@@ -267,9 +268,9 @@ def admit_programs(admit_fn, rows, donate: int) -> dict:
     """{(features, first chunk): jitted admit_fn} per `sampling.VARIANTS`: the first-chunk form
     (kv_rows=rows, take_slots' `fresh`) and the general one; argument `donate` (the state) is
     donated. admit_fn: spec_admit or plain_admit with its static arguments bound."""
-    return {(f, first): jax.jit(functools.partial(admit_fn, features=f,
-                                                  kv_rows=rows if first else None),
-                                donate_argnums=(donate,))
+    return {(f, first): jit(functools.partial(admit_fn, features=f,
+                                              kv_rows=rows if first else None),
+                            donate_argnums=(donate,))
             for f in VARIANTS for first in (False, True)}
 
 
@@ -284,6 +285,6 @@ def jit_spec_admit(cfg: ModelConfig, spec: SpecConfig, slots: int, max_len: int,
     admits = admit_programs(functools.partial(spec_admit, cfg=cfg, spec=spec, axes=axes), rows,
                             donate=2)
     # The cycle splits each slot's key into 3 (next key, draft draws, verify draws).
-    advance = jax.jit(lambda st, idx, n: st.replace(rng=advance_rows(st.rng, idx, n, 3)),
-                      donate_argnums=(0,))
+    advance = jit(lambda st, idx, n: st.replace(rng=advance_rows(st.rng, idx, n, 3)),
+                  donate_argnums=(0,))
     return admits, advance

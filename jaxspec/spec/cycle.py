@@ -34,6 +34,7 @@ from jaxspec.sampling import (MAX_LOGPROBS, Emitted, Features, SlotSampling, Tok
                               sample_slots, split_slot_keys, token_logprobs)
 from jaxspec.spec.verify import (emitted_tokens, greedy_accept, path_tokens, sample_accept,
                                  select_accept)
+from jaxspec.xla_options import gemm_choice, jit
 from pallas_kernels.kv_compact import kv_compact
 
 
@@ -227,16 +228,27 @@ def cycles(params, draft_params, state: SpecState, active, *, n_cycles: int, **k
     return state, CycleOut(gather(tokens), jnp.stack([o.accept_len for o in outs], axis=1), *cat)
 
 
-@functools.lru_cache(maxsize=None)
 def jit_cycle(cfg: ModelConfig, spec: SpecConfig, greedy_only: bool = False,
-              features: Optional[Features] = None, n_cycles: int = 1):
+              features: Optional[Features] = None, n_cycles: int = 1,
+              slots: Optional[int] = None):
     """cycle(params, draft_params, state, active) -> (state, CycleOut); the state is donated.
-    n_cycles > 1: `cycles` (that many per call).
+    n_cycles > 1: `cycles` (that many per call). slots: the state's slots when the caller
+    knows them (they choose the GEMMs, `xla_options`).
 
-    One jitted function per (cfg, spec, greedy_only, features, n_cycles), so runners of the same
-    shapes share executables."""
-    return jax.jit(functools.partial(cycles, cfg=cfg, spec=spec, greedy_only=greedy_only,
-                                     features=features, n_cycles=n_cycles), donate_argnums=(2,))
+    One jitted function per (cfg, spec, greedy_only, features, n_cycles, slots, GEMM rule), so
+    runners of the same shapes share executables."""
+    return _jit_cycle(cfg, spec, greedy_only, features, n_cycles, slots, gemm_choice())
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_cycle(cfg, spec, greedy_only, features, n_cycles, slots, _gemm):
+    # The smallest products have one row per slot (the draft's lm_head at topk 1, catch-up).
+    return jit(functools.partial(cycles, cfg=cfg, spec=spec, greedy_only=greedy_only,
+                                 features=features, n_cycles=n_cycles), rows=slots,
+               donate_argnums=(2,))
+
+
+jit_cycle.cache_clear = _jit_cycle.cache_clear
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,5 +256,5 @@ def jit_prefill(cfg: ModelConfig, spec: SpecConfig, greedy_only: bool = False,
                 with_logprobs: bool = False):
     """prefill(params, draft_params, state, tokens, prompt_lens[, sampling, rng]) -> (state, root
     or Emitted); state donated."""
-    return jax.jit(functools.partial(prefill, cfg=cfg, spec=spec, greedy_only=greedy_only,
-                                     with_logprobs=with_logprobs), donate_argnums=(2,))
+    return jit(functools.partial(prefill, cfg=cfg, spec=spec, greedy_only=greedy_only,
+                                 with_logprobs=with_logprobs), donate_argnums=(2,))

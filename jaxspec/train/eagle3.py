@@ -26,6 +26,7 @@ import numpy as np
 from jaxspec.config import ModelConfig
 from jaxspec.models import llama
 from jaxspec.train.loss import causal_attention
+from jaxspec.xla_options import jit
 
 
 def head_model_config(cfg: ModelConfig, hc: dict) -> ModelConfig:
@@ -129,7 +130,7 @@ def _target_forward(params, cfg: ModelConfig, aux_layers, tokens):
     return jnp.concatenate(list(cap), axis=-1), llama.final_norm(params, cfg, hidden)
 
 
-target_features = jax.jit(_target_forward, static_argnums=(1, 2))
+target_features = jit(_target_forward, static_argnums=(1, 2))
 
 
 def forward_ttt(p, hc: dict, cfg: ModelConfig, embed, tokens, aux, steps: int, loss_fn):

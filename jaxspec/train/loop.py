@@ -25,6 +25,7 @@ import optax
 from jaxspec.config import ModelConfig
 from jaxspec.models import eagle
 from jaxspec.train.loss import eagle1_loss, target_features
+from jaxspec.xla_options import jit
 
 
 @dataclasses.dataclass
@@ -110,7 +111,7 @@ def make_train_step(cfg: ModelConfig, tc: TrainConfig, opt, objective=None):
     cdt = jnp.dtype(tc.compute_dtype) if tc.compute_dtype else None
     loss_fn = objective.loss if objective is not None else eagle1_loss
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    @functools.partial(jit, donate_argnums=(0, 1))
     def step_fn(draft, opt_state, params, tokens, features, loss_mask, key, step, total):
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (_, metrics), grads = grad_fn(draft, params, cfg, tokens, features, loss_mask, key,
@@ -124,7 +125,7 @@ def make_train_step(cfg: ModelConfig, tc: TrainConfig, opt, objective=None):
     return step_fn
 
 
-@functools.partial(jax.jit, static_argnums=(2, 6))
+@functools.partial(jit, static_argnums=(2, 6))
 def eval_loss(draft, params, cfg: ModelConfig, tokens, features, loss_mask, ttt_steps: int = 1):
     return eagle1_loss(draft, params, cfg, tokens, features, loss_mask, jax.random.PRNGKey(0),
                        0.0, ttt_steps=ttt_steps)[1]
@@ -133,7 +134,7 @@ def eval_loss(draft, params, cfg: ModelConfig, tokens, features, loss_mask, ttt_
 def _eval_fn(cfg: ModelConfig, tc: TrainConfig, objective):
     if objective is None:
         return lambda draft, params, *batch: eval_loss(draft, params, cfg, *batch, tc.ttt_steps)
-    return jax.jit(lambda draft, params, tokens, feats, mask: objective.loss(
+    return jit(lambda draft, params, tokens, feats, mask: objective.loss(
         draft, params, cfg, tokens, feats, mask, jax.random.PRNGKey(0), 0.0,
         ttt_steps=tc.ttt_steps, ttt_decay=tc.ttt_decay)[1])
 

@@ -16,12 +16,13 @@ import jax.numpy as jnp
 from jaxspec.config import ModelConfig
 from jaxspec.kv import init_cache
 from jaxspec.models import eagle, llama
+from jaxspec.xla_options import jit
 
 FEATURE_WEIGHT = 1.0     # EAGLE-1: w_reg
 TOKEN_WEIGHT = 0.1       # EAGLE-1: w_cls
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
+@functools.partial(jit, static_argnums=(1,))
 def target_features(params, cfg: ModelConfig, tokens):
     """Teacher-forced target forward: tokens [B, T] -> post-final-norm features [B, T, H]."""
     b, t = tokens.shape

@@ -1,0 +1,71 @@
+"""XLA compiler options for the programs jaxspec compiles, and `jit`, which applies them.
+
+GEMMs. XLA's default on the H100 lowers most bf16 matmuls to Triton GEMM fusions; with Triton
+GEMMs off it calls cuBLAS, which also takes the residual add after a GEMM as its epilogue
+(beta = 1), so the add kernels go. Which is faster depends on the rows of the products
+(bench/RESULTS.md, eleventh set, Llama-3-8B shape, one decode step, same call):
+
+  slots       1      4      16     32     64
+  cuBLAS   7.436  6.282  6.361  7.024  7.987 ms
+  Triton   5.645  5.724  6.234  7.001  8.328 ms
+
+With few rows cuBLAS runs the fp32-output lm_head as an fp32 GEMV after converting the whole
+weight to fp32 (1.05 ms of convert at batch 1). So a program whose smallest product has at
+least `CUBLAS_MIN_ROWS` rows (a decode or cycle program over 64 or more slots) is compiled with
+Triton GEMMs off; every other program keeps XLA's default.
+
+The options go to each program through `jax.jit(compiler_options=...)`, not process-wide
+through XLA_FLAGS: other JAX code in the process keeps XLA's defaults, and it works whenever
+jaxspec is imported. Options a backend's compiler does not use are ignored by it (the CPU).
+`JAXSPEC_GEMM=auto|cublas|triton` or `gemm_backend(...)` (programs built inside it; benchmarks
+time both in one process) choose the GEMMs: auto is the rule above, cublas and triton force one.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Dict, Optional
+
+import jax
+
+CUBLAS_MIN_ROWS = 64
+GEMM_BACKENDS = ("auto", "cublas", "triton")
+_CUBLAS = {"xla_gpu_enable_triton_gemm": False}
+_override: Optional[str] = None
+
+
+def gemm_choice() -> str:
+    """The GEMM rule programs built now follow (one of GEMM_BACKENDS)."""
+    choice = _override or os.environ.get("JAXSPEC_GEMM", "") or "auto"
+    if choice not in GEMM_BACKENDS:
+        raise ValueError(f"unknown GEMM backend {choice!r} (JAXSPEC_GEMM); choose from "
+                         f"{', '.join(GEMM_BACKENDS)}")
+    return choice
+
+
+def compiler_options(rows: Optional[int] = None) -> Dict[str, Any]:
+    """Options of a program whose smallest product has `rows` rows (None: not known)."""
+    choice = gemm_choice()
+    auto_cublas = choice == "auto" and rows is not None and rows >= CUBLAS_MIN_ROWS
+    return dict(_CUBLAS) if choice == "cublas" or auto_cublas else {}
+
+
+def jit(fun=None, *, rows: Optional[int] = None, **kwargs):
+    """jax.jit with `compiler_options(rows)`, chosen when the program is built. Also a
+    decorator: `@jit` or `@functools.partial(jit, static_argnums=...)`."""
+    if fun is None:
+        return lambda f: jit(f, rows=rows, **kwargs)
+    return jax.jit(fun, compiler_options=compiler_options(rows), **kwargs)
+
+
+@contextlib.contextmanager
+def gemm_backend(name: str):
+    """Programs built inside follow this GEMM rule (one of GEMM_BACKENDS)."""
+    global _override
+    if name not in GEMM_BACKENDS:
+        raise ValueError(f"unknown GEMM backend {name!r}; choose from {', '.join(GEMM_BACKENDS)}")
+    saved, _override = _override, name
+    try:
+        yield
+    finally:
+        _override = saved
