@@ -157,6 +157,20 @@ def checks():
                    dtype=jnp.dtype(dtype).name, rel_err=err, ok=bool(finite and err < tol))
         RESULTS["check"].append(row)
         print("check", row, flush=True)
+        # The packed entry: q, k_new, v_new read out of one [B, N, Hq + 2 Hkv, D] array.
+        qkv = jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], axis=2)
+        try:
+            out = ta.tree_attention_packed_pallas(qkv, kc, vc, jnp.int32(2), sl, mask,
+                                                  num_heads=hq, sm_scale=scale,
+                                                  interpret=SMOKE)
+            err = rel_err(out, ref)
+            finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
+        except Exception:
+            traceback.print_exc()
+            err, finite = float("nan"), False
+        row = dict(row, op="tree_attention_packed", rel_err=err, ok=bool(finite and err < tol))
+        RESULTS["check"].append(row)
+        print("check", row, flush=True)
 
     for (nl, b, hkv, t, d, n, m) in [(3, 4, 8, 64, 128, 16, 8), (2, 3, 2, 40, 64, 64, 64)]:
         key, *ks = jax.random.split(key, 7)

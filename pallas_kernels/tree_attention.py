@@ -104,11 +104,11 @@ def _store_rows(out_ref, o, b, h, r, live, group, col0=0):
 def _tree_attention_kernel(
     layer_ref,     # [1] int32
     seq_lens_ref,  # [B] int32
-    q_ref,         # [B, Hkv, R, D]   rows r = n * G + g
+    q_ref,         # [B, Hkv, R, D]   rows r = n * G + g; packed: qkv [B, N, Hq + 2 Hkv, D]
     k_ref,         # [L, B, Hkv, T, D]
     v_ref,         # [L, B, Hkv, T, D]
-    kn_ref,        # [B, Hkv, N, D]
-    vn_ref,        # [B, Hkv, N, D]
+    kn_ref,        # [B, Hkv, N, D]; packed: the same qkv
+    vn_ref,        # [B, Hkv, N, D]; packed: the same qkv
     mask_ref,      # [B, N, N] int8
     *out_refs,     # S == 1: out [B, N, Hq, D]; else o [BH, S, R, D], m, l [BH, S, R] (f32)
     scale_log2: float,
@@ -119,11 +119,12 @@ def _tree_attention_kernel(
     block_r: int,
     block_k: int,
     block_n: int,
+    packed: bool = False,
 ):
     rb, split, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = bh // num_kv_heads, bh % num_kv_heads
     t_max = k_ref.shape[3]
-    num_rows = q_ref.shape[2]
+    num_rows = num_new * group
     layer = layer_ref[0]
     seq_len = jnp.clip(seq_lens_ref[b], 0, t_max)
     # This split's share of the live prefix, a whole number of key blocks.
@@ -137,8 +138,13 @@ def _tree_attention_kernel(
     r = rb * block_r + jnp.arange(block_r)
     row_live = r < num_rows
     rows = pl.ds(rb * block_r, block_r)
-    q = _load(q_ref.at[b, h, rows, :], mask=row_live[:, None], other=0.0)
-    head_dim = q.shape[-1]
+    head_dim = k_ref.shape[-1]
+    if packed:   # row r is query head h * G + g of token n = r // G
+        n_of_r = jnp.minimum(r // group, num_new - 1)[:, None]
+        q = _load(q_ref.at[b, n_of_r, (h * group + r % group)[:, None],
+                           jnp.arange(head_dim)[None, :]], mask=row_live[:, None], other=0.0)
+    else:
+        q = _load(q_ref.at[b, h, rows, :], mask=row_live[:, None], other=0.0)
     carry = (jnp.zeros((block_r, head_dim), jnp.float32),
              jnp.full((block_r,), MASK_VALUE, jnp.float32),
              jnp.zeros((block_r,), jnp.float32))
@@ -160,8 +166,14 @@ def _tree_attention_kernel(
     def new_body(j, carry):
         m0 = j * block_n
         key_live = (m0 + new_iota) < num_new
-        k = _load(kn_ref.at[b, h, pl.ds(m0, block_n), :], mask=key_live[:, None], other=0.0)
-        v = _load(vn_ref.at[b, h, pl.ds(m0, block_n), :], mask=key_live[:, None], other=0.0)
+        if packed:   # k heads follow the Hq query heads, v heads follow the k heads
+            kh = num_kv_heads * group + h
+            k = _load(kn_ref.at[b, pl.ds(m0, block_n), kh, :], mask=key_live[:, None], other=0.0)
+            v = _load(vn_ref.at[b, pl.ds(m0, block_n), kh + num_kv_heads, :],
+                      mask=key_live[:, None], other=0.0)
+        else:
+            k = _load(kn_ref.at[b, h, pl.ds(m0, block_n), :], mask=key_live[:, None], other=0.0)
+            v = _load(vn_ref.at[b, h, pl.ds(m0, block_n), :], mask=key_live[:, None], other=0.0)
         # Index arrays on both axes (a gather): interpret mode cannot mix them with slices.
         cols = jnp.minimum(m0 + new_iota, num_new - 1)
         allowed = _load(mask_ref.at[b, query[:, None], cols[None, :]]) != 0
@@ -264,9 +276,11 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
     return block_r, block_k, num_splits, num_warps, 3
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
-    "interpret"))
+_TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
+           "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
 def tree_attention_pallas(
     q,          # [B, N, Hq, D]
     k_cache,    # [L, B, Hkv, T, D]
@@ -278,17 +292,40 @@ def tree_attention_pallas(
     tree_mask,  # [B, N, N] bool
     *,
     sm_scale: float,
-    block_r: int | None = None,
-    block_k: int | None = None,
-    block_n: int | None = None,
-    num_splits: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    interpret: bool = False,
+    **tuning,
 ):
     b, n, hq, d = q.shape
-    _, _, hkv, t, _ = k_cache.shape
+    hkv = k_cache.shape[2]
     assert hq % hkv == 0, f"{hq=} must be a multiple of {hkv=}"
+    g = hq // hkv
+    # Rows r = n * G + g of KV head h (a bitcast when N == 1; q is small next to the cache).
+    q_rows = q.reshape(b, n, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, n * g, d)
+    return _launch(q_rows, k_cache, v_cache, layer, seq_lens, k_new.astype(k_cache.dtype),
+                   v_new.astype(v_cache.dtype), tree_mask, (b, n, hq, d), q.dtype,
+                   sm_scale=sm_scale, packed=False, **tuning)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "sm_scale") + _TUNING)
+def tree_attention_packed_pallas(qkv, k_cache, v_cache, layer, seq_lens, tree_mask, *,
+                                 num_heads: int, sm_scale: float, **tuning):
+    """`tree_attention_packed` by the kernel, which reads q, k_new and v_new out of qkv itself:
+    no slice or transpose kernel between the projection and the attention."""
+    b, n, heads, d = qkv.shape
+    hkv = k_cache.shape[2]
+    assert heads == num_heads + 2 * hkv and num_heads % hkv == 0, (
+        f"qkv holds {heads} heads; expected {num_heads} query + 2 x {hkv} KV heads")
+    qkv = qkv.astype(k_cache.dtype)
+    return _launch(qkv, k_cache, v_cache, layer, seq_lens, qkv, qkv, tree_mask,
+                   (b, n, num_heads, d), k_cache.dtype, sm_scale=sm_scale, packed=True, **tuning)
+
+
+def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_shape, dtype, *,
+            sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
+            num_splits=None, num_warps=None, num_stages=None, interpret=False):
+    """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D]."""
+    b, n, hq, d = q_shape
+    hkv = k_cache.shape[2]
+    t = k_cache.shape[3]
     assert d == _next_pow2(d) and d >= 16, f"head dim {d=} must be a power of 2 >= 16"
     g = hq // hkv
     rows = n * g
@@ -301,10 +338,8 @@ def tree_attention_pallas(
     block_n = block_n or min(64, max(16, _next_pow2(n)))
     assert block_r == _next_pow2(block_r) and block_k == _next_pow2(block_k), (
         f"{block_r=} and {block_k=} must be powers of 2")
-    # Rows r = n * G + g of KV head h (a bitcast when N == 1; q is small next to the cache).
-    q_rows = q.reshape(b, n, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
-    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
     f32 = jnp.float32
     if num_splits > 1:
         out_shape = [jax.ShapeDtypeStruct((b * hkv, num_splits, rows, d), f32),
@@ -313,7 +348,7 @@ def tree_attention_pallas(
     kernel = functools.partial(
         _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv,
         num_splits=num_splits, group=g, num_new=n, block_r=block_r, block_k=block_k,
-        block_n=block_n)
+        block_n=block_n, packed=packed)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(rows, block_r), num_splits, b * hkv),
@@ -321,8 +356,8 @@ def tree_attention_pallas(
         compiler_params=_CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_attention",
-    )(layer, seq_lens.astype(jnp.int32), q_rows, k_cache, v_cache,
-      k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype), tree_mask.astype(jnp.int8))
+    )(layer, seq_lens.astype(jnp.int32), q_in, k_cache, v_cache, kn_in, vn_in,
+      tree_mask.astype(jnp.int8))
     if num_splits == 1:
         return out
 
@@ -332,7 +367,7 @@ def tree_attention_pallas(
     return pl.pallas_call(
         combine,
         grid=(b * hkv, pl.cdiv(rows, combine_r), d // combine_d),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q_shape, dtype),
         compiler_params=_CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="tree_attention_combine",
@@ -369,3 +404,29 @@ def _tree_attention_local(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tr
                                      tree_mask, sm_scale=sm_scale)
     return tree_attention_reference(q, k_cache, v_cache, layer, seq_lens, k_new, v_new,
                                     tree_mask, sm_scale=sm_scale)
+
+
+def split_packed(qkv, num_heads: int, num_kv_heads: int):
+    """qkv [B, N, Hq + 2 Hkv, D] -> q [B, N, Hq, D], k, v [B, Hkv, N, D]."""
+    q = qkv[:, :, :num_heads]
+    k = qkv[:, :, num_heads:num_heads + num_kv_heads].transpose(0, 2, 1, 3)
+    v = qkv[:, :, num_heads + num_kv_heads:].transpose(0, 2, 1, 3)
+    return q, k, v
+
+
+def tree_attention_packed(qkv, k_cache, v_cache, layer, seq_lens, tree_mask, *, num_heads,
+                          sm_scale):
+    """`tree_attention` with q, k_new and v_new packed in one array, qkv [B, N, Hq + 2 Hkv, D]
+    (query heads, then KV heads' keys, then their values), as a fused projection gives them.
+    On the GPU the kernel reads them in place; elsewhere, or under a model mesh, they are split
+    and `tree_attention` runs."""
+    if model_axis_size() is None:
+        kv_heads = k_cache.shape[2]
+        probe = jax.ShapeDtypeStruct(qkv.shape[:2] + (num_heads, qkv.shape[-1]), qkv.dtype)
+        if kernel_supported(probe, k_cache) and qkv.shape[2] == num_heads + 2 * kv_heads:
+            return tree_attention_packed_pallas(qkv, k_cache, v_cache, layer, seq_lens,
+                                                tree_mask, num_heads=num_heads,
+                                                sm_scale=sm_scale)
+    q, k, v = split_packed(qkv, num_heads, k_cache.shape[2])
+    return tree_attention(q, k_cache, v_cache, layer, seq_lens, k, v, tree_mask,
+                          sm_scale=sm_scale)

@@ -56,6 +56,42 @@ def test_kernel_matches_reference(case, dtype):
     assert _rel_err(out, ref) < TOL[dtype]
 
 
+def _pack(q, kn, vn):
+    """q [B, N, Hq, D], k/v [B, Hkv, N, D] -> qkv [B, N, Hq + 2 Hkv, D]."""
+    return jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], axis=2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}n{c[1]}g{c[2] // c[3]}")
+def test_packed_kernel_matches_reference(case, dtype):
+    b, n, hq, hkv, d, t, seq_lens = case
+    q, kc, vc, sl, kn, vn, mask = _inputs(4, b, n, hq, hkv, d, t, 2, dtype, seq_lens)
+    scale = 1 / math.sqrt(d)
+    qkv = _pack(q, kn, vn)
+    for splits in (1, 3):   # the kernel's own store, and the combine's
+        out = ta.tree_attention_packed_pallas(qkv, kc, vc, jnp.int32(1), sl, mask,
+                                              num_heads=hq, sm_scale=scale, block_k=16,
+                                              num_splits=splits, interpret=True)
+        ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask,
+                                          sm_scale=scale)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        assert _rel_err(out, ref) < TOL[dtype]
+
+
+def test_packed_split_and_dispatch_off_gpu():
+    q, kc, vc, sl, kn, vn, mask = _inputs(5, 2, 3, 8, 2, 64, 24, 1, jnp.float32, [9, 20])
+    qkv = _pack(q, kn, vn)
+    for got, want in zip(ta.split_packed(qkv, 8, 2), (q, kn, vn)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    out = ta.tree_attention_packed(qkv, kc, vc, jnp.int32(0), sl, mask, num_heads=8,
+                                   sm_scale=0.125)
+    ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=0.125)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    with pytest.raises(AssertionError, match="expected 4 query"):
+        ta.tree_attention_packed_pallas(qkv, kc, vc, jnp.int32(0), sl, mask, num_heads=4,
+                                        sm_scale=0.125, interpret=True)
+
+
 def test_reads_only_the_given_layer_and_live_rows():
     # Poison everything the kernel must not read: other layers and rows at or past seq_lens.
     b, n, hq, hkv, d, t = 2, 4, 8, 2, 64, 48

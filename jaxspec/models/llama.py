@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig
-from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_attention import split_packed, tree_attention, tree_attention_packed
 
 
 def rms_norm(x, w, eps):
@@ -98,13 +98,34 @@ def qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm=False, tables=None):
     return q, k, v
 
 
+def qkv_packed(cfg, lp, x, positions, inv_freq, tables=None):
+    """Flat layout: x [B, N, H] -> qkv [B, N, Hq + 2 Hkv, D], q and k heads rotated, v heads as
+    projected. One elementwise kernel from the projection to what the attention kernel reads,
+    where separate q, k and v took three (`tree_attention_packed`)."""
+    b, n, _ = x.shape
+    qkv = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps) @ lp["wqkv"]
+    if "bqkv" in lp:
+        qkv = qkv + lp["bqkv"]
+    d = cfg.head_dim
+    qk, v = jnp.split(qkv, [cfg.q_size + cfg.kv_size], axis=-1)
+    qk = apply_rope(qk.reshape(b, n, cfg.num_heads + cfg.num_kv_heads, d), positions, inv_freq,
+                    tables)
+    return jnp.concatenate([qk, v.reshape(b, n, cfg.num_kv_heads, d)], axis=2)
+
+
 def attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer, seq_lens, new_mask,
                     skip_norm=False, tables=None):
     """Returns (attention output [B, N, H], k_new, v_new [B, Hkv, N, D])."""
     b, n, _ = x.shape
-    q, k, v = qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm, tables)
-    o = tree_attention(q, cache_k, cache_v, layer, seq_lens, k, v, new_mask,
-                       sm_scale=cfg.head_dim ** -0.5)
+    scale = cfg.head_dim ** -0.5
+    if lp["wqkv"].ndim == 2 and not skip_norm:
+        qkv = qkv_packed(cfg, lp, x, positions, inv_freq, tables)
+        o = tree_attention_packed(qkv, cache_k, cache_v, layer, seq_lens, new_mask,
+                                  num_heads=cfg.num_heads, sm_scale=scale)
+        _, k, v = split_packed(qkv, cfg.num_heads, cfg.num_kv_heads)
+    else:   # blocked (tensor-parallel) weights
+        q, k, v = qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm, tables)
+        o = tree_attention(q, cache_k, cache_v, layer, seq_lens, k, v, new_mask, sm_scale=scale)
     return o.reshape(b, n, cfg.q_size) @ lp["wo"], k, v
 
 
