@@ -31,8 +31,8 @@
 #   bash bench/gpu_plan.sh chains      # issues 7/8: longer chains and small trees at batch 1
 #   bash bench/gpu_plan.sh sharegpt    # issue 8: batch 1, 16, 64 (ShareGPT)
 #   bash bench/gpu_plan.sh engine      # issue 6: busy fraction and host ms per step, real model
-#   bash bench/gpu_plan.sh decode      # issue 2: the engine's 8B decode program (LEAN) against
-#                                      #   decode_steps, SmolLM2 shape, the batch-64 step's profile
+#   bash bench/gpu_plan.sh decode      # issue 2: the engine's 8B decode program (LEAN), its GEMM rule against
+#                                      #   Triton GEMMs, SmolLM2 shape, the batch-64 step's profile
 #   bash bench/gpu_plan.sh cycle       # issues 3/4: 8B LEAN cycle table incl. (6,10,60), its profile
 #   bash bench/gpu_plan.sh kernels     # issue 4: kernel table and the chained-call kernel profile
 #   bash bench/gpu_plan.sh eagle3      # issue 7: train an EAGLE-3 head, tau vs the shipped EAGLE-1
@@ -104,7 +104,7 @@ case "${1:-}" in
     run engine 560 python3 -m bench.bench_engine --model "$GGUF"
     ;;
   decode)
-    run decode 250 python3 -m bench.bench_decode --layouts static --only llama3-8b --program engine,decode_steps
+    run decode 250 python3 -m bench.bench_decode --layouts static --only llama3-8b --program engine --gemm auto,triton
     run decode_small 60 python3 -m bench.bench_decode --layouts static --only smollm2-135m --program engine
     run decode_b64_profile 120 python3 -m bench.profile_cycle --shapes "" --batch 64 --prefix 512
     ;;
