@@ -23,6 +23,11 @@ def _inputs(seed, b, n, hq, hkv, d, t, num_layers, dtype, seq_lens):
     return q, kc, vc, jnp.asarray(seq_lens, jnp.int32), kn, vn, mask
 
 
+def _pack(q, kn, vn):
+    """q [B, N, Hq, D], k/v [B, Hkv, N, D] -> qkv [B, N, Hq + 2 Hkv, D]."""
+    return jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], axis=2)
+
+
 def _rel_err(out, ref):
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     return np.linalg.norm(out - ref) / np.linalg.norm(ref)
@@ -40,41 +45,26 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("entry", ["separate", "packed"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}n{c[1]}g{c[2] // c[3]}")
-def test_kernel_matches_reference(case, dtype):
+def test_kernel_matches_reference(case, dtype, entry):
     b, n, hq, hkv, d, t, seq_lens = case
     q, kc, vc, sl, kn, vn, mask = _inputs(0, b, n, hq, hkv, d, t, 2, dtype, seq_lens)
     scale = 1 / math.sqrt(d)
     layer = jnp.int32(1)
-    # Small blocks and several splits so a handful of rows already cross block/split edges.
-    out = ta.tree_attention_pallas(q, kc, vc, layer, sl, kn, vn, mask, sm_scale=scale,
-                                   block_k=16, num_splits=3, interpret=True)
     ref = ta.tree_attention_reference(q, kc, vc, layer, sl, kn, vn, mask, sm_scale=scale)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert np.isfinite(np.asarray(out, np.float32)).all()
-    assert _rel_err(out, ref) < TOL[dtype]
-
-
-def _pack(q, kn, vn):
-    """q [B, N, Hq, D], k/v [B, Hkv, N, D] -> qkv [B, N, Hq + 2 Hkv, D]."""
-    return jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], axis=2)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}n{c[1]}g{c[2] // c[3]}")
-def test_packed_kernel_matches_reference(case, dtype):
-    b, n, hq, hkv, d, t, seq_lens = case
-    q, kc, vc, sl, kn, vn, mask = _inputs(4, b, n, hq, hkv, d, t, 2, dtype, seq_lens)
-    scale = 1 / math.sqrt(d)
-    qkv = _pack(q, kn, vn)
-    for splits in (1, 3):   # the kernel's own store, and the combine's
-        out = ta.tree_attention_packed_pallas(qkv, kc, vc, jnp.int32(1), sl, mask,
-                                              num_heads=hq, sm_scale=scale, block_k=16,
-                                              num_splits=splits, interpret=True)
-        ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask,
-                                          sm_scale=scale)
+    # One split (the kernel's own store), and small blocks with several splits so a handful of
+    # rows already cross block/split edges (the combine's store).
+    for splits in (1, 3):
+        tune = dict(sm_scale=scale, block_k=16, num_splits=splits, interpret=True)
+        if entry == "packed":
+            out = ta.tree_attention_packed_pallas(_pack(q, kn, vn), kc, vc, layer, sl, mask,
+                                                  num_heads=hq, **tune)
+        else:
+            out = ta.tree_attention_pallas(q, kc, vc, layer, sl, kn, vn, mask, **tune)
         assert out.shape == q.shape and out.dtype == q.dtype
+        assert np.isfinite(np.asarray(out, np.float32)).all()
         assert _rel_err(out, ref) < TOL[dtype]
 
 
