@@ -81,6 +81,9 @@ def qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm=False, tables=None):
     skip_norm: EAGLE-1 draft layers feed the fc output straight in, without the input norm.
     tables: rope_tables(positions, inv_freq), when the caller shares them between layers.
     """
+    if lp["wqkv"].ndim == 2:
+        return split_packed(qkv_packed(cfg, lp, x, positions, inv_freq, skip_norm, tables),
+                            cfg.num_heads, cfg.num_kv_heads)
     b, n, _ = x.shape
     h = x if skip_norm else rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     qkv = _fused_matmul(h, lp["wqkv"])                                   # [B, N, M, C]
@@ -98,12 +101,14 @@ def qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm=False, tables=None):
     return q, k, v
 
 
-def qkv_packed(cfg, lp, x, positions, inv_freq, tables=None):
+def qkv_packed(cfg, lp, x, positions, inv_freq, skip_norm=False, tables=None):
     """Flat layout: x [B, N, H] -> qkv [B, N, Hq + 2 Hkv, D], q and k heads rotated, v heads as
     projected. One elementwise kernel from the projection to what the attention kernel reads,
-    where separate q, k and v took three (`tree_attention_packed`)."""
+    where separate q, k and v took three (`tree_attention_packed`). skip_norm, tables: as in
+    `qkv_proj`."""
     b, n, _ = x.shape
-    qkv = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps) @ lp["wqkv"]
+    h = x if skip_norm else rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    qkv = h @ lp["wqkv"]
     if "bqkv" in lp:
         qkv = qkv + lp["bqkv"]
     d = cfg.head_dim
@@ -118,8 +123,8 @@ def attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer, se
     """Returns (attention output [B, N, H], k_new, v_new [B, Hkv, N, D])."""
     b, n, _ = x.shape
     scale = cfg.head_dim ** -0.5
-    if lp["wqkv"].ndim == 2 and not skip_norm:
-        qkv = qkv_packed(cfg, lp, x, positions, inv_freq, tables)
+    if lp["wqkv"].ndim == 2:
+        qkv = qkv_packed(cfg, lp, x, positions, inv_freq, skip_norm, tables)
         o = tree_attention_packed(qkv, cache_k, cache_v, layer, seq_lens, new_mask,
                                   num_heads=cfg.num_heads, sm_scale=scale)
         _, k, v = split_packed(qkv, cfg.num_heads, cfg.num_kv_heads)
