@@ -35,7 +35,7 @@ from jaxspec import compile_cache
 from jaxspec.config import ModelConfig
 from jaxspec.engine import Engine, PlainBackend, SpecBackend
 from jaxspec.models import eagle, llama
-from jaxspec.sampling import LEAN, SamplingParams
+from jaxspec.sampling import LEAN, VARIANTS, SamplingParams
 from jaxspec.spec.config import resolve_spec
 
 TINY = ModelConfig(arch="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=96,
@@ -119,7 +119,7 @@ def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, arg
                   admit_interval)
     engine.device_masks = masks == "device"
     t0 = time.perf_counter()
-    engine.warmup()
+    engine.warmup((LEAN,) if args.variants == "lean" else VARIANTS)
     compile_s = time.perf_counter() - t0
     print(f"{mode} batch {batch}: warm-up (compilation) {compile_s:.1f} s, "
           f"{len(engine.admission_shapes())} admission shapes", flush=True)
@@ -190,6 +190,9 @@ def main():
                          "active mask passed as numpy each cycle: the earlier engine)")
     ap.add_argument("--admit-interval", default="1",
                     help="comma list: Engine(admit_interval=) values to compare")
+    ap.add_argument("--variants", choices=("all", "lean"), default="all",
+                    help="program variants to compile at warm-up (the requests are greedy: "
+                         "lean is enough)")
     args = ap.parse_args()
     compile_cache.enable()
     cfg, params, head, tok = load(args)
