@@ -280,6 +280,7 @@ def run_sweep(args, result):
                     q["first_diff"] = f
                 row.update(div)
                 _exactness_note(result, row)
+            _capped_note(result, row)
             rows.append(row)
             requests[f"b{b}/{m.label}"] = reqs
             if args.adaptive:
@@ -323,6 +324,19 @@ def _exactness_note(result, row):
         result["notes"].append(note)
 
 
+def _capped_note(result, row, share: float = 0.1):
+    """A note when a speculative run's requests often hit max_tokens: its accept length there
+    against the requests that ended by themselves, since looping answers inflate both."""
+    if row.get("accept_len_capped") is None or row.get("accept_len_ended") is None \
+            or row["capped"] < share:
+        return
+    result["notes"].append(
+        f"batch {row['batch']}, {row['mode']}: {row['capped']:.0%} of requests hit max_tokens "
+        f"('capped'); accept length {row['accept_len_capped']:.2f} there against "
+        f"{row['accept_len_ended']:.2f} for requests that ended by themselves (EOS or a stop): "
+        "long greedy answers that never end often loop, which drafts predict easily")
+
+
 def _peers(args, result, prompts, plain_outs, rows, target) -> List[dict]:
     from jaxspec.benchmark import peers
     from jaxspec.benchmark.runner import divergence
@@ -361,7 +375,8 @@ def _sweep_header(args, result):
                f"{result['dtype']} | temperature {args.temperature} | {args.max_tokens} new "
                f"tokens | draft: {result.get('draft_label') or '-'}")
     _say(args, f"{'batch':>5s} {'mode':10s} {'reqs':>4s} {'tokens':>7s} {'tok/s':>9s} "
-               f"{'accept':>7s} {'speedup':>8s} {'=plain':>7s} {'prefix':>7s} {'mean/med':>9s}")
+               f"{'accept':>7s} {'capped':>6s} {'speedup':>8s} {'=plain':>7s} {'prefix':>7s} "
+               f"{'mean/med':>9s}")
 
 
 def _row_line(r) -> str:
@@ -370,7 +385,7 @@ def _row_line(r) -> str:
         f"{r['prefix_mean']:.0f}/{r['prefix_median']:.0f}"
     return (f"{r['batch']:5d} {r['mode']:10s} {r['requests']:4d} {r['tokens']:7d} "
             f"{r['tokens_per_s']:9.1f} {_fmt(r.get('accept_len')):>7s} "
-            f"{_fmt(r.get('speedup'), '{:.2f}x'):>8s} {_fmt(eq, '{:.0%}'):>7s} "
+            f"{_fmt(r.get('capped'), '{:.0%}'):>6s} {_fmt(r.get('speedup'), '{:.2f}x'):>8s} {_fmt(eq, '{:.0%}'):>7s} "
             f"{_fmt(r.get('prefix_token_frac'), '{:.0%}'):>7s} {mm:>9s}")
 
 

@@ -14,7 +14,7 @@ from jaxspec.benchmark.runner import divergence, first_difference, parse_specs
 
 ROW_KEYS = {"mode", "batch", "spec", "requests", "tokens", "seconds", "tokens_per_s",
             "accept_len", "accept_hist", "speedup", "mean_ttft_s", "mean_latency_s",
-            "compiled_in_timed_pass"}
+            "compiled_in_timed_pass", "capped", "accept_len_capped", "accept_len_ended"}
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +206,30 @@ def test_bf16_differences_are_explained():
     bench_cli._exactness_note(res, {"equals_plain": 0.06})
     bench_cli._exactness_note(res, {"equals_plain": 0.19})
     assert len(res["notes"]) == 1 and "--dtype float32" in res["notes"][0]
+
+
+def test_capped_requests_are_told_apart():
+    """Accept lengths of requests cut at max_tokens and of those that ended by themselves."""
+    from types import SimpleNamespace as NS
+
+    def out(n, accepts, reason):
+        return NS(token_ids=[0] * n, accept_lens=accepts, finish_reason=reason,
+                  metrics={"ttft_s": 0.0, "latency_s": 1.0})
+
+    chain = parse_specs("chain")[0]
+    outs = [out(8, [3, 3], "length"), out(4, [1, 0, 0], "stop"), out(2, [1], "stop")]
+    row = runner.summarize(chain, 1, outs, 1.0, "head")
+    assert row["capped"] == pytest.approx(1 / 3)
+    assert row["accept_len_capped"] == 4.0                  # (4 + 4) / 2
+    assert row["accept_len_ended"] == 1.5                   # (2 + 1 + 1 + 2) / 4
+    assert row["accept_len"] == pytest.approx(14 / 6)
+    res = {"notes": []}
+    bench_cli._capped_note(res, row)
+    assert len(res["notes"]) == 1 and "33% of requests hit max_tokens" in res["notes"][0]
+    plain = runner.summarize(runner.PLAIN, 1, [out(8, None, "length")], 1.0, "head")
+    assert plain["capped"] == 1.0 and plain["accept_len_capped"] is None
+    bench_cli._capped_note(res, plain)
+    assert len(res["notes"]) == 1
 
 
 def test_gsm8k_answers():

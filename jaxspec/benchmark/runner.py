@@ -148,6 +148,7 @@ def summarize(mode: Mode, batch: int, outs, secs: float, draft_label: str) -> di
     include the wait for a free slot when there are more requests than the batch size)."""
     ntok = sum(len(o.token_ids) for o in outs)
     taus = [a + 1 for o in outs for a in (o.accept_lens or [])]
+    capped = [o for o in outs if o.finish_reason == "length"]
     row = {"mode": mode.label, "batch": batch, "spec": mode.describe(batch),
            "draft": draft_label if mode.spec is not None else None,
            "requests": len(outs), "tokens": ntok, "seconds": secs,
@@ -155,9 +156,21 @@ def summarize(mode: Mode, batch: int, outs, secs: float, draft_label: str) -> di
            "accept_len": statistics.fmean(taus) if taus else None,
            "accept_hist": _hist(taus, mode.spec.max_emit) if mode.spec is not None else None,
            "cycles": len(taus) if mode.spec is not None else None,
+           # Requests cut at max_tokens, and the accept length apart for them and for the
+           # requests that ended by themselves (EOS or a stop): a long greedy answer that never
+           # ends often loops, which a draft predicts well.
+           "capped": len(capped) / len(outs) if outs else 0.0,
+           "accept_len_capped": _mean_tau(capped),
+           "accept_len_ended": _mean_tau([o for o in outs if o.finish_reason != "length"]),
            "mean_ttft_s": statistics.fmean(o.metrics["ttft_s"] for o in outs),
            "mean_latency_s": statistics.fmean(o.metrics["latency_s"] for o in outs)}
     return row
+
+
+def _mean_tau(outs) -> Optional[float]:
+    """Mean tokens per cycle (accepted + bonus) over these requests' cycles; None: no cycle."""
+    taus = [a + 1 for o in outs for a in (o.accept_lens or [])]
+    return statistics.fmean(taus) if taus else None
 
 
 def _hist(values: Sequence[int], top: int) -> List[int]:
