@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="comma list of ASSUMED accept lengths to project speedups with")
     cyc.add_argument("--replay-accept", default=None,
                      help="an earlier --json result whose measured accept lengths are REPLAYED")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed passes per run, back to back; the row is the pass with the "
+                         "median tokens/s (every pass's figure is in --json)")
     ap.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                     help="sweep: start no new run (batch size x mode) after this many seconds; "
                          "what finished is kept and the result stays marked partial")
@@ -127,6 +130,8 @@ def _defaults(args):
         raise SystemExit(f"--batch-sizes {args.batch_sizes!r}: batch sizes must be >= 1")
     if args.prefill_width_growth < 2:
         raise SystemExit(f"--prefill-width-growth {args.prefill_width_growth}: must be >= 2")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats {args.repeats}: must be >= 1")
     return args
 
 
@@ -265,10 +270,11 @@ def run_sweep(args, result):
                 probes[m.label] = adaptive.probe(llm, adaptive.probe_chats(prompts, b), sp,
                                                  m.spec is not None, args.probe_tokens)
             bar.set_postfix_str(f"batch {b}, {m.label}: timed")
-            outs, secs, compiled = R.timed_generate(llm, chats, sp)
+            outs, secs, compiled, rates = R.timed_generate(llm, chats, sp, args.repeats)
             del llm
             row = R.summarize(m, b, outs, secs, target.draft_label)
             row["compiled_in_timed_pass"] = compiled
+            row["tokens_per_s_runs"] = rates
             if m is R.PLAIN:
                 plain_outs, base = outs, row["tokens_per_s"]
                 plain_first = plain_first or outs
@@ -477,7 +483,7 @@ def run_accuracy(args, result):
             prompts = _fit(args, result, target, prompts)
         chats = [p["chat"] for p in prompts]
         R.warm(llm, chats, sp)
-        outs, secs, compiled = R.timed_generate(llm, chats, sp)
+        outs, secs, compiled, _ = R.timed_generate(llm, chats, sp)
         got = [P.last_number(o.text) for o in outs]
         correct = sum(g is not None and g == p["answer"] for g, p in zip(got, prompts))
         row = {**R.summarize(m, b, outs, secs, target.draft_label),

@@ -43,7 +43,7 @@ def sweep(tiny_chat_model, tmp_path_factory):
     argv = ["--model", str(tiny_chat_model), "--draft", "random", "--num-prompts", "3",
             "--max-tokens", "12", "--probe-tokens", "17", "--batch-sizes", "1,2", "--spec", "chain",
             "--max-model-len", "128", "--adaptive", "--no-peers", "--quiet", "--dtype", "float32",
-            "--json", str(out / "r.json"), "--plot", str(out / "r.png")]
+            "--repeats", "2", "--json", str(out / "r.json"), "--plot", str(out / "r.png")]
     assert bench_cli.main(argv) == 0
     return json.loads((out / "r.json").read_text()), out
 
@@ -83,6 +83,9 @@ def test_json_schema(sweep):
         assert r["requests"] == 3 and r["tokens"] > 0 and r["tokens_per_s"] > 0
         # the warm-up compiled every shape the timed pass used: nothing compiles while timed
         assert r["compiled_in_timed_pass"] == 0, r
+        # two timed passes; the row is the median one (the slower of two)
+        assert len(r["tokens_per_s_runs"]) == 2
+        assert r["tokens_per_s"] == pytest.approx(min(r["tokens_per_s_runs"]))
     plain, chain = res["rows"][0], res["rows"][1]
     assert plain["speedup"] == 1.0 and plain["accept_len"] is None
     assert chain["spec"] == {"num_steps": 3, "topk": 1, "num_draft_tokens": 4,
@@ -197,6 +200,32 @@ def test_prefill_width_growth_option():
     assert bench_cli._defaults(parse(["--prefill-width-growth", "2"])).prefill_width_growth == 2
     with pytest.raises(SystemExit, match="--prefill-width-growth 1: must be >= 2"):
         bench_cli._defaults(parse(["--prefill-width-growth", "1"]))
+
+
+def test_repeats_keep_the_median_pass():
+    """Three passes of 1, 3 and 2 seconds: the row is the 2-second pass, its outputs included."""
+    from types import SimpleNamespace as NS
+
+    class Clocked:
+        def __init__(self):
+            self.t, self.calls = 0.0, 0
+
+        def generate(self, chats, sp):
+            self.calls += 1
+            self.t += {1: 1.0, 2: 3.0, 3: 2.0}[self.calls]
+            return [NS(token_ids=[self.calls] * 6)]
+
+    llm = Clocked()
+    clock = runner.time.perf_counter
+    runner.time.perf_counter = lambda: llm.t
+    try:
+        outs, secs, compiled, rates = runner.timed_generate(llm, ["q"], None, repeats=3)
+    finally:
+        runner.time.perf_counter = clock
+    assert rates == [6.0, 2.0, 3.0] and secs == 2.0 and outs[0].token_ids[0] == 3
+    assert compiled == 0
+    with pytest.raises(SystemExit, match="--repeats 0: must be >= 1"):
+        bench_cli._defaults(bench_cli.build_parser().parse_args(["--repeats", "0"]))
 
 
 def test_bf16_differences_are_explained():
