@@ -67,6 +67,36 @@ def test_warmup_compiles_ahead_and_serves_without_jit(kind):
     assert compiled_shapes(engine) != before and be.jit_calls == 1
 
 
+@pytest.mark.parametrize("kind", ["spec", "plain"])
+def test_warmup_can_run_every_program_once_and_leaves_the_state_as_it_was(kind):
+    """execute=True (the default on accelerators): each compiled program runs once on idle or
+    padding arguments, through its executable; the state is bit-identical afterwards."""
+    engine = make_engine(kind)
+    before = [np.asarray(x) for x in jax.tree_util.tree_leaves(engine.state)]
+    be = engine.backend
+    ran = []
+    for name in ("cycle", "admit", "advance_keys"):
+        fn = getattr(be, name)
+
+        def spy(*a, _fn=fn, _name=name, **kw):
+            if not kw.get("lower"):
+                ran.append(_name)
+            return _fn(*a, **kw)
+        setattr(be, name, spy)
+    engine.warmup(execute=True)
+    n_cycles = len(VARIANTS) * len(be.sizes)
+    n_admits = len(VARIANTS) * len(engine.admission_forms())
+    assert ran == ["cycle"] * n_cycles + ["admit"] * n_admits + \
+        ["advance_keys"] * len(engine.slot_buckets)
+    assert be.jit_calls == 0                          # every run found its executable
+    after = jax.tree_util.tree_leaves(engine.state)
+    assert all(np.array_equal(x, np.asarray(y)) for x, y in zip(before, after))
+    prompt = [5, 17, 42, 8, 99]
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    list(engine.drain())
+    assert engine.pop_finished(rid).output == greedy_ref(prompt)[:8]
+
+
 def test_warmup_of_the_variants_requests_need():
     engine = make_engine("spec")
     engine.warmup((LEAN,))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -324,38 +325,51 @@ class Engine:
         return [(a, w, True) for a, w in self.admission_shapes()] + \
             [(a, self.chunk, False) for a in self.slot_buckets]
 
-    def warmup(self, variants: Sequence[Features] = VARIANTS):
+    def warmup(self, variants: Sequence[Features] = VARIANTS, execute: Optional[bool] = None):
         """Compiles the cycle and every admission bucket ahead of time, concurrently (XLA
         compiles without the GIL), so serving never compiles. Tracing stays on this thread;
-        each shape's compilation starts as soon as it is traced. Nothing runs but one idle
-        cycle (nothing changes).
+        each shape's compilation starts as soon as it is traced.
         variants: the program variants to compile (`sampling.Features`; `Features.of` of the
         requests to come). A request that needs another compiles it on its first use. The
-        key-advance programs serve only sampled requests, so they come with FULL."""
-        idle = np.zeros(self.slots, bool)
+        key-advance programs serve only sampled requests, so they come with FULL.
+        execute: then run every program once on idle or padding arguments (nothing changes).
+        The first run of an executable on a GPU loads its module and builds its CUDA graphs;
+        left to serving, that lands on the first requests of each admission shape (on the
+        H100 a first pass of a batch-64 run went 30% slower than the two after it,
+        bench/RESULTS.md). Default: on accelerators; on the CPU only one idle cycle runs."""
         variants = tuple(dict.fromkeys(variants))
         if not variants or any(f not in VARIANTS for f in variants):
             raise ValueError(f"variants must be a non-empty selection of {VARIANTS}, "
                              f"got {variants}")
+        programs = self._programs(variants)
         with ThreadPoolExecutor(self.compile_workers) as pool:
-            jobs = [self._compile(pool, self.backend.cycle(self.state, idle, f, size=k,
-                                                           lower=True))
-                    for f in variants for k in self.backend.sizes]
-            for a, w, first in sorted(self.admission_forms(), key=lambda s: -s[0] * s[1]):
-                pad = np.full(a, self.slots, np.int32)
-                z = np.zeros(a, np.int32)
-                for f in variants:
-                    jobs.append(self._compile(pool, self.backend.admit(
-                        self.state, pad, np.zeros((a, w), np.int32), z, z, z - 1, features=f,
-                        first=first, lower=True)))
-            for a in self.slot_buckets if FULL in variants else ():
-                pad = np.full(a, self.slots, np.int32)
-                jobs.append(self._compile(pool, self.backend.advance_keys(
-                    self.state, pad, np.zeros(a, np.int32), lower=True)))
+            jobs = [self._compile(pool, call(self.state, lower=True)) for call in programs]
             self.backend.executables.update(job.result() for job in jobs)
         seed_key(0)   # compiles the host's seeded-key derivation
-        self.state, out = self.backend.cycle(self.state, idle, variants[0])
-        np.asarray(out.tokens)
+        if execute is None:
+            execute = jax.default_backend() != "cpu"
+        for call in programs if execute else programs[:1]:
+            out = call(self.state)
+            self.state = out[0] if isinstance(out, tuple) else out
+        jax.block_until_ready(self.state)
+
+    def _programs(self, variants) -> List[Callable]:
+        """Every program serving may run, each as call(state, lower=False): the backend call on
+        idle or padding arguments, which leaves the state as it was. Cycles first (the first is
+        the default variant and size); admissions largest first (they compile longest)."""
+        be, idle = self.backend, np.zeros(self.slots, bool)
+        calls = [functools.partial(be.cycle, active=idle, features=f, size=k)
+                 for f in variants for k in be.sizes]
+        for a, w, first in sorted(self.admission_forms(), key=lambda s: -s[0] * s[1]):
+            pad, z = np.full(a, self.slots, np.int32), np.zeros(a, np.int32)
+            calls += [functools.partial(be.admit, slot_idx=pad, tokens=np.zeros((a, w), np.int32),
+                                        start=z, n_valid=z, next_tok=z - 1, features=f,
+                                        first=first) for f in variants]
+        for a in self.slot_buckets if FULL in variants else ():
+            calls.append(functools.partial(be.advance_keys, slot_idx=np.full(a, self.slots,
+                                                                             np.int32),
+                                           advance=np.zeros(a, np.int32)))
+        return calls
 
     @staticmethod
     def _compile(pool, lowered):
