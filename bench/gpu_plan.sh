@@ -4,6 +4,12 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
+#   bash bench/gpu_plan.sh firstpass   # issues 6/8: batch 64, 128 tokens, 3 timed passes: does
+#                                      #   the warm-up that runs every program (commit 3dda846)
+#                                      #   make pass 1 as fast as passes 2-3 (27% slower before)?
+#   bash bench/gpu_plan.sh peers       # issue 7: batch 1 with the HF transformers peers, in a
+#                                      #   call of its own (carry .gpu/mtbench16.jsonl: two
+#                                      #   MT-bench questions per category)
 #   bash bench/gpu_plan.sh parallel    # issue 9 (nvidia-h200-x2): data parallel, engine and pmap
 #   bash bench/gpu_plan.sh parallel_more  # issue 9 (nvidia-h200-x2): the engine at 8 cycles per
 #                                      #   call, then tensor parallel
@@ -48,6 +54,15 @@ run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 
 BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
 
 case "${1:-}" in
+  firstpass)
+    S="$BENCH --no-peers --batch-sizes 64 --spec chain:4 --num-prompts 384 --repeats 3"
+    run firstpass_128 280 $S --max-tokens 128 --json "$OUT/firstpass_128.json"
+    run firstpass_512 280 $S --max-tokens 512 --json "$OUT/firstpass_512.json"
+    ;;
+  peers)
+    run peers 560 $BENCH --batch-sizes 1 --spec chain,6x8x40 --dataset .gpu/mtbench16.jsonl \
+      --num-prompts 16 --max-tokens 256 --json "$OUT/peers.json"
+    ;;
   admit)
     # the admission's weight slices (8 memcpys per layer, 17% of its kernels): XLA's
     # dynamic-slice fusion lets the GEMMs read the stacked weights in place, if it applies
