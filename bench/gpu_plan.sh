@@ -8,7 +8,7 @@
 #                                      #   the warm-up that runs every program (commit 3dda846)
 #                                      #   make pass 1 as fast as passes 2-3 (27% slower before)?
 #   bash bench/gpu_plan.sh peers       # issue 7: batch 1 with the HF transformers peers, in a
-#                                      #   call of its own (carry .gpu/mtbench16.jsonl: two
+#                                      #   call of its own (bench/mtbench16.jsonl: two
 #                                      #   MT-bench questions per category)
 #   bash bench/gpu_plan.sh parallel    # issue 9 (nvidia-h200-x2): data parallel, engine and pmap
 #   bash bench/gpu_plan.sh parallel_more  # issue 9 (nvidia-h200-x2): the engine at 8 cycles per
@@ -60,7 +60,7 @@ case "${1:-}" in
     run firstpass_512 280 $S --max-tokens 512 --json "$OUT/firstpass_512.json"
     ;;
   peers)
-    run peers 560 $BENCH --batch-sizes 1 --spec chain,6x8x40 --dataset .gpu/mtbench16.jsonl \
+    run peers 560 $BENCH --batch-sizes 1 --spec chain,6x8x40 --dataset bench/mtbench16.jsonl \
       --num-prompts 16 --max-tokens 256 --json "$OUT/peers.json"
     ;;
   admit)
