@@ -339,8 +339,9 @@ def _capped_note(result, row, share: float = 0.1):
     result["notes"].append(
         f"batch {row['batch']}, {row['mode']}: {row['capped']:.0%} of requests hit max_tokens "
         f"('capped'); accept length {row['accept_len_capped']:.2f} there against "
-        f"{row['accept_len_ended']:.2f} for requests that ended by themselves (EOS or a stop): "
-        "long greedy answers that never end often loop, which drafts predict easily")
+        f"{row['accept_len_ended']:.2f} for requests that ended by themselves (EOS or a stop); "
+        f"{row['looping']:.0%} of all requests loop (half or more of their 16-token windows "
+        "occur again, 'repeat_share' per request in --json), which drafts predict easily")
 
 
 def _peers(args, result, prompts, plain_outs, rows, target) -> List[dict]:

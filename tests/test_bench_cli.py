@@ -14,7 +14,8 @@ from jaxspec.benchmark.runner import divergence, first_difference, parse_specs
 
 ROW_KEYS = {"mode", "batch", "spec", "requests", "tokens", "seconds", "tokens_per_s",
             "accept_len", "accept_hist", "speedup", "mean_ttft_s", "mean_latency_s",
-            "compiled_in_timed_pass", "capped", "accept_len_capped", "accept_len_ended"}
+            "compiled_in_timed_pass", "capped", "accept_len_capped", "accept_len_ended",
+            "looping"}
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +203,24 @@ def test_prefill_width_growth_option():
         bench_cli._defaults(parse(["--prefill-width-growth", "1"]))
 
 
+def test_repeat_share_tells_loops_from_text():
+    assert runner.repeat_share(list(range(100))) == 0.0
+    assert runner.repeat_share([7, 8, 9] * 30) == 1.0        # a loop: every window comes again
+    # 40 distinct tokens, then a 4-token phrase 15 times: only windows inside the loop repeat
+    ids = list(range(100, 140)) + [1, 2, 3, 4] * 15
+    share = runner.repeat_share(ids)
+    assert share == pytest.approx(45 / 85)   # the windows inside the loop (starts 40..84)
+    assert runner.repeat_share([1, 2, 3]) == 0.0               # shorter than a window
+    from types import SimpleNamespace as NS
+    outs = [NS(token_ids=[7, 8, 9] * 30, accept_lens=None, finish_reason="length",
+               metrics={"ttft_s": 0.0, "latency_s": 1.0}),
+            NS(token_ids=list(range(100)), accept_lens=None, finish_reason="stop",
+               metrics={"ttft_s": 0.0, "latency_s": 1.0})]
+    assert runner.summarize(runner.PLAIN, 1, outs, 1.0, "-")["looping"] == 0.5
+    reqs = runner.per_request([{"id": 1}, {"id": 2}], outs)
+    assert [r["repeat_share"] for r in reqs] == [1.0, 0.0]
+
+
 def test_repeats_keep_the_median_pass():
     """Three passes of 1, 3 and 2 seconds: the row is the 2-second pass, its outputs included."""
     from types import SimpleNamespace as NS
@@ -252,6 +271,7 @@ def test_capped_requests_are_told_apart():
     assert row["accept_len_capped"] == 4.0                  # (4 + 4) / 2
     assert row["accept_len_ended"] == 1.5                   # (2 + 1 + 1 + 2) / 4
     assert row["accept_len"] == pytest.approx(14 / 6)
+    assert row["looping"] == 0.0                            # too short to hold a window
     res = {"notes": []}
     bench_cli._capped_note(res, row)
     assert len(res["notes"]) == 1 and "33% of requests hit max_tokens" in res["notes"][0]

@@ -6,6 +6,7 @@ runs more requests at once than the batch being measured. A warm-up pass over th
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import statistics
 import time
@@ -169,11 +170,27 @@ def summarize(mode: Mode, batch: int, outs, secs: float, draft_label: str) -> di
            # requests that ended by themselves (EOS or a stop): a long greedy answer that never
            # ends often loops, which a draft predicts well.
            "capped": len(capped) / len(outs) if outs else 0.0,
+           "looping": (sum(repeat_share(o.token_ids) >= LOOPING for o in outs) / len(outs)
+                       if outs else 0.0),
            "accept_len_capped": _mean_tau(capped),
            "accept_len_ended": _mean_tau([o for o in outs if o.finish_reason != "length"]),
            "mean_ttft_s": statistics.fmean(o.metrics["ttft_s"] for o in outs),
            "mean_latency_s": statistics.fmean(o.metrics["latency_s"] for o in outs)}
     return row
+
+
+LOOP_WINDOW = 16     # tokens in a window that repeat_share compares
+LOOPING = 0.5        # a request whose repeat_share is at least this counts as looping
+
+
+def repeat_share(ids: Sequence[int], window: int = LOOP_WINDOW) -> float:
+    """Share of the windows of `window` consecutive tokens that occur more than once in ids: 0
+    for text that never repeats itself, near 1 for an answer stuck in a loop."""
+    grams = [tuple(ids[i:i + window]) for i in range(len(ids) - window + 1)]
+    if not grams:
+        return 0.0
+    counts = collections.Counter(grams)
+    return sum(counts[g] > 1 for g in grams) / len(grams)
 
 
 def _mean_tau(outs) -> Optional[float]:
@@ -194,7 +211,7 @@ def per_request(prompts, outs) -> List[dict]:
     return [{"id": p["id"], "category": p.get("category", ""), "tokens": len(o.token_ids),
              "latency_s": o.metrics["latency_s"], "ttft_s": o.metrics["ttft_s"],
              "accept_lens": list(o.accept_lens) if o.accept_lens is not None else None,
-             "finish_reason": o.finish_reason} for p, o in zip(prompts, outs)]
+             "finish_reason": o.finish_reason, "repeat_share": repeat_share(o.token_ids)} for p, o in zip(prompts, outs)]
 
 
 def categories(prompts, runs: Dict[str, List[dict]]) -> List[dict]:
