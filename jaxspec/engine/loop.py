@@ -335,7 +335,7 @@ class Engine:
         execute: then run every program once on idle or padding arguments (nothing changes).
         The first run of an executable on a GPU loads its module and builds its CUDA graphs;
         left to serving, that lands on the first requests of each admission shape (on the
-        H100 a first pass of a batch-64 run went 30% slower than the two after it,
+        H100 a first pass of a batch-64 run went 27% slower than the two after it,
         bench/RESULTS.md). Default: on accelerators; on the CPU only one idle cycle runs."""
         variants = tuple(dict.fromkeys(variants))
         if not variants or any(f not in VARIANTS for f in variants):
@@ -355,8 +355,8 @@ class Engine:
 
     def _programs(self, variants) -> List[Callable]:
         """Every program serving may run, each as call(state, lower=False): the backend call on
-        idle or padding arguments, which leaves the state as it was. Cycles first (the first is
-        the default variant and size); admissions largest first (they compile longest)."""
+        idle or padding arguments, which leaves the state as it was. Cycles first (the CPU runs
+        only the first: one idle cycle); admissions largest first (they compile longest)."""
         be, idle = self.backend, np.zeros(self.slots, bool)
         calls = [functools.partial(be.cycle, active=idle, features=f, size=k)
                  for f in variants for k in be.sizes]
