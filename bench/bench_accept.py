@@ -28,7 +28,8 @@ def mt_bench_questions(path=None, n: int = 80) -> List[str]:
 
 def measure_acceptance(cfg, params, draft, prompts: Sequence[Sequence[int]], presets=("chain", "tree"),
                        max_new: int = 256, max_slots: int = 0, runners=None) -> Dict[str, dict]:
-    """{preset: {tau, cycles, tokens, wall_s, accept_hist}} with SpecRunner, greedy. presets:
+    """{preset: {tau, looping, tau_unlooped, cycles, tokens, wall_s, accept_hist}} with
+    SpecRunner, greedy (looping, tau_unlooped: `loop_split`). presets:
     names or STEPSxTOPKxTOKENS (as jaxspec-bench --spec).
 
     runners: a dict kept by the caller to reuse compiled runners across heads of one shape."""
@@ -53,11 +54,23 @@ def measure_acceptance(cfg, params, draft, prompts: Sequence[Sequence[int]], pre
         res = runner.generate(prompts, [max_new] * len(prompts), tuple(cfg.eos_token_ids))
         wall = time.perf_counter() - t0
         acc = np.concatenate([np.asarray(r.accept_lens, np.int64) for r in res])
-        out[name] = {"tau": float((acc + 1).mean()), "cycles": int(acc.size),
+        out[name] = {"tau": float((acc + 1).mean()), **loop_split(res), "cycles": int(acc.size),
                      "tokens": int(sum(len(r.token_ids) for r in res)), "wall_s": round(wall, 2),
                      "accept_hist": np.bincount(acc, minlength=spec.num_steps + 1).tolist(),
                      "spec": [spec.num_steps, spec.topk, spec.num_draft_tokens]}
     return out
+
+
+def loop_split(res) -> dict:
+    """Of SpecRunner results (token_ids, accept_lens each): the share of requests whose answer
+    loops (`runner.repeat_share` >= `runner.LOOPING`) and tau over the others. A greedy answer
+    stuck in a loop is easy to draft, so at long --max-new the plain tau says more about loops
+    than about the head; tau_unlooped is the figure to compare heads by."""
+    from jaxspec.benchmark.runner import LOOPING, repeat_share
+    loops = [repeat_share(r.token_ids) >= LOOPING for r in res]
+    rest = [a + 1 for r, loop in zip(res, loops) if not loop for a in r.accept_lens]
+    return {"looping": sum(loops) / len(res) if res else 0.0,
+            "tau_unlooped": float(np.mean(rest)) if rest else None}
 
 
 def _round_up(x: int, m: int) -> int:
@@ -89,10 +102,12 @@ def main(argv=None) -> int:
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
                for q in mt_bench_questions(n=a.questions)]
     res = measure_acceptance(cfg, params, draft, prompts, a.presets, a.max_new)
-    print(f"{'preset':8s} {'(S,K,N)':12s} {'tau':>6s} {'cycles':>7s} {'tokens':>7s} {'wall_s':>7s}")
+    print(f"{'preset':8s} {'(S,K,N)':12s} {'tau':>6s} {'looping':>7s} {'tau, rest':>9s} "
+          f"{'cycles':>7s} {'tokens':>7s} {'wall_s':>7s}")
     for name, r in res.items():
-        print(f"{name:8s} {str(tuple(r['spec'])):12s} {r['tau']:6.3f} {r['cycles']:7d} "
-              f"{r['tokens']:7d} {r['wall_s']:7.1f}")
+        rest = "-" if r["tau_unlooped"] is None else f"{r['tau_unlooped']:.3f}"
+        print(f"{name:8s} {str(tuple(r['spec'])):12s} {r['tau']:6.3f} {r['looping']:7.0%} "
+              f"{rest:>9s} {r['cycles']:7d} {r['tokens']:7d} {r['wall_s']:7.1f}")
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
