@@ -63,13 +63,13 @@ def measure_acceptance(cfg, params, draft, prompts: Sequence[Sequence[int]], pre
 
 def loop_split(res) -> dict:
     """Of SpecRunner results (token_ids, accept_lens each): the share of requests whose answer
-    loops (`runner.repeat_share` >= `runner.LOOPING`) and tau over the others. A greedy answer
-    stuck in a loop is easy to draft, so at long --max-new the plain tau says more about loops
-    than about the head; tau_unlooped is the figure to compare heads by."""
-    from jaxspec.benchmark.runner import LOOPING, repeat_share
-    loops = [repeat_share(r.token_ids) >= LOOPING for r in res]
-    rest = [a + 1 for r, loop in zip(res, loops) if not loop for a in r.accept_lens]
-    return {"looping": sum(loops) / len(res) if res else 0.0,
+    loops (`runner.loops`) and tau over the others. A greedy answer stuck in a loop is easy to
+    draft, so at long --max-new the plain tau says more about loops than about the head;
+    tau_unlooped is the figure to compare heads by."""
+    from jaxspec.benchmark.runner import loops
+    looping = [loops(r.token_ids) for r in res]
+    rest = [a + 1 for r, loop in zip(res, looping) if not loop for a in r.accept_lens]
+    return {"looping": sum(looping) / len(res) if res else 0.0,
             "tau_unlooped": float(np.mean(rest)) if rest else None}
 
 

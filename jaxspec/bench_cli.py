@@ -392,7 +392,8 @@ def _row_line(r) -> str:
         f"{r['prefix_mean']:.0f}/{r['prefix_median']:.0f}"
     return (f"{r['batch']:5d} {r['mode']:10s} {r['requests']:4d} {r['tokens']:7d} "
             f"{r['tokens_per_s']:9.1f} {_fmt(r.get('accept_len')):>7s} "
-            f"{_fmt(r.get('capped'), '{:.0%}'):>6s} {_fmt(r.get('speedup'), '{:.2f}x'):>8s} {_fmt(eq, '{:.0%}'):>7s} "
+            f"{_fmt(r.get('capped'), '{:.0%}'):>6s} {_fmt(r.get('speedup'), '{:.2f}x'):>8s} "
+            f"{_fmt(eq, '{:.0%}'):>7s} "
             f"{_fmt(r.get('prefix_token_frac'), '{:.0%}'):>7s} {mm:>9s}")
 
 

@@ -170,8 +170,7 @@ def summarize(mode: Mode, batch: int, outs, secs: float, draft_label: str) -> di
            # requests that ended by themselves (EOS or a stop): a long greedy answer that never
            # ends often loops, which a draft predicts well.
            "capped": len(capped) / len(outs) if outs else 0.0,
-           "looping": (sum(repeat_share(o.token_ids) >= LOOPING for o in outs) / len(outs)
-                       if outs else 0.0),
+           "looping": sum(map(loops, (o.token_ids for o in outs))) / len(outs) if outs else 0.0,
            "accept_len_capped": _mean_tau(capped),
            "accept_len_ended": _mean_tau([o for o in outs if o.finish_reason != "length"]),
            "mean_ttft_s": statistics.fmean(o.metrics["ttft_s"] for o in outs),
@@ -193,6 +192,11 @@ def repeat_share(ids: Sequence[int], window: int = LOOP_WINDOW) -> float:
     return sum(counts[g] > 1 for g in grams) / len(grams)
 
 
+def loops(ids: Sequence[int]) -> bool:
+    """Whether an answer is stuck in a loop (repeat_share at least LOOPING)."""
+    return repeat_share(ids) >= LOOPING
+
+
 def _mean_tau(outs) -> Optional[float]:
     """Mean tokens per cycle (accepted + bonus) over these requests' cycles; None: no cycle."""
     taus = [a + 1 for o in outs for a in (o.accept_lens or [])]
@@ -211,7 +215,8 @@ def per_request(prompts, outs) -> List[dict]:
     return [{"id": p["id"], "category": p.get("category", ""), "tokens": len(o.token_ids),
              "latency_s": o.metrics["latency_s"], "ttft_s": o.metrics["ttft_s"],
              "accept_lens": list(o.accept_lens) if o.accept_lens is not None else None,
-             "finish_reason": o.finish_reason, "repeat_share": repeat_share(o.token_ids)} for p, o in zip(prompts, outs)]
+             "finish_reason": o.finish_reason, "repeat_share": repeat_share(o.token_ids)}
+            for p, o in zip(prompts, outs)]
 
 
 def categories(prompts, runs: Dict[str, List[dict]]) -> List[dict]:
