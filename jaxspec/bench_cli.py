@@ -12,7 +12,8 @@ exactness.
 
 Modes:
   sweep     (default) batch sizes x configs; --adaptive picks a config per batch size;
-            HF transformers peers (static cache, prompt lookup) when torch has CUDA or --peer-hf;
+            HF transformers peers (--peers: static cache compiled or eager, prompt lookup)
+            when torch has CUDA or --peer-hf;
             --json (and --plot) are rewritten after every run, '"partial": true' until the end
   serve     Poisson arrivals at --request-rate: throughput, TTFT, TPOT, latency percentiles
   accuracy  GSM8K: accuracy of plain and speculative answers, and whether they are identical
@@ -82,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer-hf", action="store_true",
                     help="run the HF transformers peers on CPU too (always on with CUDA)")
     ap.add_argument("--no-peers", action="store_true", help="skip the HF transformers peers")
+    ap.add_argument("--peers", default="hf-compiled,hf-static,hf-pld",
+                    help="comma list of HF peers: hf-compiled (static cache, decode step "
+                         "compiled), hf-static (static cache, eager), hf-pld (prompt lookup)")
     serve = ap.add_argument_group("serve mode")
     serve.add_argument("--request-rate", type=float, default=None,
                        help="requests per second (inf: all at once)")
@@ -359,7 +363,7 @@ def _peers(args, result, prompts, plain_outs, rows, target) -> List[dict]:
     base = next((r["tokens_per_s"] for r in rows if r["batch"] == 1 and r["mode"] == "plain"),
                 None)
     out = []
-    for name in tqdm(list(peers.PEERS), desc="peers", disable=args.quiet):
+    for name in tqdm(_peer_names(args.peers), desc="peers", disable=args.quiet):
         r = peers.run_peer(model, name, ids, args.max_tokens, eos)
         toks = r.pop("token_ids")
         r["jaxspec_plain_speedup"] = base / r["tokens_per_s"] if base and r["tokens_per_s"] else None
@@ -371,6 +375,16 @@ def _peers(args, result, prompts, plain_outs, rows, target) -> List[dict]:
             r.update(div)
         out.append(r)
     return out
+
+
+def _peer_names(spec: str) -> List[str]:
+    from jaxspec.benchmark import peers
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    bad = [n for n in names if n not in peers.PEERS]
+    if bad or not names:
+        raise SystemExit(f"--peers: unknown peer {bad or spec!r}; choose from "
+                         f"{', '.join(peers.PEERS)}")
+    return names
 
 
 def _fmt(x, f="{:.2f}", none="-"):
@@ -538,6 +552,8 @@ def run_cycle(args, result):
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _defaults(build_parser().parse_args(argv))
+    if not args.no_peers:
+        _peer_names(args.peers)   # a misspelt peer fails now, not after the jaxspec runs
     if args.plot:
         if args.mode != "sweep":
             raise SystemExit("--plot draws a sweep (the default mode)")
