@@ -241,13 +241,15 @@ class LLM:
             self._check_fits(ids, sp, i)
         return encoded, list(sps)
 
-    def _submit(self, encoded, sps, request_ids=None) -> list:
-        """Adds the requests to the engine; all or none (a failure aborts the ones added)."""
+    def _submit(self, encoded, sps, request_ids=None, stream_text: bool = True) -> list:
+        """Adds the requests to the engine; all or none (a failure aborts the ones added).
+        stream_text=False (generate): no text until a request ends (Engine.add_request)."""
         added = []
         try:
             for i, (ids, sp) in enumerate(zip(encoded, sps)):
                 rid = None if request_ids is None else request_ids[i]
-                added.append(self.engine.add_request(ids, sp, request_id=rid))
+                added.append(self.engine.add_request(ids, sp, request_id=rid,
+                                                     stream_text=stream_text))
         except Exception:
             for rid in added:
                 self.engine.abort(rid)
@@ -268,7 +270,7 @@ class LLM:
         encoded, sps = self._normalize(prompts, sampling_params)
         if self.dp_runner is not None:
             return self._generate_data_parallel(encoded, sps)
-        ids = self._submit(encoded, sps)
+        ids = self._submit(encoded, sps, stream_text=False)
         pending = set(ids)
         while pending:
             self._pump()

@@ -284,6 +284,46 @@ def test_stop_strings_cut_text_and_stream_equals_final():
         assert r.output == greedy_ref(p)[:cut + len(s)]   # up to the token completing it
 
 
+def test_no_text_streamed_decodes_once_per_request():
+    """stream_text=False (LLM.generate): running deltas carry no text and no step decodes; a
+    request is decoded once, at its end, and stop strings still cut it at the right token."""
+    calls = []
+
+    def counting(ids):
+        calls.append(list(ids))
+        return _detok(ids)
+
+    prompts = [[3, 9, 27], [100, 1, 2, 3, 4], list(range(30, 60))]
+    stop = _detok(greedy_ref(prompts[2]))[6:8]
+    sps = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2 + \
+        [SamplingParams(max_tokens=12, stop=(stop,))]
+    for stream_text in (False, True):
+        engine = make_engine("spec", detokenize=counting)
+        calls.clear()
+        ids = [engine.add_request(p, sp, stream_text=stream_text)
+               for p, sp in zip(prompts[:2], sps[:2])]
+        deltas = list(engine.drain())
+        outs = [engine.pop_finished(rid) for rid in ids]
+        for rid, p, r in zip(ids, prompts, outs):
+            mine = [d for d in deltas if d.request_id == rid]
+            assert r.output == greedy_ref(p)[:12] and r.text == _detok(r.output)
+            assert "".join(d.text for d in mine) == r.text
+            assert sum((d.token_ids for d in mine), []) == r.output
+            if not stream_text:
+                assert all(d.text == "" for d in mine[:-1]) and mine[-1].finished
+        if stream_text:
+            assert len(calls) > 2 * len(deltas) // 2     # every step decodes each request
+        else:
+            assert sorted(calls) == sorted(r.output for r in outs)   # one decode each, at the end
+    engine = make_engine("spec", detokenize=_detok)
+    rid = engine.add_request(prompts[2], sps[2], stream_text=False)
+    deltas = list(engine.drain())
+    r = engine.pop_finished(rid)
+    full = _detok(greedy_ref(prompts[2]))
+    assert r.finish_reason == "stop" and r.text == full[:full.find(stop)] == deltas[-1].text
+    assert all(d.text == "" for d in deltas[:-1])
+
+
 def test_bad_requests_rejected_without_disturbing_running_ones():
     engine = make_engine("spec", kv_budget=55)
     good = [[7, 8, 9], list(range(20, 50))]
