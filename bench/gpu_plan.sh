@@ -4,12 +4,21 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
+#   bash bench/gpu_plan.sh sweep13     # issue 8: the batch sweep 1/4/16/64 on MT-bench, 128
+#                                      #   tokens, 3 timed passes, since generate stopped
+#                                      #   detokenizing every step (commit 6b7ac0c); then
+#                                      #   sweep13_sg, held-out ShareGPT (carry
+#                                      #   .gpu/sharegpt_heldout.jsonl), in a call of its own
+#   bash bench/gpu_plan.sh kcompare    # issue 8: 4 against 8 cycles per call at batch 16/64,
+#                                      #   128 and 512 tokens, on that tree (8 won at 128 and
+#                                      #   lost at 512 before it)
 #   bash bench/gpu_plan.sh firstpass   # issues 6/8: batch 64, 128 tokens, 3 timed passes: does
 #                                      #   the warm-up that runs every program (commit 3dda846)
-#                                      #   make pass 1 as fast as passes 2-3 (27% slower before)?
+#                                      #   make pass 1 as fast as passes 2-3 (27% slower before;
+#                                      #   9% slower on 2026-11-25, thirteenth set)
 #   bash bench/gpu_plan.sh peers       # issue 7: batch 1 with the HF transformers peers, in a
 #                                      #   call of its own (bench/mtbench16.jsonl: two
-#                                      #   MT-bench questions per category)
+#                                      #   MT-bench questions per category; hf-compiled first)
 #   bash bench/gpu_plan.sh parallel    # issue 9 (nvidia-h200-x2): data parallel, engine and pmap
 #   bash bench/gpu_plan.sh parallel_more  # issue 9 (nvidia-h200-x2): the engine at 8 cycles per
 #                                      #   call, then tensor parallel
@@ -54,6 +63,22 @@ run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 
 BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
 
 case "${1:-}" in
+  sweep13)     # MT-bench; sweep13_sg: the same on held-out ShareGPT
+    S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3"
+    run sweep13_small 300 $S --batch-sizes 1,4 --num-prompts 80 --json "$OUT/sweep13_small.json"
+    run sweep13_large 250 $S --batch-sizes 16,64 --num-prompts 384 --json "$OUT/sweep13_large.json"
+    ;;
+  sweep13_sg)
+    S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --dataset .gpu/sharegpt_heldout.jsonl"
+    run sweep13_sg_small 300 $S --batch-sizes 1,4 --num-prompts 80 --json "$OUT/sweep13_sg_small.json"
+    run sweep13_sg_large 250 $S --batch-sizes 16,64 --num-prompts 384 --json "$OUT/sweep13_sg_large.json"
+    ;;
+  kcompare)
+    S="$BENCH --no-peers --spec chain:4,chain:8"
+    run kcompare_64_128 200 $S --batch-sizes 64 --num-prompts 384 --max-tokens 128 --repeats 3 --json "$OUT/kcompare_64_128.json"
+    run kcompare_16_128 160 $S --batch-sizes 16 --num-prompts 192 --max-tokens 128 --repeats 3 --json "$OUT/kcompare_16_128.json"
+    run kcompare_64_512 200 $S --batch-sizes 64 --num-prompts 384 --max-tokens 512 --repeats 2 --json "$OUT/kcompare_64_512.json"
+    ;;
   firstpass)
     S="$BENCH --no-peers --batch-sizes 64 --spec chain:4 --num-prompts 384 --repeats 3"
     run firstpass_128 280 $S --max-tokens 128 --json "$OUT/firstpass_128.json"
@@ -61,7 +86,7 @@ case "${1:-}" in
     ;;
   peers)
     run peers 560 $BENCH --batch-sizes 1 --spec chain,6x8x40 --dataset bench/mtbench16.jsonl \
-      --num-prompts 16 --max-tokens 256 --json "$OUT/peers.json"
+      --num-prompts 16 --max-tokens 256 --peers hf-compiled,hf-static,hf-pld --json "$OUT/peers.json"
     ;;
   admit)
     # the admission's weight slices (8 memcpys per layer, 17% of its kernels): XLA's
