@@ -73,6 +73,7 @@ def make(cfg, params, head, mode, batch, max_model_len, tok, bucket_growth=4, ad
                               max_model_len + 2 * spec.max_emit * k, cycles_per_call=k)
     return Engine(backend, max_model_len=max_model_len, vocab_size=cfg.vocab_size, chunk=256,
                   bucket_growth=bucket_growth, detokenize=tok.decode if tok is not None else None,
+                  stream_decoder=tok.stream_decoder if tok is not None else None,
                   admit_interval=admit_interval)
 
 

@@ -127,7 +127,8 @@ class LLM:
         self.engine = Engine(backend, max_model_len=self.max_model_len,
                              vocab_size=self.config.vocab_size, eos_ids=self._eos_ids(),
                              chunk=min(512, self.max_model_len), detokenize=self.tokenizer.decode,
-                             admit_interval=admit_interval, width_growth=prefill_width_growth)
+                             admit_interval=admit_interval, width_growth=prefill_width_growth,
+                             stream_decoder=getattr(self.tokenizer, "stream_decoder", None))
         self._inbox: dict = {}
 
     def _load_draft(self, draft: Optional[str]):

@@ -521,18 +521,32 @@ def test_sampling_penalties_logprobs_alone_busy_and_retracted(kind):
     assert len({tuple(o.output) for o in outs}) > len(outs) // 2   # unseeded rows differ
 
 
-def test_incremental_detokenization_equals_full_decode(smollm2_gguf):
-    """The engine's per-step text (only new tokens decoded) equals decoding the whole output,
-    with multi-byte characters split across tokens and held back until complete."""
+@pytest.mark.parametrize("stream", [False, True], ids=["windows", "stream_decoder"])
+def test_incremental_detokenization_equals_full_decode(smollm2_gguf, stream):
+    """The engine's per-step text (only new tokens decoded: by windows of the output, or the
+    tokenizer's incremental decoder) equals decoding the whole output, with multi-byte
+    characters split across tokens held back until complete; also for random token ids, whose
+    bytes need not form valid UTF-8, fed one or several at a time."""
+    import random
+
     from jaxspec.engine.loop import Engine, Request
     from jaxspec.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(smollm2_gguf)
-    text = "Café — naïve 日本語 emoji 🎉🚀 and plain words, then «quotes» ok."
-    ids = tok.encode(text, add_special_tokens=False)
-    req = Request.__new__(Request)
-    req.output, req.detok_text, req.prefix_offset, req.read_offset = [], "", 0, 0
     eng = Engine.__new__(Engine)
     eng.detokenize = tok.decode
+    eng.stream_decoder = tok.stream_decoder if stream else None
+    if stream:
+        assert tok.stream_decoder() is not None      # SmolLM2's tokenizer takes the fast path
+
+    def fresh():
+        req = Request.__new__(Request)
+        req.output, req.detok_text, req.prefix_offset, req.read_offset = [], "", 0, 0
+        req.decoder = None
+        return req
+
+    text = "Café — naïve 日本語 emoji 🎉🚀 and plain words, then «quotes» ok."
+    ids = tok.encode(text, add_special_tokens=False)
+    req = fresh()
     for t in ids:
         req.output.append(t)
         got = eng._text_so_far(req)
@@ -541,6 +555,14 @@ def test_incremental_detokenization_equals_full_decode(smollm2_gguf):
         if not full.endswith("\ufffd"):
             assert got == full                 # and nothing held once the bytes are complete
     assert got == tok.decode(ids) == text
+    assert (req.decoder is not False) == stream
+    rng = random.Random(0)
+    for _ in range(40):
+        req, n = fresh(), rng.randint(1, 30)
+        ids = [rng.randrange(300 if rng.random() < 0.5 else tok.vocab_size) for _ in range(n)]
+        while req.output != ids:
+            req.output += ids[len(req.output):len(req.output) + rng.randint(1, 3)]
+            assert tok.decode(req.output).startswith(eng._text_so_far(req))
 
 
 @pytest.mark.parametrize("kind", ["spec", "plain", "spec:3"])

@@ -35,7 +35,7 @@ import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import jax
 import numpy as np
@@ -74,6 +74,7 @@ class Request:
     detok_text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
+    decoder: Any = None                 # its incremental decoder (False: none, decode windows)
     finish_reason: Optional[str] = None
     retracts: int = 0
     t_arrival: float = 0.0
@@ -163,6 +164,9 @@ class Engine:
     accelerator's host; 1 on the CPU backend, whose compilations share the cores with everything
     else (measured slower with 2 threads than with 1 on a 2-core machine).
     detokenize: token ids -> text (needed for text deltas and stop strings).
+    stream_decoder: () -> a fresh incremental decoder (`feed(ids) -> str`, e.g.
+    `Tokenizer.stream_decoder`) or None; running text then costs one step of it per new token
+    instead of two decodes of a window per step. Its text must be a prefix of detokenize's.
     admit_interval: while slots are running, admit waiting requests only every this many cycles
     (SGLang's --num-continuous-decode-steps). Each admission is a dispatch of its own whose host
     cost does not shrink with the requests it carries, so gathering newcomers saves host time
@@ -174,7 +178,8 @@ class Engine:
                  kv_budget: Optional[int] = None, chunk: int = 512, min_chunk: int = 16,
                  bucket_growth: int = 4, compile_workers: Optional[int] = None,
                  detokenize: Optional[Callable[[List[int]], str]] = None,
-                 admit_interval: int = 1, width_growth: Optional[int] = None):
+                 admit_interval: int = 1, width_growth: Optional[int] = None,
+                 stream_decoder: Optional[Callable[[], Any]] = None):
         self.backend = backend
         if admit_interval < 1:
             raise ValueError(f"admit_interval must be >= 1, got {admit_interval}")
@@ -198,6 +203,7 @@ class Engine:
         self.compile_workers = compile_workers or (
             1 if jax.default_backend() == "cpu" else os.cpu_count() or 1)
         self.detokenize = detokenize
+        self.stream_decoder = stream_decoder if detokenize is not None else None
         self.state = backend.init_state()
         self.waiting: collections.deque = collections.deque()
         self.requests: Dict[RequestId, Request] = {}       # live: waiting or running
@@ -635,12 +641,18 @@ class Engine:
         return "stop" if any(s in tail for s in req.stop) else None
 
     def _text_so_far(self, req: Request) -> str:
-        """Text of req.output, decoding only the tokens since the last call plus the one before
-        them (byte-level BPE and SentencePiece merge across that boundary); an incomplete UTF-8
-        character at the end is held back until its bytes arrive. O(new tokens) per call
-        instead of re-decoding the whole output every step."""
+        """Text of req.output, O(new tokens) per call: through the request's incremental
+        decoder when the engine has one, else by decoding only the tokens since the last call
+        plus the one before them (byte-level BPE and SentencePiece merge across that boundary).
+        Either way an incomplete UTF-8 character at the end is held back until its bytes
+        arrive."""
         ids = req.output
-        if req.read_offset < len(ids):
+        if req.read_offset < len(ids) and req.decoder is None:
+            req.decoder = (self.stream_decoder() if self.stream_decoder else None) or False
+        if req.read_offset < len(ids) and req.decoder:
+            req.detok_text += req.decoder.feed(ids[req.read_offset:])
+            req.read_offset = len(ids)
+        elif req.read_offset < len(ids):
             prefix = self.detokenize(ids[req.prefix_offset:req.read_offset])
             new = self.detokenize(ids[req.prefix_offset:])
             if len(new) > len(prefix) and not new.endswith("\ufffd"):
