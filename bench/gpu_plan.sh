@@ -12,6 +12,9 @@
 #   bash bench/gpu_plan.sh kcompare    # issue 8: 4 against 8 cycles per call at batch 16/64,
 #                                      #   128 and 512 tokens, on that tree (8 won at 128 and
 #                                      #   lost at 512 before it)
+#   bash bench/gpu_plan.sh hostprof    # issues 6/8: the batch-64 host profile with real weights
+#                                      #   and the tokenizer, text once at the end (generate)
+#                                      #   and streamed (stream)
 #   bash bench/gpu_plan.sh firstpass   # issues 6/8: batch 64, 128 tokens, 3 timed passes: does
 #                                      #   the warm-up that runs every program (commit 3dda846)
 #                                      #   make pass 1 as fast as passes 2-3 (27% slower before;
@@ -78,6 +81,11 @@ case "${1:-}" in
     run kcompare_64_128 200 $S --batch-sizes 64 --num-prompts 384 --max-tokens 128 --repeats 3 --json "$OUT/kcompare_64_128.json"
     run kcompare_16_128 160 $S --batch-sizes 16 --num-prompts 192 --max-tokens 128 --repeats 3 --json "$OUT/kcompare_16_128.json"
     run kcompare_64_512 200 $S --batch-sizes 64 --num-prompts 384 --max-tokens 512 --repeats 2 --json "$OUT/kcompare_64_512.json"
+    ;;
+  hostprof)
+    P="python3 -m bench.profile_engine --model $GGUF --mode chain:4 --batch 64 --steps 20 --top 40"
+    run hostprof_generate 200 $P
+    run hostprof_stream 200 $P --stream
     ;;
   firstpass)
     S="$BENCH --no-peers --batch-sizes 64 --spec chain:4 --num-prompts 384 --repeats 3"

@@ -9,7 +9,7 @@ With --admit A,W it traces --steps back-to-back admissions of one shape instead 
 width W, first-chunk form, every row padding so the state is kept).
 Both print the device's events too (kernels per name, summed over the GPU streams).
 Usage: python -m bench.profile_engine [--mode chain] [--batch 1] [--steps 40] [--top 40]
-           [--admit 4,128]
+           [--admit 4,128] [--model GGUF [--head FILE] [--stream]]
 Writes $OUT/profile_<mode>_b<B>/ (the trace) and prints the tables.
 """
 from __future__ import annotations
@@ -95,22 +95,30 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--admit", default=None, help="A,W: trace admissions of this shape only")
+    ap.add_argument("--model", default=None,
+                    help="GGUF/HF model: real weights and its tokenizer, so the host also pays "
+                         "for text as LLM does (default: random weights, no text)")
+    ap.add_argument("--head", default=None, help="draft head file (with --model)")
+    ap.add_argument("--stream", action="store_true",
+                    help="with --model: requests stream their text (LLM.stream) instead of "
+                         "getting it once at the end (LLM.generate)")
     args = ap.parse_args()
     _flags()
     from bench.bench_engine import load, make, padding_admit_args
 
     class A:
-        model = head = None
-        tiny = jax.default_backend() == "cpu"
-    cfg, params, head, _ = load(A)
-    eng = make(cfg, params, head, args.mode, args.batch, 2048, None)
+        model, head = args.model, args.head
+        tiny = jax.default_backend() == "cpu" and args.model is None
+    cfg, params, head, tok = load(A)
+    eng = make(cfg, params, head, args.mode, args.batch, 2048, tok)
     eng.warmup()
     rng = np.random.default_rng(0)
 
     def top_up():
         while len(eng.requests) < args.batch:
             eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, 64)],
-                            SamplingParams(max_tokens=int(rng.integers(16, 129)), ignore_eos=True))
+                            SamplingParams(max_tokens=int(rng.integers(16, 129)), ignore_eos=True),
+                            stream_text=args.stream)
     for _ in range(30):
         top_up()
         eng.step()
