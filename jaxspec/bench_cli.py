@@ -366,6 +366,10 @@ def _peers(args, result, prompts, plain_outs, rows, target) -> List[dict]:
     for name in tqdm(_peer_names(args.peers), desc="peers", disable=args.quiet):
         r = peers.run_peer(model, name, ids, args.max_tokens, eos)
         toks = r.pop("token_ids")
+        if name == "hf-compiled" and not r["compiled"]:
+            result["notes"].append("hf-compiled ran eagerly: transformers compiles generate's "
+                                   "decode step only on an accelerator, from its versions "
+                                   "with auto-compilation")
         r["jaxspec_plain_speedup"] = base / r["tokens_per_s"] if base and r["tokens_per_s"] else None
         r["speedup"] = r["tokens_per_s"] / base if base else None
         if args.temperature == 0.0:

@@ -92,6 +92,10 @@ def run_peer(model, name: str, prompt_ids: List[List[int]], max_tokens: int,
         _generate(model, longest, max_tokens if kw.get("cache_implementation") else
                   min(max_tokens, 8), eos, kw)
         sync()
+        # whether generate compiled its decode step (transformers does so only on an
+        # accelerator, and only from the versions that have auto-compilation)
+        compiled = (kw.get("cache_implementation") == "static" and not kw.get("disable_compile")
+                    and getattr(model, "_compiled_call", None) is not None)
         t0 = time.perf_counter()
         outs = [_generate(model, ids, max_tokens, eos, kw) for ids in prompt_ids]
         sync()
@@ -99,7 +103,8 @@ def run_peer(model, name: str, prompt_ids: List[List[int]], max_tokens: int,
     outs = [_cut_at_eos(o, eos) for o in outs]
     ntok = sum(len(o) for o in outs)
     return {"mode": name, "batch": 1, "requests": len(outs), "tokens": ntok, "seconds": secs,
-            "tokens_per_s": ntok / secs if secs > 0 else 0.0, "token_ids": outs}
+            "tokens_per_s": ntok / secs if secs > 0 else 0.0, "token_ids": outs,
+            "compiled": compiled}
 
 
 def _cut_at_eos(ids: List[int], eos: List[int]) -> List[int]:
