@@ -92,7 +92,7 @@ class StreamDecoder:
     """`tokenizers`' DecodeStream over one request's tokens: feed(ids) -> the text they complete
     (a character whose bytes have not all arrived waits for the next tokens). About 1 us a token
     against two `decode` calls of a window per step; the text so far is always a prefix of
-    decode(tokens so far) (tests/test_tokenizer_stream.py)."""
+    decode(tokens so far) (tests/test_engine.py, test_incremental_detokenization_...)."""
 
     def __init__(self, backend, stream):
         self._backend, self._stream = backend, stream

@@ -84,18 +84,17 @@ def run_peer(model, name: str, prompt_ids: List[List[int]], max_tokens: int,
     """Tokens/s over the prompts (batch 1) and the generated ids."""
     import torch
     kw = PEERS[name]
+    compiles = kw.get("cache_implementation") == "static" and not kw.get("disable_compile")
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     with torch.inference_mode():
-        # the longest prompt at full length: a static cache sized once for every prompt, and
-        # (compiled peer) the compilation, before the clock starts
+        # compiled peer: the longest prompt at full length, so the static cache is sized once
+        # for every prompt and compiled before the clock starts
         longest = max(prompt_ids, key=len)
-        _generate(model, longest, max_tokens if kw.get("cache_implementation") else
-                  min(max_tokens, 8), eos, kw)
+        _generate(model, longest, max_tokens if compiles else min(max_tokens, 8), eos, kw)
         sync()
         # whether generate compiled its decode step (transformers does so only on an
         # accelerator, and only from the versions that have auto-compilation)
-        compiled = (kw.get("cache_implementation") == "static" and not kw.get("disable_compile")
-                    and getattr(model, "_compiled_call", None) is not None)
+        compiled = compiles and getattr(model, "_compiled_call", None) is not None
         t0 = time.perf_counter()
         outs = [_generate(model, ids, max_tokens, eos, kw) for ids in prompt_ids]
         sync()

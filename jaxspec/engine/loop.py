@@ -647,12 +647,14 @@ class Engine:
         Either way an incomplete UTF-8 character at the end is held back until its bytes
         arrive."""
         ids = req.output
-        if req.read_offset < len(ids) and req.decoder is None:
+        if req.read_offset >= len(ids):
+            return req.detok_text
+        if req.decoder is None:
             req.decoder = (self.stream_decoder() if self.stream_decoder else None) or False
-        if req.read_offset < len(ids) and req.decoder:
+        if req.decoder:
             req.detok_text += req.decoder.feed(ids[req.read_offset:])
             req.read_offset = len(ids)
-        elif req.read_offset < len(ids):
+        else:
             prefix = self.detokenize(ids[req.prefix_offset:req.read_offset])
             new = self.detokenize(ids[req.prefix_offset:])
             if len(new) > len(prefix) and not new.endswith("\ufffd"):
