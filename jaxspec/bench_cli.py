@@ -77,8 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-width-growth", type=int, default=4,
                     help="ratio of successive prefill chunk widths: 4 runs 16, 64, 256, 512; 2 "
                          "pads short prompts less for more warm-up compilations")
+    ap.add_argument("--admit-interval", type=int, default=1,
+                    help="while requests run, admit newcomers every this many device calls "
+                         "(1: at once); fewer, larger admissions for a later first token")
     ap.add_argument("--adaptive", action="store_true",
-                    help="choose the config (or plain) per batch size from measured costs")
+                    help="choose the config (or plain) per batch size from a short run of each "
+                         "on the run's first prompts (prefill included)")
     ap.add_argument("--probe-tokens", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--peer-hf", action="store_true",
                     help="run the HF transformers peers on CPU too (always on with CUDA)")
@@ -132,6 +136,8 @@ def _defaults(args):
         raise SystemExit(f"--batch-sizes {args.batch_sizes!r}: a comma list of integers") from None
     if not args.batch_list or min(args.batch_list) < 1:
         raise SystemExit(f"--batch-sizes {args.batch_sizes!r}: batch sizes must be >= 1")
+    if args.admit_interval < 1:
+        raise SystemExit(f"--admit-interval {args.admit_interval}: must be >= 1")
     if args.prefill_width_growth < 2:
         raise SystemExit(f"--prefill-width-growth {args.prefill_width_growth}: must be >= 2")
     if args.repeats < 1:
@@ -203,7 +209,8 @@ def _setup(args, result):
                     data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel,
                     dtype=None if args.dtype == "auto" else args.dtype,
                     data_parallel_impl=args.data_parallel_impl,
-                    prefill_width_growth=args.prefill_width_growth)
+                    prefill_width_growth=args.prefill_width_growth,
+                    admit_interval=args.admit_interval)
     result["draft_label"] = target.draft_label if len(modes) > 1 else None
     if args.draft == "random":
         result["notes"].append("draft: a RANDOM EAGLE head; accept lengths and speedups measure "

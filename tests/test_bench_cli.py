@@ -346,12 +346,43 @@ def test_poisson_arrivals_and_percentiles():
 
 
 def test_adaptive_never_picks_a_config_slower_than_plain():
-    probes = {"plain": {"tokens_per_s_per_slot": 100.0},
-              "chain": {"tokens_per_s_per_slot": 90.0}}
+    probes = {"plain": {"tokens_per_s": 100.0}, "chain": {"tokens_per_s": 90.0}}
     assert adaptive.choose(probes)["choice"] == "plain"
-    probes["tree"] = {"tokens_per_s_per_slot": 150.0}
+    probes["tree"] = {"tokens_per_s": 150.0}
     d = adaptive.choose(probes)
     assert d["choice"] == "tree" and d["expected_speedup"] == pytest.approx(1.5)
+
+
+def test_adaptive_probe_runs_the_workload_prompts_once_each():
+    prompts_ = [{"chat": [{"role": "user", "content": f"q{i}"}]} for i in range(40)]
+    chats = adaptive.probe_chats(prompts_, 4)
+    assert len(chats) == 12 and len({c[0]["content"] for c in chats}) == 12
+    assert len(adaptive.probe_chats(prompts_, 1)) == adaptive.MIN_PROBE_REQUESTS
+    # fewer prompts than the probe wants: each once, repeated only to fill one batch
+    assert len(adaptive.probe_chats(prompts_[:5], 4)) == 5
+    assert len(adaptive.probe_chats(prompts_[:3], 4)) == 4
+
+
+def test_adaptive_probe_times_the_whole_run_at_the_run_s_length():
+    """Tokens/s over everything generate did (prefill included), at the run's max_tokens and
+    EOS; the decode-only cost per cycle and the accept length come along."""
+    from types import SimpleNamespace
+    from jaxspec.sampling import SamplingParams
+
+    class FakeLLM:
+        def generate(self, chats, sp):
+            self.sp = sp
+            return [SimpleNamespace(token_ids=[1] * 9, accept_lens=[3, 3, 0],
+                                    metrics={"latency_s": 0.5, "ttft_s": 0.2}) for _ in chats]
+    llm = FakeLLM()
+    p = adaptive.probe(llm, [[{"role": "user", "content": "x"}]] * 4,
+                       SamplingParams(max_tokens=77), spec=True)
+    assert llm.sp.max_tokens == 77 and not llm.sp.ignore_eos
+    assert p["tokens"] == 36 and p["requests"] == 4
+    assert p["tokens_per_s"] == pytest.approx(36 / p["seconds"])
+    assert p["decode_cost_s"] == pytest.approx(0.1) and p["accept_len"] == pytest.approx(3.0)
+    adaptive.probe(llm, [[]], SamplingParams(max_tokens=77), spec=False, tokens=5)
+    assert llm.sp.max_tokens == 5
 
 
 def test_cycle_mode_replays_accept_lengths_labelled_as_replayed(sweep):
