@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-width-growth", type=int, default=4,
                     help="ratio of successive prefill chunk widths: 4 runs 16, 64, 256, 512; 2 "
                          "pads short prompts less for more warm-up compilations")
+    ap.add_argument("--prefill-chunk", type=int, default=512,
+                    help="widest prefill chunk: longer prompts take one device call per chunk")
     ap.add_argument("--admit-interval", type=int, default=1,
                     help="while requests run, admit newcomers every this many device calls "
                          "(1: at once); fewer, larger admissions for a later first token")
@@ -136,6 +138,8 @@ def _defaults(args):
         raise SystemExit(f"--batch-sizes {args.batch_sizes!r}: a comma list of integers") from None
     if not args.batch_list or min(args.batch_list) < 1:
         raise SystemExit(f"--batch-sizes {args.batch_sizes!r}: batch sizes must be >= 1")
+    if args.prefill_chunk < 16:
+        raise SystemExit(f"--prefill-chunk {args.prefill_chunk}: must be >= 16")
     if args.admit_interval < 1:
         raise SystemExit(f"--admit-interval {args.admit_interval}: must be >= 1")
     if args.prefill_width_growth < 2:
@@ -210,7 +214,7 @@ def _setup(args, result):
                     dtype=None if args.dtype == "auto" else args.dtype,
                     data_parallel_impl=args.data_parallel_impl,
                     prefill_width_growth=args.prefill_width_growth,
-                    admit_interval=args.admit_interval)
+                    admit_interval=args.admit_interval, prefill_chunk=args.prefill_chunk)
     result["draft_label"] = target.draft_label if len(modes) > 1 else None
     if args.draft == "random":
         result["notes"].append("draft: a RANDOM EAGLE head; accept lengths and speedups measure "

@@ -52,6 +52,9 @@ class LLM:
     prefill_width_growth: ratio of successive prefill chunk widths (`Engine(width_growth=)`): 4
     runs chunks 16, 64, 256 or 512 wide; 2 pads short chat prompts less (16, 32, .., 512) for
     more programs to compile at warm-up.
+    prefill_chunk: the widest prefill chunk (`Engine(chunk=)`, capped at max_model_len); a
+    longer prompt is prefilled in chunks this wide, one device call each. Wider chunks mean
+    fewer calls for long prompts, each with its own host cost, for one more width to compile.
     """
 
     def __init__(self, model: Optional[str] = None, *, dtype=None, max_batch: int = 8,
@@ -60,7 +63,7 @@ class LLM:
                  draft: Any = None, spec: Any = None, data_parallel: int = 1,
                  tensor_parallel: int = 1, data_parallel_impl: str = "pmap",
                  admit_interval: int = 1, cycles_per_call: Optional[int] = None,
-                 prefill_width_growth: int = 4):
+                 prefill_width_growth: int = 4, prefill_chunk: int = 512):
         from jaxspec.weights import load_model
         if max_batch <= 0:
             raise ConfigError(f"max_batch must be positive, got {max_batch}")
@@ -74,6 +77,8 @@ class LLM:
             raise ConfigError(f"admit_interval must be >= 1, got {admit_interval}")
         if prefill_width_growth < 2:
             raise ConfigError(f"prefill_width_growth must be >= 2, got {prefill_width_growth}")
+        if prefill_chunk < 16:
+            raise ConfigError(f"prefill_chunk must be >= 16, got {prefill_chunk}")
         if cycles_per_call is not None and cycles_per_call < 1:
             raise ConfigError(f"cycles_per_call must be >= 1, got {cycles_per_call}")
         self.cycles_per_call = cycles_per_call or default_cycles_per_call(max_batch)
@@ -126,7 +131,7 @@ class LLM:
             data_parallel_backend(backend, local_devices(data_parallel))
         self.engine = Engine(backend, max_model_len=self.max_model_len,
                              vocab_size=self.config.vocab_size, eos_ids=self._eos_ids(),
-                             chunk=min(512, self.max_model_len), detokenize=self.tokenizer.decode,
+                             chunk=min(prefill_chunk, self.max_model_len), detokenize=self.tokenizer.decode,
                              admit_interval=admit_interval, width_growth=prefill_width_growth,
                              stream_decoder=getattr(self.tokenizer, "stream_decoder", None))
         self._inbox: dict = {}

@@ -195,6 +195,34 @@ def test_dtype_option(capsys):
     assert "--dtype: invalid choice: 'fp16'" in err and "bfloat16" in err and "float32" in err
 
 
+def test_admission_options():
+    parse = bench_cli.build_parser().parse_args
+    a = bench_cli._defaults(parse([]))
+    assert a.admit_interval == 1 and a.prefill_chunk == 512
+    a = bench_cli._defaults(parse(["--admit-interval", "2", "--prefill-chunk", "2048"]))
+    assert a.admit_interval == 2 and a.prefill_chunk == 2048
+    with pytest.raises(SystemExit, match="--admit-interval 0: must be >= 1"):
+        bench_cli._defaults(parse(["--admit-interval", "0"]))
+    with pytest.raises(SystemExit, match="--prefill-chunk 8: must be >= 16"):
+        bench_cli._defaults(parse(["--prefill-chunk", "8"]))
+
+
+def test_prefill_chunk_reaches_the_engine_and_keeps_outputs(tiny_chat_model):
+    """A prompt of several 16-token chunks gives the output of one wide chunk."""
+    from jaxspec import LLM, SamplingParams
+    prompt = [[{"role": "user", "content": "Count: " + " ".join(str(i) for i in range(20))}]]
+    sp = SamplingParams(max_tokens=6)
+    outs = []
+    for chunk, interval in ((16, 2), (512, 1)):
+        llm = LLM(str(tiny_chat_model), max_batch=2, max_model_len=128, prefill_chunk=chunk,
+                  admit_interval=interval)
+        assert (llm.engine.chunk, llm.engine.admit_interval) == (chunk if chunk < 128 else 128,
+                                                                 interval)
+        outs.append(llm.generate(prompt * 3, sp))
+        assert llm.engine.stats.prefill_chunks >= (3 if chunk == 16 else 1)
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+
+
 def test_prefill_width_growth_option():
     parse = bench_cli.build_parser().parse_args
     assert bench_cli._defaults(parse([])).prefill_width_growth == 4
