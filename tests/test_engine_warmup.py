@@ -1,5 +1,7 @@
 """Engine warm-up: the admission buckets it compiles, executables compiled ahead of time that keep
 the state donated, and a shape warm-up missed showing up in the engine's no-compilation check."""
+import collections
+
 import jax
 import numpy as np
 import pytest
@@ -67,10 +69,13 @@ def test_warmup_compiles_ahead_and_serves_without_jit(kind):
     assert compiled_shapes(engine) != before and be.jit_calls == 1
 
 
-@pytest.mark.parametrize("kind", ["spec", "plain"])
-def test_warmup_can_run_every_program_once_and_leaves_the_state_as_it_was(kind):
+@pytest.mark.parametrize("kind,copies", [("spec", 1), ("plain", 1), ("spec", 2)])
+def test_warmup_can_run_every_program_once_and_leaves_the_state_as_it_was(kind, copies,
+                                                                          monkeypatch):
     """execute=True (the default on accelerators): each compiled program runs once on idle or
-    padding arguments, through its executable; the state is bit-identical afterwards."""
+    padding arguments, through its executable (each loaded copy of a cycle once); the state is
+    bit-identical afterwards."""
+    monkeypatch.setenv("JAXSPEC_CYCLE_COPIES", str(copies))
     engine = make_engine(kind)
     before = [np.asarray(x) for x in jax.tree_util.tree_leaves(engine.state)]
     be = engine.backend
@@ -84,17 +89,31 @@ def test_warmup_can_run_every_program_once_and_leaves_the_state_as_it_was(kind):
             return _fn(*a, **kw)
         setattr(be, name, spy)
     engine.warmup(execute=True)
-    n_cycles = len(VARIANTS) * len(be.sizes)
+    n_cycles = len(VARIANTS) * len(be.sizes) * copies
     n_admits = len(VARIANTS) * len(engine.admission_forms())
     assert ran == ["cycle"] * n_cycles + ["admit"] * n_admits + \
         ["advance_keys"] * len(engine.slot_buckets)
     assert be.jit_calls == 0                          # every run found its executable
     after = jax.tree_util.tree_leaves(engine.state)
     assert all(np.array_equal(x, np.asarray(y)) for x, y in zip(before, after))
+    assert sum(map(len, be.spares.values())) == (copies - 1) * len(VARIANTS) * len(be.sizes)
+    runs = collections.Counter()
+
+    def counted(exe):
+        def call(*a):
+            runs[id(call)] += 1
+            return exe(*a)
+        return call
+    be.executables = {k: counted(x) for k, x in be.executables.items()}
+    be.spares = {k: [counted(x) for x in v] for k, v in be.spares.items()}
     prompt = [5, 17, 42, 8, 99]
     rid = engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
     list(engine.drain())
     assert engine.pop_finished(rid).output == greedy_ref(prompt)[:8]
+    key = ("cycle", LEAN, be.call_size(1))   # one slot, greedy: every cycle runs this one
+    copies_run = [runs[id(x)] for x in [be.executables[key], *be.spares.get(key, [])]]
+    assert len(copies_run) == copies and min(copies_run) >= 1     # taken in turn
+    assert max(copies_run) - min(copies_run) <= 1
 
 
 def test_warmup_of_the_variants_requests_need():

@@ -34,11 +34,14 @@ they would make (under whatever context a wrapper sets, e.g. a mesh) and return 
 instead of running it; the engine compiles those concurrently and puts the executables in
 `executables` (key -> jax.stages.Compiled, donation kept). A call whose key is there runs that
 executable; any other goes through jit (compiling on its first use) and counts in `jit_calls`.
+With cycle_copies > 1 the engine compiles that many copies of each cycle program (`spares`)
+and calls take them in turn.
 """
 from __future__ import annotations
 
 import collections
 import functools
+import os
 from typing import Dict, List, NamedTuple, Optional
 
 import jax
@@ -100,10 +103,38 @@ class MaskCache:
 class _Dispatch:
     """Calls through the executables compiled ahead of time, else through jit."""
 
-    def _init_dispatch(self):
+    def _init_dispatch(self, cycle_copies: Optional[int] = None):
+        """cycle_copies: loaded copies of each cycle program, run in turn (`copies_of`); None:
+        $JAXSPEC_CYCLE_COPIES, else 1. On the H100 (bench/RESULTS.md, fourteenth set) two
+        copies cut the host's time per step at batch 1 (chain) from 0.90 to 0.76 ms and made
+        batch 64 (chain:4, admissions between the cycles) slower, 28.0k against 24.9k tok/s,
+        in one run each; the default stays 1."""
+        if cycle_copies is None:
+            cycle_copies = int(os.environ.get("JAXSPEC_CYCLE_COPIES", "1"))
+        if cycle_copies < 1:
+            raise ValueError(f"cycle_copies must be >= 1, got {cycle_copies}")
         self.executables: Dict[tuple, jax.stages.Compiled] = {}
+        # More loaded copies of a program, run in turn with executables[key] (cycle_copies)
+        self.spares: Dict[tuple, List[jax.stages.Compiled]] = {}
+        self.cycle_copies = cycle_copies
+        self._turn: collections.Counter = collections.Counter()
         self.jit_calls = 0      # calls that found no executable: after warm-up, a missed shape
         self.device_mask = MaskCache()   # the cycle's [B] active mask as a device array
+
+    def copies_of(self, key: tuple) -> int:
+        """Loaded copies warm-up compiles of the program `key`: cycle_copies for cycles, 1 for
+        the rest. Why several: the host dispatches a cycle before the previous one has ended,
+        so consecutive calls of one executable get different temporary and output buffers,
+        and XLA then updates the executable's CUDA graph (every node that reads a moved
+        buffer) before launching it. Two copies taken in turn each see the buffers of two calls
+        before, which the allocator tends to hand back, so their graphs may run unchanged."""
+        return self.cycle_copies if key[0] == "cycle" else 1
+
+    def add_executable(self, key: tuple, compiled):
+        if key in self.executables:
+            self.spares.setdefault(key, []).append(compiled)
+        else:
+            self.executables[key] = compiled
 
     def advance_keys(self, state, slot_idx, advance, *, lower=False):
         """Moves the keys of slots slot_idx [A] on by advance [A] splits (`admit.advance_rows`;
@@ -131,6 +162,10 @@ class _Dispatch:
         if fn is None:
             self.jit_calls += 1
             fn = jitted
+        elif key in self.spares:
+            turn = self._turn[key] % (len(self.spares[key]) + 1)
+            self._turn[key] += 1
+            fn = self.spares[key][turn - 1] if turn else fn
         return fn(*args)
 
 
@@ -171,7 +206,7 @@ class SpecBackend(_Dispatch):
     cycles per call ran batch 1 at 0.89x the speed of 1, and batch 4 at 1.34x)."""
 
     def __init__(self, cfg: ModelConfig, params, draft_params, spec, slots: int, max_len: int,
-                 seed: int = 0, cycles_per_call: int = 1):
+                 seed: int = 0, cycles_per_call: int = 1, cycle_copies: Optional[int] = None):
         from jaxspec.spec.config import check_vocab, resolve_spec
         from jaxspec.spec.draft import check_head
         from jaxspec.spec.cycle import jit_cycle
@@ -190,7 +225,7 @@ class SpecBackend(_Dispatch):
         self._cycles = {(f, k): jit_cycle(cfg, self.spec, features=f, n_cycles=k, slots=slots)
                         for f in VARIANTS for k in self.sizes}
         self._admits, self._advance = jit_spec_admit(cfg, self.spec, slots, max_len, self.dtype)
-        self._init_dispatch()
+        self._init_dispatch(cycle_copies)
 
     def init_state(self):
         from jaxspec.spec.cycle import init_state
@@ -295,7 +330,7 @@ class PlainBackend(_Dispatch):
     host's per-dispatch cost); sampling, penalties and logprobs per slot."""
 
     def __init__(self, cfg: ModelConfig, params, slots: int, max_len: int, n_steps: int = 4,
-                 seed: int = 0):
+                 seed: int = 0, cycle_copies: Optional[int] = None):
         self.cfg, self.params = cfg, params
         self.slots, self.max_len, self.seed = slots, max_len, seed
         self.dtype = params["embed"].dtype
@@ -304,7 +339,7 @@ class PlainBackend(_Dispatch):
         self.key = _engine_key(seed)
         self._admits, self._cycles, self._advance = _jit_plain(cfg, slots, max_len, self.dtype,
                                                                n_steps)
-        self._init_dispatch()
+        self._init_dispatch(cycle_copies)
 
     def init_state(self):
         return init_plain_state(self.cfg, self.slots, self.max_len, self.dtype)

@@ -356,15 +356,23 @@ class Engine:
             raise ValueError(f"variants must be a non-empty selection of {VARIANTS}, "
                              f"got {variants}")
         programs = self._programs(variants)
+        be = self.backend
         with ThreadPoolExecutor(self.compile_workers) as pool:
-            jobs = [self._compile(pool, call(self.state, lower=True)) for call in programs]
-            self.backend.executables.update(job.result() for job in jobs)
+            jobs, copies = [], []
+            for call in programs:
+                key, low = call(self.state, lower=True)
+                copies.append(be.copies_of(key))
+                jobs += [(key, pool.submit(low.compile)) for _ in range(copies[-1])]
+            for key, job in jobs:
+                be.add_executable(key, job.result())
         seed_key(0)   # compiles the host's seeded-key derivation
         if execute is None:
             execute = jax.default_backend() != "cpu"
-        for call in programs if execute else programs[:1]:
-            out = call(self.state)
-            self.state = out[0] if isinstance(out, tuple) else out
+        runs = list(zip(programs, copies)) if execute else [(programs[0], 1)]
+        for call, n in runs:
+            for _ in range(n):               # each copy once: the dispatcher takes turns
+                out = call(self.state)
+                self.state = out[0] if isinstance(out, tuple) else out
         jax.block_until_ready(self.state)
 
     def _programs(self, variants) -> List[Callable]:
@@ -384,11 +392,6 @@ class Engine:
                                                                              np.int32),
                                            advance=np.zeros(a, np.int32)))
         return calls
-
-    @staticmethod
-    def _compile(pool, lowered):
-        key, low = lowered
-        return pool.submit(lambda: (key, low.compile()))
 
     # ------------------------------------------------------------------ admission
     def _need(self) -> int:
