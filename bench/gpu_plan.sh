@@ -4,6 +4,13 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
+#   bash bench/gpu_plan.sh admit2      # issue 8: batch 64, admit every call or every 2nd, MT-bench
+#                                      #   and held-out ShareGPT (carry .gpu/sharegpt_heldout.jsonl),
+#                                      #   with --adaptive (1.11x against 1.03x on ShareGPT, one run,
+#                                      #   fourteenth set)
+#   bash bench/gpu_plan.sh copies      # issue 6: one or two loaded copies of the cycle program,
+#                                      #   batch 1 and 64, each setting twice in alternation
+#                                      #   (random weights, no GGUF needed)
 #   bash bench/gpu_plan.sh sweep13     # issue 8: the batch sweep 1/4/16/64 on MT-bench, 128
 #                                      #   tokens, 3 timed passes, since generate stopped
 #                                      #   detokenizing every step (commit 6b7ac0c); then
@@ -66,6 +73,20 @@ run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 
 BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
 
 case "${1:-}" in
+  admit2)
+    S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384 --adaptive"
+    run admit2_mt_1 140 $S --json "$OUT/admit2_mt_1.json"
+    run admit2_mt_2 120 $S --admit-interval 2 --json "$OUT/admit2_mt_2.json"
+    run admit2_sg_1 140 $S --dataset .gpu/sharegpt_heldout.jsonl --json "$OUT/admit2_sg_1.json"
+    run admit2_sg_2 120 $S --dataset .gpu/sharegpt_heldout.jsonl --admit-interval 2 --json "$OUT/admit2_sg_2.json"
+    ;;
+  copies)
+    ENG="python3 -m bench.bench_engine --steps 150 --gen 128 --gen-min 16 --max-model-len 2048 --variants lean"
+    for round in a b; do for c in 1 2; do
+      run copies_b1_${c}_$round 120 env JAXSPEC_CYCLE_COPIES=$c $ENG --modes chain --batches 1
+      run copies_b64_${c}_$round 150 env JAXSPEC_CYCLE_COPIES=$c $ENG --modes chain:4 --batches 64
+    done; done
+    ;;
   sweep13)     # MT-bench; sweep13_sg: the same on held-out ShareGPT
     S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3"
     run sweep13_small 300 $S --batch-sizes 1,4 --num-prompts 80 --json "$OUT/sweep13_small.json"
