@@ -8,6 +8,9 @@
 #                                      #   and held-out ShareGPT (carry .gpu/sharegpt_heldout.jsonl),
 #                                      #   with --adaptive (1.11x against 1.03x on ShareGPT, one run,
 #                                      #   fourteenth set)
+#   bash bench/gpu_plan.sh unroll_sg   # issue 8: batch 64, held-out ShareGPT, the prefill layer loop
+#                                      #   at 1 and 6 layers an iteration (its host cost: 4.5 ms an
+#                                      #   admission at batch 64, fourteenth set)
 #   bash bench/gpu_plan.sh copies      # issue 6: one or two loaded copies of the cycle program,
 #                                      #   batch 1 and 64, each setting twice in alternation
 #                                      #   (random weights, no GGUF needed)
@@ -79,6 +82,11 @@ case "${1:-}" in
     run admit2_mt_2 120 $S --admit-interval 2 --json "$OUT/admit2_mt_2.json"
     run admit2_sg_1 140 $S --dataset .gpu/sharegpt_heldout.jsonl --json "$OUT/admit2_sg_1.json"
     run admit2_sg_2 120 $S --dataset .gpu/sharegpt_heldout.jsonl --admit-interval 2 --json "$OUT/admit2_sg_2.json"
+    ;;
+  unroll_sg)
+    S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384 --dataset .gpu/sharegpt_heldout.jsonl"
+    run unroll_sg_1 150 $S --json "$OUT/unroll_sg_1.json"
+    run unroll_sg_6 300 env JAXSPEC_PREFILL_UNROLL=6 $S --json "$OUT/unroll_sg_6.json"
     ;;
   copies)
     ENG="python3 -m bench.bench_engine --steps 150 --gen 128 --gen-min 16 --max-model-len 2048 --variants lean"
