@@ -4,6 +4,9 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
+#   bash bench/gpu_plan.sh b1k         # issues 6/8: batch 1, chain (1 cycle a call) against chain:4
+#                                      #   (an engine for 4, running 1-cycle calls): 1.83 ms a cycle
+#                                      #   in the fourteenth set's sweep against 1.15-1.45 before
 #   bash bench/gpu_plan.sh admit2      # issue 8: batch 64, admit every call or every 2nd, MT-bench
 #                                      #   and held-out ShareGPT (carry .gpu/sharegpt_heldout.jsonl),
 #                                      #   with --adaptive (1.11x against 1.03x on ShareGPT, one run,
@@ -76,6 +79,12 @@ run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 
 BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
 
 case "${1:-}" in
+  b1k)
+    run b1k 400 $BENCH --no-peers --max-tokens 128 --spec chain,chain:4 --repeats 3 --batch-sizes 1 \
+      --num-prompts 80 --json "$OUT/b1k.json"
+    run b1k_engine 150 python3 -m bench.bench_engine --steps 200 --gen 128 --gen-min 16 \
+      --max-model-len 2048 --variants lean --modes chain,chain:4 --batches 1
+    ;;
   admit2)
     S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384 --adaptive"
     run admit2_mt_1 140 $S --json "$OUT/admit2_mt_1.json"
