@@ -97,6 +97,8 @@ def test_warmup_can_run_every_program_once_and_leaves_the_state_as_it_was(kind, 
     after = jax.tree_util.tree_leaves(engine.state)
     assert all(np.array_equal(x, np.asarray(y)) for x, y in zip(before, after))
     assert sum(map(len, be.spares.values())) == (copies - 1) * len(VARIANTS) * len(be.sizes)
+    engine.warmup(execute=False)                      # again: the copies start over
+    assert sum(map(len, be.spares.values())) == (copies - 1) * len(VARIANTS) * len(be.sizes)
     runs = collections.Counter()
 
     def counted(exe):

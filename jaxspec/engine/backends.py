@@ -131,10 +131,14 @@ class _Dispatch:
         return self.cycle_copies if key[0] == "cycle" else 1
 
     def add_executable(self, key: tuple, compiled):
-        if key in self.executables:
-            self.spares.setdefault(key, []).append(compiled)
+        """Files a compiled copy of `key`: a spare until the key has copies_of(key) copies;
+        once it has, the next one starts them over (a second warm-up replaces the first's)."""
+        spares = self.spares.get(key, [])
+        if key in self.executables and 1 + len(spares) < self.copies_of(key):
+            self.spares[key] = spares + [compiled]
         else:
             self.executables[key] = compiled
+            self.spares.pop(key, None)
 
     def advance_keys(self, state, slot_idx, advance, *, lower=False):
         """Moves the keys of slots slot_idx [A] on by advance [A] splits (`admit.advance_rows`;
@@ -162,7 +166,7 @@ class _Dispatch:
         if fn is None:
             self.jit_calls += 1
             fn = jitted
-        elif key in self.spares:
+        elif self.spares.get(key):
             turn = self._turn[key] % (len(self.spares[key]) + 1)
             self._turn[key] += 1
             fn = self.spares[key][turn - 1] if turn else fn
