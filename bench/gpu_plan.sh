@@ -17,17 +17,16 @@
 #   bash bench/gpu_plan.sh copies      # issue 6: one or two loaded copies of the cycle program,
 #                                      #   batch 1 and 64, each setting twice in alternation
 #                                      #   (random weights, no GGUF needed)
+#   bash bench/gpu_plan.sh kcompare    # issue 8: 4 against 8 cycles per call at batch 16/64,
+#                                      #   128 and 512 tokens, since the text change of commit
+#                                      #   6b7ac0c (8 won at 128 and lost at 512 before it)
 #   bash bench/gpu_plan.sh sweep13     # issue 8: the batch sweep 1/4/16/64 on MT-bench, 128
-#                                      #   tokens, 3 timed passes, since generate stopped
-#                                      #   detokenizing every step (commit 6b7ac0c); then
+#                                      #   tokens, 3 timed passes (run in the fourteenth set);
 #                                      #   sweep13_sg, held-out ShareGPT (carry
 #                                      #   .gpu/sharegpt_heldout.jsonl), in a call of its own
-#   bash bench/gpu_plan.sh kcompare    # issue 8: 4 against 8 cycles per call at batch 16/64,
-#                                      #   128 and 512 tokens, on that tree (8 won at 128 and
-#                                      #   lost at 512 before it)
 #   bash bench/gpu_plan.sh hostprof    # issues 6/8: the batch-64 host profile with real weights
 #                                      #   and the tokenizer, text once at the end (generate)
-#                                      #   and streamed (stream)
+#                                      #   and streamed (stream) (run in the fourteenth set)
 #   bash bench/gpu_plan.sh firstpass   # issues 6/8: batch 64, 128 tokens, 3 timed passes: does
 #                                      #   the warm-up that runs every program (commit 3dda846)
 #                                      #   make pass 1 as fast as passes 2-3 (27% slower before;
