@@ -83,6 +83,11 @@ case "${1:-}" in
       --num-prompts 80 --json "$OUT/b1k.json"
     run b1k_engine 150 python3 -m bench.bench_engine --steps 200 --gen 128 --gen-min 16 \
       --max-model-len 2048 --variants lean --modes chain,chain:4 --batches 1
+    # does the 4-cycle engine's single-cycle call update its CUDA graph every time?
+    for m in chain chain:4; do
+      run b1k_profile_$m 120 python3 -m bench.profile_engine --model $GGUF --mode $m --batch 1 \
+        --steps 60 --top 16
+    done
     ;;
   admit2)
     S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384 --adaptive"
