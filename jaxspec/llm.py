@@ -131,7 +131,8 @@ class LLM:
             data_parallel_backend(backend, local_devices(data_parallel))
         self.engine = Engine(backend, max_model_len=self.max_model_len,
                              vocab_size=self.config.vocab_size, eos_ids=self._eos_ids(),
-                             chunk=min(prefill_chunk, self.max_model_len), detokenize=self.tokenizer.decode,
+                             chunk=min(prefill_chunk, self.max_model_len),
+                             detokenize=self.tokenizer.decode,
                              admit_interval=admit_interval, width_growth=prefill_width_growth,
                              stream_decoder=getattr(self.tokenizer, "stream_decoder", None))
         self._inbox: dict = {}

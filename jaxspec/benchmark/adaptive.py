@@ -22,10 +22,10 @@ MIN_PROBE_REQUESTS = 8
 PROBE_BATCHES = 3     # requests per probe: this many batches' worth
 
 
-def probe_chats(prompts, batch: int, n: int = 0) -> list:
-    """The first max(PROBE_BATCHES x batch, MIN_PROBE_REQUESTS, n) chats of the run, each once
+def probe_chats(prompts, batch: int) -> list:
+    """The first max(PROBE_BATCHES x batch, MIN_PROBE_REQUESTS) chats of the run, each once
     while there are enough; with fewer prompts than that, they repeat to fill one batch."""
-    k = max(PROBE_BATCHES * batch, MIN_PROBE_REQUESTS, n)
+    k = max(PROBE_BATCHES * batch, MIN_PROBE_REQUESTS)
     if len(prompts) < k:
         k = max(len(prompts), batch)
     return [prompts[i % len(prompts)]["chat"] for i in range(k)]
