@@ -4,6 +4,8 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
+#   bash bench/gpu_plan.sh cbmode      # issues 6/8: stable addresses for the CUDA graphs' temporaries
+#                                      #   (no graph updates), batch 64 and 1 (random weights)
 #   bash bench/gpu_plan.sh b1k         # issues 6/8: batch 1, chain (1 cycle a call) against chain:4
 #                                      #   (an engine for 4, running 1-cycle calls): 1.83 ms a cycle
 #                                      #   in the fourteenth set's sweep against 1.15-1.45 before
@@ -78,6 +80,32 @@ run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 
 BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
 
 case "${1:-}" in
+  cbmode)
+    # CUDA-graph updates: XLA re-records a command buffer's nodes whenever a buffer they use has
+    # moved (2.4 ms of host time a 4-cycle call at batch 64, fourteenth set). Newer XLA can give
+    # the temporaries stable virtual addresses (--xla_gpu_command_buffer_update_mode, VMM
+    # allocator); the mode names changed between versions, so the ones this jaxlib knows are
+    # found first. CB_MODES overrides the list.
+    SO=$(python3 -c 'import jaxlib, os; print(os.path.dirname(jaxlib.__file__))')
+    PL=$(python3 -c 'import jax_plugins.xla_cuda12 as p, os; print(os.path.dirname(p.__file__))' 2>/dev/null)
+    grep -a -o -h -E "(ALWAYS_UPDATE|NEVER_UPDATE|CAPTURE_CMD_NEVER_UPDATE|SKIP_TEMP|SKIP_PROFILED|DYNAMIC_ALLOCATE|VMM_PERSISTENT_TEMP)" \
+      "$SO"/*.so ${PL:+"$PL"/*.so} 2>/dev/null | sort | uniq -c | tee "$OUT/cbmode_names.log"
+    MODES=""
+    for m in ${CB_MODES:-SKIP_PROFILED VMM_PERSISTENT_TEMP SKIP_TEMP NEVER_UPDATE}; do
+      if XLA_FLAGS=--xla_gpu_command_buffer_update_mode=$m timeout 60 python3 -c "import jax; jax.devices()" >/dev/null 2>&1
+      then MODES="$MODES $m"; [ -n "${CB_MODES:-}" ] || break; fi   # the first one known
+    done
+    echo "accepted modes:$MODES" | tee -a "$OUT/cbmode_names.log"
+    ENG="python3 -m bench.bench_engine --steps 150 --gen 128 --gen-min 16 --max-model-len 2048 --variants lean"
+    for m in default $MODES; do
+      F=""; [ "$m" = default ] || F=--xla_gpu_command_buffer_update_mode=$m
+      run cbmode_b64_$m 160 env XLA_FLAGS=$F $ENG --modes chain:4,plain:16 --batches 64
+    done
+    for m in default $MODES; do
+      F=""; [ "$m" = default ] || F=--xla_gpu_command_buffer_update_mode=$m
+      run cbmode_b1_$m 80 env XLA_FLAGS=$F $ENG --modes chain --batches 1
+    done
+    ;;
   b1k)
     run b1k 400 $BENCH --no-peers --max-tokens 128 --spec chain,chain:4 --repeats 3 --batch-sizes 1 \
       --num-prompts 80 --json "$OUT/b1k.json"
