@@ -4,6 +4,8 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
+#   bash bench/gpu_plan.sh kvstack     # issues 3/6/8: the new K/V transposed once a forward, not per
+#                                      #   layer, against the commit before (carry .gpu_base)
 #   bash bench/gpu_plan.sh cbmode      # issues 6/8: stable addresses for the CUDA graphs' temporaries
 #                                      #   (no graph updates), batch 64 and 1 (random weights)
 #   bash bench/gpu_plan.sh b1k         # issues 6/8: batch 1, chain (1 cycle a call) against chain:4
@@ -80,6 +82,22 @@ run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 
 BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
 
 case "${1:-}" in
+  kvstack)
+    # The forward's new K/V kept token-major per layer, stacked and transposed once (this tree)
+    # against a transpose kernel per layer (.gpu_base: `git archive` of the commit before, carried
+    # along), each from its own directory, alternating: the 8B (5,8,32) and (6,10,60) cycles at
+    # batch 1 and the SmolLM2-shaped chain:4 engine at batch 64 (random weights).
+    CYC="python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 3 --shapes 5,8,32;6,10,60 --variants lean"
+    ENG="python3 -m bench.bench_engine --steps 150 --gen 128 --gen-min 16 --max-model-len 2048 --variants lean --modes chain:4 --batches 64"
+    for t in base new; do
+      D=$PWD; [ $t = base ] && D=$PWD/.gpu_base
+      (cd "$D" && PYTHONPATH=${PYTHONPATH%%:*}:$D run kvstack_eng_$t 110 $ENG)
+    done
+    for t in base new; do
+      D=$PWD; [ $t = base ] && D=$PWD/.gpu_base
+      (cd "$D" && PYTHONPATH=${PYTHONPATH%%:*}:$D run kvstack_cyc_$t 170 $CYC)
+    done
+    ;;
   cbmode)
     # CUDA-graph updates: XLA re-records a command buffer's nodes whenever a buffer they use has
     # moved (2.4 ms of host time a 4-cycle call at batch 64, fourteenth set). Newer XLA can give

@@ -79,9 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "pads short prompts less for more warm-up compilations")
     ap.add_argument("--prefill-chunk", type=int, default=512,
                     help="widest prefill chunk: longer prompts take one device call per chunk")
-    ap.add_argument("--admit-interval", type=int, default=1,
+    ap.add_argument("--admit-interval", type=int, default=None,
                     help="while requests run, admit newcomers every this many device calls "
-                         "(1: at once); fewer, larger admissions for a later first token")
+                         "(1: at once); fewer, larger admissions for a later first token. "
+                         "Default: 2 for speculation at 32+ slots on a GPU, else 1")
     ap.add_argument("--adaptive", action="store_true",
                     help="choose the config (or plain) per batch size from a short run of each "
                          "on the run's first prompts (prefill included)")
@@ -140,7 +141,7 @@ def _defaults(args):
         raise SystemExit(f"--batch-sizes {args.batch_sizes!r}: batch sizes must be >= 1")
     if args.prefill_chunk < 16:
         raise SystemExit(f"--prefill-chunk {args.prefill_chunk}: must be >= 16")
-    if args.admit_interval < 1:
+    if args.admit_interval is not None and args.admit_interval < 1:
         raise SystemExit(f"--admit-interval {args.admit_interval}: must be >= 1")
     if args.prefill_width_growth < 2:
         raise SystemExit(f"--prefill-width-growth {args.prefill_width_growth}: must be >= 2")

@@ -12,7 +12,8 @@ import jax
 from jaxspec import compile_cache
 from jaxspec.config import ConfigError
 from jaxspec.engine import Engine, PlainBackend, SpecBackend, StreamDelta
-from jaxspec.engine.backends import default_cycles_per_call, default_spec
+from jaxspec.engine.backends import (default_admit_interval, default_cycles_per_call,
+                                     default_spec)
 from jaxspec.kv import kv_bytes_per_token
 from jaxspec.sampling import Features, SamplingParams, apply_stop_strings
 
@@ -43,8 +44,9 @@ class LLM:
     jax.pmap) or "engine" (`parallel.dp_engine`: one continuous-batching engine over every
     replica's slots, so stream, abort and retract work as on one device; on two H200s it
     scaled 1.87-1.96x against pmap's 1.26-1.92x, bench/RESULTS.md, 2026-11-24 ninth set).
-    admit_interval: the engine admits newcomers every this many cycles while others run
-    (`Engine(admit_interval=)`; 1, the default, admits at once).
+    admit_interval: the engine admits newcomers every this many device calls while others run
+    (`Engine(admit_interval=)`; 1 admits at once). None: `engine.default_admit_interval` (2 for
+    a speculative engine of 32+ slots on a GPU, else 1).
     cycles_per_call: speculative cycles per device call (`SpecBackend(cycles_per_call=)`, the
     speculative counterpart of decode_chunk): more amortize the host's cost per call where it
     exceeds a cycle's device time (large batches of a small model). None:
@@ -62,7 +64,7 @@ class LLM:
                  decode_chunk: int = 16, seed: int = 0, layer_layout: Optional[str] = None,
                  draft: Any = None, spec: Any = None, data_parallel: int = 1,
                  tensor_parallel: int = 1, data_parallel_impl: str = "pmap",
-                 admit_interval: int = 1, cycles_per_call: Optional[int] = None,
+                 admit_interval: Optional[int] = None, cycles_per_call: Optional[int] = None,
                  prefill_width_growth: int = 4, prefill_chunk: int = 512):
         from jaxspec.weights import load_model
         if max_batch <= 0:
@@ -73,7 +75,7 @@ class LLM:
         if data_parallel > 1 and tensor_parallel > 1:
             raise ConfigError("data_parallel and tensor_parallel together (a 2-D mesh) are not "
                               "supported: choose one")
-        if admit_interval < 1:
+        if admit_interval is not None and admit_interval < 1:
             raise ConfigError(f"admit_interval must be >= 1, got {admit_interval}")
         if prefill_width_growth < 2:
             raise ConfigError(f"prefill_width_growth must be >= 2, got {prefill_width_growth}")
@@ -129,6 +131,8 @@ class LLM:
             from jaxspec.parallel.data_parallel import local_devices
             from jaxspec.parallel.dp_engine import data_parallel_backend
             data_parallel_backend(backend, local_devices(data_parallel))
+        if admit_interval is None:
+            admit_interval = default_admit_interval(slots, self.spec is not None)
         self.engine = Engine(backend, max_model_len=self.max_model_len,
                              vocab_size=self.config.vocab_size, eos_ids=self._eos_ids(),
                              chunk=min(prefill_chunk, self.max_model_len),

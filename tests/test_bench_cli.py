@@ -198,7 +198,7 @@ def test_dtype_option(capsys):
 def test_admission_options():
     parse = bench_cli.build_parser().parse_args
     a = bench_cli._defaults(parse([]))
-    assert a.admit_interval == 1 and a.prefill_chunk == 512
+    assert a.admit_interval is None and a.prefill_chunk == 512    # None: the engine's default
     a = bench_cli._defaults(parse(["--admit-interval", "2", "--prefill-chunk", "2048"]))
     assert a.admit_interval == 2 and a.prefill_chunk == 2048
     with pytest.raises(SystemExit, match="--admit-interval 0: must be >= 1"):
@@ -213,11 +213,11 @@ def test_prefill_chunk_reaches_the_engine_and_keeps_outputs(tiny_chat_model):
     prompt = [[{"role": "user", "content": "Count: " + " ".join(str(i) for i in range(20))}]]
     sp = SamplingParams(max_tokens=6)
     outs = []
-    for chunk, interval in ((16, 2), (512, 1)):
+    for chunk, interval in ((16, 2), (512, None)):
         llm = LLM(str(tiny_chat_model), max_batch=2, max_model_len=128, prefill_chunk=chunk,
                   admit_interval=interval)
         assert (llm.engine.chunk, llm.engine.admit_interval) == (chunk if chunk < 128 else 128,
-                                                                 interval)
+                                                                 interval or 1)   # CPU: 1
         outs.append(llm.generate(prompt * 3, sp))
         assert llm.engine.stats.prefill_chunks >= (3 if chunk == 16 else 1)
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]

@@ -75,7 +75,7 @@ class Target:
     def __init__(self, model: Optional[str], draft: Optional[str], max_model_len: int,
                  seed: int = 0, data_parallel: int = 1, tensor_parallel: int = 1,
                  dtype: Optional[str] = None, data_parallel_impl: str = "pmap",
-                 prefill_width_growth: int = 4, admit_interval: int = 1,
+                 prefill_width_growth: int = 4, admit_interval: Optional[int] = None,
                  prefill_chunk: int = 512):
         self.model, self.draft_arg, self.max_model_len, self.seed = model, draft, max_model_len, seed
         # Passed to every LLM: with data_parallel, `batch` is the slots of each replica;

@@ -186,6 +186,17 @@ def default_cycles_per_call(slots: int) -> int:
     return 4 if slots > 1 and jax.default_backend() == "gpu" else 1
 
 
+def default_admit_interval(slots: int, speculative: bool) -> int:
+    """Cycles between admissions when none is asked for (`Engine(admit_interval=)`): 2 for a
+    speculative engine of 32 or more slots on a GPU, else 1. Measured on the H100 with SmolLM2
+    and its head, chain:4 at batch 64, 384 requests of 128 tokens (bench/RESULTS.md, fifteenth
+    set): interval 2 ran 1.04x (MT-bench) and 1.09x (held-out ShareGPT) the tokens/s of 1, and
+    1.05x on ShareGPT on another machine. There, requests finish in most calls and each
+    admission is a dispatch whose host cost does not shrink with the requests it carries. Plain
+    decoding gained nothing (0.97x, 1.02x, 0.98x): its 16-step calls admit rarely anyway."""
+    return 2 if speculative and slots >= 32 and jax.default_backend() == "gpu" else 1
+
+
 def default_spec(slots: int) -> str:
     """The tree shape when none is asked for: '6x8x40' on a GPU for a single slot, else 'chain'.
     Measured on the H100 with SmolLM2 and its head (bench/RESULTS.md, seventh set): at batch 1
