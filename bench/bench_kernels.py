@@ -304,7 +304,7 @@ def sweep(quick, grid: str = "blocks"):
         save()
 
 
-def table(quick, shapes=""):
+def table(quick, shapes="", kernel_only=False):
     key = jax.random.key(4)
     bs, lens, ns = (1, 8, 64), (8192, 32768, 1024), (1, 16, 64)
     if quick:
@@ -317,7 +317,9 @@ def table(quick, shapes=""):
     for b, n, length in grid:
         key, k = jax.random.split(key)
         fns = {"kernel": kernel_fn(), "xla_ref": ref_fn if ref_fits(b, n, length) else None}
-        if length == (512 if SMOKE else 8192) and n <= 16:
+        if kernel_only:
+            fns["xla_ref"] = None
+        elif length == (512 if SMOKE else 8192) and n <= 16:
             fns["xla_bf16"] = xla_bf16_fn
         row = bench_attention(b, n, length, fns, k)
         if row.get("kernel_us") and row.get("xla_ref_us"):
@@ -413,6 +415,8 @@ def main():
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
     p.add_argument("--sweep-grid", choices=("blocks", "splits"), default="blocks")
     p.add_argument("--table-shapes", default="", help='only these "B,N,L;..." in the table')
+    p.add_argument("--kernel-only", action="store_true",
+                   help="table: time the kernel alone (A/B runs of two trees)")
     a = p.parse_args()
     global SMOKE, HQ, HKV, D
     if a.smoke:
@@ -425,7 +429,7 @@ def main():
     RESULTS["jax"] = jax.__version__
     RESULTS["copy"]["jax_TBs"] = jax_copy_bandwidth() / 1e12
     print("copy", RESULTS["copy"], RESULTS["device"], flush=True)
-    for name, f in (("check", checks), ("table", lambda: table(a.quick, a.table_shapes)),
+    for name, f in (("check", checks), ("table", lambda: table(a.quick, a.table_shapes, a.kernel_only)),
                     ("sweep", lambda: sweep(a.quick, a.sweep_grid)), ("compact", bench_compact)):
         if name in skip or (name == "sweep" and a.no_sweep):
             continue

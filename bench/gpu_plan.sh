@@ -4,17 +4,6 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
-#   bash bench/gpu_plan.sh kvstack     # issues 3/6/8: the new K/V transposed once a forward, not per
-#                                      #   layer, against the commit before (carry .gpu_base)
-#   bash bench/gpu_plan.sh cbmode      # issues 6/8: stable addresses for the CUDA graphs' temporaries
-#                                      #   (no graph updates), batch 64 and 1 (random weights)
-#   bash bench/gpu_plan.sh b1k         # issues 6/8: batch 1, chain (1 cycle a call) against chain:4
-#                                      #   (an engine for 4, running 1-cycle calls): 1.83 ms a cycle
-#                                      #   in the fourteenth set's sweep against 1.15-1.45 before
-#   bash bench/gpu_plan.sh admit2      # issue 8: batch 64, admit every call or every 2nd, MT-bench
-#                                      #   and held-out ShareGPT (carry .gpu/sharegpt_heldout.jsonl),
-#                                      #   with --adaptive (1.11x against 1.03x on ShareGPT, one run,
-#                                      #   fourteenth set)
 #   bash bench/gpu_plan.sh unroll_sg   # issue 8: batch 64, held-out ShareGPT, the prefill layer loop
 #                                      #   at 1 and 6 layers an iteration (its host cost: 4.5 ms an
 #                                      #   admission at batch 64, fourteenth set)
@@ -23,7 +12,17 @@
 #                                      #   (random weights, no GGUF needed)
 #   bash bench/gpu_plan.sh kcompare    # issue 8: 4 against 8 cycles per call at batch 16/64,
 #                                      #   128 and 512 tokens, since the text change of commit
-#                                      #   6b7ac0c (8 won at 128 and lost at 512 before it)
+#                                      #   6b7ac0c (8 won at 128 and lost at 512 before it; batch
+#                                      #   64, 128 tokens, interval 2: 1.33x / 1.32x, fifteenth set)
+#   bash bench/gpu_plan.sh cbmode      # issues 6/8: stable addresses for the CUDA graphs' temporaries
+#                                      #   (no graph updates), batch 64 and 1, random weights (run
+#                                      #   in the fifteenth set: SKIP_PROFILED 0.58x, SKIP_TEMP 1.01x)
+#   bash bench/gpu_plan.sh b1k         # issues 6/8: batch 1, chain (1 cycle a call) against chain:4
+#                                      #   (run in the fifteenth set, first two runs: 1.82x / 1.76x)
+#   bash bench/gpu_plan.sh admit2      # issue 8: batch 64, admit every call or every 2nd, MT-bench
+#                                      #   and held-out ShareGPT (carry .gpu/sharegpt_heldout.jsonl),
+#                                      #   with --adaptive (run in the fifteenth set: interval 2 is
+#                                      #   now the default for speculative engines of 32+ slots)
 #   bash bench/gpu_plan.sh sweep13     # issue 8: the batch sweep 1/4/16/64 on MT-bench, 128
 #                                      #   tokens, 3 timed passes (run in the fourteenth set);
 #                                      #   sweep13_sg, held-out ShareGPT (carry
@@ -82,22 +81,6 @@ run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 
 BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
 
 case "${1:-}" in
-  kvstack)
-    # The forward's new K/V kept token-major per layer, stacked and transposed once (this tree)
-    # against a transpose kernel per layer (.gpu_base: `git archive` of the commit before, carried
-    # along), each from its own directory, alternating: the 8B (5,8,32) and (6,10,60) cycles at
-    # batch 1 and the SmolLM2-shaped chain:4 engine at batch 64 (random weights).
-    CYC="python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 3 --shapes 5,8,32;6,10,60 --variants lean"
-    ENG="python3 -m bench.bench_engine --steps 150 --gen 128 --gen-min 16 --max-model-len 2048 --variants lean --modes chain:4 --batches 64"
-    for t in base new; do
-      D=$PWD; [ $t = base ] && D=$PWD/.gpu_base
-      (cd "$D" && PYTHONPATH=${PYTHONPATH%%:*}:$D run kvstack_eng_$t 110 $ENG)
-    done
-    for t in base new; do
-      D=$PWD; [ $t = base ] && D=$PWD/.gpu_base
-      (cd "$D" && PYTHONPATH=${PYTHONPATH%%:*}:$D run kvstack_cyc_$t 170 $CYC)
-    done
-    ;;
   cbmode)
     # CUDA-graph updates: XLA re-records a command buffer's nodes whenever a buffer they use has
     # moved (2.4 ms of host time a 4-cycle call at batch 64, fourteenth set). Newer XLA can give
