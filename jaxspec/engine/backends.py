@@ -187,13 +187,13 @@ def default_cycles_per_call(slots: int) -> int:
 
 
 def default_admit_interval(slots: int, speculative: bool) -> int:
-    """Cycles between admissions when none is asked for (`Engine(admit_interval=)`): 2 for a
-    speculative engine of 32 or more slots on a GPU, else 1. Measured on the H100 with SmolLM2
-    and its head, chain:4 at batch 64, 384 requests of 128 tokens (bench/RESULTS.md, fifteenth
-    set): interval 2 ran 1.04x (MT-bench) and 1.09x (held-out ShareGPT) the tokens/s of 1, and
-    1.05x on ShareGPT on another machine. There, requests finish in most calls and each
-    admission is a dispatch whose host cost does not shrink with the requests it carries. Plain
-    decoding gained nothing (0.97x, 1.02x, 0.98x): its 16-step calls admit rarely anyway."""
+    """Device calls between admissions when none is asked for (`Engine(admit_interval=)`): 2
+    for a speculative engine of 32 or more slots on a GPU, else 1. Measured on the H100 with
+    SmolLM2 and its head, chain:4 at batch 64, 384 requests of 128 tokens (bench/RESULTS.md,
+    fourteenth and fifteenth sets): interval 2 ran 1.04x and 1.06x (MT-bench), 1.09x and 1.05x
+    (held-out ShareGPT) the tokens/s of interval 1. There, requests finish in most calls and
+    each admission is a dispatch whose host cost does not shrink with the requests it carries.
+    Plain decoding gained nothing (0.97x to 1.02x): its 16-step calls admit rarely anyway."""
     return 2 if speculative and slots >= 32 and jax.default_backend() == "gpu" else 1
 
 
