@@ -5,8 +5,9 @@
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
 #   bash bench/gpu_plan.sh unroll_sg   # issue 8: batch 64, held-out ShareGPT, the prefill layer loop
-#                                      #   at 1 and 6 layers an iteration (its host cost: 4.5 ms an
-#                                      #   admission at batch 64, fourteenth set)
+#                                      #   at 1, 6 and 30 layers an iteration (its host cost: 4.5 ms
+#                                      #   an admission at batch 64, fourteenth set); unroll_mt, the
+#                                      #   same on MT-bench, in a call of its own
 #   bash bench/gpu_plan.sh copies      # issue 6: one or two loaded copies of the cycle program,
 #                                      #   batch 1 and 64, each setting twice in alternation
 #                                      #   (random weights, no GGUF needed)
@@ -125,10 +126,14 @@ case "${1:-}" in
     run admit2_sg_1 140 $S --dataset .gpu/sharegpt_heldout.jsonl --json "$OUT/admit2_sg_1.json"
     run admit2_sg_2 120 $S --dataset .gpu/sharegpt_heldout.jsonl --admit-interval 2 --json "$OUT/admit2_sg_2.json"
     ;;
-  unroll_sg)
-    S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384 --dataset .gpu/sharegpt_heldout.jsonl"
-    run unroll_sg_1 150 $S --json "$OUT/unroll_sg_1.json"
-    run unroll_sg_6 300 env JAXSPEC_PREFILL_UNROLL=6 $S --json "$OUT/unroll_sg_6.json"
+  unroll_sg|unroll_mt)
+    # The prefill's layer loop runs as an XLA while loop, one host launch an iteration: 1, 6
+    # and 30 layers an iteration (30: no loop left, one CUDA graph an admission; longer warm-up)
+    S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384"
+    [ "$1" = unroll_sg ] && S="$S --dataset .gpu/sharegpt_heldout.jsonl"
+    for u in 1 6 30; do
+      run ${1}_$u 190 env JAXSPEC_PREFILL_UNROLL=$u $S --json "$OUT/${1}_$u.json"
+    done
     ;;
   copies)
     ENG="python3 -m bench.bench_engine --steps 150 --gen 128 --gen-min 16 --max-model-len 2048 --variants lean"
