@@ -287,8 +287,12 @@ def run_sweep(args, result):
                                                  m.spec is not None, args.probe_tokens)
             bar.set_postfix_str(f"batch {b}, {m.label}: timed")
             outs, secs, compiled, rates = R.timed_generate(llm, chats, sp, args.repeats)
+            # as run: the default depends on the mode and the batch (default_admit_interval);
+            # no engine under pmap data parallel
+            interval = getattr(getattr(llm, "engine", None), "admit_interval", None)
             del llm
             row = R.summarize(m, b, outs, secs, target.draft_label)
+            row["admit_interval"] = interval
             row["compiled_in_timed_pass"] = compiled
             row["tokens_per_s_runs"] = rates
             if m is R.PLAIN:

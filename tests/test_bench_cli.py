@@ -84,6 +84,7 @@ def test_json_schema(sweep):
         assert r["requests"] == 3 and r["tokens"] > 0 and r["tokens_per_s"] > 0
         # the warm-up compiled every shape the timed pass used: nothing compiles while timed
         assert r["compiled_in_timed_pass"] == 0, r
+        assert r["admit_interval"] == 1      # the engine's default on a CPU, as run
         # two timed passes; the row is the median one (the slower of two)
         assert len(r["tokens_per_s_runs"]) == 2
         assert r["tokens_per_s"] == pytest.approx(min(r["tokens_per_s_runs"]))
