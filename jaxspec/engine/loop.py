@@ -167,11 +167,12 @@ class Engine:
     stream_decoder: () -> a fresh incremental decoder (`feed(ids) -> str`, e.g.
     `Tokenizer.stream_decoder`) or None; running text then costs one step of it per new token
     instead of two decodes of a window per step. Its text must be a prefix of detokenize's.
-    admit_interval: while slots are running, admit waiting requests only every this many cycles
-    (SGLang's --num-continuous-decode-steps). Each admission is a dispatch of its own whose host
-    cost does not shrink with the requests it carries, so gathering newcomers saves host time
-    per cycle where requests finish often (large batches) at the cost of slots idling up to
-    admit_interval - 1 cycles. An engine with nothing running admits at once.
+    admit_interval: while slots are running, admit waiting requests only every this many steps
+    (device calls; SGLang's --num-continuous-decode-steps). Each admission is a dispatch of its
+    own whose host cost does not shrink with the requests it carries, so gathering newcomers
+    saves host time per step where requests finish often (large batches) at the cost of slots
+    idling up to admit_interval - 1 steps. An engine with nothing running admits at once.
+    `LLM` passes `backends.default_admit_interval` unless told otherwise.
     """
 
     def __init__(self, backend, *, max_model_len: int, vocab_size: int, eos_ids: Iterable[int] = (),
