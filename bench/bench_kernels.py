@@ -316,10 +316,9 @@ def table(quick, shapes="", kernel_only=False):
         grid = [tuple(int(x) for x in s.split(",")) for s in shapes.split(";") if s]
     for b, n, length in grid:
         key, k = jax.random.split(key)
-        fns = {"kernel": kernel_fn(), "xla_ref": ref_fn if ref_fits(b, n, length) else None}
-        if kernel_only:
-            fns["xla_ref"] = None
-        elif length == (512 if SMOKE else 8192) and n <= 16:
+        with_ref = not kernel_only and ref_fits(b, n, length)
+        fns = {"kernel": kernel_fn(), "xla_ref": ref_fn if with_ref else None}
+        if not kernel_only and length == (512 if SMOKE else 8192) and n <= 16:
             fns["xla_bf16"] = xla_bf16_fn
         row = bench_attention(b, n, length, fns, k)
         if row.get("kernel_us") and row.get("xla_ref_us"):
@@ -429,7 +428,8 @@ def main():
     RESULTS["jax"] = jax.__version__
     RESULTS["copy"]["jax_TBs"] = jax_copy_bandwidth() / 1e12
     print("copy", RESULTS["copy"], RESULTS["device"], flush=True)
-    for name, f in (("check", checks), ("table", lambda: table(a.quick, a.table_shapes, a.kernel_only)),
+    for name, f in (("check", checks),
+                    ("table", lambda: table(a.quick, a.table_shapes, a.kernel_only)),
                     ("sweep", lambda: sweep(a.quick, a.sweep_grid)), ("compact", bench_compact)):
         if name in skip or (name == "sweep" and a.no_sweep):
             continue

@@ -99,13 +99,12 @@ case "${1:-}" in
     done
     echo "accepted modes:$MODES" | tee -a "$OUT/cbmode_names.log"
     ENG="python3 -m bench.bench_engine --steps 150 --gen 128 --gen-min 16 --max-model-len 2048 --variants lean"
+    flag() { [ "$1" = default ] || echo "--xla_gpu_command_buffer_update_mode=$1"; }
     for m in default $MODES; do
-      F=""; [ "$m" = default ] || F=--xla_gpu_command_buffer_update_mode=$m
-      run cbmode_b64_$m 160 env XLA_FLAGS=$F $ENG --modes chain:4,plain:16 --batches 64
+      run cbmode_b64_$m 160 env XLA_FLAGS=$(flag $m) $ENG --modes chain:4,plain:16 --batches 64
     done
     for m in default $MODES; do
-      F=""; [ "$m" = default ] || F=--xla_gpu_command_buffer_update_mode=$m
-      run cbmode_b1_$m 80 env XLA_FLAGS=$F $ENG --modes chain --batches 1
+      run cbmode_b1_$m 80 env XLA_FLAGS=$(flag $m) $ENG --modes chain --batches 1
     done
     ;;
   b1k)
