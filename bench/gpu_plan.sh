@@ -4,6 +4,10 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
+#   bash bench/gpu_plan.sh slotgrowth  # issue 8: batch 64, prefill slot counts 1, 2, 4, .., 64 against
+#                                      #   1, 4, 16, 64 (MT-bench, held-out ShareGPT: carry it)
+#   bash bench/gpu_plan.sh fuseflags   # issues 3/8: XLA's experimental fusion flags, kernels per
+#                                      #   layer and the 8B (5,8,32) cycle (random weights)
 #   bash bench/gpu_plan.sh unroll_sg   # issue 8: batch 64, held-out ShareGPT, the prefill layer loop
 #                                      #   at 1, 6 and 30 layers an iteration (its host cost: 4.5 ms
 #                                      #   an admission at batch 64, fourteenth set); unroll_mt, the
@@ -82,6 +86,41 @@ run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 
 BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
 
 case "${1:-}" in
+  slotgrowth)
+    # Admissions pad their newcomers to the next slot count (1, 4, 16, 64) and the longest
+    # prompt's width (16, 64, 256, 512): 3-8x the prompts' tokens for MT-bench groups of 2-12.
+    # Slot growth 2 (1, 2, 4, .., 64) against the default, batch 64, MT-bench and ShareGPT.
+    S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384"
+    SG="--dataset .gpu/sharegpt_heldout.jsonl"
+    run sg_mt_4 150 $S --json "$OUT/sg_mt_4.json"
+    run sg_mt_2 170 $S --prefill-slot-growth 2 --json "$OUT/sg_mt_2.json"
+    run sg_sg_4 150 $S $SG --json "$OUT/sg_sg_4.json"
+    run sg_sg_2 170 $S $SG --prefill-slot-growth 2 --json "$OUT/sg_sg_2.json"
+    run sg_mt_22 170 $S --prefill-slot-growth 2 --prefill-width-growth 2 --json "$OUT/sg_mt_22.json"
+    ;;
+  fuseflags|fuseflags2)
+    # XLA's experimental fusion passes against the small kernels around the GEMMs (residual adds,
+    # SiLU*up, norms: 1.3 ms of the (5,8,32) cycle's 9.25, twelfth set). Each flag set that this
+    # jaxlib accepts: kernels per SmolLM2 layer (batch 1 and 64), then the 8B (5,8,32) cycle.
+    # fuseflags2: the cycle only, for FUSE_SETS (names below).
+    declare -A FS=([default]="" [heroless]="--xla_gpu_experimental_enable_triton_heroless_priority_fusion=true"
+      [mof]="--xla_gpu_experimental_enable_triton_heroless_priority_fusion=true --xla_gpu_unsupported_enable_triton_multi_output_fusion=true"
+      [alltriton]="--xla_gpu_experimental_all_fusions_with_triton=true"
+      [blr]="--xla_gpu_experimental_enable_fusion_block_level_rewriter=true"
+      [tiling]="--xla_gpu_experimental_enable_tiling_propagation=true")
+    SETS=${FUSE_SETS:-default heroless mof alltriton blr tiling}
+    for n in $SETS; do
+      if [ -n "${FS[$n]}" ] && ! XLA_FLAGS="${FS[$n]}" timeout 60 python3 -c "import jax; jax.devices()" >/dev/null 2>&1
+      then echo "== $n: flags not accepted: ${FS[$n]}"; continue; fi
+      if [ "$1" = fuseflags ]; then
+        for b in 1 64; do
+          run census_${n}_b$b 100 env XLA_FLAGS="${FS[$n]}" python3 -m bench.kernel_census --mode chain --batch $b
+        done
+      fi
+      [ "$1" = fuseflags2 ] || [ "$n" = default ] || [ "$n" = heroless ] && \
+        run cycle_$n 150 env XLA_FLAGS="${FS[$n]}" python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 3 --shapes "5,8,32" --variants lean
+    done
+    ;;
   cbmode)
     # CUDA-graph updates: XLA re-records a command buffer's nodes whenever a buffer they use has
     # moved (2.4 ms of host time a 4-cycle call at batch 64, fourteenth set). Newer XLA can give

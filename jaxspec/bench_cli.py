@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-width-growth", type=int, default=4,
                     help="ratio of successive prefill chunk widths: 4 runs 16, 64, 256, 512; 2 "
                          "pads short prompts less for more warm-up compilations")
+    ap.add_argument("--prefill-slot-growth", type=int, default=4,
+                    help="ratio of successive prefill slot counts: 4 runs 1, 4, 16, 64 slots; 2 "
+                         "pads the newcomers of an admission less for more warm-up compilations")
     ap.add_argument("--prefill-chunk", type=int, default=512,
                     help="widest prefill chunk: longer prompts take one device call per chunk")
     ap.add_argument("--admit-interval", type=int, default=None,
@@ -145,6 +148,8 @@ def _defaults(args):
         raise SystemExit(f"--admit-interval {args.admit_interval}: must be >= 1")
     if args.prefill_width_growth < 2:
         raise SystemExit(f"--prefill-width-growth {args.prefill_width_growth}: must be >= 2")
+    if args.prefill_slot_growth < 2:
+        raise SystemExit(f"--prefill-slot-growth {args.prefill_slot_growth}: must be >= 2")
     if args.repeats < 1:
         raise SystemExit(f"--repeats {args.repeats}: must be >= 1")
     return args
@@ -215,6 +220,7 @@ def _setup(args, result):
                     dtype=None if args.dtype == "auto" else args.dtype,
                     data_parallel_impl=args.data_parallel_impl,
                     prefill_width_growth=args.prefill_width_growth,
+                    prefill_slot_growth=args.prefill_slot_growth,
                     admit_interval=args.admit_interval, prefill_chunk=args.prefill_chunk)
     result["draft_label"] = target.draft_label if len(modes) > 1 else None
     if args.draft == "random":

@@ -54,6 +54,9 @@ class LLM:
     prefill_width_growth: ratio of successive prefill chunk widths (`Engine(width_growth=)`): 4
     runs chunks 16, 64, 256 or 512 wide; 2 pads short chat prompts less (16, 32, .., 512) for
     more programs to compile at warm-up.
+    prefill_slot_growth: ratio of successive prefill slot counts (`Engine(bucket_growth=)`): 4
+    runs a chunk over 1, 4, 16 or 64 slots (up to max_batch), padding the newcomers it admits
+    together up to the next; 2 (1, 2, 4, .., 64) pads less for more programs to compile.
     prefill_chunk: the widest prefill chunk (`Engine(chunk=)`, capped at max_model_len); a
     longer prompt is prefilled in chunks this wide, one device call each. Wider chunks mean
     fewer calls for long prompts, each with its own host cost, for one more width to compile.
@@ -65,7 +68,8 @@ class LLM:
                  draft: Any = None, spec: Any = None, data_parallel: int = 1,
                  tensor_parallel: int = 1, data_parallel_impl: str = "pmap",
                  admit_interval: Optional[int] = None, cycles_per_call: Optional[int] = None,
-                 prefill_width_growth: int = 4, prefill_chunk: int = 512):
+                 prefill_width_growth: int = 4, prefill_chunk: int = 512,
+                 prefill_slot_growth: int = 4):
         from jaxspec.weights import load_model
         if max_batch <= 0:
             raise ConfigError(f"max_batch must be positive, got {max_batch}")
@@ -79,6 +83,8 @@ class LLM:
             raise ConfigError(f"admit_interval must be >= 1, got {admit_interval}")
         if prefill_width_growth < 2:
             raise ConfigError(f"prefill_width_growth must be >= 2, got {prefill_width_growth}")
+        if prefill_slot_growth < 2:
+            raise ConfigError(f"prefill_slot_growth must be >= 2, got {prefill_slot_growth}")
         if prefill_chunk < 16:
             raise ConfigError(f"prefill_chunk must be >= 16, got {prefill_chunk}")
         if cycles_per_call is not None and cycles_per_call < 1:
@@ -138,6 +144,7 @@ class LLM:
                              chunk=min(prefill_chunk, self.max_model_len),
                              detokenize=self.tokenizer.decode,
                              admit_interval=admit_interval, width_growth=prefill_width_growth,
+                             bucket_growth=prefill_slot_growth,
                              stream_decoder=getattr(self.tokenizer, "stream_decoder", None))
         self._inbox: dict = {}
 

@@ -214,22 +214,25 @@ def test_prefill_chunk_reaches_the_engine_and_keeps_outputs(tiny_chat_model):
     prompt = [[{"role": "user", "content": "Count: " + " ".join(str(i) for i in range(20))}]]
     sp = SamplingParams(max_tokens=6)
     outs = []
-    for chunk, interval in ((16, 2), (512, None)):
-        llm = LLM(str(tiny_chat_model), max_batch=2, max_model_len=128, prefill_chunk=chunk,
-                  admit_interval=interval)
+    for chunk, interval, growth in ((16, 2, 2), (512, None, 4)):
+        llm = LLM(str(tiny_chat_model), max_batch=4, max_model_len=128, prefill_chunk=chunk,
+                  admit_interval=interval, prefill_slot_growth=growth)
         assert (llm.engine.chunk, llm.engine.admit_interval) == (chunk if chunk < 128 else 128,
                                                                  interval or 1)   # CPU: 1
+        assert llm.engine.slot_buckets == ([1, 2, 4] if growth == 2 else [1, 4])
         outs.append(llm.generate(prompt * 3, sp))
         assert llm.engine.stats.prefill_chunks >= (3 if chunk == 16 else 1)
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
 
 
-def test_prefill_width_growth_option():
+@pytest.mark.parametrize("flag", ["width", "slot"])
+def test_prefill_growth_options(flag):
     parse = bench_cli.build_parser().parse_args
-    assert bench_cli._defaults(parse([])).prefill_width_growth == 4
-    assert bench_cli._defaults(parse(["--prefill-width-growth", "2"])).prefill_width_growth == 2
-    with pytest.raises(SystemExit, match="--prefill-width-growth 1: must be >= 2"):
-        bench_cli._defaults(parse(["--prefill-width-growth", "1"]))
+    attr = f"prefill_{flag}_growth"
+    assert getattr(bench_cli._defaults(parse([])), attr) == 4
+    assert getattr(bench_cli._defaults(parse([f"--prefill-{flag}-growth", "2"])), attr) == 2
+    with pytest.raises(SystemExit, match=f"--prefill-{flag}-growth 1: must be >= 2"):
+        bench_cli._defaults(parse([f"--prefill-{flag}-growth", "1"]))
 
 
 def test_repeat_share_tells_loops_from_text():

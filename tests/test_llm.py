@@ -81,6 +81,7 @@ def test_max_tokens_must_be_positive():
 @pytest.mark.parametrize("kw,needle", [({"max_batch": 0}, "max_batch"),
                                        ({"admit_interval": 0}, "admit_interval"),
                                        ({"prefill_width_growth": 1}, "prefill_width_growth"),
+                                       ({"prefill_slot_growth": 1}, "prefill_slot_growth"),
                                        ({"prefill_chunk": 8}, "prefill_chunk")])
 def test_bad_engine_settings_rejected_before_loading(kw, needle):
     with pytest.raises(ValueError, match=needle):

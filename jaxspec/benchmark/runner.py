@@ -76,13 +76,14 @@ class Target:
                  seed: int = 0, data_parallel: int = 1, tensor_parallel: int = 1,
                  dtype: Optional[str] = None, data_parallel_impl: str = "pmap",
                  prefill_width_growth: int = 4, admit_interval: Optional[int] = None,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, prefill_slot_growth: int = 4):
         self.model, self.draft_arg, self.max_model_len, self.seed = model, draft, max_model_len, seed
         # Passed to every LLM: with data_parallel, `batch` is the slots of each replica;
         # dtype None is the loader's default (bf16 on GPU, fp32 on CPU).
         self.common = dict(data_parallel=data_parallel, tensor_parallel=tensor_parallel,
                            dtype=dtype, data_parallel_impl=data_parallel_impl,
                            prefill_width_growth=prefill_width_growth,
+                           prefill_slot_growth=prefill_slot_growth,
                            admit_interval=admit_interval, prefill_chunk=prefill_chunk)
         self._draft_params = None
         self.config = None
