@@ -2,10 +2,17 @@
 MT-bench questions (first turn, chat template, greedy), per speculation preset.
 
     python -m bench.bench_accept [--model M] [--head H.safetensors] [--presets chain tree]
-        [--questions 80] [--max-new 256] [--out results.json]
+        [--questions 80] [--max-new 256] [--out results.json] [--agreement]
 
 --head defaults to the shipped head of the default model. tau depends only on the head and the
 target (greedy, static shapes), not on the batch: all questions run as one batch.
+
+--agreement (EAGLE-1 heads): where a chain's acceptance is lost, per MT-bench category. Over
+the chain preset's answers, the target's teacher-forced features and the head's chained
+training passes (`train.loss.draft_forward_ttt`) say, position by position, whether each draft
+step proposes the target's token; walking each answer cycle by cycle with those flags
+(`simulate_chain`) must give the measured accept lengths, and the flags' mean is the head's
+agreement with the target on that kind of text.
 """
 from __future__ import annotations
 
@@ -61,6 +68,71 @@ def measure_acceptance(cfg, params, draft, prompts: Sequence[Sequence[int]], pre
     return out
 
 
+def chain_agreement(cfg, params, draft, seqs: Sequence[Sequence[int]], steps: int,
+                    width: int = 0) -> List[np.ndarray]:
+    """Per sequence (prompt + answer ids) a bool array [steps, T]: [k, t] = the head's pass k at
+    row t (reading token t + 1 and pass k - 1's feature of t; pass 0 the target's) proposes
+    token t + 2. Sequences are zero-padded to one width (causal: the padding changes nothing
+    before it), so the two programs compile once."""
+    import jax.numpy as jnp
+
+    from jaxspec.models import llama
+    from jaxspec.train.loss import draft_forward_ttt, target_features
+
+    width = width or _round_up(max(len(s) for s in seqs), 128)
+    dtype = params["embed"].dtype
+    out = []
+    for seq in seqs:
+        t = len(seq)
+        row = np.zeros((1, width), np.int32)
+        row[0, :t] = seq
+        feats = target_features(params, cfg, jnp.asarray(row))
+        preds = draft_forward_ttt(params, draft, cfg, jnp.asarray(row), feats.astype(dtype), steps)
+        guess = np.asarray(jnp.argmax(llama.project_logits(params, preds.astype(dtype)), -1))
+        flags = np.zeros((steps, t), bool)
+        flags[:, :t - 2] = guess[:, 0, :t - 2] == np.asarray(seq[2:])[None]
+        out.append(flags)
+    return out
+
+
+def simulate_chain(flags: np.ndarray, prompt_len: int) -> List[int]:
+    """Accept lengths of greedy chain cycles over one answer from `chain_agreement` flags: the
+    cycle whose root (last emitted token) is token r accepts step k's draft (token r + 1 + k)
+    while flags[j, r - 1 + j] hold for j <= k; the next root is r + accepted + 1. The flags end
+    with the answer, so where the runner's last cycle accepted drafts past an answer cut at
+    max_tokens, that cycle simulates shorter."""
+    steps, t = flags.shape
+    root, out = prompt_len, []
+    while root < t - 1:
+        acc = 0
+        while acc < steps and root + 1 + acc < t and flags[acc, root - 1 + acc]:
+            acc += 1
+        out.append(acc)
+        root += acc + 1
+    return out
+
+
+def agreement_table(cfg, params, draft, prompts, results, categories, steps: int) -> Dict[str, dict]:
+    """{category (and "all"): measured and simulated tau, cycles, the first step's agreement
+    over all answer tokens and at cycle starts} for one chain preset's `SpecRunner` results."""
+    seqs = [list(p) + list(r.token_ids) for p, r in zip(prompts, results)]
+    groups: Dict[str, Dict[str, list]] = {}
+    for cat, p, r, flags in zip(categories, prompts, results,
+                                chain_agreement(cfg, params, draft, seqs, steps)):
+        for key in (cat, "all"):
+            g = groups.setdefault(key, {"real": [], "sim": [], "first": [], "start": []})
+            sim = simulate_chain(flags, len(p))
+            g["real"] += list(r.accept_lens)
+            g["sim"] += sim
+            g["first"] += list(flags[0, len(p) - 1:-2])
+            roots = np.cumsum([len(p)] + [a + 1 for a in sim[:-1]])
+            g["start"] += [flags[0, x - 1] for x in roots if x + 1 < flags.shape[1]]
+    return {k: {"tau": float(np.mean(g["real"]) + 1), "tau_simulated": float(np.mean(g["sim"]) + 1),
+                "cycles": len(g["real"]), "cycles_simulated": len(g["sim"]),
+                "agreement": float(np.mean(g["first"])), "agreement_at_starts": float(np.mean(g["start"]))}
+            for k, g in groups.items()}
+
+
 def loop_split(res) -> dict:
     """Of SpecRunner results (token_ids, accept_lens each): the share of requests whose answer
     loops (`runner.loops`) and tau over the others. A greedy answer stuck in a loop is easy to
@@ -93,6 +165,9 @@ def main(argv=None) -> int:
     ap.add_argument("--questions", type=int, default=80)
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--agreement", action="store_true",
+                    help="per category: the chain's tau measured and simulated from the head's "
+                         "teacher-forced agreement with the target (EAGLE-1 heads)")
     a = ap.parse_args(argv)
     cfg, params, tok = load_model(a.model)
     dtype = params["embed"].dtype
@@ -101,6 +176,8 @@ def main(argv=None) -> int:
         params = llama.unstack_layers(params)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
                for q in mt_bench_questions(n=a.questions)]
+    if a.agreement:
+        return _print_agreement(cfg, params, draft, prompts, a)
     res = measure_acceptance(cfg, params, draft, prompts, a.presets, a.max_new)
     print(f"{'preset':8s} {'(S,K,N)':12s} {'tau':>6s} {'looping':>7s} {'tau, rest':>9s} "
           f"{'cycles':>7s} {'tokens':>7s} {'wall_s':>7s}")
@@ -110,6 +187,28 @@ def main(argv=None) -> int:
               f"{rest:>9s} {r['cycles']:7d} {r['tokens']:7d} {r['wall_s']:7.1f}")
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+def _print_agreement(cfg, params, draft, prompts, a) -> int:
+    from jaxspec.datasets import mt_bench
+    from jaxspec.spec import SpecRunner
+    from jaxspec.spec.config import resolve_spec
+
+    if not isinstance(draft, dict):
+        raise SystemExit("--agreement needs an EAGLE-1 head (its training passes simulate it)")
+    spec = resolve_spec("chain")
+    runner = SpecRunner(cfg, params, draft, spec, max_slots=len(prompts),
+                        max_len=_round_up(max(map(len, prompts)) + a.max_new + spec.num_steps + 2, 128))
+    res = runner.generate(prompts, [a.max_new] * len(prompts), tuple(cfg.eos_token_ids))
+    cats = [r["category"] for r in mt_bench(limit=a.questions)]
+    table = agreement_table(cfg, params, draft, prompts, res, cats, spec.num_steps)
+    print(f"{'category':11s} {'tau':>6s} {'tau sim':>7s} {'cycles':>7s} {'agree':>6s} {'at starts':>9s}")
+    for cat, r in table.items():
+        print(f"{cat:11s} {r['tau']:6.3f} {r['tau_simulated']:7.3f} {r['cycles']:7d} "
+              f"{r['agreement']:6.3f} {r['agreement_at_starts']:9.3f}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(table, indent=1))
     return 0
 
 

@@ -14,3 +14,47 @@ def test_loop_split_keeps_looping_answers_out_of_tau_unlooped():
     assert got["tau_unlooped"] == pytest.approx(2.0)                # (1 + 2 + 3) / 3, twice
     assert loop_split([loop]) == {"looping": 1.0, "tau_unlooped": None}
     assert loop_split([]) == {"looping": 0.0, "tau_unlooped": None}
+
+
+def test_simulate_chain_walks_cycles():
+    import numpy as np
+    from bench.bench_accept import simulate_chain
+    # prompt of 2, answer tokens 2..9 (T = 10); flags[k, t]: step k's draft at row t is right
+    flags = np.zeros((3, 10), bool)
+    flags[0, 1] = flags[1, 2] = True           # root 2: steps 0, 1 accepted, step 2 not
+    # next root 2 + 2 + 1 = 5: step 0 reads row 4
+    flags[0, 4] = flags[1, 5] = flags[2, 6] = True   # all three: root 9 = T - 1 ends the walk
+    assert simulate_chain(flags, 2) == [2, 3]
+    assert simulate_chain(np.zeros((3, 10), bool), 2) == [0] * 7
+
+
+def test_agreement_simulation_equals_the_measured_chain():
+    """The head's training passes, walked cycle by cycle over the chain's own answers, give the
+    accept lengths the cycle measured (fp32, a tiny target and a head built to agree)."""
+    import jax
+    import jax.numpy as jnp
+    from draft_models import agreeing_pair
+    from bench.bench_accept import agreement_table, chain_agreement, simulate_chain
+    from jaxspec.config import ModelConfig
+    from jaxspec.spec import SpecRunner
+
+    cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=97, hidden_size=32,
+                      intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8)
+    params, head = agreeing_pair(cfg, scale=0.02, lm_head_scale=0.5)
+    # a partly agreeing head: noise in its fc makes some drafts miss
+    head = dict(head, fc=head["fc"] + 0.6 * jax.random.normal(jax.random.PRNGKey(9),
+                                                               head["fc"].shape))
+    prompts = [[5, 17, 42, 8, 9], [3] * 7 + [50, 7], list(range(60, 72))]
+    runner = SpecRunner(cfg, params, head, "chain", max_slots=3, max_len=128)
+    res = runner.generate(prompts, [40] * 3, ())
+    seqs = [p + list(r.token_ids) for p, r in zip(prompts, res)]
+    flags = chain_agreement(cfg, params, head, seqs, 3)
+    accepts = [a for r in res for a in r.accept_lens]
+    assert 0 < sum(accepts) < 3 * len(accepts)          # neither all rejected nor all accepted
+    for p, r, f in zip(prompts, res, flags):
+        assert simulate_chain(f, len(p)) == list(r.accept_lens)
+    table = agreement_table(cfg, params, head, prompts, res, ["a", "b", "a"], 3)
+    assert table["all"]["tau"] == pytest.approx(table["all"]["tau_simulated"])
+    assert table["a"]["cycles"] + table["b"]["cycles"] == table["all"]["cycles"] == len(accepts)
+    assert 0.0 < table["all"]["agreement"] < 1.0
