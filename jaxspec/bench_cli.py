@@ -286,7 +286,9 @@ def run_sweep(args, result):
                 prompts = _fit(args, result, target, prompts)
             chats = [p["chat"] for p in prompts]
             bar.set_postfix_str(f"batch {b}, {m.label}: warm-up")
+            t_warm = time.perf_counter()
             R.warm(llm, chats, sp)
+            warm_s = time.perf_counter() - t_warm      # compilations (or cache loads) included
             if args.adaptive:
                 bar.set_postfix_str(f"batch {b}, {m.label}: probe")
                 probes[m.label] = adaptive.probe(llm, adaptive.probe_chats(prompts, b), sp,
@@ -300,6 +302,7 @@ def run_sweep(args, result):
             row = R.summarize(m, b, outs, secs, target.draft_label)
             row["admit_interval"] = interval
             row["compiled_in_timed_pass"] = compiled
+            row["warmup_s"] = round(warm_s, 2)
             row["tokens_per_s_runs"] = rates
             if m is R.PLAIN:
                 plain_outs, base = outs, row["tokens_per_s"]

@@ -15,7 +15,7 @@ from jaxspec.benchmark.runner import divergence, first_difference, parse_specs
 ROW_KEYS = {"mode", "batch", "spec", "requests", "tokens", "seconds", "tokens_per_s",
             "accept_len", "accept_hist", "speedup", "mean_ttft_s", "mean_latency_s",
             "compiled_in_timed_pass", "capped", "accept_len_capped", "accept_len_ended",
-            "looping"}
+            "looping", "warmup_s"}
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +85,7 @@ def test_json_schema(sweep):
         # the warm-up compiled every shape the timed pass used: nothing compiles while timed
         assert r["compiled_in_timed_pass"] == 0, r
         assert r["admit_interval"] == 1      # the engine's default on a CPU, as run
+        assert r["warmup_s"] > 0             # the warm-up's wall time, compilations included
         # two timed passes; the row is the median one (the slower of two)
         assert len(r["tokens_per_s_runs"]) == 2
         assert r["tokens_per_s"] == pytest.approx(min(r["tokens_per_s_runs"]))
