@@ -5,7 +5,9 @@
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
 #   bash bench/gpu_plan.sh slotgrowth  # issue 8: batch 64, prefill slot counts 1, 2, 4, .., 64 against
-#                                      #   1, 4, 16, 64 (MT-bench, held-out ShareGPT: carry it)
+#                                      #   1, 4, 16, 64 (MT-bench, held-out ShareGPT: carry it);
+#                                      #   run on a fresh machine, the rows' warmup_s is the
+#                                      #   first warm-up each setting costs (still unmeasured)
 #   bash bench/gpu_plan.sh fuseflags   # issues 3/8: XLA's experimental fusion flags, kernels per
 #                                      #   layer and the 8B (5,8,32) cycle (random weights)
 #   bash bench/gpu_plan.sh unroll_sg   # issue 8: batch 64, held-out ShareGPT, the prefill layer loop
