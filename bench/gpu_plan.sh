@@ -6,8 +6,8 @@
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
 #   bash bench/gpu_plan.sh slotgrowth  # issue 8: batch 64, prefill slot counts 1, 2, 4, .., 64 against
 #                                      #   1, 4, 16, 64 (MT-bench, held-out ShareGPT: carry it);
-#                                      #   run on a fresh machine, the rows' warmup_s is the
-#                                      #   first warm-up each setting costs (still unmeasured)
+#                                      #   the MT-bench rows' warmup_s is the first warm-up each
+#                                      #   setting costs (own empty compile caches; unmeasured)
 #   bash bench/gpu_plan.sh fuseflags   # issues 3/8: XLA's experimental fusion flags, kernels per
 #                                      #   layer and the 8B (5,8,32) cycle (random weights)
 #   bash bench/gpu_plan.sh unroll_sg   # issue 8: batch 64, held-out ShareGPT, the prefill layer loop
@@ -94,8 +94,9 @@ case "${1:-}" in
     # Slot growth 2 (1, 2, 4, .., 64) against the default, batch 64, MT-bench and ShareGPT.
     S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384"
     SG="--dataset .gpu/sharegpt_heldout.jsonl"
-    run sg_mt_4 150 $S --json "$OUT/sg_mt_4.json"
-    run sg_mt_2 170 $S --prefill-slot-growth 2 --json "$OUT/sg_mt_2.json"
+    # each with an empty compile cache of its own, so the rows' warmup_s are first warm-ups
+    run sg_mt_4 150 env XDG_CACHE_HOME=/tmp/cc4 $S --json "$OUT/sg_mt_4.json"
+    run sg_mt_2 170 env XDG_CACHE_HOME=/tmp/cc2 $S --prefill-slot-growth 2 --json "$OUT/sg_mt_2.json"
     run sg_sg_4 150 $S $SG --json "$OUT/sg_sg_4.json"
     run sg_sg_2 170 $S $SG --prefill-slot-growth 2 --json "$OUT/sg_sg_2.json"
     run sg_mt_22 170 $S --prefill-slot-growth 2 --prefill-width-growth 2 --json "$OUT/sg_mt_22.json"
