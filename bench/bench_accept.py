@@ -45,10 +45,8 @@ def measure_acceptance(cfg, params, draft, prompts: Sequence[Sequence[int]], pre
 
     out = {}
     slots = max_slots or len(prompts)
-    longest = max(len(p) for p in prompts)
     for name, spec in ((m.label, m.spec) for m in parse_specs(",".join(presets))):
-        max_len = _round_up(max(16, 1 << (longest - 1).bit_length()) + max_new + spec.num_steps + 2,
-                            128)
+        max_len = _runner_rows(prompts, max_new, spec)
         key = (name, slots, max_len)
         if runners is not None and key in runners:
             runner = runners[key]
@@ -84,10 +82,11 @@ def chain_agreement(cfg, params, draft, seqs: Sequence[Sequence[int]], steps: in
     out = []
     for seq in seqs:
         t = len(seq)
-        row = np.zeros((1, width), np.int32)
-        row[0, :t] = seq
-        feats = target_features(params, cfg, jnp.asarray(row))
-        preds = draft_forward_ttt(params, draft, cfg, jnp.asarray(row), feats.astype(dtype), steps)
+        padded = np.zeros((1, width), np.int32)
+        padded[0, :t] = seq
+        row = jnp.asarray(padded)
+        feats = target_features(params, cfg, row)
+        preds = draft_forward_ttt(params, draft, cfg, row, feats.astype(dtype), steps)
         guess = np.asarray(jnp.argmax(llama.project_logits(params, preds.astype(dtype)), -1))
         flags = np.zeros((steps, t), bool)
         flags[:, :t - 2] = guess[:, 0, :t - 2] == np.asarray(seq[2:])[None]
@@ -119,14 +118,14 @@ def agreement_table(cfg, params, draft, prompts, results, categories, steps: int
     groups: Dict[str, Dict[str, list]] = {}
     for cat, p, r, flags in zip(categories, prompts, results,
                                 chain_agreement(cfg, params, draft, seqs, steps)):
+        sim = simulate_chain(flags, len(p))
+        roots = np.cumsum([len(p)] + [a + 1 for a in sim[:-1]])
+        seen = {"real": list(r.accept_lens), "sim": sim, "first": list(flags[0, len(p) - 1:-2]),
+                "start": [flags[0, x - 1] for x in roots if x + 1 < flags.shape[1]]}
         for key in (cat, "all"):
-            g = groups.setdefault(key, {"real": [], "sim": [], "first": [], "start": []})
-            sim = simulate_chain(flags, len(p))
-            g["real"] += list(r.accept_lens)
-            g["sim"] += sim
-            g["first"] += list(flags[0, len(p) - 1:-2])
-            roots = np.cumsum([len(p)] + [a + 1 for a in sim[:-1]])
-            g["start"] += [flags[0, x - 1] for x in roots if x + 1 < flags.shape[1]]
+            g = groups.setdefault(key, {name: [] for name in seen})
+            for name, vals in seen.items():
+                g[name] += vals
     return {k: {"tau": float(np.mean(g["real"]) + 1), "tau_simulated": float(np.mean(g["sim"]) + 1),
                 "cycles": len(g["real"]), "cycles_simulated": len(g["sim"]),
                 "agreement": float(np.mean(g["first"])), "agreement_at_starts": float(np.mean(g["start"]))}
@@ -143,6 +142,13 @@ def loop_split(res) -> dict:
     rest = [a + 1 for r, loop in zip(res, looping) if not loop for a in r.accept_lens]
     return {"looping": sum(looping) / len(res) if res else 0.0,
             "tau_unlooped": float(np.mean(rest)) if rest else None}
+
+
+def _runner_rows(prompts, max_new: int, spec) -> int:
+    """Rows per slot for a SpecRunner over these prompts: the longest prompt's bucket, the new
+    tokens and a cycle's overshoot, rounded up to 128."""
+    longest = max(len(p) for p in prompts)
+    return _round_up(max(16, 1 << (longest - 1).bit_length()) + max_new + spec.num_steps + 2, 128)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -199,7 +205,7 @@ def _print_agreement(cfg, params, draft, prompts, a) -> int:
         raise SystemExit("--agreement needs an EAGLE-1 head (its training passes simulate it)")
     spec = resolve_spec("chain")
     runner = SpecRunner(cfg, params, draft, spec, max_slots=len(prompts),
-                        max_len=_round_up(max(map(len, prompts)) + a.max_new + spec.num_steps + 2, 128))
+                        max_len=_runner_rows(prompts, a.max_new, spec))
     res = runner.generate(prompts, [a.max_new] * len(prompts), tuple(cfg.eos_token_ids))
     cats = [r["category"] for r in mt_bench(limit=a.questions)]
     table = agreement_table(cfg, params, draft, prompts, res, cats, spec.num_steps)

@@ -11,9 +11,9 @@
 #   bash bench/gpu_plan.sh fuseflags   # issues 3/8: XLA's experimental fusion flags, kernels per
 #                                      #   layer and the 8B (5,8,32) cycle (random weights)
 #   bash bench/gpu_plan.sh unroll_sg   # issue 8: batch 64, held-out ShareGPT, the prefill layer loop
-#                                      #   at 1, 6 and 30 layers an iteration (its host cost: 4.5 ms
-#                                      #   an admission at batch 64, fourteenth set); unroll_mt, the
-#                                      #   same on MT-bench, in a call of its own
+#                                      #   at 1, 6 and 30 layers an iteration; unroll_mt, the same on
+#                                      #   MT-bench (30 against 1 run in the sixteenth set on
+#                                      #   MT-bench: 1.29x / 1.31x, a 201 s first warm-up)
 #   bash bench/gpu_plan.sh copies      # issue 6: one or two loaded copies of the cycle program,
 #                                      #   batch 1 and 64, each setting twice in alternation
 #                                      #   (random weights, no GGUF needed)
