@@ -13,6 +13,12 @@ from jaxspec.spec.admit import AdmitArgs
 from test_engine import (CFG, MAX_MODEL_LEN, SLOTS, compiled_shapes, greedy_ref, make_engine)
 
 
+def admit_key(a, w, features, form):
+    """The backend's executable key of admission form (a, w, form) (`Engine.admission_forms`)."""
+    return ("admit_packed", a, w, features) if form == "packed" else \
+        ("admit", a, w, features, form)
+
+
 def test_buckets():
     assert _buckets(16, 512, 4) == [16, 64, 256, 512]
     assert _buckets(16, 512, 2) == [16, 32, 64, 128, 256, 512]
@@ -44,7 +50,7 @@ def test_warmup_compiles_ahead_and_serves_without_jit(kind):
     engine.warmup()
     be = engine.backend
     want = {("cycle", f, k) for f in VARIANTS for k in be.sizes} | \
-        {("admit", a, w, f, first) for a, w, first in engine.admission_forms()
+        {admit_key(a, w, f, form) for a, w, form in engine.admission_forms()
          for f in VARIANTS} | \
         {("advance", a) for a in engine.slot_buckets}
     assert set(be.executables) == want
@@ -80,10 +86,10 @@ def test_warmup_can_run_every_program_once_and_leaves_the_state_as_it_was(kind, 
     before = [np.asarray(x) for x in jax.tree_util.tree_leaves(engine.state)]
     be = engine.backend
     ran = []
-    for name in ("cycle", "admit", "advance_keys"):
+    for name in ("cycle", "admit", "admit_packed", "advance_keys"):
         fn = getattr(be, name)
 
-        def spy(*a, _fn=fn, _name=name, **kw):
+        def spy(*a, _fn=fn, _name=name.replace("_packed", ""), **kw):
             if not kw.get("lower"):
                 ran.append(_name)
             return _fn(*a, **kw)
@@ -123,7 +129,7 @@ def test_warmup_of_the_variants_requests_need():
     engine.warmup((LEAN,))
     be = engine.backend
     assert set(be.executables) == {("cycle", LEAN, 1)} | \
-        {("admit", a, w, LEAN, first) for a, w, first in engine.admission_forms()}
+        {admit_key(a, w, LEAN, form) for a, w, form in engine.admission_forms()}
     before = compiled_shapes(engine)
     prompt = [5, 17, 42, 8, 99]
     rid = engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -185,10 +191,11 @@ def test_serving_programs_have_no_device_control_flow(kind):
         cyc = _primitives(jax.make_jaxpr(fn)(*params, engine.state,
                                              np.zeros(SLOTS, bool)).jaxpr)
         assert not cyc & {"cond", "while"}, (key, cyc & {"cond", "while"})
-    for f in be._admits:                         # every variant, first chunks and later ones
+    for f in be._admits:             # every variant: first chunks (padded, packed), later ones
+        chunk = (np.zeros(32, np.int32), z) if f[1] == "packed" else \
+            (np.zeros((2, 16), np.int32), z, z)
         adm_p = _primitives(jax.make_jaxpr(be._admits[f])(
-            *params, engine.state, pad, np.zeros((2, 16), np.int32), z, z, z - 1, adm,
-            be.key).jaxpr)
+            *params, engine.state, pad, *chunk, z - 1, adm, be.key).jaxpr)
         assert not adm_p & {"cond", "while"}, (f, adm_p & {"cond", "while"})
     adv = _primitives(jax.make_jaxpr(be._advance)(engine.state, pad, z + 3).jaxpr)
     assert "while" in adv          # the check can see a loop on a device value

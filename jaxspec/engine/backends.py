@@ -57,6 +57,8 @@ from jaxspec.sampling import FULL, VARIANTS, Features, SlotSampling, TokenCounts
 from jaxspec.spec.admit import (AdmitArgs, _chunk_forward, _last_row, admit_programs,
                                 admit_sampling, advance_rows, batch_axes, chunk_history,
                                 jit_spec_admit, put_slots, take_slots)
+from jaxspec.spec.admit_packed import (pack_layout, packed_forward, packed_history,
+                                       token_slots)
 from jaxspec.xla_options import gemm_choice, jit
 
 
@@ -154,6 +156,17 @@ class _Dispatch:
         return self._call(_admit_key(slot_idx, tokens, features, first),
                           self._admits[features, first],
                           (*self.weights, state, slot_idx, tokens, start, n_valid, next_tok, adm,
+                           self.key), lower)
+
+    def admit_packed(self, state, slot_idx, tokens, n_valid, next_tok, adm=None, *,
+                     features: Features = FULL, lower=False):
+        """The first chunks of A requests packed into one row of tokens [T]
+        (admit_packed.spec_admit_packed / plain_admit_packed): n_valid [A] each request's
+        tokens, in order, then padding requests (slot B, n_valid 0)."""
+        adm = AdmitArgs.host(len(slot_idx)) if adm is None else adm
+        return self._call(("admit_packed", len(slot_idx), len(tokens), features),
+                          self._admits[features, "packed"],
+                          (*self.weights, state, slot_idx, tokens, n_valid, next_tok, adm,
                            self.key), lower)
 
     def jitted(self) -> List:
@@ -308,6 +321,25 @@ def plain_admit(params, state: PlainState, slot_idx, tokens, start, n_valid, nex
     return put_slots(state, axes, slot_idx, new, kv_rows), first
 
 
+def plain_admit_packed(params, state: PlainState, slot_idx, tokens, n_valid, next_tok,
+                       adm: AdmitArgs, engine_key, *, cfg: ModelConfig, axes, rows,
+                       features: Features = FULL):
+    """The first chunks of A requests packed into one row (see `admit_packed.spec_admit_packed`
+    for the arguments); on a new request's last chunk the first token is drawn."""
+    lay = pack_layout(n_valid, tokens.shape[0])
+    slot_tok = token_slots(slot_idx, lay, state.tokens.shape[0])
+    sub = take_slots(state, axes, slot_idx, (rows, 0))      # per-slot leaves; no KV rows
+    cache, hidden, _ = packed_forward(params, cfg, state.cache, tokens, lay, slot_tok)
+    is_last = next_tok < 0
+    hist = packed_history(sub.history, tokens, lay, adm.n_prompt)
+    logits = llama.lm_head(params, cfg, hidden[lay.last])
+    sp, first, hist, keys = admit_sampling(logits, hist, adm, engine_key, is_last, features)
+    root = jnp.where(adm.root >= 0, adm.root, first.tokens)
+    new = PlainState(sub.cache.replace(lens=n_valid), jnp.where(is_last, root, sub.tokens), sp,
+                     keys, hist)
+    return put_slots(state.replace(cache=cache), axes, slot_idx, new, rows), first
+
+
 def plain_cycle(params, state: PlainState, active, *, cfg: ModelConfig, n_steps: int,
                 features: Optional[Features] = None):
     """n_steps decode steps for the active slots (decode.sample_steps' body: penalties, per-slot
@@ -331,7 +363,9 @@ def _jit_plain(cfg: ModelConfig, slots: int, max_len: int, dtype, n_steps: int):
 def _jit_plain_cached(cfg, slots, max_len, dtype, n_steps, _gemm):
     axes = batch_axes(lambda b: init_plain_state(cfg, b, max_len, dtype), slots)
     rows = batch_axes(lambda t: init_plain_state(cfg, slots, t, dtype), max_len, "row")
-    admits = admit_programs(functools.partial(plain_admit, cfg=cfg, axes=axes), rows, donate=1)
+    admits = admit_programs(functools.partial(plain_admit, cfg=cfg, axes=axes),
+                            functools.partial(plain_admit_packed, cfg=cfg, axes=axes), rows,
+                            donate=1)
     cycles = {f: jit(functools.partial(plain_cycle, cfg=cfg, n_steps=n_steps, features=f),
                      rows=slots, donate_argnums=(1,)) for f in VARIANTS}
     # Each decode step splits a slot's key into 2 (next key, the draw).

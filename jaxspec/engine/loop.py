@@ -112,8 +112,8 @@ class EngineStats:
     host_s: float = 0.0                 # time in step() not spent waiting on the device
     wait_s: float = 0.0                 # time blocked reading device outputs
     dispatch_s: float = 0.0             # of host_s: in the backend's admit and cycle calls
-    # admission dispatches by (slot bucket, chunk width, features): what the device ran besides
-    # the cycles (bench/bench_engine.py times each shape to count the device's whole load)
+    # admission dispatches by (slot bucket, chunk width, features, form: `admission_forms`):
+    # what the device ran besides the cycles (bench/bench_engine.py times each shape to count the device's whole load)
     admit_shapes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     call_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     step_s: List[float] = dataclasses.field(default_factory=list)
@@ -173,6 +173,10 @@ class Engine:
     saves host time per step where requests finish often (large batches) at the cost of slots
     idling up to admit_interval - 1 steps. An engine with nothing running admits at once.
     `LLM` passes `backends.default_admit_interval` unless told otherwise.
+    pack_first_chunks: first chunks run packed (`spec.admit_packed`): an admission's newcomers
+    end to end in one row of T tokens, T in min_chunk * 2**k up to pack_tokens (default 2 x
+    chunk), at most T / min_chunk requests a row, instead of padded to the slot bucket and the
+    longest prompt's width. False: the padded first-chunk form (bucket_growth, width_growth).
     """
 
     def __init__(self, backend, *, max_model_len: int, vocab_size: int, eos_ids: Iterable[int] = (),
@@ -180,7 +184,8 @@ class Engine:
                  bucket_growth: int = 4, compile_workers: Optional[int] = None,
                  detokenize: Optional[Callable[[List[int]], str]] = None,
                  admit_interval: int = 1, width_growth: Optional[int] = None,
-                 stream_decoder: Optional[Callable[[], Any]] = None):
+                 stream_decoder: Optional[Callable[[], Any]] = None,
+                 pack_first_chunks: bool = True, pack_tokens: Optional[int] = None):
         self.backend = backend
         if admit_interval < 1:
             raise ValueError(f"admit_interval must be >= 1, got {admit_interval}")
@@ -201,6 +206,11 @@ class Engine:
         self.chunk, self.min_chunk = chunk, min_chunk
         self.widths = _buckets(min_chunk, chunk, width_growth)
         self.slot_buckets = _buckets(1, self.slots, bucket_growth)
+        self.pack_first_chunks = pack_first_chunks
+        pack_tokens = 2 * chunk if pack_tokens is None else pack_tokens
+        if pack_tokens < chunk:
+            raise ValueError(f"pack_tokens ({pack_tokens}) must be >= chunk ({chunk})")
+        self.pack_widths = _buckets(min_chunk, pack_tokens, 2)
         self.compile_workers = compile_workers or (
             1 if jax.default_backend() == "cpu" else os.cpu_count() or 1)
         self.detokenize = detokenize
@@ -333,12 +343,32 @@ class Engine:
         """(slot count, chunk width) of every admission bucket."""
         return [(a, w) for a in self.slot_buckets for w in self.widths]
 
+    def pack_requests(self, width: int) -> int:
+        """The most requests a pack of `width` tokens holds (its per-request arrays' size)."""
+        return min(self.slots, max(1, width // self.min_chunk))
+
     def admission_forms(self) -> List[tuple]:
-        """(slot count, chunk width, first chunk) of every admission program: first chunks in
-        every bucket; later chunks (prompts longer than a chunk) always a whole chunk wide, so
-        their general form is compiled once per slot count."""
-        return [(a, w, True) for a, w in self.admission_shapes()] + \
-            [(a, self.chunk, False) for a in self.slot_buckets]
+        """(requests, tokens a row, form) of every admission program. First chunks: packed
+        (form "packed": one row of T tokens for pack_requests(T) requests) or padded (form
+        True: every (slot bucket, width) pair). Later chunks (prompts longer than a chunk) are
+        always a whole chunk wide, so their general form (False) is compiled once per slot
+        count."""
+        first = ([(self.pack_requests(t), t, "packed") for t in self.pack_widths]
+                 if self.pack_first_chunks else
+                 [(a, w, True) for a, w in self.admission_shapes()])
+        return first + [(a, self.chunk, False) for a in self.slot_buckets]
+
+    def padding_admission(self, a: int, w: int, form, features: Features):
+        """call(state, lower=False) of the admission program (a, w, form) on padding arguments
+        (every row dropped: the state stays as it was)."""
+        be, pad, z = self.backend, np.full(a, self.slots, np.int32), np.zeros(a, np.int32)
+        if form == "packed":
+            return functools.partial(be.admit_packed, slot_idx=pad,
+                                     tokens=np.zeros(w, np.int32), n_valid=z, next_tok=z - 1,
+                                     features=features)
+        return functools.partial(be.admit, slot_idx=pad, tokens=np.zeros((a, w), np.int32),
+                                 start=z, n_valid=z, next_tok=z - 1, features=features,
+                                 first=form)
 
     def warmup(self, variants: Sequence[Features] = VARIANTS, execute: Optional[bool] = None):
         """Compiles the cycle and every admission bucket ahead of time, concurrently (XLA
@@ -383,11 +413,9 @@ class Engine:
         be, idle = self.backend, np.zeros(self.slots, bool)
         calls = [functools.partial(be.cycle, active=idle, features=f, size=k)
                  for f in variants for k in be.sizes]
-        for a, w, first in sorted(self.admission_forms(), key=lambda s: -s[0] * s[1]):
-            pad, z = np.full(a, self.slots, np.int32), np.zeros(a, np.int32)
-            calls += [functools.partial(be.admit, slot_idx=pad, tokens=np.zeros((a, w), np.int32),
-                                        start=z, n_valid=z, next_tok=z - 1, features=f,
-                                        first=first) for f in variants]
+        for a, w, form in sorted(self.admission_forms(),
+                                 key=lambda s: -s[1] * (1 if s[2] == "packed" else s[0])):
+            calls += [self.padding_admission(a, w, form, f) for f in variants]
         for a in self.slot_buckets if FULL in variants else ():
             calls.append(functools.partial(be.advance_keys, slot_idx=np.full(a, self.slots,
                                                                              np.int32),
@@ -449,12 +477,16 @@ class Engine:
                 self.backend.key_advances(len(out), len(req.accept_lens)))
 
     def _prefill(self, batch):
-        """Dispatches the prefill chunks of newly admitted runs, all requests' chunk k together,
-        with the admission variant their sampling needs; then moves the keys of resumed requests
-        that sample past their earlier draws."""
+        """Dispatches the prefill chunks of newly admitted runs, all requests' chunk k together
+        (first chunks packed, `pack_first_chunks`), with the admission variant their sampling
+        needs; then moves the keys of resumed requests that sample past their earlier draws."""
         rows_all = [(rid, slot) + self._admit_rows(req) for rid, slot, req in batch]
         features = Features.of([req.sp for _, _, req in batch])
         k = 0
+        if self.pack_first_chunks:
+            for pack in self._packs(rows_all):
+                self._admit_pack(pack, features)
+            k = 1
         while True:
             rows = [r for r in rows_all if len(r[2]) > k * self.chunk]
             if not rows:
@@ -464,30 +496,70 @@ class Engine:
             n_valid = [min(self.chunk, len(ids) - start) for _, _, ids, _, _ in rows]
             # a later chunk is a whole chunk wide (one general form per slot count)
             width = _bucket(max(n_valid), self.widths) if k == 0 else self.chunk
-            slot_idx = np.full(a, self.slots, np.int32)
             tokens = np.zeros((a, width), np.int32)
             starts = np.zeros(a, np.int32)
-            nv = np.zeros(a, np.int32)
-            nxt = np.full(a, -1, np.int32)
-            adm = AdmitArgs.host(a)
-            for i, ((rid, slot, ids, fields, _), n) in enumerate(zip(rows, n_valid)):
-                slot_idx[i], starts[i], nv[i] = slot, start, n
+            starts[:len(rows)] = start
+            slot_idx, nv, nxt, adm = self._admit_args(a, rows, n_valid, start)
+            for i, ((_, _, ids, _, _), n) in enumerate(zip(rows, n_valid)):
                 tokens[i, :n] = ids[start:start + n]
-                if start + n < len(ids):
-                    nxt[i] = ids[start + n]
-                for name, value in fields.items():
-                    getattr(adm, name)[i] = value
-            t = time.perf_counter()
-            self.state, first = self.backend.admit(self.state, slot_idx, tokens, starts, nv, nxt,
-                                                   adm, features=features, first=k == 0)
-            self._prefetch(first)
-            self.stats.dispatch_s += time.perf_counter() - t
-            self.stats.prefill_chunks += 1
-            self.stats.admit_shapes[(a, width, features, k == 0)] += 1
-            self.pending.append(("admit", first, [r[0] for r in rows], None))
+            self._dispatch_admit(rows, (a, width, features, k == 0), lambda: self.backend.admit(
+                self.state, slot_idx, tokens, starts, nv, nxt, adm, features=features,
+                first=k == 0))
             k += 1
         self._advance_resumed([(slot, adv) for (_, slot, _, _, adv), (_, _, req)
                                in zip(rows_all, batch) if adv > 0 and req.sp.temperature > 0])
+
+    def _packs(self, rows) -> List[list]:
+        """rows in order, cut into groups whose first chunks fill one pack each."""
+        cap_t = self.pack_widths[-1]
+        cap_a = self.pack_requests(cap_t)
+        out, cur, total = [], [], 0
+        for r in rows:
+            n = min(self.chunk, len(r[2]))
+            if cur and (total + n > cap_t or len(cur) == cap_a):
+                out.append(cur)
+                cur, total = [], 0
+            cur.append(r)
+            total += n
+        return out + [cur] if cur else out
+
+    def _admit_pack(self, rows, features):
+        """One packed admission of the first chunks of rows (`_packs`' group)."""
+        n_valid = [min(self.chunk, len(ids)) for _, _, ids, _, _ in rows]
+        total = sum(n_valid)
+        t = next(w for w in self.pack_widths
+                 if w >= total and self.pack_requests(w) >= len(rows))
+        a = self.pack_requests(t)
+        slot_idx, nv, nxt, adm = self._admit_args(a, rows, n_valid, 0)
+        tokens = np.zeros(t, np.int32)
+        tokens[:total] = [tok for (_, _, ids, _, _), n in zip(rows, n_valid) for tok in ids[:n]]
+        self._dispatch_admit(rows, (a, t, features, "packed"), lambda: self.backend.admit_packed(
+            self.state, slot_idx, tokens, nv, nxt, adm, features=features))
+
+    def _admit_args(self, a: int, rows, n_valid, start: int):
+        """(slot_idx, n_valid, next_tok, AdmitArgs) of an admission of `a` request rows: the
+        rows' chunks from `start`, then padding (slot index B, nothing valid)."""
+        slot_idx = np.full(a, self.slots, np.int32)
+        nv = np.zeros(a, np.int32)
+        nxt = np.full(a, -1, np.int32)
+        adm = AdmitArgs.host(a)
+        for i, ((_, slot, ids, fields, _), n) in enumerate(zip(rows, n_valid)):
+            slot_idx[i], nv[i] = slot, n
+            if start + n < len(ids):
+                nxt[i] = ids[start + n]
+            for name, value in fields.items():
+                getattr(adm, name)[i] = value
+        return slot_idx, nv, nxt, adm
+
+    def _dispatch_admit(self, rows, shape: tuple, call):
+        """Runs one admission call (-> state, first tokens) and files its output."""
+        t = time.perf_counter()
+        self.state, first = call()
+        self._prefetch(first)
+        self.stats.dispatch_s += time.perf_counter() - t
+        self.stats.prefill_chunks += 1
+        self.stats.admit_shapes[shape] += 1
+        self.pending.append(("admit", first, [r[0] for r in rows], None))
 
     def _advance_resumed(self, moved):
         """moved: (slot, key advance) of resumed requests that sample (greedy ones never read

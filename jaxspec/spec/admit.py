@@ -264,26 +264,34 @@ def spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, ne
     return put_slots(state, axes, slot_idx, new, kv_rows), first
 
 
-def admit_programs(admit_fn, rows, donate: int) -> dict:
-    """{(features, first chunk): jitted admit_fn} per `sampling.VARIANTS`: the first-chunk form
-    (kv_rows=rows, take_slots' `fresh`) and the general one; argument `donate` (the state) is
-    donated. admit_fn: spec_admit or plain_admit with its static arguments bound."""
-    return {(f, first): jit(functools.partial(admit_fn, features=f,
-                                              kv_rows=rows if first else None),
-                            donate_argnums=(donate,))
-            for f in VARIANTS for first in (False, True)}
+def admit_programs(admit_fn, packed_fn, rows, donate: int) -> dict:
+    """{(features, form): jitted program} per `sampling.VARIANTS`, form True for the padded
+    first-chunk form (kv_rows=rows, take_slots' `fresh`), False for the general one, "packed"
+    for packed first chunks (`admit_packed`); argument `donate` (the state) is donated.
+    admit_fn / packed_fn: spec_admit / spec_admit_packed or the plain ones, static arguments
+    bound."""
+    out = {(f, first): jit(functools.partial(admit_fn, features=f,
+                                             kv_rows=rows if first else None),
+                           donate_argnums=(donate,))
+           for f in VARIANTS for first in (False, True)}
+    out.update({(f, "packed"): jit(functools.partial(packed_fn, features=f, rows=rows),
+                                   donate_argnums=(donate,)) for f in VARIANTS})
+    return out
 
 
 @functools.lru_cache(maxsize=None)
 def jit_spec_admit(cfg: ModelConfig, spec: SpecConfig, slots: int, max_len: int, dtype):
-    """{(features, first chunk): spec_admit(params, draft_params, state, slot_idx, tokens, start,
+    """{(features, form): spec_admit(params, draft_params, state, slot_idx, tokens, start,
     n_valid, next_tok, adm, engine_key)} per `sampling.VARIANTS`, with the first-chunk form
-    (take_slots' `fresh`) and the general one, and advance(state, slot_idx, advance); the state
-    is donated. Buckets are the input shapes."""
+    (take_slots' `fresh`), the general one and the packed one (`spec_admit_packed`, without
+    start), and advance(state, slot_idx, advance); the state is donated. Buckets are the input
+    shapes."""
     axes = batch_axes(lambda b: init_state(cfg, spec, b, max_len, dtype), slots)
     rows = batch_axes(lambda t: init_state(cfg, spec, slots, t, dtype), max_len, "row")
-    admits = admit_programs(functools.partial(spec_admit, cfg=cfg, spec=spec, axes=axes), rows,
-                            donate=2)
+    from jaxspec.spec.admit_packed import spec_admit_packed
+    admits = admit_programs(functools.partial(spec_admit, cfg=cfg, spec=spec, axes=axes),
+                            functools.partial(spec_admit_packed, cfg=cfg, spec=spec, axes=axes),
+                            rows, donate=2)
     # The cycle splits each slot's key into 3 (next key, draft draws, verify draws).
     advance = jit(lambda st, idx, n: st.replace(rng=advance_rows(st.rng, idx, n, 3)),
                   donate_argnums=(0,))

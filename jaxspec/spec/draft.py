@@ -148,6 +148,41 @@ def catch_up(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k, 
     return draft_k, draft_v, DraftSeed(tok, logp, hidden)
 
 
+def catch_up_packed(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k, draft_v,
+                    features, tokens, lay, slot_tok):
+    """`catch_up` over a pack of first chunks (`admit_packed`): draft row t is (features[0, t],
+    tokens[t]) at position lay.pos[t]; its K/V goes to (slot_tok[t], lay.pos[t]) of draft_k/v
+    [1, B, Hkv, Tc, D] (slot_tok B: dropped), and each request's seed comes from its last row,
+    which attends to its request's rows (all at or before it: a first chunk). features [1, T, F],
+    tokens [T]. Returns (draft_k, draft_v, DraftSeed [A])."""
+    from jaxspec.spec.admit_packed import scatter_rows
+    head = head_module(draft_params)
+    x = head.fuse_input(params, draft_params, tokens[None], features)
+    q, k, v = head.qkv(cfg, draft_params, x, lay.pos[None])   # [1, T, Hq, D], [1, Hkv, T, D]
+    draft_k = scatter_rows(draft_k, k[None], slot_tok, lay.pos)
+    draft_v = scatter_rows(draft_v, v[None], slot_tok, lay.pos)
+    a = lay.last.shape[0]
+    own = lay.seg[None, :] == jnp.arange(a, dtype=lay.seg.dtype)[:, None]          # [A, T]
+    o = _attend_rows(q[0, lay.last], k[0], v[0], own)                              # [A, Hq, D]
+    x1 = jax.tree_util.tree_map(lambda z: z[0, lay.last][:, None], x)   # EAGLE-3: a pair
+    hidden = head.finish_layer(cfg, draft_params, x1, o[:, None])[:, 0]
+    tok, logp = _children(params, draft_params, hidden, spec)
+    return draft_k, draft_v, DraftSeed(tok, logp, hidden)
+
+
+def _attend_rows(q, k, v, visible):
+    """q [A, Hq, D] over k, v [Hkv, T, D] where visible [A, T]; fp32 softmax -> [A, Hq, D].
+    A few rows against one pack: too small a job for the attention kernel's grid."""
+    a, hq, d = q.shape
+    hkv = k.shape[0]
+    qg = q.reshape(a, hkv, hq // hkv, d).astype(jnp.float32) * d ** -0.5
+    s = jnp.einsum("ahgd,htd->ahgt", qg, k.astype(jnp.float32))
+    s = jnp.where(visible[:, None, None, :], s, -1e30)     # finite: a padding row sees nothing
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("ahgt,htd->ahgd", p, v.astype(jnp.float32))
+    return o.reshape(a, hq, d).astype(q.dtype)
+
+
 def _pad_rows(x, n):
     """x [B, R, ...] -> [B, n + R, ...]: n zero rows first."""
     return jnp.pad(x, [(0, 0), (n, 0)] + [(0, 0)] * (x.ndim - 2))

@@ -1,0 +1,149 @@
+"""Packed first chunks (`spec.admit_packed`): the same state as the padded first-chunk form, only
+the admitted slots' chunk rows written, the host's packing, and engines with and without it
+giving the same outputs."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.engine.backends import init_plain_state
+from jaxspec.sampling import SamplingParams, flat_params
+from jaxspec.spec.admit import AdmitArgs, batch_axes
+from jaxspec.spec.admit_packed import pack_layout
+from jaxspec.spec.cycle import init_state
+from test_engine import CFG, SLOTS, SPEC, expected, make_engine
+
+POISON = 7.0
+
+
+def test_pack_layout():
+    lay = pack_layout(jnp.array([3, 1, 2, 0], jnp.int32), 8)
+    np.testing.assert_array_equal(lay.seg, [0, 0, 0, 1, 2, 2, 4, 4])
+    np.testing.assert_array_equal(lay.pos, [0, 1, 2, 0, 0, 1, 0, 1])
+    np.testing.assert_array_equal(lay.last, [2, 3, 5, 5])
+    m = np.asarray(lay.mask)
+    assert m[2, :3].all() and not m[2, 3:].any()           # request 0: causal over its own
+    assert m[3].tolist() == [False] * 3 + [True] + [False] * 4
+    assert m[5, 4:6].all() and not m[4, 5] and m[7, 6:].all()
+
+
+def _live_engine(kind):
+    engine = make_engine(kind)
+    for p in ([5, 17, 42, 8, 99, 3, 7], [3, 9, 27, 81]):      # live slots 0 and 1
+        engine.add_request(p, SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    return engine
+
+
+def _state_axes(kind, be):
+    if kind == "spec":
+        init = lambda b, t: init_state(CFG, SPEC, b, t, jnp.float32)     # noqa: E731
+    else:
+        init = lambda b, t: init_plain_state(CFG, b, t, jnp.float32)     # noqa: E731
+    rows = jax.tree_util.tree_leaves(batch_axes(lambda t: init(SLOTS, t), be.max_len, "row"))
+    axes = jax.tree_util.tree_leaves(batch_axes(lambda b: init(b, be.max_len), SLOTS))
+    return axes, rows
+
+
+@pytest.mark.parametrize("kind", ["spec", "plain"])
+def test_packed_first_chunks_equal_the_padded_ones(kind):
+    """Three requests (one ends its prompt, one has more chunks to come, one is resumed with
+    output tokens to count) and a padding request, packed into one row: the same state as the
+    padded first-chunk form. Live slots stay untouched; of the admitted slots (their KV rows
+    poisoned first) exactly the chunk's rows are written."""
+    engine = _live_engine(kind)
+    be = engine.backend
+    axes, rows = _state_axes(kind, be)
+    snap = jax.tree_util.tree_map(np.array, engine.state)
+    leaves, treedef = jax.tree_util.tree_flatten(snap)
+    for x, ax, rax in zip(leaves, axes, rows):
+        if rax >= 0:
+            for slot in (2, 3):
+                idx = [slice(None)] * x.ndim
+                idx[ax] = slot
+                x[tuple(idx)] = POISON
+    snap = jax.tree_util.tree_unflatten(treedef, leaves)
+    slot_idx = np.array([3, 2, SLOTS, SLOTS], np.int32)        # two slots, two padding rows
+    chunks = [[5, 17, 42, 8, 99, 3], [60, 61, 62], []]
+    nv = np.array([6, 3, 0, 0], np.int32)
+    nxt = np.array([-1, 63, -1, -1], np.int32)                 # slot 2: a chunk follows
+    sp = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=5)
+    f, i = flat_params(sp)
+    adm = AdmitArgs.host(4, samp_f=np.tile(f, (4, 1)), samp_i=np.tile(i, (4, 1)),
+                         n_prompt=np.array([4, 2, 1, 1], np.int32))  # later tokens: output
+    padded = np.zeros((4, 16), np.int32)
+    for r, c in enumerate(chunks):
+        padded[r, :len(c)] = c
+    packed = np.zeros(16, np.int32)
+    packed[:9] = chunks[0] + chunks[1]
+    dev = lambda: jax.tree_util.tree_map(jnp.asarray, snap)     # noqa: E731
+    want, f_want = be.admit(dev(), slot_idx, padded, np.zeros(4, np.int32), nv, nxt, adm,
+                            first=True)
+    got, f_got = be.admit_packed(dev(), slot_idx, packed, nv, nxt, adm)
+    for name in f_got._fields:
+        np.testing.assert_allclose(np.asarray(getattr(f_got, name))[:2],
+                                   np.asarray(getattr(f_want, name))[:2], atol=1e-5)
+    assert int(f_got.tokens[0]) >= 0 and int(f_got.tokens[1]) == -1
+    n_kv = 0
+    for before, g, w, ax, rax in zip(jax.tree_util.tree_leaves(snap),
+                                     jax.tree_util.tree_leaves(got),
+                                     jax.tree_util.tree_leaves(want), axes, rows):
+        g, w = np.asarray(g), np.asarray(w)
+        if rax < 0:                       # per-slot leaves: equal (floats to rounding)
+            np.testing.assert_allclose(g, w, atol=1e-5)
+            continue
+        n_kv += 1
+        r = rax - (rax > ax)
+        for slot in range(SLOTS):
+            take = lambda x: np.take(x, slot, axis=ax)             # noqa: E731
+            if slot in (0, 1):                                  # live, not admitted: untouched
+                np.testing.assert_array_equal(take(g), take(before))
+                continue
+            n = int(nv[list(slot_idx).index(slot)])
+            rows_g = np.take(take(g), range(n), axis=r)
+            np.testing.assert_allclose(rows_g, np.take(take(w), range(n), axis=r), atol=1e-5)
+            assert not np.any(rows_g == POISON)
+            rest = np.take(take(g), range(n, take(g).shape[r]), axis=r)
+            assert np.all(rest == POISON)                       # nothing past the chunk
+    assert n_kv == (4 if kind == "spec" else 2)
+
+
+def test_packs_cut_at_the_token_and_request_caps():
+    # chunk 16, packs of 4 .. 32 tokens holding 1 .. 8 requests
+    engine = make_engine("plain", pack_tokens=32, min_chunk=4)
+    assert engine.pack_widths == [4, 8, 16, 32]
+    forms = engine.admission_forms()
+    assert [f for f in forms if f[2] == "packed"] == \
+        [(1, 4, "packed"), (2, 8, "packed"), (4, 16, "packed"), (4, 32, "packed")]  # 4 slots
+    row = lambda n: (0, 0, list(range(n)), {}, 0)                            # noqa: E731
+    sizes = lambda ns: [[len(r[2]) for r in p] for p in engine._packs([row(n) for n in ns])]
+    assert sizes([16, 16, 3]) == [[16, 16], [3]]               # 32 tokens at most
+    assert sizes([20, 3, 30, 2]) == [[20, 3], [30, 2]]         # first chunks count: 16 + 3 + 16
+    assert sizes([1] * 6) == [[1] * 4, [1] * 2]                # 4 requests (the slots) at most
+    with pytest.raises(ValueError, match="pack_tokens"):
+        make_engine("plain", pack_tokens=8)
+
+
+@pytest.mark.parametrize("kind", ["spec", "plain"])
+def test_engines_with_and_without_packing_give_the_same_outputs(kind):
+    """Mixed lengths (some longer than a chunk), greedy and seeded sampling, arriving in groups:
+    packed and padded first chunks give the same tokens, and the packs ran."""
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(0, CFG.vocab_size, n)]
+               for n in (3, 20, 9, 1, 35, 12, 5, 17)]
+    sps = [SamplingParams(max_tokens=8, ignore_eos=True) if i % 3 else
+           SamplingParams(temperature=0.8, seed=i, max_tokens=8, ignore_eos=True)
+           for i in range(len(prompts))]
+    outs = {}
+    for pack in (True, False):
+        engine = make_engine(kind, pack_first_chunks=pack)
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, sps)]
+        list(engine.drain())
+        outs[pack] = [engine.pop_finished(i).output for i in ids]
+        forms = {s[3] for s in engine.stats.admit_shapes}
+        assert forms == ({"packed", False} if pack else {True, False})
+    assert outs[True] == outs[False]
+    for p, sp, out in zip(prompts, sps, outs[True]):
+        if sp.temperature == 0:
+            assert out == expected(p, sp, ())[0]
