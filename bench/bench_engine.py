@@ -60,7 +60,8 @@ def load(args):
     return cfg, params, head, tok
 
 
-def make(cfg, params, head, mode, batch, max_model_len, tok, bucket_growth=4, admit_interval=1):
+def make(cfg, params, head, mode, batch, max_model_len, tok, bucket_growth=4, admit_interval=1,
+         pack=True):
     """mode: 'plain' (4 decode steps per cycle), 'plain:N' (N steps; LLM uses 16), or a spec
     preset, 'preset:K' for K cycles per call."""
     name, _, n = mode.partition(":")
@@ -74,7 +75,7 @@ def make(cfg, params, head, mode, batch, max_model_len, tok, bucket_growth=4, ad
     return Engine(backend, max_model_len=max_model_len, vocab_size=cfg.vocab_size, chunk=256,
                   bucket_growth=bucket_growth, detokenize=tok.decode if tok is not None else None,
                   stream_decoder=tok.stream_decoder if tok is not None else None,
-                  admit_interval=admit_interval)
+                  admit_interval=admit_interval, pack_first_chunks=pack)
 
 
 def device_ms_per_cycle(engine, n, size=None):
@@ -95,14 +96,20 @@ def padding_admit_args(backend, a: int, width: int) -> list:
                                         np.zeros((a, width), np.int32), z, z, z - 1)]
 
 
-def device_ms_per_admit(engine, a, width, features, first, n):
-    """Back-to-back admissions of one shape, every row padding (dropped, so the state is kept):
-    the device's time for a prompt chunk of that shape. Arguments live on the device, since
-    numpy arguments make each call wait (bench_dispatch)."""
+def device_ms_per_admit(engine, a, width, features, form, n):
+    """Back-to-back admissions of one shape (`Engine.admission_forms`), every row padding
+    (dropped, so the state is kept): the device's time for a prompt chunk of that shape.
+    Arguments live on the device, since numpy arguments make each call wait (bench_dispatch)."""
     be = engine.backend
-    args = padding_admit_args(be, a, width)
-    ms, engine.state = timed(lambda s: be.admit(s, *args, features=features, first=first)[0],
-                             engine.state, n, 1)
+    if form == "packed":
+        z = jax.device_put(np.zeros(a, np.int32))
+        args = [jax.device_put(np.full(a, be.slots, np.int32)),
+                jax.device_put(np.zeros(width, np.int32)), z, z - 1]
+        call = lambda s: be.admit_packed(s, *args, features=features)[0]   # noqa: E731
+    else:
+        args = padding_admit_args(be, a, width)
+        call = lambda s: be.admit(s, *args, features=features, first=form)[0]   # noqa: E731
+    ms, engine.state = timed(call, engine.state, n, 1)
     return ms
 
 
@@ -114,10 +121,10 @@ def compiled(engine):
 
 
 def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, args,
-             masks="device", admit_interval=1):
+             masks="device", admit_interval=1, pack=True):
     rng = np.random.default_rng(0)
     engine = make(cfg, params, head, mode, batch, max_model_len, tok, args.bucket_growth,
-                  admit_interval)
+                  admit_interval, pack)
     engine.device_masks = masks == "device"
     t0 = time.perf_counter()
     engine.warmup((LEAN,) if args.variants == "lean" else VARIANTS)
@@ -158,6 +165,7 @@ def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, arg
                    for (a, w, f, first), c in st.admit_shapes.items())
     cycle_ms = sum(c * dev[k] for k, c in st.call_sizes.items())
     return dict(mode=mode, batch=batch, masks=masks, admit_interval=admit_interval,
+                packing=pack,
                 device_ms_per_cycle=dev_ms,
                 engine_ms_per_step=wall / steps * 1e3, host_ms_per_step=host_ms,
                 dispatch_ms_per_step=st.dispatch_s / steps * 1e3,
@@ -191,6 +199,8 @@ def main():
                          "active mask passed as numpy each cycle: the earlier engine)")
     ap.add_argument("--admit-interval", default="1",
                     help="comma list: Engine(admit_interval=) values to compare")
+    ap.add_argument("--packing", default="on",
+                    help="comma list of on/off: first chunks packed (Engine(pack_first_chunks=))")
     ap.add_argument("--variants", choices=("all", "lean"), default="all",
                     help="program variants to compile at warm-up (the requests are greedy: "
                          "lean is enough)")
@@ -200,10 +210,11 @@ def main():
     rows = []
     for mode in args.modes.split(","):
         for b in (int(x) for x in args.batches.split(",")):
-            for masks, every in itertools.product(args.masks.split(","),
-                                                  args.admit_interval.split(",")):
+            for masks, every, pack in itertools.product(args.masks.split(","),
+                                                        args.admit_interval.split(","),
+                                                        args.packing.split(",")):
                 r = run_case(cfg, params, head, tok, mode, b, args.steps, args.max_model_len,
-                             args.gen, args, masks, int(every))
+                             args.gen, args, masks, int(every), pack == "on")
                 rows.append(r)
                 print(r, flush=True)
     write_json("bench_engine.json", dict(device=device_name(), rows=rows))
@@ -213,13 +224,15 @@ def main():
             print(f"{r['mode']:6} {r['batch']:>3} warm-up {r['compile_s']:.1f} s "
                   f"({r['admission_shapes']} admission shapes + cycle)")
         return
-    print(f"{'mode':8} {'B':>3} {'masks':6} {'adm':>3} {'dev ms/cyc':>10} {'eng ms/step':>11} {'host ms':>8} "
-          f"{'dispatch':>8} {'busy':>5} {'+admit':>6} {'tok/s':>8} {'recompiled':>10}")
+    print(f"{'mode':8} {'B':>3} {'masks':6} {'adm':>3} {'pack':>4} {'dev ms/cyc':>10} {'eng ms/step':>11} {'host ms':>8} "
+          f"{'dispatch':>8} {'busy':>5} {'+admit':>6} {'adm ms':>6} {'tok/s':>8} {'recompiled':>10}")
     for r in rows:
         print(f"{r['mode']:8} {r['batch']:>3} {r['masks']:6} {r['admit_interval']:>3} "
+              f"{'on' if r['packing'] else 'off':>4} "
               f"{r['device_ms_per_cycle']:>10.3f} "
               f"{r['engine_ms_per_step']:>11.3f} {r['host_ms_per_step']:>8.3f} "
               f"{r['dispatch_ms_per_step']:>8.3f} {r['busy']:>5.2f} {r['busy_all']:>6.2f} "
+              f"{r['admit_device_ms_per_step']:>6.2f} "
               f"{r['tokens_per_s']:>8.0f} {str(r['recompiled']):>10}")
 
 

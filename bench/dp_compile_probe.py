@@ -35,12 +35,10 @@ def programs(eng):
     out = [(f"cycle size {k}",
             lambda k=k: be.cycle(eng.state, idle, LEAN, size=k, lower=True)[1])
            for k in be.sizes]
-    for a, w, first in eng.admission_forms():
-        pad, z = np.full(a, eng.slots, np.int32), np.zeros(a, np.int32)
-        out.append((f"admit a={a} w={w} first={first}",
-                    lambda a=a, w=w, first=first, pad=pad, z=z: be.admit(
-                        eng.state, pad, np.zeros((a, w), np.int32), z, z, z - 1,
-                        features=LEAN, first=first, lower=True)[1]))
+    for a, w, form in eng.admission_forms():
+        out.append((f"admit a={a} w={w} form={form}",
+                    lambda a=a, w=w, form=form: eng.padding_admission(a, w, form, LEAN)(
+                        eng.state, lower=True)[1]))
     return out
 
 

@@ -4,6 +4,10 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
+#   bash bench/gpu_plan.sh packing_rand   # issue 8: packed first chunks against padded, batch 64,
+#                                      #   random weights (admission device time); packing_exact,
+#                                      #   fp32 spec == plain at batch 16; packing_mt / packing_sg,
+#                                      #   real weights, batch 64, both settings alternated
 #   bash bench/gpu_plan.sh slotgrowth  # issue 8: batch 64, prefill slot counts 1, 2, 4, .., 64 against
 #                                      #   1, 4, 16, 64 (MT-bench, held-out ShareGPT: carry it);
 #                                      #   the MT-bench rows' warmup_s is the first warm-up each
@@ -88,6 +92,26 @@ run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 
 BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
 
 case "${1:-}" in
+  packing_rand)
+    # Packed first chunks (the default) against padded ones, batch 64, random SmolLM2-shaped
+    # weights: admission device ms a step (each shape timed) and tokens/s, same call.
+    run pk_rand 480 python3 -m bench.bench_engine --steps 150 --gen 128 --gen-min 16 --max-model-len 2048 --variants lean --modes chain:4,plain:16 --batches 64 --packing on,off
+    ;;
+  packing_exact)
+    # fp32 greedy spec == plain on the GPU with many newcomers packed together (batch 16)
+    run pk_exact 300 $BENCH --dtype float32 --num-prompts 32 --max-tokens 64 --spec chain --batch-sizes 16 --no-peers --json "$OUT/pk_exact.json"
+    ;;
+  packing_mt|packing_sg)
+    # batch 64, 384 requests, chain:4 and plain: packed and padded alternated (MT-bench, or
+    # held-out ShareGPT: carry .gpu/sharegpt_heldout.jsonl); the first packed run compiles into
+    # an empty cache, so its warmup_s is a first warm-up
+    S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384"
+    [ "$1" = packing_sg ] && S="$S --dataset .gpu/sharegpt_heldout.jsonl"
+    run ${1}_on 170 env XDG_CACHE_HOME=/tmp/ccpk $S --json "$OUT/${1}_on.json"
+    run ${1}_off 150 $S --prefill-packing off --json "$OUT/${1}_off.json"
+    run ${1}_on2 150 env XDG_CACHE_HOME=/tmp/ccpk $S --json "$OUT/${1}_on2.json"
+    run ${1}_off2 150 $S --prefill-packing off --json "$OUT/${1}_off2.json"
+    ;;
   slotgrowth)
     # Admissions pad their newcomers to the next slot count (1, 4, 16, 64) and the longest
     # prompt's width (16, 64, 256, 512): 3-8x the prompts' tokens for MT-bench groups of 2-12.

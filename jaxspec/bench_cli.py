@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-slot-growth", type=int, default=4,
                     help="ratio of successive prefill slot counts: 4 runs 1, 4, 16, 64 slots; 2 "
                          "pads the newcomers of an admission less for more warm-up compilations")
+    ap.add_argument("--prefill-packing", choices=["on", "off"], default="on",
+                    help="on: an admission's first chunks run end to end in one row of tokens; "
+                         "off: padded to a slot count and the longest prompt's width")
     ap.add_argument("--prefill-chunk", type=int, default=512,
                     help="widest prefill chunk: longer prompts take one device call per chunk")
     ap.add_argument("--admit-interval", type=int, default=None,
@@ -221,6 +224,7 @@ def _setup(args, result):
                     data_parallel_impl=args.data_parallel_impl,
                     prefill_width_growth=args.prefill_width_growth,
                     prefill_slot_growth=args.prefill_slot_growth,
+                    prefill_packing=args.prefill_packing == "on",
                     admit_interval=args.admit_interval, prefill_chunk=args.prefill_chunk)
     result["draft_label"] = target.draft_label if len(modes) > 1 else None
     if args.draft == "random":

@@ -57,6 +57,10 @@ class LLM:
     prefill_slot_growth: ratio of successive prefill slot counts (`Engine(bucket_growth=)`): 4
     runs a chunk over 1, 4, 16 or 64 slots (up to max_batch), padding the newcomers it admits
     together up to the next; 2 (1, 2, 4, .., 64) pads less for more programs to compile.
+    prefill_packing: the first chunks of an admission's newcomers run end to end in one row
+    (`Engine(pack_first_chunks=)`; packs of 16, 32, .., 2 x prefill_chunk tokens) instead of
+    padded to a slot count and their longest prompt's width. The growth options above then
+    shape only later chunks (prompts longer than prefill_chunk) and the padded form (False).
     prefill_chunk: the widest prefill chunk (`Engine(chunk=)`, capped at max_model_len); a
     longer prompt is prefilled in chunks this wide, one device call each. Wider chunks mean
     fewer calls for long prompts, each with its own host cost, for one more width to compile.
@@ -69,7 +73,7 @@ class LLM:
                  tensor_parallel: int = 1, data_parallel_impl: str = "pmap",
                  admit_interval: Optional[int] = None, cycles_per_call: Optional[int] = None,
                  prefill_width_growth: int = 4, prefill_chunk: int = 512,
-                 prefill_slot_growth: int = 4):
+                 prefill_slot_growth: int = 4, prefill_packing: bool = True):
         from jaxspec.weights import load_model
         if max_batch <= 0:
             raise ConfigError(f"max_batch must be positive, got {max_batch}")
@@ -145,6 +149,7 @@ class LLM:
                              detokenize=self.tokenizer.decode,
                              admit_interval=admit_interval, width_growth=prefill_width_growth,
                              bucket_growth=prefill_slot_growth,
+                             pack_first_chunks=prefill_packing,
                              stream_decoder=getattr(self.tokenizer, "stream_decoder", None))
         self._inbox: dict = {}
 

@@ -215,15 +215,26 @@ def test_prefill_chunk_reaches_the_engine_and_keeps_outputs(tiny_chat_model):
     prompt = [[{"role": "user", "content": "Count: " + " ".join(str(i) for i in range(20))}]]
     sp = SamplingParams(max_tokens=6)
     outs = []
-    for chunk, interval, growth in ((16, 2, 2), (512, None, 4)):
+    for chunk, interval, growth, pack in ((16, 2, 2, True), (512, None, 4, False)):
         llm = LLM(str(tiny_chat_model), max_batch=4, max_model_len=128, prefill_chunk=chunk,
-                  admit_interval=interval, prefill_slot_growth=growth)
+                  admit_interval=interval, prefill_slot_growth=growth, prefill_packing=pack)
         assert (llm.engine.chunk, llm.engine.admit_interval) == (chunk if chunk < 128 else 128,
                                                                  interval or 1)   # CPU: 1
         assert llm.engine.slot_buckets == ([1, 2, 4] if growth == 2 else [1, 4])
+        assert llm.engine.pack_first_chunks == pack
         outs.append(llm.generate(prompt * 3, sp))
         assert llm.engine.stats.prefill_chunks >= (3 if chunk == 16 else 1)
+        assert {s[3] for s in llm.engine.stats.admit_shapes} == \
+            ({"packed", False} if pack else {True})
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+
+
+def test_prefill_packing_option():
+    parse = bench_cli.build_parser().parse_args
+    assert bench_cli._defaults(parse([])).prefill_packing == "on"
+    assert bench_cli._defaults(parse(["--prefill-packing", "off"])).prefill_packing == "off"
+    with pytest.raises(SystemExit):
+        parse(["--prefill-packing", "maybe"])
 
 
 @pytest.mark.parametrize("flag", ["width", "slot"])
