@@ -147,3 +147,13 @@ def test_engines_with_and_without_packing_give_the_same_outputs(kind):
     for p, sp, out in zip(prompts, sps, outs[True]):
         if sp.temperature == 0:
             assert out == expected(p, sp, ())[0]
+
+
+def test_packed_form_adds_no_device_loop():
+    """The packed program's loops are the padded form's (the layer scans): a loop on device
+    values makes the GPU host wait each trip (the request lookup is a compare, no search)."""
+    from jaxspec.sampling import LEAN
+    engine = make_engine("spec")
+    count = lambda a, w, form: engine.padding_admission(a, w, form, LEAN)(  # noqa: E731
+        engine.state, lower=True)[1].as_text().count("stablehlo.while")
+    assert count(2, 32, "packed") == count(4, 16, True) > 0

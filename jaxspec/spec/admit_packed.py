@@ -45,7 +45,9 @@ def pack_layout(n_valid, t: int) -> PackLayout:
     """n_valid [A] tokens per request (> 0, then zeros) -> the layout of a T-token pack."""
     ends = jnp.cumsum(n_valid)
     idx = jnp.arange(t, dtype=jnp.int32)
-    seg = jnp.searchsorted(ends, idx, side="right").astype(jnp.int32)
+    # compare_all, not the default binary search: that is a loop on device values, and on the
+    # GPU a loop's trip makes the host wait (an A x T compare is nothing beside the forward)
+    seg = jnp.searchsorted(ends, idx, side="right", method="compare_all").astype(jnp.int32)
     start = jnp.take(ends - n_valid, seg, mode="fill", fill_value=0)
     pos = jnp.where(seg < n_valid.shape[0], idx - start, idx - ends[-1]).astype(jnp.int32)
     return PackLayout(seg, pos, jnp.maximum(ends - 1, 0).astype(jnp.int32))
