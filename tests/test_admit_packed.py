@@ -9,22 +9,25 @@ import pytest
 from jaxspec.engine.backends import init_plain_state
 from jaxspec.sampling import SamplingParams, flat_params
 from jaxspec.spec.admit import AdmitArgs, batch_axes
-from jaxspec.spec.admit_packed import pack_layout
+from jaxspec.spec.admit_packed import PackLayout, build_pack
 from jaxspec.spec.cycle import init_state
 from test_engine import CFG, SLOTS, SPEC, expected, make_engine
 
 POISON = 7.0
 
 
-def test_pack_layout():
-    lay = pack_layout(jnp.array([3, 1, 2, 0], jnp.int32), 8)
-    np.testing.assert_array_equal(lay.seg, [0, 0, 0, 1, 2, 2, 4, 4])
-    np.testing.assert_array_equal(lay.pos, [0, 1, 2, 0, 0, 1, 0, 1])
-    np.testing.assert_array_equal(lay.last, [2, 3, 5, 5])
-    m = np.asarray(lay.mask)
-    assert m[2, :3].all() and not m[2, 3:].any()           # request 0: causal over its own
-    assert m[3].tolist() == [False] * 3 + [True] + [False] * 4
-    assert m[5, 4:6].all() and not m[4, 5] and m[7, 6:].all()
+def test_build_pack():
+    tokens, lay = build_pack([[11, 12, 13], [21], [31, 32]], [0, 1, 0], rows=2, width=6, a=4)
+    np.testing.assert_array_equal(tokens, [[11, 12, 13, 31, 32, 0], [21, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(lay.seg, [[0, 0, 0, 2, 2, 4], [1, 4, 4, 4, 4, 4]])
+    np.testing.assert_array_equal(lay.pos, [[0, 1, 2, 0, 1, 5], [0, 1, 2, 3, 4, 5]])
+    np.testing.assert_array_equal(lay.last, [2, 6, 4, 0])
+    m = np.asarray(PackLayout(*map(jnp.asarray, lay)).mask)
+    assert m[0, 2, :3].all() and not m[0, 2, 3:].any()        # request 0: causal over its own
+    assert m[0, 4].tolist() == [False] * 3 + [True, True, False]
+    assert m[1, 0].tolist() == [True] + [False] * 5 and m[1, 5, 1:].all()   # padding: its own
+    with pytest.raises(ValueError, match="cannot take"):
+        build_pack([[1] * 4, [2] * 3], [0, 0], rows=1, width=6, a=2)
 
 
 def _live_engine(kind):
@@ -75,12 +78,11 @@ def test_packed_first_chunks_equal_the_padded_ones(kind):
     padded = np.zeros((4, 16), np.int32)
     for r, c in enumerate(chunks):
         padded[r, :len(c)] = c
-    packed = np.zeros(16, np.int32)
-    packed[:9] = chunks[0] + chunks[1]
+    packed, lay = build_pack(chunks[:2], [0, 0], 1, 16, 4)
     dev = lambda: jax.tree_util.tree_map(jnp.asarray, snap)     # noqa: E731
     want, f_want = be.admit(dev(), slot_idx, padded, np.zeros(4, np.int32), nv, nxt, adm,
                             first=True)
-    got, f_got = be.admit_packed(dev(), slot_idx, packed, nv, nxt, adm)
+    got, f_got = be.admit_packed(dev(), slot_idx, packed, lay, nv, nxt, adm)
     for name in f_got._fields:
         np.testing.assert_allclose(np.asarray(getattr(f_got, name))[:2],
                                    np.asarray(getattr(f_want, name))[:2], atol=1e-5)
@@ -109,18 +111,24 @@ def test_packed_first_chunks_equal_the_padded_ones(kind):
     assert n_kv == (4 if kind == "spec" else 2)
 
 
-def test_packs_cut_at_the_token_and_request_caps():
-    # chunk 16, packs of 4 .. 32 tokens holding 1 .. 8 requests
+def test_packs_fill_rows_first_fit():
+    # chunk 16, packs of 4 .. 32 tokens in one row, then 2 or 4 rows of 32 (4 slots, 2 chunks
+    # a row at least)
     engine = make_engine("plain", pack_tokens=32, min_chunk=4)
-    assert engine.pack_widths == [4, 8, 16, 32]
-    forms = engine.admission_forms()
-    assert [f for f in forms if f[2] == "packed"] == \
-        [(1, 4, "packed"), (2, 8, "packed"), (4, 16, "packed"), (4, 32, "packed")]  # 4 slots
+    assert engine.pack_sizes == [4, 8, 16, 32, 64]
+    assert [engine.pack_shape(t) for t in (8, 32, 64)] == [(1, 8), (1, 32), (2, 32)]
+    assert [f for f in engine.admission_forms() if f[2] == "packed"] == \
+        [(1, 4, "packed"), (2, 8, "packed"), (4, 16, "packed"), (4, 32, "packed"),
+         (4, 64, "packed")]                                   # at most the 4 slots
     row = lambda n: (0, 0, list(range(n)), {}, 0)                            # noqa: E731
-    sizes = lambda ns: [[len(r[2]) for r in p] for p in engine._packs([row(n) for n in ns])]
-    assert sizes([16, 16, 3]) == [[16, 16], [3]]               # 32 tokens at most
-    assert sizes([20, 3, 30, 2]) == [[20, 3], [30, 2]]         # first chunks count: 16 + 3 + 16
-    assert sizes([1] * 6) == [[1] * 4, [1] * 2]                # 4 requests (the slots) at most
+    packs = lambda ns: [([len(r[2]) for r in p], rows, used)               # noqa: E731
+                        for p, rows, used in engine._packs([row(n) for n in ns])]
+    assert packs([16, 10, 3]) == [([16, 10, 3], [0, 0, 0], 1)]
+    assert packs([20, 30, 3]) == [([20, 30, 3], [0, 0, 1], 2)]      # first chunks: 16 + 16
+    assert packs([16] * 4 + [2]) == [([16] * 4, [0, 0, 1, 1], 2), ([2], [0], 1)]   # 4 a pack
+    engine = make_engine("plain", pack_tokens=16)                       # one chunk a row
+    assert engine.pack_sizes == [16, 32, 64] and engine.pack_shape(64) == (4, 16)
+    assert packs([9, 9, 9]) == [([9, 9, 9], [0, 1, 2], 3)]
     with pytest.raises(ValueError, match="pack_tokens"):
         make_engine("plain", pack_tokens=8)
 
@@ -131,7 +139,7 @@ def test_engines_with_and_without_packing_give_the_same_outputs(kind):
     packed and padded first chunks give the same tokens, and the packs ran."""
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(0, CFG.vocab_size, n)]
-               for n in (3, 20, 9, 1, 35, 12, 5, 17)]
+               for n in (20, 35, 17, 12, 3, 9, 1, 5)]   # 4 first chunks: 2 pack rows
     sps = [SamplingParams(max_tokens=8, ignore_eos=True) if i % 3 else
            SamplingParams(temperature=0.8, seed=i, max_tokens=8, ignore_eos=True)
            for i in range(len(prompts))]
@@ -143,6 +151,9 @@ def test_engines_with_and_without_packing_give_the_same_outputs(kind):
         outs[pack] = [engine.pop_finished(i).output for i in ids]
         forms = {s[3] for s in engine.stats.admit_shapes}
         assert forms == ({"packed", False} if pack else {True, False})
+        if pack:                                            # a pack of two rows ran
+            assert any(engine.pack_shape(s[1])[0] == 2 for s in engine.stats.admit_shapes
+                       if s[3] == "packed")
     assert outs[True] == outs[False]
     for p, sp, out in zip(prompts, sps, outs[True]):
         if sp.temperature == 0:
@@ -156,4 +167,4 @@ def test_packed_form_adds_no_device_loop():
     engine = make_engine("spec")
     count = lambda a, w, form: engine.padding_admission(a, w, form, LEAN)(  # noqa: E731
         engine.state, lower=True)[1].as_text().count("stablehlo.while")
-    assert count(2, 32, "packed") == count(4, 16, True) > 0
+    assert count(2, 32, "packed") == count(4, 64, "packed") == count(4, 16, True) > 0

@@ -254,7 +254,7 @@ def test_admit_interval_gathers_newcomers_and_keeps_outputs():
     assert len(gathered_at) < len(every_at)
     shapes = gathered_engine.stats.admit_shapes       # what the device ran besides the cycles
     assert sum(shapes.values()) == gathered_engine.stats.prefill_chunks
-    assert {(a, w) for a, w, _, _ in shapes} <= set(gathered_engine.admission_shapes())
+    assert {(a, w, form) for a, w, _, form in shapes} <= set(gathered_engine.admission_forms())
     assert {f for _, _, f, _ in shapes} == {LEAN}
     with pytest.raises(ValueError, match="admit_interval"):
         make_engine("spec", admit_interval=0)

@@ -57,8 +57,7 @@ from jaxspec.sampling import FULL, VARIANTS, Features, SlotSampling, TokenCounts
 from jaxspec.spec.admit import (AdmitArgs, _chunk_forward, _last_row, admit_programs,
                                 admit_sampling, advance_rows, batch_axes, chunk_history,
                                 jit_spec_admit, put_slots, take_slots)
-from jaxspec.spec.admit_packed import (pack_layout, packed_forward, packed_history,
-                                       token_slots)
+from jaxspec.spec.admit_packed import PackLayout, packed_forward, packed_history, token_slots
 from jaxspec.xla_options import gemm_choice, jit
 
 
@@ -158,15 +157,15 @@ class _Dispatch:
                           (*self.weights, state, slot_idx, tokens, start, n_valid, next_tok, adm,
                            self.key), lower)
 
-    def admit_packed(self, state, slot_idx, tokens, n_valid, next_tok, adm=None, *,
+    def admit_packed(self, state, slot_idx, tokens, lay, n_valid, next_tok, adm=None, *,
                      features: Features = FULL, lower=False):
-        """The first chunks of A requests packed into one row of tokens [T]
-        (admit_packed.spec_admit_packed / plain_admit_packed): n_valid [A] each request's
-        tokens, in order, then padding requests (slot B, n_valid 0)."""
+        """The first chunks of A requests packed into tokens [R, W] with layout lay
+        (admit_packed.build_pack, spec_admit_packed / plain_admit_packed): n_valid [A] each
+        request's tokens; padding requests have slot B and n_valid 0."""
         adm = AdmitArgs.host(len(slot_idx)) if adm is None else adm
-        return self._call(("admit_packed", len(slot_idx), len(tokens), features),
+        return self._call(("admit_packed", len(slot_idx), tokens.size, features),
                           self._admits[features, "packed"],
-                          (*self.weights, state, slot_idx, tokens, n_valid, next_tok, adm,
+                          (*self.weights, state, slot_idx, tokens, lay, n_valid, next_tok, adm,
                            self.key), lower)
 
     def jitted(self) -> List:
@@ -321,12 +320,11 @@ def plain_admit(params, state: PlainState, slot_idx, tokens, start, n_valid, nex
     return put_slots(state, axes, slot_idx, new, kv_rows), first
 
 
-def plain_admit_packed(params, state: PlainState, slot_idx, tokens, n_valid, next_tok,
-                       adm: AdmitArgs, engine_key, *, cfg: ModelConfig, axes, rows,
+def plain_admit_packed(params, state: PlainState, slot_idx, tokens, lay: PackLayout, n_valid,
+                       next_tok, adm: AdmitArgs, engine_key, *, cfg: ModelConfig, axes, rows,
                        features: Features = FULL):
-    """The first chunks of A requests packed into one row (see `admit_packed.spec_admit_packed`
-    for the arguments); on a new request's last chunk the first token is drawn."""
-    lay = pack_layout(n_valid, tokens.shape[0])
+    """The first chunks of A requests packed (see `admit_packed.spec_admit_packed` for the
+    arguments); on a new request's last chunk the first token is drawn."""
     slot_tok = token_slots(slot_idx, lay, state.tokens.shape[0])
     sub = take_slots(state, axes, slot_idx, (rows, 0))      # per-slot leaves; no KV rows
     cache, hidden, _ = packed_forward(params, cfg, state.cache, tokens, lay, slot_tok)

@@ -43,6 +43,7 @@ import numpy as np
 from jaxspec.sampling import (FULL, LEAN, VARIANTS, Features, SamplingParams, flat_params,
                               logprob_dicts, seed_key)
 from jaxspec.spec.admit import AdmitArgs
+from jaxspec.spec.admit_packed import build_pack
 
 RequestId = Union[int, str]
 
@@ -175,8 +176,10 @@ class Engine:
     `LLM` passes `backends.default_admit_interval` unless told otherwise.
     pack_first_chunks: first chunks run packed (`spec.admit_packed`): an admission's newcomers
     end to end in one row of T tokens, T in min_chunk * 2**k up to pack_tokens (default 2 x
-    chunk), at most T / min_chunk requests a row, instead of padded to the slot bucket and the
-    longest prompt's width. False: the padded first-chunk form (bucket_growth, width_growth).
+    chunk), or first-fit in R rows of pack_tokens (R = 2, 4, .. up to what every slot's first
+    chunk needs), at most T / min_chunk requests in T tokens, instead of padded to the slot
+    bucket and the longest prompt's width. False: the padded first-chunk form (bucket_growth,
+    width_growth).
     """
 
     def __init__(self, backend, *, max_model_len: int, vocab_size: int, eos_ids: Iterable[int] = (),
@@ -210,7 +213,13 @@ class Engine:
         pack_tokens = 2 * chunk if pack_tokens is None else pack_tokens
         if pack_tokens < chunk:
             raise ValueError(f"pack_tokens ({pack_tokens}) must be >= chunk ({chunk})")
-        self.pack_widths = _buckets(min_chunk, pack_tokens, 2)
+        self.pack_tokens = pack_tokens
+        # First-fit leaves at most one row with fewer than pack_tokens // chunk first chunks.
+        per_row = max(1, pack_tokens // chunk)
+        rows = _buckets(1, -(-self.slots // per_row), 2) if self.slots > per_row else [1]
+        rows = [1 << (r - 1).bit_length() for r in rows]          # powers of 2
+        self.pack_sizes = _buckets(min_chunk, pack_tokens, 2) + \
+            [pack_tokens * r for r in rows if r > 1]
         self.compile_workers = compile_workers or (
             1 if jax.default_backend() == "cpu" else os.cpu_count() or 1)
         self.detokenize = detokenize
@@ -343,9 +352,13 @@ class Engine:
         """(slot count, chunk width) of every admission bucket."""
         return [(a, w) for a in self.slot_buckets for w in self.widths]
 
-    def pack_requests(self, width: int) -> int:
-        """The most requests a pack of `width` tokens holds (its per-request arrays' size)."""
-        return min(self.slots, max(1, width // self.min_chunk))
+    def pack_requests(self, size: int) -> int:
+        """The most requests a pack of `size` tokens holds (its per-request arrays' size)."""
+        return min(self.slots, max(1, size // self.min_chunk))
+
+    def pack_shape(self, size: int) -> tuple:
+        """(rows, width) of a pack of `size` tokens (one of pack_sizes)."""
+        return max(1, size // self.pack_tokens), min(size, self.pack_tokens)
 
     def admission_forms(self) -> List[tuple]:
         """(requests, tokens a row, form) of every admission program. First chunks: packed
@@ -353,7 +366,7 @@ class Engine:
         True: every (slot bucket, width) pair). Later chunks (prompts longer than a chunk) are
         always a whole chunk wide, so their general form (False) is compiled once per slot
         count."""
-        first = ([(self.pack_requests(t), t, "packed") for t in self.pack_widths]
+        first = ([(self.pack_requests(t), t, "packed") for t in self.pack_sizes]
                  if self.pack_first_chunks else
                  [(a, w, True) for a, w in self.admission_shapes()])
         return first + [(a, self.chunk, False) for a in self.slot_buckets]
@@ -363,9 +376,9 @@ class Engine:
         (every row dropped: the state stays as it was)."""
         be, pad, z = self.backend, np.full(a, self.slots, np.int32), np.zeros(a, np.int32)
         if form == "packed":
-            return functools.partial(be.admit_packed, slot_idx=pad,
-                                     tokens=np.zeros(w, np.int32), n_valid=z, next_tok=z - 1,
-                                     features=features)
+            tokens, lay = build_pack([], [], *self.pack_shape(w), a)
+            return functools.partial(be.admit_packed, slot_idx=pad, tokens=tokens, lay=lay,
+                                     n_valid=z, next_tok=z - 1, features=features)
         return functools.partial(be.admit, slot_idx=pad, tokens=np.zeros((a, w), np.int32),
                                  start=z, n_valid=z, next_tok=z - 1, features=features,
                                  first=form)
@@ -509,32 +522,37 @@ class Engine:
         self._advance_resumed([(slot, adv) for (_, slot, _, _, adv), (_, _, req)
                                in zip(rows_all, batch) if adv > 0 and req.sp.temperature > 0])
 
-    def _packs(self, rows) -> List[list]:
-        """rows in order, cut into groups whose first chunks fill one pack each."""
-        cap_t = self.pack_widths[-1]
-        cap_a = self.pack_requests(cap_t)
-        out, cur, total = [], [], 0
+    def _packs(self, rows) -> List[tuple]:
+        """rows in order, first-fit into rows of at most pack_tokens first-chunk tokens: groups
+        (rows, the pack row of each, pack rows used), one admission each."""
+        w, r_max = self.pack_tokens, self.pack_shape(self.pack_sizes[-1])[0]
+        a_max = self.pack_requests(self.pack_sizes[-1])
+        out, cur, row_of, fill = [], [], [], []
         for r in rows:
             n = min(self.chunk, len(r[2]))
-            if cur and (total + n > cap_t or len(cur) == cap_a):
-                out.append(cur)
-                cur, total = [], 0
+            i = next((k for k, f in enumerate(fill) if f + n <= w), len(fill))
+            if (i == len(fill) == r_max) or len(cur) == a_max:
+                out.append((cur, row_of, len(fill)))
+                cur, row_of, fill, i = [], [], [], 0
+            if i == len(fill):
+                fill.append(0)
+            fill[i] += n
             cur.append(r)
-            total += n
-        return out + [cur] if cur else out
+            row_of.append(i)
+        return out + [(cur, row_of, len(fill))] if cur else out
 
-    def _admit_pack(self, rows, features):
-        """One packed admission of the first chunks of rows (`_packs`' group)."""
-        n_valid = [min(self.chunk, len(ids)) for _, _, ids, _, _ in rows]
-        total = sum(n_valid)
-        t = next(w for w in self.pack_widths
-                 if w >= total and self.pack_requests(w) >= len(rows))
+    def _admit_pack(self, group, features):
+        """One packed admission of a `_packs` group."""
+        rows, row_of, used = group
+        chunks = [ids[:self.chunk] for _, _, ids, _, _ in rows]
+        need = sum(map(len, chunks)) if used == 1 else used * self.pack_tokens
+        t = next(s for s in self.pack_sizes
+                 if s >= need and self.pack_requests(s) >= len(rows))
         a = self.pack_requests(t)
-        slot_idx, nv, nxt, adm = self._admit_args(a, rows, n_valid, 0)
-        tokens = np.zeros(t, np.int32)
-        tokens[:total] = [tok for (_, _, ids, _, _), n in zip(rows, n_valid) for tok in ids[:n]]
+        tokens, lay = build_pack(chunks, row_of, *self.pack_shape(t), a)
+        slot_idx, nv, nxt, adm = self._admit_args(a, rows, list(map(len, chunks)), 0)
         self._dispatch_admit(rows, (a, t, features, "packed"), lambda: self.backend.admit_packed(
-            self.state, slot_idx, tokens, nv, nxt, adm, features=features))
+            self.state, slot_idx, tokens, lay, nv, nxt, adm, features=features))
 
     def _admit_args(self, a: int, rows, n_valid, start: int):
         """(slot_idx, n_valid, next_tok, AdmitArgs) of an admission of `a` request rows: the

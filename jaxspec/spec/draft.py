@@ -150,20 +150,24 @@ def catch_up(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k, 
 
 def catch_up_packed(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k, draft_v,
                     features, tokens, lay, slot_tok):
-    """`catch_up` over a pack of first chunks (`admit_packed`): draft row t is (features[0, t],
-    tokens[t]) at position lay.pos[t]; its K/V goes to (slot_tok[t], lay.pos[t]) of draft_k/v
-    [1, B, Hkv, Tc, D] (slot_tok B: dropped), and each request's seed comes from its last row,
-    which attends to its request's rows (all at or before it: a first chunk). features [1, T, F],
-    tokens [T]. Returns (draft_k, draft_v, DraftSeed [A])."""
+    """`catch_up` over a pack of first chunks (`admit_packed`, R rows x W tokens, flat here):
+    draft row t is (features[0, t], tokens[t]) at position lay.pos; its K/V goes to (slot_tok,
+    lay.pos) of draft_k/v [1, B, Hkv, Tc, D] (slot_tok B: dropped), and each request's seed
+    comes from its last row, which attends to its request's rows (all at or before it: a first
+    chunk). features [1, R * W, F], tokens [R * W]. Returns (draft_k, draft_v, DraftSeed [A])."""
     from jaxspec.spec.admit_packed import scatter_rows
     head = head_module(draft_params)
+    r, w = lay.pos.shape
     x = head.fuse_input(params, draft_params, tokens[None], features)
-    q, k, v = head.qkv(cfg, draft_params, x, lay.pos[None])   # [1, T, Hq, D], [1, Hkv, T, D]
-    draft_k = scatter_rows(draft_k, k[None], slot_tok, lay.pos)
-    draft_v = scatter_rows(draft_v, v[None], slot_tok, lay.pos)
+    q, k, v = head.qkv(cfg, draft_params, x, lay.pos.reshape(1, -1))  # [1, RW, Hq, D], [1, Hkv, RW, D]
+    split = lambda z: z[0].reshape(z.shape[1], r, w, z.shape[-1])     # noqa: E731  [Hkv, R, W, D]
+    draft_k = scatter_rows(draft_k, split(k).transpose(1, 0, 2, 3)[None], slot_tok, lay.pos)
+    draft_v = scatter_rows(draft_v, split(v).transpose(1, 0, 2, 3)[None], slot_tok, lay.pos)
     a = lay.last.shape[0]
-    own = lay.seg[None, :] == jnp.arange(a, dtype=lay.seg.dtype)[:, None]          # [A, T]
-    o = _attend_rows(q[0, lay.last], k[0], v[0], own)                              # [A, Hq, D]
+    row = lay.last // w                                          # each request's pack row
+    own = lay.seg[row] == jnp.arange(a, dtype=lay.seg.dtype)[:, None]               # [A, W]
+    rows_of = lambda z: split(z)[:, row].transpose(1, 0, 2, 3)   # noqa: E731  [A, Hkv, W, D]
+    o = _attend_rows(q[0, lay.last], rows_of(k), rows_of(v), own)                   # [A, Hq, D]
     x1 = jax.tree_util.tree_map(lambda z: z[0, lay.last][:, None], x)   # EAGLE-3: a pair
     hidden = head.finish_layer(cfg, draft_params, x1, o[:, None])[:, 0]
     tok, logp = _children(params, draft_params, hidden, spec)
@@ -171,15 +175,15 @@ def catch_up_packed(params, draft_params, cfg: ModelConfig, spec: SpecConfig, dr
 
 
 def _attend_rows(q, k, v, visible):
-    """q [A, Hq, D] over k, v [Hkv, T, D] where visible [A, T]; fp32 softmax -> [A, Hq, D].
-    A few rows against one pack: too small a job for the attention kernel's grid."""
+    """q [A, Hq, D] over its own keys k, v [A, Hkv, W, D] where visible [A, W]; fp32 softmax
+    -> [A, Hq, D]. A few rows: too small a job for the attention kernel's grid."""
     a, hq, d = q.shape
-    hkv = k.shape[0]
+    hkv = k.shape[1]
     qg = q.reshape(a, hkv, hq // hkv, d).astype(jnp.float32) * d ** -0.5
-    s = jnp.einsum("ahgd,htd->ahgt", qg, k.astype(jnp.float32))
+    s = jnp.einsum("ahgd,ahtd->ahgt", qg, k.astype(jnp.float32))
     s = jnp.where(visible[:, None, None, :], s, -1e30)     # finite: a padding row sees nothing
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("ahgt,htd->ahgd", p, v.astype(jnp.float32))
+    o = jnp.einsum("ahgt,ahtd->ahgd", p, v.astype(jnp.float32))
     return o.reshape(a, hq, d).astype(q.dtype)
 
 
