@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import SMOLLM2_135M, device_name, timed, write_json
+from jaxspec.spec.admit_packed import build_pack
 from jaxspec import compile_cache
 from jaxspec.config import ModelConfig
 from jaxspec.engine import Engine, PlainBackend, SpecBackend
@@ -103,8 +104,9 @@ def device_ms_per_admit(engine, a, width, features, form, n):
     be = engine.backend
     if form == "packed":
         z = jax.device_put(np.zeros(a, np.int32))
-        args = [jax.device_put(np.full(a, be.slots, np.int32)),
-                jax.device_put(np.zeros(width, np.int32)), z, z - 1]
+        tokens, lay = build_pack([], [], *engine.pack_shape(width), a)
+        args = [jax.device_put(np.full(a, be.slots, np.int32)), jax.device_put(tokens),
+                jax.device_put(lay), z, z - 1]
         call = lambda s: be.admit_packed(s, *args, features=features)[0]   # noqa: E731
     else:
         args = padding_admit_args(be, a, width)

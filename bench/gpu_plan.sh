@@ -101,6 +101,15 @@ case "${1:-}" in
     # fp32 greedy spec == plain on the GPU with many newcomers packed together (batch 16)
     run pk_exact 300 $BENCH --dtype float32 --num-prompts 32 --max-tokens 64 --spec chain --batch-sizes 16 --no-peers --json "$OUT/pk_exact.json"
     ;;
+  packing_w)
+    # held-out ShareGPT (carry it), batch 64: pack rows of 512 against 1024 tokens and padded
+    # first chunks; PK_ROUND names the files of a second round
+    S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384 --dataset .gpu/sharegpt_heldout.jsonl"
+    R=${PK_ROUND:-1}
+    run pw512_$R 150 $S --prefill-pack-tokens 512 --json "$OUT/pw512_$R.json"
+    run pw1024_$R 150 $S --json "$OUT/pw1024_$R.json"
+    run pwoff_$R 150 $S --prefill-packing off --json "$OUT/pwoff_$R.json"
+    ;;
   packing_mt|packing_sg)
     # batch 64, 384 requests, chain:4 and plain: packed and padded alternated (MT-bench, or
     # held-out ShareGPT: carry .gpu/sharegpt_heldout.jsonl); the first packed run compiles into

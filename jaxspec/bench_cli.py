@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-packing", choices=["on", "off"], default="on",
                     help="on: an admission's first chunks run end to end in one row of tokens; "
                          "off: padded to a slot count and the longest prompt's width")
+    ap.add_argument("--prefill-pack-tokens", type=int, default=None,
+                    help="widest row of packed first chunks (>= --prefill-chunk; default twice "
+                         "it); more go into 2, 4, .. rows of it")
     ap.add_argument("--prefill-chunk", type=int, default=512,
                     help="widest prefill chunk: longer prompts take one device call per chunk")
     ap.add_argument("--admit-interval", type=int, default=None,
@@ -147,6 +150,9 @@ def _defaults(args):
         raise SystemExit(f"--batch-sizes {args.batch_sizes!r}: batch sizes must be >= 1")
     if args.prefill_chunk < 16:
         raise SystemExit(f"--prefill-chunk {args.prefill_chunk}: must be >= 16")
+    if args.prefill_pack_tokens is not None and args.prefill_pack_tokens < args.prefill_chunk:
+        raise SystemExit(f"--prefill-pack-tokens {args.prefill_pack_tokens}: must be >= "
+                         f"--prefill-chunk ({args.prefill_chunk})")
     if args.admit_interval is not None and args.admit_interval < 1:
         raise SystemExit(f"--admit-interval {args.admit_interval}: must be >= 1")
     if args.prefill_width_growth < 2:
@@ -225,6 +231,7 @@ def _setup(args, result):
                     prefill_width_growth=args.prefill_width_growth,
                     prefill_slot_growth=args.prefill_slot_growth,
                     prefill_packing=args.prefill_packing == "on",
+                    prefill_pack_tokens=args.prefill_pack_tokens,
                     admit_interval=args.admit_interval, prefill_chunk=args.prefill_chunk)
     result["draft_label"] = target.draft_label if len(modes) > 1 else None
     if args.draft == "random":

@@ -61,6 +61,9 @@ class LLM:
     (`Engine(pack_first_chunks=)`; packs of 16, 32, .., 2 x prefill_chunk tokens) instead of
     padded to a slot count and their longest prompt's width. The growth options above then
     shape only later chunks (prompts longer than prefill_chunk) and the padded form (False).
+    prefill_pack_tokens: the widest pack row (`Engine(pack_tokens=)`, >= prefill_chunk; None:
+    2 x prefill_chunk). Attention inside a row costs its width squared; more first chunks
+    than a row takes go first-fit into 2, 4, .. rows of this width.
     prefill_chunk: the widest prefill chunk (`Engine(chunk=)`, capped at max_model_len); a
     longer prompt is prefilled in chunks this wide, one device call each. Wider chunks mean
     fewer calls for long prompts, each with its own host cost, for one more width to compile.
@@ -73,7 +76,8 @@ class LLM:
                  tensor_parallel: int = 1, data_parallel_impl: str = "pmap",
                  admit_interval: Optional[int] = None, cycles_per_call: Optional[int] = None,
                  prefill_width_growth: int = 4, prefill_chunk: int = 512,
-                 prefill_slot_growth: int = 4, prefill_packing: bool = True):
+                 prefill_slot_growth: int = 4, prefill_packing: bool = True,
+                 prefill_pack_tokens: Optional[int] = None):
         from jaxspec.weights import load_model
         if max_batch <= 0:
             raise ConfigError(f"max_batch must be positive, got {max_batch}")
@@ -89,6 +93,9 @@ class LLM:
             raise ConfigError(f"prefill_width_growth must be >= 2, got {prefill_width_growth}")
         if prefill_slot_growth < 2:
             raise ConfigError(f"prefill_slot_growth must be >= 2, got {prefill_slot_growth}")
+        if prefill_pack_tokens is not None and prefill_pack_tokens < prefill_chunk:
+            raise ConfigError(f"prefill_pack_tokens ({prefill_pack_tokens}) must be >= "
+                              f"prefill_chunk ({prefill_chunk})")
         if prefill_chunk < 16:
             raise ConfigError(f"prefill_chunk must be >= 16, got {prefill_chunk}")
         if cycles_per_call is not None and cycles_per_call < 1:
@@ -150,6 +157,9 @@ class LLM:
                              admit_interval=admit_interval, width_growth=prefill_width_growth,
                              bucket_growth=prefill_slot_growth,
                              pack_first_chunks=prefill_packing,
+                             pack_tokens=(None if prefill_pack_tokens is None else
+                                          max(prefill_pack_tokens,
+                                              min(prefill_chunk, self.max_model_len))),
                              stream_decoder=getattr(self.tokenizer, "stream_decoder", None))
         self._inbox: dict = {}
 

@@ -77,7 +77,7 @@ class Target:
                  dtype: Optional[str] = None, data_parallel_impl: str = "pmap",
                  prefill_width_growth: int = 4, admit_interval: Optional[int] = None,
                  prefill_chunk: int = 512, prefill_slot_growth: int = 4,
-                 prefill_packing: bool = True):
+                 prefill_packing: bool = True, prefill_pack_tokens: Optional[int] = None):
         self.model, self.draft_arg, self.max_model_len, self.seed = model, draft, max_model_len, seed
         # Passed to every LLM: with data_parallel, `batch` is the slots of each replica;
         # dtype None is the loader's default (bf16 on GPU, fp32 on CPU).
@@ -86,6 +86,7 @@ class Target:
                            prefill_width_growth=prefill_width_growth,
                            prefill_slot_growth=prefill_slot_growth,
                            prefill_packing=prefill_packing,
+                           prefill_pack_tokens=prefill_pack_tokens,
                            admit_interval=admit_interval, prefill_chunk=prefill_chunk)
         self._draft_params = None
         self.config = None
