@@ -6,12 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.engine.backends import init_plain_state
 from jaxspec.sampling import SamplingParams, flat_params
-from jaxspec.spec.admit import AdmitArgs, batch_axes
+from jaxspec.spec.admit import AdmitArgs
 from jaxspec.spec.admit_packed import PackLayout, build_pack
-from jaxspec.spec.cycle import init_state
-from test_engine import CFG, SLOTS, SPEC, expected, make_engine
+from test_engine import CFG, SLOTS, expected, live_engine, make_engine, state_axes
 
 POISON = 7.0
 
@@ -30,34 +28,15 @@ def test_build_pack():
         build_pack([[1] * 4, [2] * 3], [0, 0], rows=1, width=6, a=2)
 
 
-def _live_engine(kind):
-    engine = make_engine(kind)
-    for p in ([5, 17, 42, 8, 99, 3, 7], [3, 9, 27, 81]):      # live slots 0 and 1
-        engine.add_request(p, SamplingParams(max_tokens=30, ignore_eos=True))
-    for _ in range(3):
-        engine.step()
-    return engine
-
-
-def _state_axes(kind, be):
-    if kind == "spec":
-        init = lambda b, t: init_state(CFG, SPEC, b, t, jnp.float32)     # noqa: E731
-    else:
-        init = lambda b, t: init_plain_state(CFG, b, t, jnp.float32)     # noqa: E731
-    rows = jax.tree_util.tree_leaves(batch_axes(lambda t: init(SLOTS, t), be.max_len, "row"))
-    axes = jax.tree_util.tree_leaves(batch_axes(lambda b: init(b, be.max_len), SLOTS))
-    return axes, rows
-
-
 @pytest.mark.parametrize("kind", ["spec", "plain"])
 def test_packed_first_chunks_equal_the_padded_ones(kind):
     """Three requests (one ends its prompt, one has more chunks to come, one is resumed with
     output tokens to count) and a padding request, packed into one row: the same state as the
     padded first-chunk form. Live slots stay untouched; of the admitted slots (their KV rows
     poisoned first) exactly the chunk's rows are written."""
-    engine = _live_engine(kind)
+    engine = live_engine(kind)
     be = engine.backend
-    axes, rows = _state_axes(kind, be)
+    axes, rows = state_axes(kind, be)
     snap = jax.tree_util.tree_map(np.array, engine.state)
     leaves, treedef = jax.tree_util.tree_flatten(snap)
     for x, ax, rax in zip(leaves, axes, rows):

@@ -369,19 +369,36 @@ def test_admission_equals_the_batch_prefill():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+def live_engine(kind):
+    """An engine whose slots 0 and 1 run requests (3 steps in), slots 2 and 3 free."""
+    engine = make_engine(kind)
+    for p in ([5, 17, 42, 8, 99, 3, 7], [3, 9, 27, 81]):
+        engine.add_request(p, SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    return engine
+
+
+def state_axes(kind, be):
+    """Per state leaf (flattened): its batch axis and its row axis (-1 where it has none)."""
+    from jaxspec.engine.backends import init_plain_state
+    from jaxspec.spec.admit import batch_axes
+    from jaxspec.spec.cycle import init_state
+    if kind == "spec":
+        init = lambda b, t: init_state(CFG, SPEC, b, t, jnp.float32)     # noqa: E731
+    else:
+        init = lambda b, t: init_plain_state(CFG, b, t, jnp.float32)     # noqa: E731
+    rows = jax.tree_util.tree_leaves(batch_axes(lambda t: init(SLOTS, t), be.max_len, "row"))
+    axes = jax.tree_util.tree_leaves(batch_axes(lambda b: init(b, be.max_len), SLOTS))
+    return axes, rows
+
+
 @pytest.mark.parametrize("kind", ["spec", "plain"])
 def test_first_chunk_admission_equals_the_gathered_one(kind):
     """A first chunk's admission (KV caches not gathered: zero rows, only the chunk's rows
     written back) leaves the same state as the general one: the other slots untouched, the
     admitted slots' live rows and everything else equal."""
-    from jaxspec.engine.backends import init_plain_state
-    from jaxspec.spec.admit import batch_axes
-    from jaxspec.spec.cycle import init_state
-    engine = make_engine(kind)
-    for p in ([5, 17, 42, 8, 99, 3, 7], [3, 9, 27, 81]):      # live slots 0 and 1
-        engine.add_request(p, SamplingParams(max_tokens=30, ignore_eos=True))
-    for _ in range(3):
-        engine.step()
+    engine = live_engine(kind)
     be = engine.backend
     snap = jax.tree_util.tree_map(np.array, engine.state)
     slot_idx = np.array([3, 2, SLOTS], np.int32)                # two slots and a padding row
@@ -393,12 +410,7 @@ def test_first_chunk_admission_equals_the_gathered_one(kind):
                                  first=first)
     (gathered, f_g), (fresh, f_f) = run(False), run(True)
     np.testing.assert_array_equal(np.asarray(f_g.tokens)[:2], np.asarray(f_f.tokens)[:2])
-    if kind == "spec":
-        init = lambda b, t: init_state(CFG, SPEC, b, t, jnp.float32)     # noqa: E731
-    else:
-        init = lambda b, t: init_plain_state(CFG, b, t, jnp.float32)     # noqa: E731
-    rows = jax.tree_util.tree_leaves(batch_axes(lambda t: init(SLOTS, t), be.max_len, "row"))
-    axes = jax.tree_util.tree_leaves(batch_axes(lambda b: init(b, be.max_len), SLOTS))
+    axes, rows = state_axes(kind, be)
     leaves = zip(jax.tree_util.tree_leaves(snap), jax.tree_util.tree_leaves(gathered),
                  jax.tree_util.tree_leaves(fresh), axes, rows)
     n_kv = 0

@@ -114,7 +114,8 @@ class EngineStats:
     wait_s: float = 0.0                 # time blocked reading device outputs
     dispatch_s: float = 0.0             # of host_s: in the backend's admit and cycle calls
     # admission dispatches by (slot bucket, chunk width, features, form: `admission_forms`):
-    # what the device ran besides the cycles (bench/bench_engine.py times each shape to count the device's whole load)
+    # what the device ran besides the cycles (bench/bench_engine.py times each shape to count
+    # the device's whole load)
     admit_shapes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     call_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     step_s: List[float] = dataclasses.field(default_factory=list)

@@ -159,8 +159,9 @@ def catch_up_packed(params, draft_params, cfg: ModelConfig, spec: SpecConfig, dr
     head = head_module(draft_params)
     r, w = lay.pos.shape
     x = head.fuse_input(params, draft_params, tokens[None], features)
-    q, k, v = head.qkv(cfg, draft_params, x, lay.pos.reshape(1, -1))  # [1, RW, Hq, D], [1, Hkv, RW, D]
-    split = lambda z: z[0].reshape(z.shape[1], r, w, z.shape[-1])     # noqa: E731  [Hkv, R, W, D]
+    # q [1, R * W, Hq, D]; k, v [1, Hkv, R * W, D]
+    q, k, v = head.qkv(cfg, draft_params, x, lay.pos.reshape(1, -1))
+    split = lambda z: z[0].reshape(z.shape[1], r, w, z.shape[-1])   # noqa: E731  [Hkv, R, W, D]
     draft_k = scatter_rows(draft_k, split(k).transpose(1, 0, 2, 3)[None], slot_tok, lay.pos)
     draft_v = scatter_rows(draft_v, split(v).transpose(1, 0, 2, 3)[None], slot_tok, lay.pos)
     a = lay.last.shape[0]
