@@ -110,6 +110,12 @@ case "${1:-}" in
     run pw1024_$R 150 $S --json "$OUT/pw1024_$R.json"
     run pwoff_$R 150 $S --prefill-packing off --json "$OUT/pwoff_$R.json"
     ;;
+  packing_knobs)
+    # with packed first chunks: admit every 1, 2 (default) or 3 calls, 4 or 8 cycles a call,
+    # batch 64, MT-bench (each invocation has its own plain baseline)
+    S="$BENCH --no-peers --max-tokens 128 --spec chain:4,chain:8 --repeats 3 --batch-sizes 64 --num-prompts 384"
+    for i in 2 1 3; do run knob_i$i 170 $S --admit-interval $i --json "$OUT/knob_i$i.json"; done
+    ;;
   packing_mt|packing_sg)
     # batch 64, 384 requests, chain:4 and plain: packed and padded alternated (MT-bench, or
     # held-out ShareGPT: carry .gpu/sharegpt_heldout.jsonl); the first packed run compiles into
