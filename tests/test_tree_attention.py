@@ -130,3 +130,48 @@ def test_default_config_splits_stay_whole_and_fill(b, n, t):
     programs = b * 8 * -(-n * 4 // block_r)
     assert splits == 1 or t // splits >= 4 * block_k      # no split shorter than 4 key blocks
     assert programs * splits >= min(64, programs * max(1, t // (4 * block_k)))
+
+
+def _pack_mask(lengths, n):
+    """[N, N] block-diagonal causal mask of prompts of `lengths` laid end to end; the tokens
+    after them see the padding before them (as `admit_packed` builds it)."""
+    seg = np.repeat(np.arange(len(lengths) + 1), list(lengths) + [n - sum(lengths)])
+    pos = np.concatenate([np.arange(k) for k in lengths] + [np.arange(sum(lengths), n)])
+    return (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+
+
+def test_key_bounds_cover_every_visible_key():
+    n, g, block_r, block_n = 160, 3, 32, 16
+    mask = np.stack([_pack_mask([40, 7, 60], n), np.zeros((n, n), bool),
+                     np.tril(np.ones((n, n), bool))])
+    bounds = np.asarray(ta.new_key_bounds(jnp.asarray(mask), g, block_r, block_n))
+    assert bounds.shape == (3, -(-n * g // block_r), 2)
+    for b in range(3):
+        for rb, (lo, hi) in enumerate(bounds[b]):
+            queries = np.minimum(np.arange(rb * block_r, (rb + 1) * block_r) // g, n - 1)
+            keys = np.flatnonzero(mask[b, queries].any(0))
+            if keys.size:
+                assert lo * block_n <= keys.min() and keys.max() < hi * block_n
+            else:
+                assert (lo, hi) == (0, 1)                 # no key: one block, as before
+    causal = bounds[2]                                    # causal: never past the diagonal
+    assert (causal[:, 1] <= -(-(np.arange(len(causal)) + 1) * block_r // g // block_n) + 1).all()
+    assert bounds[0, -1, 0] > 0                           # later packs skip the first blocks
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bounded_kernel_matches_reference_on_packs(dtype):
+    """From 128 new tokens the kernel visits only the key blocks a row block reaches: packed
+    prompts (block-diagonal) in slot 0, a causal chunk in slot 1, an empty slot 2 (no visible
+    key: rows stay finite)."""
+    b, n, hq, hkv, d = 3, 160, 9, 3, 64
+    q, kc, vc, sl, kn, vn, _ = _inputs(7, b, n, hq, hkv, d, n, 1, dtype, [0, 0, 0])
+    mask = jnp.asarray(np.stack([_pack_mask([40, 7, 60, 1], n),
+                                 np.tril(np.ones((n, n), bool)), np.zeros((n, n), bool)]))
+    ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=0.125)
+    for splits in (1, 2):
+        out = ta.tree_attention_pallas(q, kc, vc, jnp.int32(0), sl, kn, vn, mask,
+                                       sm_scale=0.125, block_n=16, num_splits=splits,
+                                       interpret=True)
+        assert np.isfinite(np.asarray(out, np.float32)).all()
+        assert _rel_err(out[:2], ref[:2]) < TOL[dtype]
