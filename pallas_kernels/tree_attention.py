@@ -110,7 +110,6 @@ def _tree_attention_kernel(
     kn_ref,        # [B, Hkv, N, D]; packed: the same qkv
     vn_ref,        # [B, Hkv, N, D]; packed: the same qkv
     mask_ref,      # [B, N, N] int8
-    bounds_ref,    # [B, R / block_r, 2] int32: the new-key blocks each row block visits
     *out_refs,     # S == 1: out [B, N, Hq, D]; else o [BH, S, R, D], m, l [BH, S, R] (f32)
     scale_log2: float,
     num_kv_heads: int,
@@ -121,7 +120,6 @@ def _tree_attention_kernel(
     block_k: int,
     block_n: int,
     packed: bool = False,
-    bounded: bool = False,
 ):
     rb, split, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = bh // num_kv_heads, bh % num_kv_heads
@@ -182,12 +180,8 @@ def _tree_attention_kernel(
         return _flash_step(q, k, v, allowed & key_live[None, :], carry, scale_log2)
 
     # Explicit int32: a select of two Python ints lowered to i1 under the Triton backend.
-    if bounded:   # only the key blocks the row block's mask rows reach (`new_key_bounds`)
-        lo, hi = bounds_ref[b, rb, 0], bounds_ref[b, rb, 1]
-    else:
-        lo, hi = jnp.int32(0), jnp.int32(pl.cdiv(num_new, block_n))
-    hi = lo + (split == 0).astype(jnp.int32) * (hi - lo)
-    o, m, l = lax.fori_loop(lo, hi, new_body, carry)
+    num_new_blocks = (split == 0).astype(jnp.int32) * jnp.int32(pl.cdiv(num_new, block_n))
+    o, m, l = lax.fori_loop(0, num_new_blocks, new_body, carry)
 
     if num_splits == 1:  # No combine pass: normalise and write the final layout here.
         _store_rows(out_refs[0], o / l[:, None], b, h, r, row_live, group)
@@ -245,32 +239,6 @@ def _combine_kernel(
     acc, den, _ = lax.fori_loop(0, pl.cdiv(num_splits, block_s), body, carry)
     den = jnp.where(row_live, den, 1.0)
     _store_rows(out_ref, acc / den[:, None], b, h, r, row_live, group, db * block_d)
-
-
-# From this many new tokens on, the kernel visits only the new-key blocks each row block's mask
-# rows reach: a causal prompt chunk needs half of its blocks, a pack of short prompts (block-
-# diagonal) far fewer. Below it (decode, verify trees) the bounds would only add XLA ops.
-_BOUNDED_MIN_NEW = 128
-
-
-def new_key_bounds(tree_mask, group: int, block_r: int, block_n: int):
-    """[B, R / block_r, 2] int32 (first, end) new-key block of every row block: the span of keys
-    its rows see (rows r = n * G + g; rows past the last query read its mask row, as the kernel
-    does). A row block whose rows see no key keeps one block, so its rows stay finite as they
-    were. Keys outside the span are masked for every row of the block, and online softmax gives
-    them weight exactly 0 once a row has seen a key: the output does not change."""
-    b, n, _ = tree_mask.shape
-    idx = jnp.arange(n, dtype=jnp.int32)
-    first = jnp.min(jnp.where(tree_mask, idx, n), axis=-1)                  # [B, N]
-    last = jnp.max(jnp.where(tree_mask, idx, -1), axis=-1) + 1
-    nrb = pl.cdiv(n * group, block_r)
-    query = jnp.minimum(jnp.arange(nrb * block_r) // group, n - 1)
-    lo = first[:, query].reshape(b, nrb, block_r).min(-1)
-    hi = last[:, query].reshape(b, nrb, block_r).max(-1)
-    empty = hi <= lo
-    lo = jnp.where(empty, 0, lo // block_n)
-    hi = jnp.where(empty, 1, pl.cdiv(hi, block_n))
-    return jnp.stack([lo, hi], axis=-1).astype(jnp.int32)
 
 
 def combine_config(rows, head_dim, num_splits, num_heads_total=1):
@@ -371,9 +339,6 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     assert block_r == _next_pow2(block_r) and block_k == _next_pow2(block_k), (
         f"{block_r=} and {block_k=} must be powers of 2")
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
-    bounded = n >= _BOUNDED_MIN_NEW
-    bounds = (new_key_bounds(tree_mask, g, block_r, block_n) if bounded else
-              jnp.zeros((1, 1, 2), jnp.int32))
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
     f32 = jnp.float32
     if num_splits > 1:
@@ -383,7 +348,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     kernel = functools.partial(
         _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv,
         num_splits=num_splits, group=g, num_new=n, block_r=block_r, block_k=block_k,
-        block_n=block_n, packed=packed, bounded=bounded)
+        block_n=block_n, packed=packed)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(rows, block_r), num_splits, b * hkv),
@@ -392,7 +357,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
         interpret=interpret,
         name="tree_attention",
     )(layer, seq_lens.astype(jnp.int32), q_in, k_cache, v_cache, kn_in, vn_in,
-      tree_mask.astype(jnp.int8), bounds)
+      tree_mask.astype(jnp.int8))
     if num_splits == 1:
         return out
 
