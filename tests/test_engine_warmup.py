@@ -10,6 +10,7 @@ from jaxspec.engine import Engine
 from jaxspec.engine.loop import _bucket, _buckets
 from jaxspec.sampling import FULL, LEAN, VARIANTS, SamplingParams
 from jaxspec.spec.admit import AdmitArgs
+from jaxspec.spec.admit_packed import build_pack
 from test_engine import (CFG, MAX_MODEL_LEN, SLOTS, compiled_shapes, greedy_ref, make_engine)
 
 
@@ -192,7 +193,7 @@ def test_serving_programs_have_no_device_control_flow(kind):
                                              np.zeros(SLOTS, bool)).jaxpr)
         assert not cyc & {"cond", "while"}, (key, cyc & {"cond", "while"})
     for f in be._admits:             # every variant: first chunks (padded, packed), later ones
-        chunk = (np.zeros(32, np.int32), z) if f[1] == "packed" else \
+        chunk = (*build_pack([], [], 1, 32, 2), z) if f[1] == "packed" else \
             (np.zeros((2, 16), np.int32), z, z)
         adm_p = _primitives(jax.make_jaxpr(be._admits[f])(
             *params, engine.state, pad, *chunk, z - 1, adm, be.key).jaxpr)
