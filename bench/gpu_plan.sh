@@ -7,7 +7,10 @@
 #   bash bench/gpu_plan.sh packing_rand   # issue 8: packed first chunks against padded, batch 64,
 #                                      #   random weights (admission device time); packing_exact,
 #                                      #   fp32 spec == plain at batch 16; packing_mt / packing_sg,
-#                                      #   real weights, batch 64, both settings alternated
+#                                      #   real weights, batch 64, both settings alternated;
+#                                      #   packing_w, rows of 512 / 1024 / padded on ShareGPT;
+#                                      #   packing_knobs, admit interval 1-3 x 4 or 8 cycles
+#                                      #   (all run in the seventeenth set; interval 3 to repeat)
 #   bash bench/gpu_plan.sh slotgrowth  # issue 8: batch 64, prefill slot counts 1, 2, 4, .., 64 against
 #                                      #   1, 4, 16, 64 (MT-bench, held-out ShareGPT: carry it);
 #                                      #   the MT-bench rows' warmup_s is the first warm-up each
