@@ -350,7 +350,8 @@ class Engine:
             yield from self.step()
 
     def admission_shapes(self) -> List[tuple]:
-        """(slot count, chunk width) of every admission bucket."""
+        """(slot count, chunk width) of every padded bucket: the padded first-chunk form's
+        shapes (`pack_first_chunks=False`); `admission_forms` lists what warm-up compiles."""
         return [(a, w) for a in self.slot_buckets for w in self.widths]
 
     def pack_requests(self, size: int) -> int:
