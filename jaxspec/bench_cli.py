@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--admit-interval", type=int, default=None,
                     help="while requests run, admit newcomers every this many device calls "
                          "(1: at once); fewer, larger admissions for a later first token. "
-                         "Default: 2 for speculation at 32+ slots on a GPU, else 1")
+                         "Default on a GPU: 3 for speculation at 64+ slots, 2 at 32+, else 1")
     ap.add_argument("--adaptive", action="store_true",
                     help="choose the config (or plain) per batch size from a short run of each "
                          "on the run's first prompts (prefill included)")

@@ -45,8 +45,8 @@ class LLM:
     replica's slots, so stream, abort and retract work as on one device; on two H200s it
     scaled 1.87-1.96x against pmap's 1.26-1.92x, bench/RESULTS.md, 2026-11-24 ninth set).
     admit_interval: the engine admits newcomers every this many device calls while others run
-    (`Engine(admit_interval=)`; 1 admits at once). None: `engine.default_admit_interval` (2 for
-    a speculative engine of 32+ slots on a GPU, else 1).
+    (`Engine(admit_interval=)`; 1 admits at once). None: `engine.default_admit_interval` (on a
+    GPU 3 for a speculative engine of 64+ slots, 2 for 32+, else 1).
     cycles_per_call: speculative cycles per device call (`SpecBackend(cycles_per_call=)`, the
     speculative counterpart of decode_chunk): more amortize the host's cost per call where it
     exceeds a cycle's device time (large batches of a small model). None:

@@ -199,14 +199,19 @@ def default_cycles_per_call(slots: int) -> int:
 
 
 def default_admit_interval(slots: int, speculative: bool) -> int:
-    """Device calls between admissions when none is asked for (`Engine(admit_interval=)`): 2
-    for a speculative engine of 32 or more slots on a GPU, else 1. Measured on the H100 with
-    SmolLM2 and its head, chain:4 at batch 64, 384 requests of 128 tokens (bench/RESULTS.md,
-    fourteenth and fifteenth sets): interval 2 ran 1.04x and 1.06x (MT-bench), 1.09x and 1.05x
-    (held-out ShareGPT) the tokens/s of interval 1. There, requests finish in most calls and
-    each admission is a dispatch whose host cost does not shrink with the requests it carries.
-    Plain decoding gained nothing (0.97x to 1.02x): its 16-step calls admit rarely anyway."""
-    return 2 if speculative and slots >= 32 and jax.default_backend() == "gpu" else 1
+    """Device calls between admissions when none is asked for (`Engine(admit_interval=)`): on a
+    GPU, 3 for a speculative engine of 64 or more slots, 2 from 32 slots, else 1. Measured with
+    SmolLM2 and its head, chain:4 at batch 64, 384 requests of 128 tokens: on the H100 (bench/
+    RESULTS.md, fourteenth and fifteenth sets) interval 2 ran 1.04x and 1.06x (MT-bench), 1.09x
+    and 1.05x (held-out ShareGPT) the tokens/s of interval 1; on the H200 with packed first
+    chunks (seventeenth set, MT-bench) interval 3 averaged 1.07x interval 2 over six timed passes
+    each, and none of its passes had interval 2's occasional 25-30% slow one. There, requests
+    finish in most calls and each admission is a dispatch whose host cost does not shrink with
+    the requests it carries. Plain decoding gained nothing (0.97x to 1.02x): its 16-step calls
+    admit rarely anyway."""
+    if not speculative or jax.default_backend() != "gpu":
+        return 1
+    return 3 if slots >= 64 else 2 if slots >= 32 else 1
 
 
 def default_spec(slots: int) -> str:
