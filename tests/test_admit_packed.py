@@ -147,3 +147,40 @@ def test_packed_form_adds_no_device_loop():
     count = lambda a, w, form: engine.padding_admission(a, w, form, LEAN)(  # noqa: E731
         engine.state, lower=True)[1].as_text().count("stablehlo.while")
     assert count(2, 32, "packed") == count(4, 64, "packed") == count(4, 16, True) > 0
+
+
+def test_packed_first_chunks_keep_the_eagle3_seed():
+    """An EAGLE-3 head (features of three target layers, its own draft vocabulary): packed and
+    padded first chunks write the same target and draft K/V rows and the same draft seed."""
+    from jaxspec.engine import SpecBackend
+    from jaxspec.models import eagle3
+    from test_engine import MAX_MODEL_LEN, SPEC, agreeing_pair
+    params = agreeing_pair()[0]
+    ids = np.sort(np.random.default_rng(1).choice(CFG.vocab_size, 96, replace=False))
+    head = eagle3.init_eagle3_head(CFG, jax.random.PRNGKey(1), draft_ids=ids, scale=0.2)
+    be = SpecBackend(CFG, params, head, SPEC, SLOTS, MAX_MODEL_LEN + 2 * SPEC.max_emit)
+    chunks = [[5, 17, 42, 8, 99, 3, 7], [60, 61, 62, 63]]
+    slot_idx = np.array([1, 3, SLOTS], np.int32)
+    nv = np.array([7, 4, 0], np.int32)
+    nxt = np.full(3, -1, np.int32)
+    padded = np.zeros((3, 16), np.int32)
+    for r, c in enumerate(chunks):
+        padded[r, :len(c)] = c
+    want, f_want = be.admit(be.init_state(), slot_idx, padded, np.zeros(3, np.int32), nv, nxt,
+                            first=True)
+    packed, lay = build_pack(chunks, [0, 0], 1, 16, 3)
+    got, f_got = be.admit_packed(be.init_state(), slot_idx, packed, lay, nv, nxt)
+    np.testing.assert_array_equal(np.asarray(f_got.tokens)[:2], np.asarray(f_want.tokens)[:2])
+    for slot, n in ((1, 7), (3, 4)):
+        for name in ("draft_k", "draft_v"):
+            np.testing.assert_allclose(np.asarray(getattr(got, name))[:, slot, :, :n],
+                                       np.asarray(getattr(want, name))[:, slot, :, :n],
+                                       atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got.target.k)[:, slot, :, :n],
+                                   np.asarray(want.target.k)[:, slot, :, :n], atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(got.seed.tokens)[slot],
+                                      np.asarray(want.seed.tokens)[slot])
+        for name in ("logp", "hidden"):
+            np.testing.assert_allclose(np.asarray(getattr(got.seed, name))[slot],
+                                       np.asarray(getattr(want.seed, name))[slot], atol=1e-5)
+    assert np.abs(np.asarray(got.draft_k)[:, 1, :, :7]).max() > 0
