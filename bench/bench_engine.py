@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.common import SMOLLM2_135M, device_name, timed, write_json
-from jaxspec.spec.admit_packed import build_pack
 from jaxspec import compile_cache
 from jaxspec.config import ModelConfig
 from jaxspec.engine import Engine, PlainBackend, SpecBackend
@@ -101,17 +100,10 @@ def device_ms_per_admit(engine, a, width, features, form, n):
     """Back-to-back admissions of one shape (`Engine.admission_forms`), every row padding
     (dropped, so the state is kept): the device's time for a prompt chunk of that shape.
     Arguments live on the device, since numpy arguments make each call wait (bench_dispatch)."""
-    be = engine.backend
-    if form == "packed":
-        z = jax.device_put(np.zeros(a, np.int32))
-        tokens, lay = build_pack([], [], *engine.pack_shape(width), a)
-        args = [jax.device_put(np.full(a, be.slots, np.int32)), jax.device_put(tokens),
-                jax.device_put(lay), z, z - 1]
-        call = lambda s: be.admit_packed(s, *args, features=features)[0]   # noqa: E731
-    else:
-        args = padding_admit_args(be, a, width)
-        call = lambda s: be.admit(s, *args, features=features, first=form)[0]   # noqa: E731
-    ms, engine.state = timed(call, engine.state, n, 1)
+    call = engine.padding_admission(a, width, form, features)
+    on_device = {k: v if k in ("features", "first") else jax.device_put(v)
+                 for k, v in call.keywords.items()}
+    ms, engine.state = timed(lambda s: call.func(s, **on_device)[0], engine.state, n, 1)
     return ms
 
 

@@ -157,9 +157,7 @@ class LLM:
                              admit_interval=admit_interval, width_growth=prefill_width_growth,
                              bucket_growth=prefill_slot_growth,
                              pack_first_chunks=prefill_packing,
-                             pack_tokens=(None if prefill_pack_tokens is None else
-                                          max(prefill_pack_tokens,
-                                              min(prefill_chunk, self.max_model_len))),
+                             pack_tokens=prefill_pack_tokens,
                              stream_decoder=getattr(self.tokenizer, "stream_decoder", None))
         self._inbox: dict = {}
 

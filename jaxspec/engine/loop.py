@@ -215,12 +215,12 @@ class Engine:
         if pack_tokens < chunk:
             raise ValueError(f"pack_tokens ({pack_tokens}) must be >= chunk ({chunk})")
         self.pack_tokens = pack_tokens
-        # First-fit leaves at most one row with fewer than pack_tokens // chunk first chunks.
+        # First-fit leaves at most one row with fewer than pack_tokens // chunk first chunks, so
+        # r_max rows (a power of 2) hold every slot's first chunk.
         per_row = max(1, pack_tokens // chunk)
-        rows = _buckets(1, -(-self.slots // per_row), 2) if self.slots > per_row else [1]
-        rows = [1 << (r - 1).bit_length() for r in rows]          # powers of 2
+        r_max = 1 << (-(-self.slots // per_row) - 1).bit_length()
         self.pack_sizes = _buckets(min_chunk, pack_tokens, 2) + \
-            [pack_tokens * r for r in rows if r > 1]
+            ([pack_tokens * r for r in _buckets(2, r_max, 2)] if r_max > 1 else [])
         self.compile_workers = compile_workers or (
             1 if jax.default_backend() == "cpu" else os.cpu_count() or 1)
         self.detokenize = detokenize
