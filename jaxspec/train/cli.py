@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--examples", type=int, default=2000, help="ShareGPT examples to use")
     p.add_argument("--self-distill", action="store_true",
                    help="train on the target's own greedy answers instead of the dataset's")
+    p.add_argument("--self-instruct", type=int, default=0, metavar="N",
+                   help="instead of ShareGPT's prompts, N queries the target writes itself "
+                        "(sampled after its chat template's opening of a user turn, as in "
+                        "Magpie), answered by the target (implies --self-distill)")
+    p.add_argument("--instruct-temperature", type=float, default=1.0)
+    p.add_argument("--instruct-top-p", type=float, default=0.95)
     p.add_argument("--max-prompt-len", type=int, default=256)
     p.add_argument("--max-new", type=int, default=256, help="response length cap")
     p.add_argument("--gen-batch", type=int, default=256, help="slots for --self-distill decoding")
@@ -79,18 +85,26 @@ def prepare_examples(args, cfg, params, tok):
     if args.data:
         prompts, responses, meta = data.load_examples(args.data)
         return prompts, responses, meta.get("source", str(args.data))
-    pairs = data.first_turns(data.iter_sharegpt())
-    prompts, responses = data.tokenize_examples(tok, pairs, args.examples, args.max_prompt_len,
-                                                args.max_new, cfg.eos_token_ids[0])
-    if not args.self_distill:
-        return prompts, responses, "sharegpt (dataset answers, teacher forcing)"
-    from jaxspec.models import llama
-    from jaxspec.train.distill import generate_responses
+    from jaxspec.train.distill import generate_responses, self_instruct
 
-    gen_params = llama.unstack_layers(params) if jax.default_backend() == "gpu" else params
-    responses = generate_responses(cfg, gen_params, prompts, args.max_new, args.gen_batch,
+    # params are already in the GPU's unrolled layout (main), which decodes fastest
+    if args.self_instruct:
+        _, prompts, counts = self_instruct(
+            cfg, params, tok, args.self_instruct, max_prompt_len=args.max_prompt_len,
+            temperature=args.instruct_temperature, top_p=args.instruct_top_p, seed=args.seed,
+            batch=args.gen_batch, progress=not args.no_progress)
+        source = f"self-instruct queries ({json.dumps(counts)}), target's greedy answers"
+    else:
+        pairs = data.first_turns(data.iter_sharegpt())
+        prompts, responses = data.tokenize_examples(tok, pairs, args.examples,
+                                                    args.max_prompt_len, args.max_new,
+                                                    cfg.eos_token_ids[0])
+        if not args.self_distill:
+            return prompts, responses, "sharegpt (dataset answers, teacher forcing)"
+        source = "sharegpt prompts, target's greedy answers (self-distillation)"
+    responses = generate_responses(cfg, params, prompts, args.max_new, args.gen_batch,
                                    progress=not args.no_progress)
-    return prompts, responses, "sharegpt prompts, target's greedy answers (self-distillation)"
+    return prompts, responses, source
 
 
 def export_head(draft, path, save_dtype: str, meta: dict):

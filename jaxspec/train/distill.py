@@ -1,16 +1,28 @@
 """Self-distillation data: the target's own greedy answers to the training prompts, generated
-with jaxspec's plain batched decoding (on-device multi-step decode)."""
+with jaxspec's plain batched decoding (on-device multi-step decode), and prompts the target
+writes itself (self-instruct, as in Magpie: sample what follows the chat template's opening of
+a user turn), for text nearer to instruction benchmarks than a dataset's prompts."""
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import jax
+import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.decode import PlainRunner
 from jaxspec.kv import init_cache
 from jaxspec.sampling import SamplingParams
+
+_MARK = "\u2063jaxspec-query\u2063"   # a string no template writes by itself
+
+
+def _runner(cfg: ModelConfig, params, batch: int, rows: int, decode_chunk: int, seed: int = 0):
+    dtype = jax.tree_util.tree_leaves(params)[0].dtype
+    # Slack rows: a decode chunk may run past a slot's end before the host sees it.
+    cache = init_cache(cfg, batch, rows + 2 * decode_chunk + 16, dtype)
+    return PlainRunner(cfg, params, cache, decode_chunk=decode_chunk, seed=seed)
 
 
 def generate_responses(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new: int,
@@ -24,11 +36,7 @@ def generate_responses(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]
     """
     from tqdm.auto import tqdm
 
-    max_prompt = max(len(p) for p in prompts)
-    dtype = jax.tree_util.tree_leaves(params)[0].dtype
-    # Slack rows: a decode chunk may run past a slot's end before the host sees it.
-    cache = init_cache(cfg, batch, max_prompt + max_new + 2 * decode_chunk + 16, dtype)
-    runner = PlainRunner(cfg, params, cache, decode_chunk=decode_chunk)
+    runner = _runner(cfg, params, batch, max(len(p) for p in prompts) + max_new, decode_chunk)
     sp = SamplingParams(temperature=0.0, max_tokens=max_new)
     stop = set(cfg.eos_token_ids)
     out: List[List[int]] = []
@@ -43,3 +51,72 @@ def generate_responses(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]
         n = sum(len(r) for r in out)
         print(f"generated {n} tokens for {len(out)} prompts in {time.perf_counter() - t0:.1f}s")
     return out
+
+
+def query_prefix(tok) -> List[int]:
+    """Tokens of the chat template up to where a user's message begins (system turn included
+    when the template writes a default one): the "pre-query template" of Magpie."""
+    text = tok.hf.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False,
+                                      add_generation_prompt=False)
+    if _MARK not in text:
+        raise ValueError("the chat template does not write the user's message verbatim; "
+                         "self-instruct prompts need one that does")
+    return tok.encode(text[:text.index(_MARK)], add_special_tokens=False)
+
+
+def self_instruct(cfg: ModelConfig, params, tok, n: int, *, max_query: int = 128,
+                  max_prompt_len: int = 256, temperature: float = 1.0, top_p: float = 1.0,
+                  min_chars: int = 16, seed: int = 0, batch: int = 256, decode_chunk: int = 32,
+                  max_seconds: Optional[float] = None, progress: bool = True
+                  ) -> Tuple[List[str], List[List[int]], dict]:
+    """Up to n user queries the target writes itself, and their chat-template prompts.
+
+    Each slot samples (temperature, top_p; a per-draw seed from a generator seeded with
+    `seed`, so a run is reproducible) what follows `query_prefix`. Kept: queries that the target ended itself (EOS within
+    max_query tokens), of at least min_chars characters, each text once, whose rendered prompt
+    has at most max_prompt_len tokens. Returns (queries, prompts, counts: drawn = kept + the dropped ones).
+    """
+    from tqdm.auto import tqdm
+
+    if n < 1 or max_query < 1 or temperature <= 0 or not 0 < top_p <= 1:
+        raise ValueError(f"self_instruct needs n >= 1, max_query >= 1, temperature > 0 and "
+                         f"0 < top_p <= 1; got n={n}, max_query={max_query}, "
+                         f"temperature={temperature}, top_p={top_p}")
+    prefix = query_prefix(tok)
+    runner = _runner(cfg, params, batch, len(prefix) + max_query, decode_chunk, seed)
+    stop = set(cfg.eos_token_ids)
+    queries, prompts, seen = [], [], set()
+    dropped = {"unfinished": 0, "short": 0, "repeated": 0, "long_prompt": 0}
+    rng = np.random.default_rng(seed)
+    t0, drawn = time.perf_counter(), 0
+    bar = tqdm(total=n, disable=not progress, desc="self-instruct")
+    while len(queries) < n and (max_seconds is None or time.perf_counter() - t0 < max_seconds):
+        sps = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_query,
+                              seed=int(s)) for s in rng.integers(0, 2 ** 31 - 1, batch)]
+        for g in runner.generate([prefix] * batch, sps, [stop] * batch):
+            drawn += 1
+            ids = list(g.token_ids)
+            if not ids or ids[-1] not in stop:
+                dropped["unfinished"] += 1
+                continue
+            q = tok.decode(ids[:-1], skip_special_tokens=True).strip()
+            key = " ".join(q.lower().split())
+            if len(q) < min_chars:
+                dropped["short"] += 1
+            elif key in seen:
+                dropped["repeated"] += 1
+            else:
+                p = tok.apply_chat_template([{"role": "user", "content": q}])
+                if len(p) > max_prompt_len:
+                    dropped["long_prompt"] += 1
+                    continue
+                seen.add(key)
+                queries.append(q)
+                prompts.append(p)
+                bar.update(1)
+            if len(queries) >= n:
+                break
+    bar.close()
+    counts = {"drawn": drawn, "kept": len(queries), **dropped,
+              "seconds": round(time.perf_counter() - t0, 1)}
+    return queries, prompts, counts
