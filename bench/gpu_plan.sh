@@ -85,6 +85,8 @@
 #   bash bench/gpu_plan.sh eagle3      # issue 7: train an EAGLE-3 head, tau vs the shipped EAGLE-1
 #                                      #   (carry .gpu/train/ and .gpu/run2/examples_sd.npz, the
 #                                      #   self-distilled answers of an earlier call, if present)
+#   bash bench/gpu_plan.sh gcpass      # issue 8: batch 64, MT-bench, garbage-collection time per
+#                                      #   timed pass, the heap frozen after warm-up or not
 #   bash bench/gpu_plan.sh si_gen      # issue 7: self-instruct data: the target writes 40,000
 #                                      #   queries and answers them, plus ShareGPT's first turns
 #                                      #   (carry .gpu/train/sharegpt.npz, from `python -m
@@ -349,6 +351,15 @@ case "${1:-}" in
     S="$BENCH --no-peers --batch-sizes 1 --spec chain,6x8x40 --num-prompts 80 --max-tokens 128"
     run wide_shipped 280 $S --json "$OUT/wide_shipped.json"
     run wide_2x 280 $S --draft .gpu/run7/head.safetensors --json "$OUT/wide_2x.json"
+    ;;
+  gcpass)
+    # batch 64, MT-bench: each timed pass's garbage-collection time, and the heap frozen after
+    # the warm-up (--gc-freeze) against not, alternated
+    S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384"
+    for r in 1 2; do
+      run gc_off$r 150 $S --json "$OUT/gc_off$r.json"
+      run gc_on$r 150 $S --gc-freeze --json "$OUT/gc_on$r.json"
+    done
     ;;
   si_gen)
     run si_gen 580 python3 -m bench.train_gpu run --gguf $GGUF --out $HOME/si --self-instruct 40000 \

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -119,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed passes per run, back to back; the row is the pass with the "
                          "median tokens/s (every pass's figure is in --json)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="after each warm-up, collect and freeze Python's heap (gc.freeze), so "
+                         "full collections in the timed passes skip what the warm-up made")
     ap.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                     help="sweep: start no new run (batch size x mode) after this many seconds; "
                          "what finished is kept and the result stays marked partial")
@@ -304,8 +308,14 @@ def run_sweep(args, result):
                 bar.set_postfix_str(f"batch {b}, {m.label}: probe")
                 probes[m.label] = adaptive.probe(llm, adaptive.probe_chats(prompts, b), sp,
                                                  m.spec is not None, args.probe_tokens)
+            if args.gc_freeze:
+                gc.collect()
+                gc.freeze()
             bar.set_postfix_str(f"batch {b}, {m.label}: timed")
-            outs, secs, compiled, rates = R.timed_generate(llm, chats, sp, args.repeats)
+            gc_runs = []
+            outs, secs, compiled, rates = R.timed_generate(llm, chats, sp, args.repeats, gc_runs)
+            if args.gc_freeze:
+                gc.unfreeze()
             # as run: the default depends on the mode and the batch (default_admit_interval);
             # no engine under pmap data parallel
             interval = getattr(getattr(llm, "engine", None), "admit_interval", None)
@@ -315,6 +325,7 @@ def run_sweep(args, result):
             row["compiled_in_timed_pass"] = compiled
             row["warmup_s"] = round(warm_s, 2)
             row["tokens_per_s_runs"] = rates
+            row["gc_runs"] = gc_runs
             if m is R.PLAIN:
                 plain_outs, base = outs, row["tokens_per_s"]
                 plain_first = plain_first or outs

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import statistics
 import time
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -140,17 +141,42 @@ def warm(llm, chats, sp):
     llm.generate(chats, dataclasses.replace(sp, max_tokens=min(sp.max_tokens, WARMUP_TOKENS)))
 
 
-def timed_generate(llm, chats, sp, repeats: int = 1):
+class GcClock:
+    """Seconds Python's cyclic garbage collector ran while the block ran (gc.callbacks), and
+    its collections per generation: a full collection over a large heap is a pause the GPU
+    waits through, and it lands in whichever pass it falls in."""
+
+    def __enter__(self):
+        self.seconds, self.collections, self._t = 0.0, [0, 0, 0], None
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            self.seconds += time.perf_counter() - self._t
+            self.collections[info["generation"]] += 1
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._on_gc)
+
+
+def timed_generate(llm, chats, sp, repeats: int = 1, gc_runs: Optional[list] = None):
     """-> (outputs, seconds, shapes compiled during the timed passes (0 once warmed up),
     tokens/s of every pass). With repeats > 1 the prompts run that many times back to back and
     the pass with the median tokens/s is the one returned: a pass of a second or two at a
-    large batch moves by tens of percent when one stretch of it runs slow."""
+    large batch moves by tens of percent when one stretch of it runs slow. gc_runs, if given,
+    gets each pass's garbage-collection seconds and full (generation 2) collections."""
     before = llm.compilations() if hasattr(llm, "compilations") else 0
     passes = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        outs = llm.generate(chats, sp)
-        secs = time.perf_counter() - t0
+        with GcClock() as clock:
+            t0 = time.perf_counter()
+            outs = llm.generate(chats, sp)
+            secs = time.perf_counter() - t0
+        if gc_runs is not None:
+            gc_runs.append({"gc_s": round(clock.seconds, 4), "full": clock.collections[2]})
         passes.append((sum(len(o.token_ids) for o in outs) / secs if secs > 0 else 0.0,
                        outs, secs))
     rates = [p[0] for p in passes]
