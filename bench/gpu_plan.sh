@@ -353,12 +353,13 @@ case "${1:-}" in
     run wide_2x 280 $S --draft .gpu/run7/head.safetensors --json "$OUT/wide_2x.json"
     ;;
   gcpass)
-    # batch 64, MT-bench: each timed pass's garbage-collection time, and the heap frozen after
-    # the warm-up (--gc-freeze) against not, alternated
+    # batch 64, MT-bench (GC_DATASET: another set): each timed pass's garbage-collection time,
+    # and the heap frozen after the warm-up (the default on a GPU) against not, alternated
     S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384"
-    for r in 1 2; do
-      run gc_off$r 150 $S --json "$OUT/gc_off$r.json"
-      run gc_on$r 150 $S --gc-freeze --json "$OUT/gc_on$r.json"
+    [ -n "${GC_DATASET:-}" ] && S="$S --dataset $GC_DATASET"
+    for r in ${GC_ROUNDS:-1 2}; do
+      run gc_off$r 150 $S --gc-freeze off --json "$OUT/gc_off$r.json"
+      run gc_on$r 150 $S --gc-freeze on --json "$OUT/gc_on$r.json"
     done
     ;;
   si_gen)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import math
 import os
@@ -120,9 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed passes per run, back to back; the row is the pass with the "
                          "median tokens/s (every pass's figure is in --json)")
-    ap.add_argument("--gc-freeze", action="store_true",
-                    help="after each warm-up, collect and freeze Python's heap (gc.freeze), so "
-                         "full collections in the timed passes skip what the warm-up made")
+    ap.add_argument("--gc-freeze", choices=["auto", "on", "off"], default="auto",
+                    help="whether the engine's warm-up ends by freezing Python's heap "
+                         "(gc.freeze: later full collections skip what the warm-up made; "
+                         "auto: on accelerators, as LLM.warmup)")
     ap.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                     help="sweep: start no new run (batch size x mode) after this many seconds; "
                          "what finished is kept and the result stays marked partial")
@@ -302,20 +302,15 @@ def run_sweep(args, result):
             chats = [p["chat"] for p in prompts]
             bar.set_postfix_str(f"batch {b}, {m.label}: warm-up")
             t_warm = time.perf_counter()
-            R.warm(llm, chats, sp)
+            R.warm(llm, chats, sp, {"auto": None, "on": True, "off": False}[args.gc_freeze])
             warm_s = time.perf_counter() - t_warm      # compilations (or cache loads) included
             if args.adaptive:
                 bar.set_postfix_str(f"batch {b}, {m.label}: probe")
                 probes[m.label] = adaptive.probe(llm, adaptive.probe_chats(prompts, b), sp,
                                                  m.spec is not None, args.probe_tokens)
-            if args.gc_freeze:
-                gc.collect()
-                gc.freeze()
             bar.set_postfix_str(f"batch {b}, {m.label}: timed")
             gc_runs = []
             outs, secs, compiled, rates = R.timed_generate(llm, chats, sp, args.repeats, gc_runs)
-            if args.gc_freeze:
-                gc.unfreeze()
             # as run: the default depends on the mode and the batch (default_admit_interval);
             # no engine under pmap data parallel
             interval = getattr(getattr(llm, "engine", None), "admit_interval", None)

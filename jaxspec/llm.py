@@ -15,7 +15,7 @@ from jaxspec.engine import Engine, PlainBackend, SpecBackend, StreamDelta
 from jaxspec.engine.backends import (default_admit_interval, default_cycles_per_call,
                                      default_spec)
 from jaxspec.kv import kv_bytes_per_token
-from jaxspec.sampling import Features, SamplingParams, apply_stop_strings
+from jaxspec.sampling import VARIANTS, Features, SamplingParams, apply_stop_strings
 
 Chat = List[dict]
 Prompt = Union[str, Chat, Sequence[int]]
@@ -212,19 +212,21 @@ class LLM:
                            seed=self.seed, cycles_per_call=self.cycles_per_call)
 
     # -- input handling ------------------------------------------------------------------
-    def warmup(self, sampling: Union[None, SamplingParams, Sequence[SamplingParams]] = None):
+    def warmup(self, sampling: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+               freeze_heap: Optional[bool] = None):
         """Compiles everything serving will run (the cycle and every admission bucket) now,
         ahead of time, so the first requests do not wait on compilation. Optional: without it,
         each shape compiles on its first use.
         sampling: the parameters of the requests to come, when known: only the program variants
-        they need are compiled (all greedy without penalties or logprobs: half of them)."""
+        they need are compiled (all greedy without penalties or logprobs: half of them).
+        freeze_heap: then leave the objects alive now out of Python's garbage collections
+        (`jaxspec.engine.freeze_startup_heap`; default: on accelerators), so that no full collection
+        walks them mid-serving."""
         if self.dp_runner is not None:
             return
-        if sampling is None:
-            self.engine.warmup()
-            return
-        sps = [sampling] if isinstance(sampling, SamplingParams) else list(sampling)
-        self.engine.warmup(tuple(Features.of([sp]) for sp in sps))
+        sps = [sampling] if isinstance(sampling, SamplingParams) else list(sampling or [])
+        variants = tuple(Features.of([sp]) for sp in sps) or VARIANTS
+        self.engine.warmup(variants, freeze_heap=freeze_heap)
 
     def compilations(self) -> int:
         """Calls so far that found no executable compiled ahead of time (each such shape

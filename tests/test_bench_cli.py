@@ -89,6 +89,7 @@ def test_json_schema(sweep):
         # two timed passes; the row is the median one (the slower of two)
         assert len(r["tokens_per_s_runs"]) == 2
         assert r["tokens_per_s"] == pytest.approx(min(r["tokens_per_s_runs"]))
+        assert [set(g) for g in r["gc_runs"]] == [{"gc_s", "full"}] * 2
     plain, chain = res["rows"][0], res["rows"][1]
     assert plain["speedup"] == 1.0 and plain["accept_len"] is None
     assert chain["spec"] == {"num_steps": 3, "topk": 1, "num_draft_tokens": 4,
@@ -289,6 +290,17 @@ def test_repeats_keep_the_median_pass():
     assert compiled == 0
     with pytest.raises(SystemExit, match="--repeats 0: must be >= 1"):
         bench_cli._defaults(bench_cli.build_parser().parse_args(["--repeats", "0"]))
+
+
+def test_gc_clock_counts_the_collections_in_its_block():
+    import gc
+
+    with runner.GcClock() as clock:
+        gc.collect()
+        gc.collect(1)
+    assert clock.collections == [0, 1, 1] and clock.seconds > 0
+    gc.collect()
+    assert clock.collections == [0, 1, 1]        # nothing counted after the block
 
 
 def test_bf16_differences_are_explained():

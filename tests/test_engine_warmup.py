@@ -125,6 +125,37 @@ def test_warmup_can_run_every_program_once_and_leaves_the_state_as_it_was(kind, 
     assert max(copies_run) - min(copies_run) <= 1
 
 
+def test_warmup_freezes_the_startup_heap_and_frees_what_was_dropped():
+    """freeze_heap: the objects alive after warm-up leave the collector's view (gc.freeze); the
+    next warm-up unfreezes and collects first, so a reference cycle frozen earlier and dropped
+    since (an engine replaced by another) is freed then. On the CPU it is off by default."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    gc.unfreeze()
+    try:
+        engine = make_engine("plain")
+        engine.warmup(execute=False)
+        assert gc.get_freeze_count() == 0
+        kept = Node()
+        kept.me = kept                                   # a cycle: only the collector frees it
+        ref = weakref.ref(kept)
+        engine.warmup(execute=False, freeze_heap=True)
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000
+        del kept
+        gc.collect()
+        assert ref() is not None                         # frozen: not collected
+        engine.warmup(execute=False, freeze_heap=True)
+        assert ref() is None                             # the next freeze collected it first
+        assert gc.get_freeze_count() > 1000
+    finally:
+        gc.unfreeze()
+
+
 def test_warmup_of_the_variants_requests_need():
     engine = make_engine("spec")
     engine.warmup((LEAN,))

@@ -132,12 +132,12 @@ class Target:
         return self._draft_params
 
 
-def warm(llm, chats, sp):
+def warm(llm, chats, sp, freeze_heap: Optional[bool] = None):
     """Compiles what the timed pass will use: the engine's own warm-up when the API has one
-    (only the program variants `sp` needs), then the same prompts with few tokens (the prefill
-    buckets they fall in)."""
+    (only the program variants `sp` needs; freeze_heap goes to it), then the same prompts with
+    few tokens (the prefill buckets they fall in)."""
     if hasattr(llm, "warmup"):
-        llm.warmup(sp)
+        llm.warmup(sp, freeze_heap=freeze_heap)
     llm.generate(chats, dataclasses.replace(sp, max_tokens=min(sp.max_tokens, WARMUP_TOKENS)))
 
 
