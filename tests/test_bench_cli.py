@@ -89,7 +89,17 @@ def test_json_schema(sweep):
         # two timed passes; the row is the median one (the slower of two)
         assert len(r["tokens_per_s_runs"]) == 2
         assert r["tokens_per_s"] == pytest.approx(min(r["tokens_per_s_runs"]))
-        assert [set(g) for g in r["gc_runs"]] == [{"gc_s", "full"}] * 2
+        # each pass's record: garbage collection, and the engine's work in that pass alone
+        assert len(r["gc_runs"]) == 2
+        for g in r["gc_runs"]:
+            assert set(g) == {"gc_s", "full", "device_calls", "admit_calls", "host_s",
+                              "wait_s", "steps", "max_step_ms"}
+            assert g["device_calls"] > 0 and g["admit_calls"] >= 1 and g["steps"] > 0
+            assert g["max_step_ms"] > 0
+        # the engine schedules by steps, not by the clock: both passes did the same calls
+        first, second = r["gc_runs"]
+        assert (first["device_calls"], first["admit_calls"]) == \
+            (second["device_calls"], second["admit_calls"])
     plain, chain = res["rows"][0], res["rows"][1]
     assert plain["speedup"] == 1.0 and plain["accept_len"] is None
     assert chain["spec"] == {"num_steps": 3, "topk": 1, "num_draft_tokens": 4,

@@ -162,21 +162,44 @@ class GcClock:
         gc.callbacks.remove(self._on_gc)
 
 
+def _engine_counts(llm) -> Optional[dict]:
+    """The engine's running totals (None without an engine: pmap data parallel, peers)."""
+    st = getattr(getattr(llm, "engine", None), "stats", None)
+    if st is None:
+        return None
+    return {"device_calls": sum(st.call_sizes.values()), "admit_calls": st.prefill_chunks,
+            "host_s": st.host_s, "wait_s": st.wait_s, "steps": len(st.step_s)}
+
+
+def _pass_record(clock: GcClock, llm, before: Optional[dict]) -> dict:
+    """One timed pass: garbage collection, and what the engine did in it (device calls,
+    admission dispatches, host and wait seconds, its slowest step) to tell a slow pass's cause."""
+    rec = {"gc_s": round(clock.seconds, 4), "full": clock.collections[2]}
+    after = _engine_counts(llm)
+    if before is not None and after is not None:
+        rec.update({k: round(after[k] - before[k], 4) for k in after})
+        steps = llm.engine.stats.step_s[before["steps"]:]
+        rec["max_step_ms"] = round(1e3 * max(steps), 2) if steps else None
+    return rec
+
+
 def timed_generate(llm, chats, sp, repeats: int = 1, gc_runs: Optional[list] = None):
     """-> (outputs, seconds, shapes compiled during the timed passes (0 once warmed up),
     tokens/s of every pass). With repeats > 1 the prompts run that many times back to back and
     the pass with the median tokens/s is the one returned: a pass of a second or two at a
     large batch moves by tens of percent when one stretch of it runs slow. gc_runs, if given,
-    gets each pass's garbage-collection seconds and full (generation 2) collections."""
+    gets a record of each pass (`_pass_record`): garbage-collection seconds and full
+    (generation 2) collections, and the engine's calls, host time and slowest step."""
     before = llm.compilations() if hasattr(llm, "compilations") else 0
     passes = []
     for _ in range(repeats):
+        counts = _engine_counts(llm)
         with GcClock() as clock:
             t0 = time.perf_counter()
             outs = llm.generate(chats, sp)
             secs = time.perf_counter() - t0
         if gc_runs is not None:
-            gc_runs.append({"gc_s": round(clock.seconds, 4), "full": clock.collections[2]})
+            gc_runs.append(_pass_record(clock, llm, counts))
         passes.append((sum(len(o.token_ids) for o in outs) / secs if secs > 0 else 0.0,
                        outs, secs))
     rates = [p[0] for p in passes]
