@@ -168,12 +168,14 @@ def _engine_counts(llm) -> Optional[dict]:
     if st is None:
         return None
     return {"device_calls": sum(st.call_sizes.values()), "admit_calls": st.prefill_chunks,
-            "host_s": st.host_s, "wait_s": st.wait_s, "steps": len(st.step_s)}
+            "host_s": st.host_s, "dispatch_s": st.dispatch_s, "wait_s": st.wait_s,
+            "steps": len(st.step_s)}
 
 
 def _pass_record(clock: GcClock, llm, before: Optional[dict]) -> dict:
     """One timed pass: garbage collection, and what the engine did in it (device calls,
-    admission dispatches, host and wait seconds, its slowest step) to tell a slow pass's cause."""
+    admission dispatches, host seconds and the part of them in the backend's calls, wait
+    seconds, its slowest step) to tell a slow pass's cause."""
     rec = {"gc_s": round(clock.seconds, 4), "full": clock.collections[2]}
     after = _engine_counts(llm)
     if before is not None and after is not None:
