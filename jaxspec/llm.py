@@ -233,22 +233,37 @@ class LLM:
         compiles on its first use); after `warmup`, anything above 0 is a missed shape."""
         return 0 if self.dp_runner is not None else self.engine.backend.jit_calls
 
-    def _encode(self, prompt: Prompt) -> List[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-            ids = self.tokenizer.apply_chat_template(list(prompt))
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids out of range [0, {self.config.vocab_size}): {bad[:5]}")
-        else:
-            raise TypeError(f"a prompt is a string, a chat (list of messages) or a list of token "
-                            f"ids; got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("empty prompt: it encodes to no tokens")
-        return ids
+    def _encode_all(self, prompts: Sequence[Prompt]) -> List[List[int]]:
+        """Token ids of each prompt. Texts and chats go to the tokenizer as one batch each,
+        which it encodes on several threads: encoding 384 chats one by one took about 85 ms of
+        a batch-64 pass in which the device waited (bench/RESULTS.md, eighteenth set)."""
+        kinds = []
+        for p in prompts:
+            if isinstance(p, str):
+                kinds.append("text")
+            elif isinstance(p, (list, tuple)) and p and isinstance(p[0], dict):
+                kinds.append("chat")
+            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+                kinds.append("ids")
+            else:
+                raise TypeError(f"a prompt is a string, a chat (list of messages) or a list of "
+                                f"token ids; got {type(p).__name__}")
+        out: List[Optional[List[int]]] = [None] * len(prompts)
+        for kind, encode in (("text", self.tokenizer.encode_batch),
+                             ("chat", self.tokenizer.apply_chat_templates)):
+            idx = [i for i, k in enumerate(kinds) if k == kind]
+            for i, ids in zip(idx, encode([prompts[i] for i in idx])):
+                out[i] = ids
+        for i, kind in enumerate(kinds):
+            if kind == "ids":
+                out[i] = list(prompts[i])
+                bad = [t for t in out[i] if not 0 <= t < self.config.vocab_size]
+                if bad:
+                    raise ValueError(f"prompt token ids out of range [0, "
+                                     f"{self.config.vocab_size}): {bad[:5]}")
+            if not out[i]:
+                raise ValueError("empty prompt: it encodes to no tokens")
+        return out
 
     def _check_fits(self, ids: List[int], sp: SamplingParams, i: int):
         if len(ids) + sp.max_tokens > self.max_model_len:
@@ -258,7 +273,6 @@ class LLM:
 
     def _eos_ids(self) -> set:
         return set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
-
     # -- generation ----------------------------------------------------------------------
     def _normalize(self, prompts, sampling_params):
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (dict, int))):
@@ -269,7 +283,7 @@ class LLM:
             [sampling_params or SamplingParams()] * len(prompts)
         if len(sps) != len(prompts):
             raise ValueError(f"{len(sps)} sampling params for {len(prompts)} prompts")
-        encoded = [self._encode(p) for p in prompts]
+        encoded = self._encode_all(prompts)
         for i, (ids, sp) in enumerate(zip(encoded, sps)):
             self._check_fits(ids, sp, i)
         return encoded, list(sps)

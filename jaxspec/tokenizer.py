@@ -68,6 +68,20 @@ class Tokenizer:
         # The template writes any BOS itself; encoding it again would double it.
         return self.encode(self.render_chat(messages), add_special_tokens=False)
 
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True
+                     ) -> List[List[int]]:
+        """`encode` of each text, in one call: a fast tokenizer encodes a batch on several
+        threads (384 chat prompts: several times faster than one by one on a 16-core host)."""
+        if not texts:
+            return []
+        out = self.hf(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
+        return [list(ids) for ids in out]
+
+    def apply_chat_templates(self, chats: Sequence[Sequence[Mapping[str, str]]]
+                             ) -> List[List[int]]:
+        """`apply_chat_template` of each chat: rendered one by one, encoded as one batch."""
+        return self.encode_batch([self.render_chat(c) for c in chats], add_special_tokens=False)
+
     @classmethod
     def from_hf_dir(cls, model_dir, extra_eos_ids: Iterable[int] = ()) -> "Tokenizer":
         from transformers import AutoTokenizer

@@ -58,6 +58,24 @@ def test_more_prompts_than_slots(llm):
     assert [o.request_id for o in outs] == [0, 1, 2] and all(len(o.token_ids) == 3 for o in outs)
 
 
+def test_mixed_prompts_are_encoded_in_batches_as_one_by_one(llm):
+    """Texts and chats go to the tokenizer as one batch each: the ids equal encoding each
+    prompt alone, in the prompts' order, with token-id prompts kept as given."""
+    tok = llm.tokenizer
+    chat = [{"role": "user", "content": "Name three prime numbers."}]
+    texts = ["The quick brown fox", "  spaces and\nnew lines  ", "Ünïcödé ✓"]
+    prompts = [texts[0], chat, [5, 6, 7], texts[1], [chat[0]] * 2, texts[2]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+    want = [tok.encode(texts[0]), tok.apply_chat_template(chat), [5, 6, 7],
+            tok.encode(texts[1]), tok.apply_chat_template([chat[0]] * 2), tok.encode(texts[2])]
+    assert [o.prompt_token_ids for o in outs] == want
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+    assert tok.apply_chat_templates([chat]) == [tok.apply_chat_template(chat)]
+    assert tok.encode_batch([]) == []
+    with pytest.raises(TypeError, match="a prompt is a string"):
+        llm.generate(["fine", 3.5], SamplingParams(max_tokens=2))
+
+
 @pytest.mark.parametrize("prompt,needle", [("", "empty prompt"), ([], "no prompts"),
                                            ([[10**9]], "out of range")])
 def test_bad_prompts_rejected(llm, prompt, needle):
