@@ -20,8 +20,9 @@ distribution over the draft vocabulary, --ttt-steps chained passes, default 7) a
 --self-instruct N replaces the prepared prompts by N queries the target writes itself (sampled
 after the chat template's opening of a user turn, as in Magpie), answered greedily like the
 others: instruction-style text nearer to MT-bench than ShareGPT's prompts. With
---generate-only the call writes the examples and stops, for a later call's --sd-data. --vs-shipped also measures the shipped
-EAGLE-1 head on the same questions, for a tau comparison in one call.
+--generate-only the call writes the examples and stops, for a later call's --sd-data.
+--vs-shipped also measures the shipped EAGLE-1 head on the same questions, for a tau comparison
+in one call.
 """
 from __future__ import annotations
 
@@ -228,18 +229,16 @@ def run(a):
         ip, ir = self_distill(ip, a.gen_seconds, "instruct")
         prompts, responses = prompts + ip, responses + ir
         first_turn = sd_first = None
-    elif a.mode == "tf" or not a.sd_data or a.compare_seconds:
-        prompts, responses, _ = data.load_examples(a.data)
-        prompts, responses = prompts[:a.examples], responses[:a.examples]
-        first_turn = (prompts, responses)
     else:
         first_turn = None
-    if a.mode == "sd" and not a.self_instruct:
-        if a.sd_data:
-            prompts, responses = read_answers(a.sd_data)
-        else:
-            prompts, responses = self_distill(prompts, a.gen_seconds, "first")
-        sd_first = (prompts, responses)
+        if a.mode == "tf" or not a.sd_data or a.compare_seconds:   # the prepared prompts
+            prompts, responses, _ = data.load_examples(a.data)
+            prompts, responses = prompts[:a.examples], responses[:a.examples]
+            first_turn = (prompts, responses)
+        if a.mode == "sd":
+            prompts, responses = (read_answers(a.sd_data) if a.sd_data else
+                                  self_distill(prompts, a.gen_seconds, "first"))
+            sd_first = (prompts, responses)
     if a.mode == "sd" and a.more_data:
         more, _, _ = data.load_examples(a.more_data)
         mp, mr = self_distill(more, a.gen_seconds, "more")

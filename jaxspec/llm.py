@@ -33,6 +33,18 @@ class RequestOutput:
     logprobs: Optional[list] = None    # per token {token id: logprob}, when asked for
 
 
+def _prompt_kind(prompt: Prompt) -> str:
+    """'text', 'chat' or 'ids'; TypeError for anything else."""
+    if isinstance(prompt, str):
+        return "text"
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        return "chat"
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        return "ids"
+    raise TypeError(f"a prompt is a string, a chat (list of messages) or a list of token ids; "
+                    f"got {type(prompt).__name__}")
+
+
 class LLM:
     """A target model (and later a draft head) ready to generate.
 
@@ -220,8 +232,8 @@ class LLM:
         sampling: the parameters of the requests to come, when known: only the program variants
         they need are compiled (all greedy without penalties or logprobs: half of them).
         freeze_heap: then leave the objects alive now out of Python's garbage collections
-        (`jaxspec.engine.freeze_startup_heap`; default: on accelerators), so that no full collection
-        walks them mid-serving."""
+        (`jaxspec.engine.freeze_startup_heap`; default: on accelerators), so that no full
+        collection walks them mid-serving."""
         if self.dp_runner is not None:
             return
         sps = [sampling] if isinstance(sampling, SamplingParams) else list(sampling or [])
@@ -237,17 +249,7 @@ class LLM:
         """Token ids of each prompt. Texts and chats go to the tokenizer as one batch each,
         which it encodes on several threads: encoding 384 chats one by one took about 85 ms of
         a batch-64 pass in which the device waited (bench/RESULTS.md, eighteenth set)."""
-        kinds = []
-        for p in prompts:
-            if isinstance(p, str):
-                kinds.append("text")
-            elif isinstance(p, (list, tuple)) and p and isinstance(p[0], dict):
-                kinds.append("chat")
-            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
-                kinds.append("ids")
-            else:
-                raise TypeError(f"a prompt is a string, a chat (list of messages) or a list of "
-                                f"token ids; got {type(p).__name__}")
+        kinds = [_prompt_kind(p) for p in prompts]
         out: List[Optional[List[int]]] = [None] * len(prompts)
         for kind, encode in (("text", self.tokenizer.encode_batch),
                              ("chat", self.tokenizer.apply_chat_templates)):

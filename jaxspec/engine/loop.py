@@ -438,7 +438,7 @@ class Engine:
                 out = call(self.state)
                 self.state = out[0] if isinstance(out, tuple) else out
         jax.block_until_ready(self.state)
-        if execute if freeze_heap is None else freeze_heap:
+        if execute if freeze_heap is None else freeze_heap:   # the default follows execute
             freeze_startup_heap()
 
     def _programs(self, variants) -> List[Callable]:

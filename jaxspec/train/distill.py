@@ -72,9 +72,10 @@ def self_instruct(cfg: ModelConfig, params, tok, n: int, *, max_query: int = 128
     """Up to n user queries the target writes itself, and their chat-template prompts.
 
     Each slot samples (temperature, top_p; a per-draw seed from a generator seeded with
-    `seed`, so a run is reproducible) what follows `query_prefix`. Kept: queries that the target ended itself (EOS within
-    max_query tokens), of at least min_chars characters, each text once, whose rendered prompt
-    has at most max_prompt_len tokens. Returns (queries, prompts, counts: drawn = kept + the dropped ones).
+    `seed`, so a run is reproducible) what follows `query_prefix`. Kept: queries that the
+    target ended itself (EOS within max_query tokens), of at least min_chars characters, each
+    text once, whose rendered prompt has at most max_prompt_len tokens. Returns (queries,
+    prompts, counts: drawn = kept + the dropped ones).
     """
     from tqdm.auto import tqdm
 
