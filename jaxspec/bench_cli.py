@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="whether the engine's warm-up ends by freezing Python's heap "
                          "(gc.freeze: later full collections skip what the warm-up made; "
                          "auto: on accelerators, as LLM.warmup)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="sweep: after each run's timed passes, run one more pass under "
+                         "jax.profiler (CUDA graphs kept on) into DIR/b<B>_<mode> and print the "
+                         "device's time per program (cycle, admissions, ...) and how busy it "
+                         "was; the figures go in --json as 'profile' (the pass is not timed)")
     ap.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                     help="sweep: start no new run (batch size x mode) after this many seconds; "
                          "what finished is kept and the result stays marked partial")
@@ -133,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "accept-length histogram, per-category table)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     return ap
+
+
+def _profile_flags():
+    """Keeps XLA's CUDA graphs on while profiling (XLA turns them off by default then), so the
+    traced pass runs the programs the timed ones ran. Set before the backend starts."""
+    flag = "--xla_enable_command_buffers_during_profiling=true"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
 
 def _defaults(args):
@@ -311,6 +324,7 @@ def run_sweep(args, result):
             bar.set_postfix_str(f"batch {b}, {m.label}: timed")
             gc_runs = []
             outs, secs, compiled, rates = R.timed_generate(llm, chats, sp, args.repeats, gc_runs)
+            profiled = _profile_pass(args, llm, chats, sp, b, m)
             # as run: the default depends on the mode and the batch (default_admit_interval);
             # no engine under pmap data parallel
             interval = getattr(getattr(llm, "engine", None), "admit_interval", None)
@@ -321,6 +335,8 @@ def run_sweep(args, result):
             row["warmup_s"] = round(warm_s, 2)
             row["tokens_per_s_runs"] = rates
             row["gc_runs"] = gc_runs
+            if profiled is not None:
+                row["profile"] = profiled
             if m is R.PLAIN:
                 plain_outs, base = outs, row["tokens_per_s"]
                 plain_first = plain_first or outs
@@ -357,6 +373,25 @@ def run_sweep(args, result):
         result["peers"] = _peers(args, result, prompts, plain_first, rows, target)
     result["partial"] = stopped
     _print_sweep_tail(args, result)
+
+
+def _profile_pass(args, llm, chats, sp, batch: int, mode) -> Optional[dict]:
+    """With --profile: one more pass of the run under jax.profiler, summarized per program
+    (`benchmark.trace`); the table is printed (quiet or not: it is what was asked for)."""
+    if not args.profile:
+        return None
+    import jax
+    from jaxspec.benchmark import trace
+    where = os.path.join(args.profile, f"b{batch}_{mode.label.replace(':', '-')}")
+    with jax.profiler.trace(where, create_perfetto_trace=True):
+        t0 = time.perf_counter()
+        llm.generate(chats, sp)
+        wall = time.perf_counter() - t0
+    summary = trace.program_times(trace.load_trace(where))
+    summary["wall_ms"] = round(wall * 1e3, 2)
+    print(f"\nprofile, batch {batch}, {mode.label}: pass {wall * 1e3:.1f} ms under the "
+          f"profiler, trace in {where}\n{trace.format_programs(summary)}", flush=True)
+    return summary
 
 
 def _exactness_note(result, row):
@@ -597,7 +632,12 @@ def run_cycle(args, result):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = _defaults(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    if args.profile:
+        if args.mode not in (None, "sweep"):
+            raise SystemExit("--profile traces a sweep's runs (the default mode)")
+        _profile_flags()
+    args = _defaults(args)
     if not args.no_peers:
         _peer_names(args.peers)   # a misspelt peer fails now, not after the jaxspec runs
     if args.plot:

@@ -184,6 +184,23 @@ def test_serving_run(tiny_chat_model, capsys):
     assert 0 < s["p50_ttft_s"] <= s["p99_ttft_s"] and s["p50_e2e_s"] >= s["p50_ttft_s"]
 
 
+def test_profile_pass(tiny_chat_model, tmp_path, capsys):
+    """--profile traces one more pass per run and files its per-program summary (the CPU has no
+    device kernels: zeros, but the trace is written and read back); other modes refuse it."""
+    prof = tmp_path / "prof"
+    assert bench_cli.main(["--model", str(tiny_chat_model), "--no-spec", "--num-prompts", "1",
+                           "--max-tokens", "4", "--max-model-len", "128", "--no-peers", "--quiet",
+                           "--profile", str(prof), "--json", "-"]) == 0
+    out = capsys.readouterr().out
+    res = json.loads(out[out.index("\n{") + 1:])
+    row = res["rows"][0]
+    assert row["profile"]["wall_ms"] > 0 and row["profile"]["kernels"] == 0
+    assert "profile, batch 1, plain" in out
+    assert list(prof.glob("b1_plain/**/*.json.gz"))
+    with pytest.raises(SystemExit, match="--profile traces a sweep"):
+        bench_cli.main(["--mode", "accuracy", "--profile", str(prof)])
+
+
 # ---------------------------------------------------------------- pieces, no model
 def test_divergence_from_plain():
     plain = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9], [1, 2, 3]]

@@ -1,0 +1,135 @@
+"""Device time per program from a jax.profiler trace: which compiled program (the cycle, an
+admission, a decode block) the GPU's kernels belonged to, and how long the device sat idle.
+
+A kernel is tied to the program that launched it by CUPTI's correlation id: the GPU event and
+the host's launch call (cuGraphLaunch, cuLaunchKernel, a copy) carry the same one, and the
+launch sits inside the host span of the XLA module that ran it (`jit_<name>:XLA GPU module`,
+or `PjitFunction(<name>)` around it). Kernels inside a CUDA graph share their graph launch's
+id, so a whole graph lands on its program.
+
+    summary = program_times(load_trace(trace_dir))
+    print(format_programs(summary))
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+from typing import Dict, List, Optional, Tuple
+
+_MODULE = re.compile(r"^(?:jit_)?([\w.\-]+?)(?:\(\d+\))?:XLA GPU module$")
+_PJIT = re.compile(r"^PjitFunction\((?:jit\()?([\w.\-<>]+?)\)*$")
+UNMATCHED = "(no launch found)"
+
+
+def load_trace(trace_dir: str) -> List[dict]:
+    """The events of the newest perfetto trace (`*.trace.json.gz`) under trace_dir."""
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.json.gz"), recursive=True),
+                   key=os.path.getmtime)
+    if not paths:
+        raise FileNotFoundError(f"no *.json.gz trace under {trace_dir}")
+    with gzip.open(paths[-1]) as f:
+        events = json.load(f)
+    return events.get("traceEvents", []) if isinstance(events, dict) else events
+
+
+def _gpu_pids(events) -> set:
+    return {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and "GPU" in str(e.get("args", {}).get("name", ""))}
+
+
+def _program_spans(host) -> Dict[tuple, Tuple[List[float], List[tuple]]]:
+    """Per host thread: sorted span starts and (start, end, program) of every module run."""
+    spans = collections.defaultdict(list)
+    for e in host:
+        name = e.get("name", "")
+        m = _MODULE.match(name) or _PJIT.match(name)
+        if m:
+            spans[(e.get("pid"), e.get("tid"))].append(
+                (e["ts"], e["ts"] + e.get("dur", 0), m.group(1), _MODULE.match(name) is not None))
+    out = {}
+    for key, rows in spans.items():
+        rows.sort()
+        out[key] = ([r[0] for r in rows], rows)
+    return out
+
+
+def _program_of(spans, thread, ts) -> Optional[str]:
+    """The innermost module span of `thread` holding time ts (XLA module names first)."""
+    starts, rows = spans.get(thread, ([], []))
+    i = bisect.bisect_right(starts, ts)
+    best = None
+    for start, end, name, is_module in reversed(rows[max(0, i - 64):i]):
+        if start <= ts <= end and (best is None or (is_module and not best[1])):
+            best = (name, is_module)
+    return None if best is None else best[0]
+
+
+def program_times(events: List[dict]) -> dict:
+    """{"programs": {name: {"device_ms", "kernels", "calls"}}, "device_ms": all kernels,
+    "busy_ms": their union (overlaps once), "span_ms": first kernel start to last end,
+    "correlated": kernels tied to a program}. Without GPU events (a CPU run) every figure is 0."""
+    gpu = _gpu_pids(events)
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu]
+    host = [e for e in events if e.get("ph") == "X" and e.get("pid") not in gpu]
+    spans = _program_spans(host)
+    launch = {}                          # correlation id -> program
+    for e in host:
+        cid = e.get("args", {}).get("correlation_id")
+        if cid is not None:
+            prog = _program_of(spans, (e.get("pid"), e.get("tid")), e["ts"])
+            if prog is not None:
+                launch[str(cid)] = prog
+    progs = collections.defaultdict(lambda: {"device_ms": 0.0, "kernels": 0, "calls": 0})
+    for rows in spans.values():
+        for _, _, name, is_module in rows[1]:
+            progs[name]["calls"] += is_module
+    correlated = 0
+    for e in kernels:
+        cid = e.get("args", {}).get("correlation_id")
+        prog = launch.get(str(cid)) if cid is not None else None
+        correlated += prog is not None
+        row = progs[prog or UNMATCHED]
+        row["device_ms"] += e.get("dur", 0) / 1e3
+        row["kernels"] += 1
+    return {"programs": {k: v for k, v in progs.items() if v["kernels"]},
+            "device_ms": sum(e.get("dur", 0) for e in kernels) / 1e3,
+            "busy_ms": _union_ms(kernels), "span_ms": _span_ms(kernels),
+            "correlated": correlated, "kernels": len(kernels)}
+
+
+def _union_ms(kernels) -> float:
+    total, end = 0.0, None
+    for s, d in sorted((e["ts"], e.get("dur", 0)) for e in kernels):
+        if end is None or s >= end:
+            total, end = total + d, s + d
+        elif s + d > end:
+            total, end = total + s + d - end, s + d
+    return total / 1e3
+
+
+def _span_ms(kernels) -> float:
+    if not kernels:
+        return 0.0
+    return (max(e["ts"] + e.get("dur", 0) for e in kernels) - min(e["ts"] for e in kernels)) / 1e3
+
+
+def format_programs(summary: dict) -> str:
+    """A table: device ms per program, its share, kernels and calls; then busy / span."""
+    rows = sorted(summary["programs"].items(), key=lambda kv: -kv[1]["device_ms"])
+    total = summary["device_ms"] or 1.0
+    lines = [f"{'program':44} {'device ms':>10} {'share':>6} {'kernels':>8} {'calls':>6} "
+             f"{'ms/call':>8}"]
+    for name, r in rows:
+        per = f"{r['device_ms'] / r['calls']:8.3f}" if r["calls"] else f"{'-':>8}"
+        lines.append(f"{name[:44]:44} {r['device_ms']:10.2f} {r['device_ms'] / total:6.1%} "
+                     f"{r['kernels']:8d} {r['calls']:6d} {per}")
+    span = summary["span_ms"]
+    lines.append(f"kernels {summary['kernels']}, tied to a program {summary['correlated']}; "
+                 f"device busy {summary['busy_ms']:.1f} ms of {span:.1f} ms from the first "
+                 f"kernel to the last ({summary['busy_ms'] / span if span else 0:.0%})")
+    return "\n".join(lines)
