@@ -390,7 +390,7 @@ def _profile_pass(args, llm, chats, sp, batch: int, mode) -> Optional[dict]:
     summary = trace.program_times(trace.load_trace(where))
     summary["wall_ms"] = round(wall * 1e3, 2)
     print(f"\nprofile, batch {batch}, {mode.label}: pass {wall * 1e3:.1f} ms under the "
-          f"profiler, trace in {where}\n{trace.format_programs(summary)}", flush=True)
+          f"profiler, trace in {where}\n{trace.format_programs(summary, kernels=True)}", flush=True)
     return summary
 
 

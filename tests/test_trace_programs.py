@@ -50,9 +50,10 @@ def test_kernels_go_to_the_program_that_launched_them(trace_dir):
     s = trace.program_times(trace.load_trace(str(trace_dir)))
     progs = s["programs"]
     assert set(progs) == {"cycles", "spec_admit_packed", trace.UNMATCHED}
-    assert progs["cycles"] == {"device_ms": pytest.approx(0.060), "kernels": 2, "calls": 1}
+    assert progs["cycles"] == {"device_ms": pytest.approx(0.060), "kernels": 2, "calls": 1,
+                               "top": {"nvjet_gemm": 0.04, "fusion": 0.02}}
     assert progs["spec_admit_packed"] == {"device_ms": pytest.approx(0.060), "kernels": 2,
-                                          "calls": 1}
+                                          "calls": 1, "top": {"tree_attention": 0.06}}
     assert progs[trace.UNMATCHED]["kernels"] == 1
     assert s["kernels"] == 5 and s["correlated"] == 4
     assert s["device_ms"] == pytest.approx(0.130)
@@ -62,7 +63,8 @@ def test_kernels_go_to_the_program_that_launched_them(trace_dir):
     table = trace.format_programs(s)
     assert table.splitlines()[1].startswith("cycles") or table.splitlines()[1].startswith(
         "spec_admit_packed")
-    assert "tied to a program 4" in table
+    assert "tied to a program 4" in table and "nvjet_gemm" not in table
+    assert "    nvjet_gemm" in trace.format_programs(s, kernels=True)
 
 
 def test_no_trace_is_a_clear_error(tmp_path):

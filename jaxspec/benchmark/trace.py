@@ -69,8 +69,15 @@ def _program_of(spans, thread, ts) -> Optional[str]:
     return None if best is None else best[0]
 
 
-def program_times(events: List[dict]) -> dict:
-    """{"programs": {name: {"device_ms", "kernels", "calls"}}, "device_ms": all kernels,
+def _kernel_kind(name: str) -> str:
+    """A kernel's name without what varies per instance (fusion numbers, template noise)."""
+    name = re.sub(r"[_.]\d+$", "", name.split("(")[0])
+    return name[:60]
+
+
+def program_times(events: List[dict], top: int = 10) -> dict:
+    """{"programs": {name: {"device_ms", "kernels", "calls", "top": {kernel kind: ms} of its
+    `top` costliest kinds}}, "device_ms": all kernels,
     "busy_ms": their union (overlaps once), "span_ms": first kernel start to last end,
     "correlated": kernels tied to a program}. Without GPU events (a CPU run) every figure is 0."""
     gpu = _gpu_pids(events)
@@ -85,6 +92,7 @@ def program_times(events: List[dict]) -> dict:
             if prog is not None:
                 launch[str(cid)] = prog
     progs = collections.defaultdict(lambda: {"device_ms": 0.0, "kernels": 0, "calls": 0})
+    by_name = collections.defaultdict(collections.Counter)   # program -> kernel name -> us
     for rows in spans.values():
         for _, _, name, is_module in rows[1]:
             progs[name]["calls"] += is_module
@@ -96,6 +104,9 @@ def program_times(events: List[dict]) -> dict:
         row = progs[prog or UNMATCHED]
         row["device_ms"] += e.get("dur", 0) / 1e3
         row["kernels"] += 1
+        by_name[prog or UNMATCHED][_kernel_kind(e.get("name", ""))] += e.get("dur", 0)
+    for prog, kinds in by_name.items():
+        progs[prog]["top"] = {k: round(us / 1e3, 3) for k, us in kinds.most_common(top)}
     return {"programs": {k: v for k, v in progs.items() if v["kernels"]},
             "device_ms": sum(e.get("dur", 0) for e in kernels) / 1e3,
             "busy_ms": _union_ms(kernels), "span_ms": _span_ms(kernels),
@@ -118,8 +129,9 @@ def _span_ms(kernels) -> float:
     return (max(e["ts"] + e.get("dur", 0) for e in kernels) - min(e["ts"] for e in kernels)) / 1e3
 
 
-def format_programs(summary: dict) -> str:
-    """A table: device ms per program, its share, kernels and calls; then busy / span."""
+def format_programs(summary: dict, kernels: bool = False) -> str:
+    """A table: device ms per program, its share, kernels and calls (with kernels: each
+    program's costliest kernel kinds under it); then busy / span."""
     rows = sorted(summary["programs"].items(), key=lambda kv: -kv[1]["device_ms"])
     total = summary["device_ms"] or 1.0
     lines = [f"{'program':44} {'device ms':>10} {'share':>6} {'kernels':>8} {'calls':>6} "
@@ -128,6 +140,8 @@ def format_programs(summary: dict) -> str:
         per = f"{r['device_ms'] / r['calls']:8.3f}" if r["calls"] else f"{'-':>8}"
         lines.append(f"{name[:44]:44} {r['device_ms']:10.2f} {r['device_ms'] / total:6.1%} "
                      f"{r['kernels']:8d} {r['calls']:6d} {per}")
+        if kernels:
+            lines += [f"    {k[:56]:56} {ms:9.2f} ms" for k, ms in r.get("top", {}).items()]
     span = summary["span_ms"]
     lines.append(f"kernels {summary['kernels']}, tied to a program {summary['correlated']}; "
                  f"device busy {summary['busy_ms']:.1f} ms of {span:.1f} ms from the first "
