@@ -120,6 +120,7 @@ def _tree_attention_kernel(
     block_k: int,
     block_n: int,
     packed: bool = False,
+    causal: bool = False,
 ):
     rb, split, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = bh // num_kv_heads, bh % num_kv_heads
@@ -181,6 +182,9 @@ def _tree_attention_kernel(
 
     # Explicit int32: a select of two Python ints lowered to i1 under the Triton backend.
     num_new_blocks = (split == 0).astype(jnp.int32) * jnp.int32(pl.cdiv(num_new, block_n))
+    if causal:   # no query sees a later key: stop after the block holding this block's last query
+        last_query = jnp.minimum((rb * block_r + block_r - 1) // group, num_new - 1)
+        num_new_blocks = jnp.minimum(num_new_blocks, last_query // block_n + 1)
     o, m, l = lax.fori_loop(0, num_new_blocks, new_body, carry)
 
     if num_splits == 1:  # No combine pass: normalise and write the final layout here.
@@ -277,7 +281,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
-           "interpret")
+           "interpret", "causal")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -321,8 +325,10 @@ def tree_attention_packed_pallas(qkv, k_cache, v_cache, layer, seq_lens, tree_ma
 
 def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_shape, dtype, *,
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
-            num_splits=None, num_warps=None, num_stages=None, interpret=False):
-    """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D]."""
+            num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False):
+    """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
+    causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
+    each row block stops at its last query's key block instead of visiting them all."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -348,7 +354,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     kernel = functools.partial(
         _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv,
         num_splits=num_splits, group=g, num_new=n, block_r=block_r, block_k=block_k,
-        block_n=block_n, packed=packed)
+        block_n=block_n, packed=packed, causal=causal)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(rows, block_r), num_splits, b * hkv),
