@@ -130,3 +130,42 @@ def test_default_config_splits_stay_whole_and_fill(b, n, t):
     programs = b * 8 * -(-n * 4 // block_r)
     assert splits == 1 or t // splits >= 4 * block_k      # no split shorter than 4 key blocks
     assert programs * splits >= min(64, programs * max(1, t // (4 * block_k)))
+
+
+@pytest.mark.parametrize("entry", ["separate", "packed"])
+def test_causal_bound_keeps_every_key_a_query_sees(entry):
+    """causal=True stops each row block at its last query's key block. Packs (block-diagonal
+    causal) and causal chunks after a prefix give the reference's result, at block sizes where
+    row blocks end mid-token and key blocks end mid-request."""
+    hq, hkv, d, n = 9, 3, 64, 40
+    seg = np.repeat([0, 1, 2], [13, 20, 7])
+    pos = np.concatenate([np.arange(13), np.arange(20), np.arange(7)])
+    pack = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+    causal = np.tril(np.ones((n, n), bool))
+    q, kc, vc, sl, kn, vn, _ = _inputs(7, 2, n, hq, hkv, d, n + 24, 1, jnp.float32, [0, 24])
+    mask = jnp.asarray(np.stack([pack, causal]))
+    ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=0.125)
+    for block_r, block_n in ((16, 16), (32, 8), (64, 32)):
+        tune = dict(sm_scale=0.125, block_r=block_r, block_k=16, block_n=block_n,
+                    interpret=True, causal=True)
+        if entry == "packed":
+            out = ta.tree_attention_packed_pallas(_pack(q, kn, vn), kc, vc, jnp.int32(0), sl,
+                                                  mask, num_heads=hq, **tune)
+        else:
+            out = ta.tree_attention_pallas(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, **tune)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    # A mask that lets an early query see a late key is outside the contract: the bound drops
+    # that key, so the result differs (this is what the option promises callers to avoid).
+    wide = mask.at[:, 0, n - 1].set(True)
+    ref_w = ta.tree_attention_reference(q, kc, vc, jnp.int32(0), sl, kn, vn, wide,
+                                        sm_scale=0.125)
+    out_w = ta.tree_attention_pallas(q, kc, vc, jnp.int32(0), sl, kn, vn, wide, sm_scale=0.125,
+                                     block_r=16, block_k=16, block_n=16, interpret=True,
+                                     causal=True)
+    assert np.abs(np.asarray(out_w) - np.asarray(ref_w))[:, 0].max() > 1e-3
+
+
+def test_prefill_config_marks_chunks_causal():
+    from jaxspec.config import ModelConfig
+    cfg = ModelConfig("LlamaForCausalLM", 64, 32, 64, 2, 4, 2, 8)
+    assert not cfg.causal_chunks and cfg.for_prefill().causal_chunks
