@@ -27,7 +27,9 @@ VARIANTS = {"default": {}, "causal": {"causal": True},
             "causal+r64": {"causal": True, "block_r": 64},
             "causal+r32": {"causal": True, "block_r": 32},
             "causal+n32": {"causal": True, "block_n": 32},
-            "causal+n128": {"causal": True, "block_n": 128}}
+            "causal+n128": {"causal": True, "block_n": 128},
+            "causal+start": {"causal": True, "skip_before": True},
+            "causal+start+r64": {"causal": True, "skip_before": True, "block_r": 64}}
 
 
 def pack_mask(lengths, n):

@@ -121,6 +121,7 @@ def _tree_attention_kernel(
     block_n: int,
     packed: bool = False,
     causal: bool = False,
+    skip_before: bool = False,
 ):
     rb, split, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = bh // num_kv_heads, bh % num_kv_heads
@@ -185,7 +186,18 @@ def _tree_attention_kernel(
     if causal:   # no query sees a later key: stop after the block holding this block's last query
         last_query = jnp.minimum((rb * block_r + block_r - 1) // group, num_new - 1)
         num_new_blocks = jnp.minimum(num_new_blocks, last_query // block_n + 1)
-    o, m, l = lax.fori_loop(0, num_new_blocks, new_body, carry)
+    first_block = jnp.int32(0)
+    if skip_before:   # start at the block holding the first key this block's first query sees
+        first_query = jnp.minimum((rb * block_r) // group, num_new - 1)
+        all_cols = jnp.arange(_next_pow2(num_new))
+        row = _load(mask_ref.at[b, jnp.full((1,), first_query)[:, None],
+                                jnp.minimum(all_cols, num_new - 1)[None, :]])
+        seen = (row[0] != 0) & (all_cols < num_new)
+        first_block = jnp.min(jnp.where(seen, all_cols, num_new - 1)) // block_n
+        # At least one block on split 0: a row that sees no key at all (a padding row) must
+        # still come out finite, as it does when every block is visited.
+        first_block = jnp.minimum(first_block, jnp.maximum(num_new_blocks - 1, 0))
+    o, m, l = lax.fori_loop(first_block, num_new_blocks, new_body, carry)
 
     if num_splits == 1:  # No combine pass: normalise and write the final layout here.
         _store_rows(out_refs[0], o / l[:, None], b, h, r, row_live, group)
@@ -281,7 +293,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
-           "interpret", "causal")
+           "interpret", "causal", "skip_before")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -325,10 +337,14 @@ def tree_attention_packed_pallas(qkv, k_cache, v_cache, layer, seq_lens, tree_ma
 
 def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_shape, dtype, *,
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
-            num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False):
+            num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
+            skip_before=False):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
-    each row block stops at its last query's key block instead of visiting them all."""
+    each row block stops at its last query's key block instead of visiting them all.
+    skip_before: the first key a query sees never moves back from one query to the next (packs
+    of prompts laid end to end): each row block starts at the key block its first query first
+    sees (one mask row read per program) instead of at key 0."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -355,7 +371,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     kernel = functools.partial(
         _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv,
         num_splits=num_splits, group=g, num_new=n, block_r=block_r, block_k=block_k,
-        block_n=block_n, packed=packed, causal=causal)
+        block_n=block_n, packed=packed, causal=causal, skip_before=skip_before)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(rows, block_r), num_splits, b * hkv),

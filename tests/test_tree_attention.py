@@ -145,9 +145,10 @@ def test_causal_bound_keeps_every_key_a_query_sees(entry):
     q, kc, vc, sl, kn, vn, _ = _inputs(7, 2, n, hq, hkv, d, n + 24, 1, jnp.float32, [0, 24])
     mask = jnp.asarray(np.stack([pack, causal]))
     ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=0.125)
-    for block_r, block_n in ((16, 16), (32, 8), (64, 32)):
+    for block_r, block_n, skip in ((16, 16, False), (32, 8, False), (64, 32, False),
+                                   (16, 16, True), (32, 8, True), (16, 8, True)):
         tune = dict(sm_scale=0.125, block_r=block_r, block_k=16, block_n=block_n,
-                    interpret=True, causal=True)
+                    interpret=True, causal=True, skip_before=skip)
         if entry == "packed":
             out = ta.tree_attention_packed_pallas(_pack(q, kn, vn), kc, vc, jnp.int32(0), sl,
                                                   mask, num_heads=hq, **tune)
@@ -163,6 +164,26 @@ def test_causal_bound_keeps_every_key_a_query_sees(entry):
                                      block_r=16, block_k=16, block_n=16, interpret=True,
                                      causal=True)
     assert np.abs(np.asarray(out_w) - np.asarray(ref_w))[:, 0].max() > 1e-3
+
+
+def test_skip_before_leaves_rows_that_see_nothing_finite():
+    """A pack's padding row may see no key at all; with skip_before every row block still runs
+    at least one key block, so such rows stay finite (their output is dropped, but a NaN there
+    would reach real rows through the values of a shared key block)."""
+    hq, hkv, d, n = 4, 2, 64, 48
+    seg = np.repeat([0, 1], [30, 18])
+    pos = np.concatenate([np.arange(30), np.arange(18)])
+    mask = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+    mask[:8] = mask[40:] = False   # rows that see nothing, the first 8 before any key they'd see
+    q, kc, vc, sl, kn, vn, _ = _inputs(3, 1, n, hq, hkv, d, n, 1, jnp.float32, [0])
+    out = ta.tree_attention_pallas(q, kc, vc, jnp.int32(0), sl, kn, vn, jnp.asarray(mask[None]),
+                                   sm_scale=0.125, block_r=16, block_k=16, block_n=16,
+                                   interpret=True, causal=True, skip_before=True)
+    assert np.isfinite(np.asarray(out)).all()
+    ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(0), sl, kn, vn,
+                                      jnp.asarray(mask[None]), sm_scale=0.125)
+    np.testing.assert_allclose(np.asarray(out)[:, 8:40], np.asarray(ref)[:, 8:40], rtol=2e-5,
+                               atol=2e-5)
 
 
 def test_prefill_config_marks_chunks_causal():
