@@ -56,21 +56,26 @@ class ModelConfig:
     # attention took 24% less time, a pack of 4-32 rows 40-45% less (bench/RESULTS.md,
     # nineteenth set). `for_prefill` sets it; tree masks do not need it (a handful of keys).
     causal_chunks: bool = False
+    # The chunks are prompts laid end to end (packs): the first key a token sees never moves
+    # back from one token to the next, so each attention row block starts at the key block its
+    # first token first sees (`for_prefill(packed=True)`).
+    packed_chunks: bool = False
 
-    def for_prefill(self, unroll: Optional[int] = None) -> "ModelConfig":
+    def for_prefill(self, unroll: Optional[int] = None, packed: bool = False) -> "ModelConfig":
         """The layout prompt chunks run with: always the scan. A serving engine compiles one
         prefill per (slot count, chunk width) bucket, dozens in all; the scan compiles one layer
         body per bucket where the unrolled loop compiles all L (with their attention kernels),
         which on the H100 made warm-up take minutes. A chunk does far more arithmetic per weight
         byte than a decode step, so the scan's weight copies cost it little.
 
-        unroll: layers per scan iteration (default: JAXSPEC_PREFILL_UNROLL, else 1)."""
+        unroll: layers per scan iteration (default: JAXSPEC_PREFILL_UNROLL, else 1).
+        packed: the chunks are packs of prompts (`packed_chunks`)."""
         if unroll is None:
             unroll = int(os.environ.get("JAXSPEC_PREFILL_UNROLL", "1"))
         if unroll < 1:
             raise ConfigError(f"prefill unroll must be >= 1, got {unroll}")
         return dataclasses.replace(self, unroll_layers=False, scan_unroll=unroll,
-                                   causal_chunks=True)
+                                   causal_chunks=True, packed_chunks=packed)
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:

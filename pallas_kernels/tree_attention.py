@@ -406,27 +406,30 @@ def kernel_supported(q, k_cache) -> bool:
 
 
 def tree_attention(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask, *, sm_scale,
-                   causal: bool = False):
+                   causal: bool = False, skip_before: bool = False):
     """Dispatch: the Pallas kernel on GPU, the reference elsewhere; under a mesh with a model
     axis, per shard of the heads (`head_sharding`). causal: the masks never let a query see a
-    later new key (the kernel skips those key blocks; the reference computes the same)."""
+    later new key (the kernel skips those key blocks; the reference computes the same);
+    skip_before: nor a key before the first one the previous query sees (packs)."""
     if model_axis_size() is not None and k_cache.shape[2] % model_axis_size() == 0:
         from jax.sharding import PartitionSpec as P
         h, r = MODEL_AXIS, P()
         kv, new = P(None, None, h, None, None), P(None, h, None, None)
-        fn = functools.partial(_tree_attention_local, sm_scale=sm_scale, causal=causal)
+        fn = functools.partial(_tree_attention_local, sm_scale=sm_scale, causal=causal,
+                               skip_before=skip_before)
         return per_head_shard(fn, (P(None, None, h, None), kv, kv, r, r, new, new, r),
                               P(None, None, h, None))(q, k_cache, v_cache, layer, seq_lens,
                                                       k_new, v_new, tree_mask)
     return _tree_attention_local(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask,
-                                 sm_scale=sm_scale, causal=causal)
+                                 sm_scale=sm_scale, causal=causal, skip_before=skip_before)
 
 
 def _tree_attention_local(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask, *,
-                          sm_scale, causal=False):
+                          sm_scale, causal=False, skip_before=False):
     if kernel_supported(q, k_cache):
         return tree_attention_pallas(q, k_cache, v_cache, layer, seq_lens, k_new, v_new,
-                                     tree_mask, sm_scale=sm_scale, causal=causal)
+                                     tree_mask, sm_scale=sm_scale, causal=causal,
+                                     skip_before=skip_before)
     return tree_attention_reference(q, k_cache, v_cache, layer, seq_lens, k_new, v_new,
                                     tree_mask, sm_scale=sm_scale)
 
@@ -440,7 +443,7 @@ def split_packed(qkv, num_heads: int, num_kv_heads: int):
 
 
 def tree_attention_packed(qkv, k_cache, v_cache, layer, seq_lens, tree_mask, *, num_heads,
-                          sm_scale, causal: bool = False):
+                          sm_scale, causal: bool = False, skip_before: bool = False):
     """`tree_attention` with q, k_new and v_new packed in one array, qkv [B, N, Hq + 2 Hkv, D]
     (query heads, then KV heads' keys, then their values), as a fused projection gives them.
     On the GPU the kernel reads them in place; elsewhere, or under a model mesh, they are split
@@ -451,7 +454,8 @@ def tree_attention_packed(qkv, k_cache, v_cache, layer, seq_lens, tree_mask, *, 
         if kernel_supported(probe, k_cache) and qkv.shape[2] == num_heads + 2 * kv_heads:
             return tree_attention_packed_pallas(qkv, k_cache, v_cache, layer, seq_lens,
                                                 tree_mask, num_heads=num_heads,
-                                                sm_scale=sm_scale, causal=causal)
+                                                sm_scale=sm_scale, causal=causal,
+                                                skip_before=skip_before)
     q, k, v = split_packed(qkv, num_heads, k_cache.shape[2])
     return tree_attention(q, k_cache, v_cache, layer, seq_lens, k, v, tree_mask,
-                          sm_scale=sm_scale, causal=causal)
+                          sm_scale=sm_scale, causal=causal, skip_before=skip_before)
