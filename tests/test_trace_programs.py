@@ -21,6 +21,7 @@ EVENTS = [
     # a cycle: module span holding a graph launch (id 7); the Pjit span around it
     _x(1, 10, "PjitFunction(jit(cycles))", 0, 100),
     _x(1, 10, "jit_cycles:XLA GPU module", 5, 90),
+    _x(1, 10, "command_buffer::update", 20, 25),
     _x(1, 10, "cuGraphLaunch (CudaGraph:3)", 50, 10, correlation_id=7),
     # an admission, its layer loop launching twice (ids 8, 9)
     _x(1, 10, "jit_spec_admit_packed:XLA GPU module", 200, 100),
@@ -51,9 +52,11 @@ def test_kernels_go_to_the_program_that_launched_them(trace_dir):
     progs = s["programs"]
     assert set(progs) == {"cycles", "spec_admit_packed", trace.UNMATCHED}
     assert progs["cycles"] == {"device_ms": pytest.approx(0.060), "kernels": 2, "calls": 1,
+                               "host_ms": pytest.approx(0.090), "update_ms": pytest.approx(0.025),
                                "top": {"nvjet_gemm": 0.04, "fusion": 0.02}}
     assert progs["spec_admit_packed"] == {"device_ms": pytest.approx(0.060), "kernels": 2,
-                                          "calls": 1, "top": {"tree_attention": 0.06}}
+                                          "calls": 1, "host_ms": pytest.approx(0.100),
+                                          "update_ms": 0.0, "top": {"tree_attention": 0.06}}
     assert progs[trace.UNMATCHED]["kernels"] == 1
     assert s["kernels"] == 5 and s["correlated"] == 4
     assert s["device_ms"] == pytest.approx(0.130)

@@ -75,27 +75,41 @@ def _kernel_kind(name: str) -> str:
     return name[:60]
 
 
+def _host_side(host, spans, progs) -> Dict[str, str]:
+    """Fills each program's calls, host ms and CUDA-graph update ms from the host's events;
+    returns {correlation id: program} of the launches made inside a program's run."""
+    launch = {}
+    for e in host:
+        cid = e.get("args", {}).get("correlation_id")
+        update = e.get("name") == "command_buffer::update"
+        prog = (_program_of(spans, (e.get("pid"), e.get("tid")), e["ts"])
+                if update or cid is not None else None)   # (the Python calls are many)
+        if prog is not None and update:
+            progs[prog]["update_ms"] += e.get("dur", 0) / 1e3
+        if prog is not None and cid is not None:
+            launch[str(cid)] = prog
+    for _, rows in spans.values():
+        for start, end, name, is_module in rows:
+            progs[name]["calls"] += is_module
+            progs[name]["host_ms"] += (end - start) / 1e3 if is_module else 0.0
+    return launch
+
+
 def program_times(events: List[dict], top: int = 10) -> dict:
-    """{"programs": {name: {"device_ms", "kernels", "calls", "top": {kernel kind: ms} of its
-    `top` costliest kinds}}, "device_ms": all kernels,
+    """{"programs": {name: {"device_ms", "kernels", "calls", "host_ms" (the host's time inside
+    its XLA module runs: argument buffers, CUDA-graph updates and launches), "update_ms" (of
+    which CUDA-graph updates), "top": {kernel kind: ms} of its `top` costliest kinds}},
+    "device_ms": all kernels,
     "busy_ms": their union (overlaps once), "span_ms": first kernel start to last end,
     "correlated": kernels tied to a program}. Without GPU events (a CPU run) every figure is 0."""
     gpu = _gpu_pids(events)
     kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu]
     host = [e for e in events if e.get("ph") == "X" and e.get("pid") not in gpu]
     spans = _program_spans(host)
-    launch = {}                          # correlation id -> program
-    for e in host:
-        cid = e.get("args", {}).get("correlation_id")
-        if cid is not None:
-            prog = _program_of(spans, (e.get("pid"), e.get("tid")), e["ts"])
-            if prog is not None:
-                launch[str(cid)] = prog
-    progs = collections.defaultdict(lambda: {"device_ms": 0.0, "kernels": 0, "calls": 0})
+    progs = collections.defaultdict(lambda: {"device_ms": 0.0, "kernels": 0, "calls": 0,
+                                             "host_ms": 0.0, "update_ms": 0.0})
+    launch = _host_side(host, spans, progs)
     by_name = collections.defaultdict(collections.Counter)   # program -> kernel name -> us
-    for rows in spans.values():
-        for _, _, name, is_module in rows[1]:
-            progs[name]["calls"] += is_module
     correlated = 0
     for e in kernels:
         cid = e.get("args", {}).get("correlation_id")
@@ -134,12 +148,13 @@ def format_programs(summary: dict, kernels: bool = False) -> str:
     program's costliest kernel kinds under it); then busy / span."""
     rows = sorted(summary["programs"].items(), key=lambda kv: -kv[1]["device_ms"])
     total = summary["device_ms"] or 1.0
-    lines = [f"{'program':44} {'device ms':>10} {'share':>6} {'kernels':>8} {'calls':>6} "
-             f"{'ms/call':>8}"]
+    lines = [f"{'program':36} {'device ms':>10} {'share':>6} {'kernels':>8} {'calls':>6} "
+             f"{'ms/call':>8} {'host ms':>8} {'updates':>8}"]
     for name, r in rows:
         per = f"{r['device_ms'] / r['calls']:8.3f}" if r["calls"] else f"{'-':>8}"
-        lines.append(f"{name[:44]:44} {r['device_ms']:10.2f} {r['device_ms'] / total:6.1%} "
-                     f"{r['kernels']:8d} {r['calls']:6d} {per}")
+        lines.append(f"{name[:36]:36} {r['device_ms']:10.2f} {r['device_ms'] / total:6.1%} "
+                     f"{r['kernels']:8d} {r['calls']:6d} {per} {r.get('host_ms', 0):8.2f} "
+                     f"{r.get('update_ms', 0):8.2f}")
         if kernels:
             lines += [f"    {k[:56]:56} {ms:9.2f} ms" for k, ms in r.get("top", {}).items()]
     span = summary["span_ms"]
