@@ -94,6 +94,13 @@
 #                                      #   (next call, same machine): the shipped head fine-tuned
 #                                      #   on them, tau against the shipped head; si_bench: batch
 #                                      #   64 and 1, MT-bench, the new head against the shipped one
+#   bash bench/gpu_plan.sh profile64   # issues 6/8: batch 64, MT-bench then held-out ShareGPT (carry
+#                                      #   .gpu/sharegpt_heldout.jsonl), plain and chain:4, with
+#                                      #   --profile: device ms, host ms and CUDA-graph updates
+#                                      #   per program (nineteenth set: the device alone gives
+#                                      #   1.40x on MT-bench; host time is the rest)
+#   bash bench/gpu_plan.sh prefill_attn  # issue 4: prompt-chunk attention settings on admission
+#                                      #   shapes (random data, no GGUF needed)
 # Every part writes its logs and JSON under $OUT (or ./gpu_out) and prints a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -104,6 +111,14 @@ run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 
 BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
 
 case "${1:-}" in
+  profile64)
+    S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 1 --batch-sizes 64 --num-prompts 384"
+    run prof_mt 250 $S --profile /tmp/prof_mt --json "$OUT/prof_mt.json"
+    run prof_sg 280 $S --dataset .gpu/sharegpt_heldout.jsonl --profile /tmp/prof_sg --json "$OUT/prof_sg.json"
+    ;;
+  prefill_attn)
+    run prefill_attn 400 python3 -m bench.bench_prefill_attention
+    ;;
   packing_rand)
     # Packed first chunks (the default) against padded ones, batch 64, random SmolLM2-shaped
     # weights: admission device ms a step (each shape timed) and tokens/s, same call.
