@@ -43,7 +43,8 @@ def _gpu_pids(events) -> set:
 
 
 def _program_spans(host) -> Dict[tuple, Tuple[List[float], List[tuple]]]:
-    """Per host thread: sorted span starts and (start, end, program) of every module run."""
+    """Per host thread: sorted span starts, and (start, end, program, is the XLA module span
+    rather than the PjitFunction one) of every program run."""
     spans = collections.defaultdict(list)
     for e in host:
         name = e.get("name", "")
