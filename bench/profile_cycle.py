@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import glob
-import gzip
 import json
 import math
 import os
@@ -27,7 +25,7 @@ import re
 import tempfile
 import time
 
-from bench.profile_engine import _flags
+from jaxspec.benchmark import trace
 
 # Kernel name -> kind, first match wins.
 _KINDS = [("tree_attention_combine", r"tree_attention_combine"),
@@ -44,12 +42,8 @@ def kind_of(name: str) -> str:
 
 def device_events(trace_dir: str):
     """[(name, start_us, dur_us)] of the GPU's kernels and copies in the newest trace."""
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.json.gz"), recursive=True))[-1]
-    with gzip.open(path) as f:
-        events = json.load(f)
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    gpu = {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "GPU" in str(e.get("args", {}).get("name", ""))}
+    events = trace.load_trace(trace_dir)
+    gpu = trace.gpu_pids(events)
     return [(e["name"], e["ts"], e.get("dur", 0)) for e in events
             if e.get("ph") == "X" and e.get("pid") in gpu]
 
@@ -217,7 +211,7 @@ def main(argv=None):
     a.attn_shapes = _shapes(a.attn_shapes)
     if a.tiny:
         a.attn_shapes = [(1, 1, 256), (2, 7, 128)]
-    _flags()
+    trace.keep_graphs_while_profiling()
     out: list = []
     if a.attention:
         attention_programs(a, out)

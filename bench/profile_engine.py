@@ -16,29 +16,18 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
 import os
 
 import jax
 import numpy as np
 
+from jaxspec.benchmark import trace
 from jaxspec.sampling import SamplingParams
-
-
-def _flags():
-    flag = "--xla_enable_command_buffers_during_profiling=true"
-    if flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
 
 def summarize(trace_dir: str, top: int):
     """Sum of durations (ms) and counts per event name, per thread, from the perfetto json."""
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.json.gz"), recursive=True))[-1]
-    with gzip.open(path) as f:
-        events = json.load(f)
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    events = trace.load_trace(trace_dir)
     names = {(e.get("pid"), e.get("tid")): e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
     tot = collections.defaultdict(float)
@@ -59,8 +48,7 @@ def summarize(trace_dir: str, top: int):
 
 def _device_table(events, top):
     """Device events (processes named after a GPU) summed per name: where the device's time goes."""
-    gpu = {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "GPU" in str(e.get("args", {}).get("name", ""))}
+    gpu = trace.gpu_pids(events)
     tot, cnt = collections.defaultdict(float), collections.Counter()
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu:
@@ -103,7 +91,7 @@ def main():
                     help="with --model: requests stream their text (LLM.stream) instead of "
                          "getting it once at the end (LLM.generate)")
     args = ap.parse_args()
-    _flags()
+    trace.keep_graphs_while_profiling()
     from bench.bench_engine import load, make, padding_admit_args
 
     class A:

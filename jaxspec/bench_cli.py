@@ -140,14 +140,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _profile_flags():
-    """Keeps XLA's CUDA graphs on while profiling (XLA turns them off by default then), so the
-    traced pass runs the programs the timed ones ran. Set before the backend starts."""
-    flag = "--xla_enable_command_buffers_during_profiling=true"
-    if flag not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-
-
 def _defaults(args):
     import jax
     gpu = jax.default_backend() == "gpu"
@@ -636,7 +628,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.profile:
         if args.mode not in (None, "sweep"):
             raise SystemExit("--profile traces a sweep's runs (the default mode)")
-        _profile_flags()
+        from jaxspec.benchmark.trace import keep_graphs_while_profiling
+        keep_graphs_while_profiling()
     args = _defaults(args)
     if not args.no_peers:
         _peer_names(args.peers)   # a misspelt peer fails now, not after the jaxspec runs

@@ -26,6 +26,14 @@ _PJIT = re.compile(r"^PjitFunction\((?:jit\()?([\w.\-<>]+?)\)*$")
 UNMATCHED = "(no launch found)"
 
 
+def keep_graphs_while_profiling():
+    """Keeps XLA's CUDA graphs on while profiling (XLA turns them off by default then), so a
+    traced run runs the programs an untraced one runs. Set before the backend starts."""
+    flag = "--xla_enable_command_buffers_during_profiling=true"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+
+
 def load_trace(trace_dir: str) -> List[dict]:
     """The events of the newest perfetto trace (`*.trace.json.gz`) under trace_dir."""
     paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.json.gz"), recursive=True),
@@ -37,7 +45,8 @@ def load_trace(trace_dir: str) -> List[dict]:
     return events.get("traceEvents", []) if isinstance(events, dict) else events
 
 
-def _gpu_pids(events) -> set:
+def gpu_pids(events) -> set:
+    """The trace's process ids of GPUs (their kernels and copies)."""
     return {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
             and "GPU" in str(e.get("args", {}).get("name", ""))}
 
@@ -103,7 +112,7 @@ def program_times(events: List[dict], top: int = 10) -> dict:
     "device_ms": all kernels,
     "busy_ms": their union (overlaps once), "span_ms": first kernel start to last end,
     "correlated": kernels tied to a program}. Without GPU events (a CPU run) every figure is 0."""
-    gpu = _gpu_pids(events)
+    gpu = gpu_pids(events)
     kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu]
     host = [e for e in events if e.get("ph") == "X" and e.get("pid") not in gpu]
     spans = _program_spans(host)
