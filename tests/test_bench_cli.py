@@ -93,8 +93,10 @@ def test_json_schema(sweep):
         assert len(r["gc_runs"]) == 2
         for g in r["gc_runs"]:
             assert set(g) == {"gc_s", "full", "device_calls", "admit_calls", "host_s",
-                              "dispatch_s", "wait_s", "steps", "max_step_ms"}
+                              "dispatch_s", "admit_dispatch_s", "wait_s", "steps",
+                              "max_step_ms"}
             assert 0 < g["dispatch_s"] <= g["host_s"]
+            assert 0 < g["admit_dispatch_s"] < g["dispatch_s"]
             assert g["device_calls"] > 0 and g["admit_calls"] >= 1 and g["steps"] > 0
             assert g["max_step_ms"] > 0
         # the engine schedules by steps, not by the clock: both passes did the same calls

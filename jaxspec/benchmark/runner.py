@@ -168,7 +168,8 @@ def _engine_counts(llm) -> Optional[dict]:
     if st is None:
         return None
     return {"device_calls": sum(st.call_sizes.values()), "admit_calls": st.prefill_chunks,
-            "host_s": st.host_s, "dispatch_s": st.dispatch_s, "wait_s": st.wait_s,
+            "host_s": st.host_s, "dispatch_s": st.dispatch_s,
+            "admit_dispatch_s": st.admit_dispatch_s, "wait_s": st.wait_s,
             "steps": len(st.step_s)}
 
 

@@ -127,6 +127,8 @@ class EngineStats:
     host_s: float = 0.0                 # time in step() not spent waiting on the device
     wait_s: float = 0.0                 # time blocked reading device outputs
     dispatch_s: float = 0.0             # of host_s: in the backend's admit and cycle calls
+    admit_dispatch_s: float = 0.0       # of dispatch_s: in the admission calls (a numpy
+    #                                     argument makes one wait for the queued work)
     # admission dispatches by (slot bucket, chunk width, features, form: `admission_forms`):
     # what the device ran besides the cycles (bench/bench_engine.py times each shape to count
     # the device's whole load)
@@ -596,7 +598,9 @@ class Engine:
         t = time.perf_counter()
         self.state, first = call()
         self._prefetch(first)
-        self.stats.dispatch_s += time.perf_counter() - t
+        dt = time.perf_counter() - t
+        self.stats.dispatch_s += dt
+        self.stats.admit_dispatch_s += dt
         self.stats.prefill_chunks += 1
         self.stats.admit_shapes[shape] += 1
         self.pending.append(("admit", first, [r[0] for r in rows], None))
