@@ -275,6 +275,7 @@ class LLM:
 
     def _eos_ids(self) -> set:
         return set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
+
     # -- generation ----------------------------------------------------------------------
     def _normalize(self, prompts, sampling_params):
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (dict, int))):

@@ -57,10 +57,11 @@ def _program_spans(host) -> Dict[tuple, Tuple[List[float], List[tuple]]]:
     spans = collections.defaultdict(list)
     for e in host:
         name = e.get("name", "")
-        m = _MODULE.match(name) or _PJIT.match(name)
+        module = _MODULE.match(name)
+        m = module or _PJIT.match(name)
         if m:
             spans[(e.get("pid"), e.get("tid"))].append(
-                (e["ts"], e["ts"] + e.get("dur", 0), m.group(1), _MODULE.match(name) is not None))
+                (e["ts"], e["ts"] + e.get("dur", 0), m.group(1), module is not None))
     out = {}
     for key, rows in spans.items():
         rows.sort()
@@ -163,10 +164,10 @@ def format_programs(summary: dict, kernels: bool = False) -> str:
     for name, r in rows:
         per = f"{r['device_ms'] / r['calls']:8.3f}" if r["calls"] else f"{'-':>8}"
         lines.append(f"{name[:36]:36} {r['device_ms']:10.2f} {r['device_ms'] / total:6.1%} "
-                     f"{r['kernels']:8d} {r['calls']:6d} {per} {r.get('host_ms', 0):8.2f} "
-                     f"{r.get('update_ms', 0):8.2f}")
+                     f"{r['kernels']:8d} {r['calls']:6d} {per} {r['host_ms']:8.2f} "
+                     f"{r['update_ms']:8.2f}")
         if kernels:
-            lines += [f"    {k[:56]:56} {ms:9.2f} ms" for k, ms in r.get("top", {}).items()]
+            lines += [f"    {k[:56]:56} {ms:9.2f} ms" for k, ms in r["top"].items()]
     span = summary["span_ms"]
     lines.append(f"kernels {summary['kernels']}, tied to a program {summary['correlated']}; "
                  f"device busy {summary['busy_ms']:.1f} ms of {span:.1f} ms from the first "

@@ -109,8 +109,7 @@ def packed_forward(params, cfg: ModelConfig, cache: KVCache, tokens, lay: PackLa
     empty = jax.lax.optimization_barrier(jnp.zeros(shape, cache.k.dtype))
     hidden, k_new, v_new, captured = llama.forward(
         params, cfg.for_prefill(packed=True), tokens, lay.pos, empty, empty,
-        jnp.zeros((r,), jnp.int32),
-        lay.mask, capture_layers)
+        jnp.zeros((r,), jnp.int32), lay.mask, capture_layers)
     cache = KVCache(scatter_rows(cache.k, k_new, slot_tok, lay.pos),
                     scatter_rows(cache.v, v_new, slot_tok, lay.pos), cache.lens)
     if captured is not None:
