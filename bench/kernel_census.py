@@ -9,7 +9,8 @@ layer) by the source line each kernel came from, for the program named by --show
 Admission programs run prompt chunks through a lax.scan (`ModelConfig.for_prefill`): their
 layers are one loop body, counted once, so their "per layer" figure is not a per-layer count
 (a one-layer scan is even inlined by XLA, which makes it negative).
-Usage: python -m bench.kernel_census [--mode chain] [--batch 1] [--show cycle]
+Usage: python -m bench.kernel_census [--mode chain] [--batch 1] [--show cycle] [--cycle-only]
+       [--list]
 """
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bench.bench_engine import make
 from bench.common import SMOLLM2_135M, write_json
 from jaxspec.models import eagle, llama
+from jaxspec.sampling import LEAN
 
 # Instructions that never launch a kernel.
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "call",
@@ -102,8 +105,9 @@ def kernels(hlo: str):
     return out
 
 
-def census(mode: str, batch: int, layers: int):
-    """{program key: kernels} of the engine's compiled programs for a SmolLM2 of `layers`."""
+def census(mode: str, batch: int, layers: int, cycle_only: bool = False):
+    """{program key: kernels} of the engine's compiled programs for a SmolLM2 of `layers`;
+    cycle_only: the LEAN cycle programs alone (no admissions: seconds, not minutes)."""
     gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if gpu else jnp.float32
     cfg = dataclasses.replace(SMOLLM2_135M, num_layers=layers, unroll_layers=gpu)
@@ -111,6 +115,10 @@ def census(mode: str, batch: int, layers: int):
     head = jax.tree_util.tree_map(lambda x: x.astype(dtype),
                                   eagle.init_eagle_params(cfg, jax.random.PRNGKey(1)))
     engine = make(cfg, params, head, mode, batch, 1024, None)
+    if cycle_only:
+        be, active = engine.backend, np.ones(batch, bool)
+        lowered = [be.cycle(engine.state, active, LEAN, size=n, lower=True) for n in be.sizes]
+        return {key: kernels(low.compile().as_text()) for key, low in lowered}
     engine.warmup()
     return {key: kernels(exe.as_text()) for key, exe in engine.backend.executables.items()}
 
@@ -119,9 +127,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", default="chain")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--show", default="cycle", help="program whose 1-layer kernels to list")
+    ap.add_argument("--show", default="cycle",
+                    help="program whose 1-layer kernels to list: the first key whose text "
+                         "contains this")
+    ap.add_argument("--cycle-only", action="store_true",
+                    help="compile only the LEAN cycle programs")
+    ap.add_argument("--list", action="store_true",
+                    help="also print every kernel of the shown program (1 layer), in order")
     args = ap.parse_args()
-    one, two = census(args.mode, args.batch, 1), census(args.mode, args.batch, 2)
+    one, two = (census(args.mode, args.batch, n, args.cycle_only) for n in (1, 2))
     rows = []
     for key in sorted(one, key=str):
         per_layer = len(two.get(key, ())) - len(one[key])
@@ -130,8 +144,8 @@ def main():
                          all_layers=full))
         print(f"{str(key):60s} 1 layer {len(one[key]):4d}  per layer {per_layer:3d}  "
               f"{SMOLLM2_135M.num_layers} layers ~{full}")
-    for key in one:
-        if str(key[0]) == args.show:
+    for key in sorted(one, key=str):
+        if args.show in str(key):
             per = collections.Counter(k[1:] for k in two.get(key, ()))
             per.subtract(k[1:] for k in one[key])
             print(f"\n{key}: one layer's kernels (2 layers minus 1), by opcode, kind, source:")
@@ -141,6 +155,10 @@ def main():
             print(f"\n{key}: the other kernels (1 layer), by source:")
             rest = collections.Counter(k[3] for k in one[key])
             print("  " + ", ".join(f"{s} x{n}" for s, n in sorted(rest.items())))
+            if args.list:
+                print(f"\n{key}: every kernel (1 layer):")
+                for name, op, detail, src in one[key]:
+                    print(f"  {name:40s} {op:14s} {detail:28s} {src}")
             break
     write_json("kernel_census", dict(mode=args.mode, batch=args.batch, rows=rows))
 

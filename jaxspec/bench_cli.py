@@ -56,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma list of batch sizes to sweep, e.g. 1,4,16")
     ap.add_argument("--spec", default=None,
                     help="comma list of presets (naive, chain, tree) or STEPSxTOPKxTOKENS, "
-                         "each optionally ':K' for K cycles per device call, e.g. chain:4 "
-                         "(default: chain,tree on GPU, chain on CPU)")
+                         "each optionally ':K' for K cycles per device call, e.g. chain:4, "
+                         "and '@V' for a draft vocabulary of the V most frequent tokens "
+                         "(0: all), e.g. chain:4@16384 (default: chain,tree on GPU, chain on "
+                         "CPU)")
     ap.add_argument("--no-spec", action="store_true", help="plain decoding only")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)

@@ -20,6 +20,9 @@ from jaxspec.sampling import VARIANTS, Features, SamplingParams, apply_stop_stri
 Chat = List[dict]
 Prompt = Union[str, Chat, Sequence[int]]
 
+# Draft vocabulary of the shipped head when none is asked for (`LLM(draft_vocab=)`); 0: all.
+DEFAULT_DRAFT_VOCAB = 0
+
 
 @dataclasses.dataclass
 class RequestOutput:
@@ -79,6 +82,12 @@ class LLM:
     prefill_chunk: the widest prefill chunk (`Engine(chunk=)`, capped at max_model_len); a
     longer prompt is prefilled in chunks this wide, one device call each. Wider chunks mean
     fewer calls for long prompts, each with its own host cost, for one more width to compile.
+    draft_vocab: an EAGLE-1 head drafts only the K most frequent tokens of a ranking
+    (`spec.draft_vocab`, FR-Spec): the draft's lm_head reads K columns instead of V; the output
+    is unchanged, only tokens outside the K are never drafted. 0: the whole vocabulary. None:
+    the shipped head's measured default (`DEFAULT_DRAFT_VOCAB`), else the whole vocabulary.
+    draft_vocab_ranking: the ranking file (`spec.draft_vocab.save_ranking`); None: the one
+    shipped beside the default head (needed for a draft_vocab > 0 with another head).
     """
 
     def __init__(self, model: Optional[str] = None, *, dtype=None, max_batch: int = 8,
@@ -89,7 +98,8 @@ class LLM:
                  admit_interval: Optional[int] = None, cycles_per_call: Optional[int] = None,
                  prefill_width_growth: int = 4, prefill_chunk: int = 512,
                  prefill_slot_growth: int = 4, prefill_packing: bool = True,
-                 prefill_pack_tokens: Optional[int] = None):
+                 prefill_pack_tokens: Optional[int] = None, draft_vocab: Optional[int] = None,
+                 draft_vocab_ranking: Optional[str] = None):
         from jaxspec.weights import load_model
         if max_batch <= 0:
             raise ConfigError(f"max_batch must be positive, got {max_batch}")
@@ -110,6 +120,11 @@ class LLM:
                               f"prefill_chunk ({prefill_chunk})")
         if prefill_chunk < 16:
             raise ConfigError(f"prefill_chunk must be >= 16, got {prefill_chunk}")
+        if draft_vocab is not None and (isinstance(draft_vocab, bool)
+                                        or not isinstance(draft_vocab, int) or draft_vocab < 0):
+            raise ConfigError(f"draft_vocab must be an int >= 0 (0: the whole vocabulary), got "
+                              f"{draft_vocab!r}")
+        self.draft_vocab, self.draft_vocab_ranking = draft_vocab, draft_vocab_ranking
         if cycles_per_call is not None and cycles_per_call < 1:
             raise ConfigError(f"cycles_per_call must be >= 1, got {cycles_per_call}")
         self.cycles_per_call = cycles_per_call or default_cycles_per_call(max_batch)
@@ -189,8 +204,10 @@ class LLM:
         from jaxspec.models.eagle3 import is_eagle3
         from jaxspec.spec.config import resolve_spec
         self.spec = resolve_spec(spec if spec is not None else default_spec(self.max_batch))
+        shipped = draft in (None, "default")
         if draft is None or isinstance(draft, (str, os.PathLike)):
             draft = self._load_draft(None if draft is None else str(draft))
+        draft = self._restrict_vocab(draft, shipped)
         if is_eagle3(draft) and self.mesh is not None:
             raise ConfigError("tensor_parallel > 1 with an EAGLE-3 head is not supported yet; "
                               "use an EAGLE-1 head or tensor_parallel=1")
@@ -198,6 +215,24 @@ class LLM:
             from jaxspec.parallel.tensor_parallel import shard_draft_params
             draft = shard_draft_params(draft, self.config, self.mesh)
         return draft, self.spec
+
+    def _restrict_vocab(self, draft, shipped: bool):
+        """draft with its vocabulary cut to draft_vocab tokens (see the class docstring)."""
+        from jaxspec.loading import eagle_ckpt
+        from jaxspec.models.eagle3 import is_eagle3
+        from jaxspec.spec import draft_vocab as dv
+        k = self.draft_vocab
+        if k is None:
+            k = DEFAULT_DRAFT_VOCAB if shipped and not is_eagle3(draft) else 0
+        if k == 0 or k >= self.config.vocab_size:
+            return draft
+        path = self.draft_vocab_ranking
+        if path is None:
+            if not eagle_ckpt.matches_default_target(self.config):
+                raise ConfigError("draft_vocab needs a token ranking for this model: pass "
+                                  "draft_vocab_ranking (see jaxspec.spec.draft_vocab)")
+            path = eagle_ckpt.default_ranking_path()
+        return dv.restrict(self.params, draft, dv.load_ranking(path, self.config.vocab_size)[:k])
 
     def _init_data_parallel(self, draft, spec):
         """Replicas over local devices with jax.pmap, max_batch slots each; generate() spreads

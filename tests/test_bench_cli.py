@@ -405,16 +405,21 @@ def test_unknown_dataset_is_a_clear_error():
 
 
 def test_parse_specs():
-    ms = parse_specs("chain,2x2x4,chain:4")
-    assert [m.label for m in ms] == ["chain", "2x2x4", "chain:4"]
+    ms = parse_specs("chain,2x2x4,chain:4,chain:4@8192")
+    assert [m.label for m in ms] == ["chain", "2x2x4", "chain:4", "chain:4@8192"]
     assert ms[1].describe() == {"num_steps": 2, "topk": 2, "num_draft_tokens": 4,
-                                "cycles_per_call": None}          # the LLM's default
+                                "cycles_per_call": None,          # the LLM's default
+                                "draft_vocab": None}
+    assert ms[3].draft_vocab == 8192 and ms[3].cycles_per_call == 4 and ms[3].spec == ms[0].spec
     assert ms[1].describe(1)["cycles_per_call"] == 1
     assert ms[2].spec == ms[0].spec and ms[2].describe(64)["cycles_per_call"] == 4
     with pytest.raises(Exception, match="STEPSxTOPKxTOKENS"):
         parse_specs("bushy")
     for bad in ("chain:0", "chain:x"):
         with pytest.raises(Exception, match="cycles per call"):
+            parse_specs(bad)
+    for bad in ("chain@-1", "chain:4@x"):
+        with pytest.raises(Exception, match="draft vocabulary"):
             parse_specs(bad)
 
 

@@ -100,7 +100,9 @@ def test_max_tokens_must_be_positive():
                                        ({"admit_interval": 0}, "admit_interval"),
                                        ({"prefill_width_growth": 1}, "prefill_width_growth"),
                                        ({"prefill_slot_growth": 1}, "prefill_slot_growth"),
-                                       ({"prefill_chunk": 8}, "prefill_chunk")])
+                                       ({"prefill_chunk": 8}, "prefill_chunk"),
+                                       ({"draft_vocab": -1}, "draft_vocab"),
+                                       ({"draft_vocab": 2.5}, "draft_vocab")])
 def test_bad_engine_settings_rejected_before_loading(kw, needle):
     with pytest.raises(ValueError, match=needle):
         LLM("no-such-file.gguf", **kw)       # the setting is named, not the missing file
@@ -115,8 +117,11 @@ def test_speculative_llm_equals_plain_greedy(smollm2_gguf, llm):
     import jax
     from jaxspec.models.eagle import init_eagle_params
     draft = init_eagle_params(llm.config, jax.random.PRNGKey(0))
+    # A draft vocabulary of the shipped ranking's 4,096 most frequent tokens: the output stays
+    # the target's.
     spec_llm = LLM(str(smollm2_gguf), dtype=jnp.float32, max_batch=2, max_model_len=256,
-                   draft=draft, spec="chain")
+                   draft=draft, spec="chain", draft_vocab=4096)
+    assert spec_llm.engine.backend.draft_params["draft_ids"].shape == (4096,)
     chats = [[{"role": "user", "content": "Name three colors."}], "The sky is"]
     sp = SamplingParams(max_tokens=24)
     plain = llm.generate(chats, sp)

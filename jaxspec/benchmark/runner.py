@@ -21,10 +21,12 @@ WARMUP_TOKENS = 8
 @dataclasses.dataclass(frozen=True)
 class Mode:
     """A decoding mode: plain (spec None) or speculative with a SpecConfig, run cycles_per_call
-    cycles per device call (None: the LLM's default for the batch size)."""
+    cycles per device call (None: the LLM's default for the batch size), drafting draft_vocab
+    tokens (`LLM(draft_vocab=)`; None: the LLM's default)."""
     label: str
     spec: Any = None
     cycles_per_call: Optional[int] = None
+    draft_vocab: Optional[int] = None
 
     def describe(self, batch: Optional[int] = None) -> Optional[dict]:
         """The config; cycles_per_call as run at `batch` (None if left to the default and no
@@ -37,7 +39,7 @@ class Mode:
             from jaxspec.engine.backends import default_cycles_per_call
             k = default_cycles_per_call(batch)
         return {"num_steps": s.num_steps, "topk": s.topk, "num_draft_tokens": s.num_draft_tokens,
-                "cycles_per_call": k}
+                "cycles_per_call": k, "draft_vocab": self.draft_vocab}
 
 
 PLAIN = Mode("plain")
@@ -45,13 +47,22 @@ PLAIN = Mode("plain")
 
 def parse_specs(text: str) -> List[Mode]:
     """'chain,tree,3x1x4,chain:4': presets or num_steps x topk x num_draft_tokens, each with an
-    optional ':K' for K cycles per device call."""
+    optional ':K' for K cycles per device call and an optional '@V' for a draft vocabulary of
+    V tokens (0: all; `LLM(draft_vocab=)`), e.g. 'chain:4@16384'."""
     from jaxspec.spec.config import PRESETS, resolve_spec
     modes = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
             continue
-        name, colon, k = item.partition(":")
+        rest, at, vocab = item.partition("@")
+        try:
+            vocab = int(vocab) if at else None
+            if vocab is not None and vocab < 0:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"--spec {item!r}: '@V' must be a draft vocabulary size >= 0 "
+                              "(0: the whole vocabulary)") from None
+        name, colon, k = rest.partition(":")
         try:
             k = int(k) if colon else None
             if k is not None and k < 1:
@@ -64,7 +75,7 @@ def parse_specs(text: str) -> List[Mode]:
         except ConfigError:
             raise ConfigError(f"--spec {item!r}: a preset ({', '.join(PRESETS)}) or "
                               "STEPSxTOPKxTOKENS such as 3x1x4, optionally ':K'") from None
-        modes.append(Mode(item, spec, k))
+        modes.append(Mode(item, spec, k, vocab))
     if len({m.label for m in modes}) != len(modes):
         raise ConfigError(f"--spec {text!r} names a config twice")
     return modes
@@ -115,7 +126,8 @@ class Target:
         try:
             return LLM(self.model, max_batch=batch, max_model_len=self.max_model_len,
                        seed=self.seed, draft=draft, spec=mode.spec,
-                       cycles_per_call=mode.cycles_per_call, **self.common)
+                       cycles_per_call=mode.cycles_per_call, draft_vocab=mode.draft_vocab,
+                       **self.common)
         except (ValueError, FileNotFoundError) as e:
             raise SystemExit(f"cannot load the draft head ({e}); pass --draft PATH, or "
                              "--draft random to time the cycle with an untrained head") from None

@@ -45,6 +45,7 @@ from jaxspec.loading.common import WeightsError
 HEAD_META_KEY = "jaxspec_head"
 DEFAULT_HEAD_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct-eagle1"
 DEFAULT_HEAD_FILE = "head.safetensors"
+DEFAULT_RANKING_FILE = "token_ranking.safetensors"
 # The default model's shape: the shipped head was trained for it and nothing else.
 DEFAULT_TARGET_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                             num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)
@@ -147,6 +148,11 @@ def default_head_path() -> Path:
     import os
     env = os.environ.get("JAXSPEC_DRAFT_HEAD")
     return Path(env).expanduser() if env else DEFAULT_HEAD_DIR / DEFAULT_HEAD_FILE
+
+
+def default_ranking_path() -> Path:
+    """The token ranking shipped beside the default head (`spec.draft_vocab`)."""
+    return default_head_path().parent / DEFAULT_RANKING_FILE
 
 
 def load_default_head(cfg: ModelConfig, dtype=None):

