@@ -20,8 +20,13 @@ from jaxspec.sampling import VARIANTS, Features, SamplingParams, apply_stop_stri
 Chat = List[dict]
 Prompt = Union[str, Chat, Sequence[int]]
 
-# Draft vocabulary of the shipped head when none is asked for (`LLM(draft_vocab=)`); 0: all.
-DEFAULT_DRAFT_VOCAB = 0
+# Draft vocabulary of the shipped head when none is asked for (`LLM(draft_vocab=)`; 0: all).
+# Measured on the H100 with the shipped ranking (bench/RESULTS.md, twentieth set): at batch 64
+# on MT-bench chain:4 ran 1.37-1.41x plain against 1.30-1.34x with all 49,152 tokens (tau
+# 2.09 against 2.12); 8,192 and 4,096 lost more acceptance (2.03, 1.98) than they saved. At
+# batch 1 the default tree (6x8x40) ran 3-5% faster (tau 3.46 against 3.62) and a forced
+# chain 2% slower; held-out ShareGPT at batch 64, dominated by prefill, did not change.
+DEFAULT_DRAFT_VOCAB = 16384
 
 
 @dataclasses.dataclass

