@@ -16,7 +16,9 @@ Kernel (Pallas, Triton lowering), flash-decoding style:
   * each program writes an unnormalised partial (o, running max m, sum l); a second Pallas
     kernel merges the splits in one pass (log-sum-exp in base 2) and writes the final layout.
 The cache is passed whole and the layer is indexed inside the kernel: slicing it outside would
-materialise a copy of the layer.
+materialise a copy of the layer. For the same reason the queries' slots may be a subset of the
+cache's: `slots` [B] names the cache slot of each query row (a prompt chunk of a few requests
+attends to their slots of the whole batch's cache, with no gather of those slots' caches).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -59,12 +62,16 @@ def tree_attention_reference(
     v_new,      # [B, Hkv, N, D]
     tree_mask,  # [B, N, N] bool: query n may see new key m
     sm_scale: float,
+    slots=None,  # [B] int32: the cache slot of each query row (None: row b is slot b)
 ):
     b, n, hq, d = q.shape
     hkv, t = k_cache.shape[2], k_cache.shape[3]
     g = hq // hkv
-    kc = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)  # [B, Hkv, T, D]
+    kc = jax.lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)  # [Bc, Hkv, T, D]
     vc = jax.lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
+    if slots is not None:                                                 # -> [B, Hkv, T, D]
+        kc = jnp.take(kc, slots, axis=0, mode="clip")
+        vc = jnp.take(vc, slots, axis=0, mode="clip")
     qg = q.reshape(b, n, hkv, g, d).astype(jnp.float32) * sm_scale
     s_pre = jnp.einsum("bnhgd,bhtd->bhgnt", qg, kc.astype(jnp.float32))
     live = jnp.arange(t)[None, :] < seq_lens[:, None]                     # [B, T]
@@ -104,9 +111,10 @@ def _store_rows(out_ref, o, b, h, r, live, group, col0=0):
 def _tree_attention_kernel(
     layer_ref,     # [1] int32
     seq_lens_ref,  # [B] int32
+    slots_ref,     # [B] int32: the cache slot of each query row
     q_ref,         # [B, Hkv, R, D]   rows r = n * G + g; packed: qkv [B, N, Hq + 2 Hkv, D]
-    k_ref,         # [L, B, Hkv, T, D]
-    v_ref,         # [L, B, Hkv, T, D]
+    k_ref,         # [L, Bc, Hkv, T, D]
+    v_ref,         # [L, Bc, Hkv, T, D]
     kn_ref,        # [B, Hkv, N, D]; packed: the same qkv
     vn_ref,        # [B, Hkv, N, D]; packed: the same qkv
     mask_ref,      # [B, N, N] int8
@@ -128,6 +136,7 @@ def _tree_attention_kernel(
     t_max = k_ref.shape[3]
     num_rows = num_new * group
     layer = layer_ref[0]
+    slot = jnp.clip(slots_ref[b], 0, k_ref.shape[1] - 1)
     seq_len = jnp.clip(seq_lens_ref[b], 0, t_max)
     # This split's share of the live prefix, a whole number of key blocks.
     chunk = pl.cdiv(pl.cdiv(seq_len, num_splits), block_k) * block_k
@@ -155,8 +164,10 @@ def _tree_attention_kernel(
     def prefix_body(i, carry):
         t0 = start + i * block_k
         live = (t0 + key_iota) < end
-        k = _load(k_ref.at[layer, b, h, pl.ds(t0, block_k), :], mask=live[:, None], other=0.0)
-        v = _load(v_ref.at[layer, b, h, pl.ds(t0, block_k), :], mask=live[:, None], other=0.0)
+        k = _load(k_ref.at[layer, slot, h, pl.ds(t0, block_k), :], mask=live[:, None],
+                  other=0.0)
+        v = _load(v_ref.at[layer, slot, h, pl.ds(t0, block_k), :], mask=live[:, None],
+                  other=0.0)
         return _flash_step(q, k, v, live[None, :], carry, scale_log2)
 
     carry = lax.fori_loop(0, num_blocks, prefix_body, carry)
@@ -306,6 +317,7 @@ def tree_attention_pallas(
     k_new,      # [B, Hkv, N, D]
     v_new,      # [B, Hkv, N, D]
     tree_mask,  # [B, N, N] bool
+    slots=None,  # [B] int32 cache slot of each row (None: row b is slot b)
     *,
     sm_scale: float,
     **tuning,
@@ -317,13 +329,13 @@ def tree_attention_pallas(
     # Rows r = n * G + g of KV head h (a bitcast when N == 1; q is small next to the cache).
     q_rows = q.reshape(b, n, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, n * g, d)
     return _launch(q_rows, k_cache, v_cache, layer, seq_lens, k_new.astype(k_cache.dtype),
-                   v_new.astype(v_cache.dtype), tree_mask, (b, n, hq, d), q.dtype,
+                   v_new.astype(v_cache.dtype), tree_mask, (b, n, hq, d), q.dtype, slots,
                    sm_scale=sm_scale, packed=False, **tuning)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "sm_scale") + _TUNING)
-def tree_attention_packed_pallas(qkv, k_cache, v_cache, layer, seq_lens, tree_mask, *,
-                                 num_heads: int, sm_scale: float, **tuning):
+def tree_attention_packed_pallas(qkv, k_cache, v_cache, layer, seq_lens, tree_mask, slots=None,
+                                 *, num_heads: int, sm_scale: float, **tuning):
     """`tree_attention_packed` by the kernel, which reads q, k_new and v_new out of qkv itself:
     no slice or transpose kernel between the projection and the attention."""
     b, n, heads, d = qkv.shape
@@ -332,10 +344,12 @@ def tree_attention_packed_pallas(qkv, k_cache, v_cache, layer, seq_lens, tree_ma
         f"qkv holds {heads} heads; expected {num_heads} query + 2 x {hkv} KV heads")
     qkv = qkv.astype(k_cache.dtype)
     return _launch(qkv, k_cache, v_cache, layer, seq_lens, qkv, qkv, tree_mask,
-                   (b, n, num_heads, d), k_cache.dtype, sm_scale=sm_scale, packed=True, **tuning)
+                   (b, n, num_heads, d), k_cache.dtype, slots, sm_scale=sm_scale, packed=True,
+                   **tuning)
 
 
-def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_shape, dtype, *,
+def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_shape, dtype,
+            slots, *,
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
             skip_before=False):
@@ -362,6 +376,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     assert block_r == _next_pow2(block_r) and block_k == _next_pow2(block_k), (
         f"{block_r=} and {block_k=} must be powers of 2")
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
+    # A constant when every row is its own slot: no kernel makes it.
+    slots = np.arange(b, dtype=np.int32) if slots is None else slots.astype(jnp.int32)
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
     f32 = jnp.float32
     if num_splits > 1:
@@ -379,7 +395,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
         compiler_params=_CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_attention",
-    )(layer, seq_lens.astype(jnp.int32), q_in, k_cache, v_cache, kn_in, vn_in,
+    )(layer, seq_lens.astype(jnp.int32), slots, q_in, k_cache, v_cache, kn_in, vn_in,
       tree_mask.astype(jnp.int8))
     if num_splits == 1:
         return out
@@ -406,32 +422,35 @@ def kernel_supported(q, k_cache) -> bool:
 
 
 def tree_attention(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask, *, sm_scale,
-                   causal: bool = False, skip_before: bool = False):
+                   causal: bool = False, skip_before: bool = False, slots=None):
     """Dispatch: the Pallas kernel on GPU, the reference elsewhere; under a mesh with a model
     axis, per shard of the heads (`head_sharding`). causal: the masks never let a query see a
     later new key (the kernel skips those key blocks; the reference computes the same);
-    skip_before: nor a key before the first one the previous query sees (packs)."""
+    skip_before: nor a key before the first one the previous query sees (packs). slots [B]:
+    the cache slot of each query row (None: row b is slot b)."""
     if model_axis_size() is not None and k_cache.shape[2] % model_axis_size() == 0:
         from jax.sharding import PartitionSpec as P
         h, r = MODEL_AXIS, P()
         kv, new = P(None, None, h, None, None), P(None, h, None, None)
         fn = functools.partial(_tree_attention_local, sm_scale=sm_scale, causal=causal,
                                skip_before=skip_before)
-        return per_head_shard(fn, (P(None, None, h, None), kv, kv, r, r, new, new, r),
-                              P(None, None, h, None))(q, k_cache, v_cache, layer, seq_lens,
-                                                      k_new, v_new, tree_mask)
+        args = (q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask)
+        args += () if slots is None else (slots,)
+        specs = (P(None, None, h, None), kv, kv, r, r, new, new, r, r)[:len(args)]
+        return per_head_shard(fn, specs, P(None, None, h, None))(*args)
     return _tree_attention_local(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask,
-                                 sm_scale=sm_scale, causal=causal, skip_before=skip_before)
+                                 slots, sm_scale=sm_scale, causal=causal,
+                                 skip_before=skip_before)
 
 
-def _tree_attention_local(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask, *,
-                          sm_scale, causal=False, skip_before=False):
+def _tree_attention_local(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask,
+                          slots=None, *, sm_scale, causal=False, skip_before=False):
     if kernel_supported(q, k_cache):
         return tree_attention_pallas(q, k_cache, v_cache, layer, seq_lens, k_new, v_new,
-                                     tree_mask, sm_scale=sm_scale, causal=causal,
+                                     tree_mask, slots, sm_scale=sm_scale, causal=causal,
                                      skip_before=skip_before)
     return tree_attention_reference(q, k_cache, v_cache, layer, seq_lens, k_new, v_new,
-                                    tree_mask, sm_scale=sm_scale)
+                                    tree_mask, sm_scale=sm_scale, slots=slots)
 
 
 def split_packed(qkv, num_heads: int, num_kv_heads: int):
@@ -443,7 +462,7 @@ def split_packed(qkv, num_heads: int, num_kv_heads: int):
 
 
 def tree_attention_packed(qkv, k_cache, v_cache, layer, seq_lens, tree_mask, *, num_heads,
-                          sm_scale, causal: bool = False, skip_before: bool = False):
+                          sm_scale, causal: bool = False, skip_before: bool = False, slots=None):
     """`tree_attention` with q, k_new and v_new packed in one array, qkv [B, N, Hq + 2 Hkv, D]
     (query heads, then KV heads' keys, then their values), as a fused projection gives them.
     On the GPU the kernel reads them in place; elsewhere, or under a model mesh, they are split
@@ -453,9 +472,10 @@ def tree_attention_packed(qkv, k_cache, v_cache, layer, seq_lens, tree_mask, *, 
         probe = jax.ShapeDtypeStruct(qkv.shape[:2] + (num_heads, qkv.shape[-1]), qkv.dtype)
         if kernel_supported(probe, k_cache) and qkv.shape[2] == num_heads + 2 * kv_heads:
             return tree_attention_packed_pallas(qkv, k_cache, v_cache, layer, seq_lens,
-                                                tree_mask, num_heads=num_heads,
+                                                tree_mask, slots, num_heads=num_heads,
                                                 sm_scale=sm_scale, causal=causal,
                                                 skip_before=skip_before)
     q, k, v = split_packed(qkv, num_heads, k_cache.shape[2])
     return tree_attention(q, k_cache, v_cache, layer, seq_lens, k, v, tree_mask,
-                          sm_scale=sm_scale, causal=causal, skip_before=skip_before)
+                          sm_scale=sm_scale, causal=causal, skip_before=skip_before,
+                          slots=slots)

@@ -69,3 +69,30 @@ def test_dispatch_uses_reference_off_gpu():
     new = jnp.ones((1, 1, HKV, 2, D), jnp.bfloat16) * 3
     k, v = kvc.kv_compact(kc, kc, new, new, jnp.array([4]), jnp.array([[1, 0]]), jnp.array([2]))
     assert float(k[0, 0, 0, 5, 0]) == 3.0 and float(k[0, 0, 0, 6, 0]) == 1.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_rows_into_chosen_slots_of_a_larger_cache(dtype):
+    """slots: 3 rows of new go to slots 4, 1 and 6 (padding: dropped) of a 5-slot cache; every
+    other slot and row keeps its poison, bit for bit, in the kernel and the reference."""
+    cache_slots, n = 5, 6
+    seq_lens, count = [3, 7, 0], [4, 2, 5]
+    src_idx = [[0, 1, 2, 3, 4, 5]] * 3
+    slots = jnp.asarray([4, 1, cache_slots], jnp.int32)
+    ks = jax.random.split(jax.random.key(3), 2)
+    shape = (NUM_LAYERS, cache_slots, HKV, T, D)
+    k_cache, v_cache = jnp.full(shape, jnp.nan, dtype), jnp.full(shape, -12345.0, dtype)
+    k_new = jax.random.normal(ks[0], (NUM_LAYERS, 3, HKV, n, D), dtype)
+    v_new = jax.random.normal(ks[1], (NUM_LAYERS, 3, HKV, n, D), dtype)
+    args = (k_new, v_new, jnp.asarray(seq_lens, jnp.int32), jnp.asarray(src_idx, jnp.int32),
+            jnp.asarray(count, jnp.int32), slots)
+    ref = kvc.kv_compact_reference(k_cache, v_cache, *args)
+    out = kvc.kv_compact_pallas(jnp.copy(k_cache), jnp.copy(v_cache), *args, interpret=True)
+    expect_k, expect_v = np.array(k_cache), np.array(v_cache)
+    for row, slot in enumerate([4, 1]):
+        s, c = seq_lens[row], count[row]
+        expect_k[:, slot, :, s:s + c] = np.asarray(k_new)[:, row, :, :c]
+        expect_v[:, slot, :, s:s + c] = np.asarray(v_new)[:, row, :, :c]
+    for got in (out, ref):
+        np.testing.assert_array_equal(_bits(got[0]), _bits(expect_k))
+        np.testing.assert_array_equal(_bits(got[1]), _bits(expect_v))

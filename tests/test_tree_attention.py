@@ -68,6 +68,37 @@ def test_kernel_matches_reference(case, dtype, entry):
         assert _rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("entry", ["separate", "packed"])
+def test_rows_read_their_slots_of_a_larger_cache(entry):
+    """slots: 3 query rows attend to slots 4, 0 and 5 (padding: clipped, prefix 0) of a 6-slot
+    cache; each must equal the reference on that slot's cache alone, and the reference with
+    slots must equal the reference on the gathered cache."""
+    b, n, hq, hkv, d, t = 6, 7, 8, 2, 64, 48
+    q6, kc, vc, _, kn6, vn6, mask6 = _inputs(5, b, n, hq, hkv, d, t, 2, jnp.float32, [0] * b)
+    q, kn, vn, mask = q6[:3], kn6[:3], vn6[:3], mask6[:3]
+    slots = jnp.asarray([4, 0, b], jnp.int32)
+    sl = jnp.asarray([37, 48, 0], jnp.int32)
+    layer = jnp.int32(1)
+    scale = 1 / math.sqrt(d)
+    gathered = [jnp.take(c, slots, axis=1, mode="clip") for c in (kc, vc)]
+    ref = ta.tree_attention_reference(q, *gathered, layer, sl, kn, vn, mask, sm_scale=scale)
+    ref_slots = ta.tree_attention_reference(q, kc, vc, layer, sl, kn, vn, mask, sm_scale=scale,
+                                            slots=slots)
+    np.testing.assert_allclose(np.asarray(ref_slots), np.asarray(ref), rtol=1e-6, atol=1e-6)
+    for splits in (1, 3):
+        tune = dict(sm_scale=scale, block_k=16, num_splits=splits, interpret=True)
+        if entry == "packed":
+            out = ta.tree_attention_packed_pallas(_pack(q, kn, vn), kc, vc, layer, sl, mask,
+                                                  slots, num_heads=hq, **tune)
+        else:
+            out = ta.tree_attention_pallas(q, kc, vc, layer, sl, kn, vn, mask, slots, **tune)
+        assert _rel_err(out, ref) < TOL[jnp.float32]
+    # A wrong slot map reads other caches: the check can fail.
+    wrong = ta.tree_attention_reference(q, kc, vc, layer, sl, kn, vn, mask, sm_scale=scale,
+                                        slots=jnp.asarray([3, 0, b], jnp.int32))
+    assert _rel_err(wrong, ref) > 1e-2
+
+
 def test_packed_split_and_dispatch_off_gpu():
     q, kc, vc, sl, kn, vn, mask = _inputs(5, 2, 3, 8, 2, 64, 24, 1, jnp.float32, [9, 20])
     qkv = _pack(q, kn, vn)

@@ -310,19 +310,21 @@ def init_plain_state(cfg: ModelConfig, slots: int, max_len: int, dtype):
 
 
 def plain_admit(params, state: PlainState, slot_idx, tokens, start, n_valid, next_tok,
-                adm: AdmitArgs, engine_key, *, cfg: ModelConfig, axes,
-                features: Features = FULL, kv_rows=None):
+                adm: AdmitArgs, engine_key, *, cfg: ModelConfig, axes, rows,
+                features: Features = FULL):
     """One prefill chunk for A requests in slots slot_idx (see spec_admit for the arguments);
     on a new request's last chunk the first token is drawn with the slot's parameters."""
-    sub = take_slots(state, axes, slot_idx, None if kv_rows is None else (kv_rows, tokens.shape[1]))
-    cache, hidden = _chunk_forward(params, cfg, sub.cache, tokens, start, n_valid)
+    sub = take_slots(state, axes, slot_idx, (rows, 0))     # per-slot leaves; no KV rows
+    (k, v), hidden = _chunk_forward(params, cfg, state.cache, tokens, start, n_valid, slot_idx)
     is_last = next_tok < 0
     hist = chunk_history(sub.history, tokens, start, n_valid, adm.n_prompt)
     logits = llama.lm_head(params, cfg, _last_row(hidden, n_valid))
     sp, first, hist, keys = admit_sampling(logits, hist, adm, engine_key, is_last, features)
     root = jnp.where(adm.root >= 0, adm.root, first.tokens)
-    new = PlainState(cache, jnp.where(is_last, root, sub.tokens), sp, keys, hist)
-    return put_slots(state, axes, slot_idx, new, kv_rows), first
+    new = PlainState(sub.cache.replace(lens=start + n_valid), jnp.where(is_last, root, sub.tokens),
+                     sp, keys, hist)
+    return put_slots(state.replace(cache=state.cache.replace(k=k, v=v)), axes, slot_idx, new,
+                     rows), first
 
 
 def plain_admit_packed(params, state: PlainState, slot_idx, tokens, lay: PackLayout, n_valid,

@@ -91,10 +91,11 @@ def qkv(cfg: ModelConfig, draft_params, x, positions):
     return llama.qkv_proj(cfg, layer_params(draft_params), x, positions, inv_freq, skip_norm=True)
 
 
-def attend(cfg: ModelConfig, q, cache_k, cache_v, seq_lens, k_new, v_new, mask):
-    """Draft attention over the committed draft cache (layer 0) plus `k_new` under `mask`."""
+def attend(cfg: ModelConfig, q, cache_k, cache_v, seq_lens, k_new, v_new, mask, slots=None):
+    """Draft attention over the committed draft cache (layer 0) plus `k_new` under `mask`;
+    slots [B]: the cache slot of each row (None: row b is slot b)."""
     return tree_attention(q, cache_k, cache_v, jnp.int32(0), seq_lens, k_new, v_new, mask,
-                          sm_scale=cfg.head_dim ** -0.5)
+                          sm_scale=cfg.head_dim ** -0.5, slots=slots)
 
 
 def finish_layer(cfg: ModelConfig, draft_params, x, attn):
@@ -111,7 +112,7 @@ def logits(params, hidden):
 
 
 def forward(params, draft_params, cfg: ModelConfig, tokens, features, positions, cache_k, cache_v,
-            seq_lens, new_mask):
+            seq_lens, new_mask, slots=None):
     """All rows through the head (no row skipped).
 
     tokens, positions [B, N]; features [B, N, H]; cache_k/v [1, B, Hkv, T, D]; new_mask [B, N, N].
@@ -119,5 +120,5 @@ def forward(params, draft_params, cfg: ModelConfig, tokens, features, positions,
     """
     x = fuse_input(params, draft_params, tokens, features)
     q, k, v = qkv(cfg, draft_params, x, positions)
-    o = attend(cfg, q, cache_k, cache_v, seq_lens, k, v, new_mask)
+    o = attend(cfg, q, cache_k, cache_v, seq_lens, k, v, new_mask, slots)
     return finish_layer(cfg, draft_params, x, o), k[None], v[None]

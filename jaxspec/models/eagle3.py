@@ -157,10 +157,10 @@ def qkv(cfg: ModelConfig, head: Eagle3Head, x, positions):
                           skip_norm=True)
 
 
-def attend(cfg: ModelConfig, q, cache_k, cache_v, seq_lens, k_new, v_new, mask):
+def attend(cfg: ModelConfig, q, cache_k, cache_v, seq_lens, k_new, v_new, mask, slots=None):
     """As eagle.attend; the scale is the head's own head_dim (read from q)."""
     return tree_attention(q, cache_k, cache_v, jnp.int32(0), seq_lens, k_new, v_new, mask,
-                          sm_scale=q.shape[-1] ** -0.5)
+                          sm_scale=q.shape[-1] ** -0.5, slots=slots)
 
 
 def finish_layer(cfg: ModelConfig, head: Eagle3Head, x, attn):
@@ -192,10 +192,10 @@ def target_features(captured):
 
 
 def forward(params, head: Eagle3Head, cfg: ModelConfig, tokens, features, positions, cache_k,
-            cache_v, seq_lens, new_mask):
+            cache_v, seq_lens, new_mask, slots=None):
     """All rows through the head (as eagle.forward). Returns (out [B, N, H], k_new, v_new
     [1, B, Hkv, N, D])."""
     x = fuse_input(params, head, tokens, features)
     q, k, v = qkv(cfg, head, x, positions)
-    o = attend(cfg, q, cache_k, cache_v, seq_lens, k, v, new_mask)
+    o = attend(cfg, q, cache_k, cache_v, seq_lens, k, v, new_mask, slots)
     return finish_layer(cfg, head, x, o), k[None], v[None]

@@ -119,20 +119,22 @@ def qkv_packed(cfg, lp, x, positions, inv_freq, skip_norm=False, tables=None):
 
 
 def attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer, seq_lens, new_mask,
-                    skip_norm=False, tables=None):
-    """Returns (attention output [B, N, H], k_new, v_new [B, Hkv, N, D])."""
+                    skip_norm=False, tables=None, slots=None):
+    """Returns (attention output [B, N, H], k_new, v_new [B, Hkv, N, D]). slots [B]: the cache
+    slot of each row (None: row b is slot b)."""
     b, n, _ = x.shape
     scale = cfg.head_dim ** -0.5
     if lp["wqkv"].ndim == 2:
         qkv = qkv_packed(cfg, lp, x, positions, inv_freq, skip_norm, tables)
         o = tree_attention_packed(qkv, cache_k, cache_v, layer, seq_lens, new_mask,
                                   num_heads=cfg.num_heads, sm_scale=scale,
-                                  causal=cfg.causal_chunks, skip_before=cfg.packed_chunks)
+                                  causal=cfg.causal_chunks, skip_before=cfg.packed_chunks,
+                                  slots=slots)
         _, k, v = split_packed(qkv, cfg.num_heads, cfg.num_kv_heads)
     else:   # blocked (tensor-parallel) weights
         q, k, v = qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm, tables)
         o = tree_attention(q, cache_k, cache_v, layer, seq_lens, k, v, new_mask, sm_scale=scale,
-                           causal=cfg.causal_chunks, skip_before=cfg.packed_chunks)
+                           causal=cfg.causal_chunks, skip_before=cfg.packed_chunks, slots=slots)
     return o.reshape(b, n, cfg.q_size) @ lp["wo"], k, v
 
 
@@ -151,10 +153,11 @@ def mlp_block(cfg, lp, x):
 
 
 def forward(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, seq_lens, new_mask,
-            capture_layers: Sequence[int] = ()):
+            capture_layers: Sequence[int] = (), slots=None):
     """Runs all layers over N new tokens per slot.
 
-    tokens, positions [B, N] int32; cache_k/v [L, B, Hkv, T, D]; seq_lens [B]; new_mask [B, N, N].
+    tokens, positions [B, N] int32; cache_k/v [L, B, Hkv, T, D] (or [L, Bc, ...] with slots [B]
+    naming the cache slot of each row); seq_lens [B]; new_mask [B, N, N].
     Returns (hidden [B, N, H] before the final norm, k_new, v_new [L, B, Hkv, N, D],
     captured [len(capture_layers), B, N, H] = outputs of those layers, or None).
     """
@@ -165,7 +168,7 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, seq_l
     def layer_fn(x, inp):
         lp, layer = inp
         a, k, v = attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer,
-                                   seq_lens, new_mask, tables=tables)
+                                   seq_lens, new_mask, tables=tables, slots=slots)
         x = x + a
         x = x + mlp_block(cfg, lp, x)
         return x, (k, v, x if capture_layers else None)

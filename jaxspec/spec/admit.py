@@ -1,10 +1,13 @@
 """Admission: prefill new requests into chosen slots of a live batch state, between cycles.
 
 The engine keeps one static-shape batch state (B slots) alive for its whole life. New requests are
-prefilled into free slots without touching the others: the admitted slots are gathered along the
-batch axis into an A-slot sub-state (A = a slot-count bucket), one prompt chunk is run over it,
-and the sub-state is scattered back. Padding rows of a bucket carry the slot index B, which the
-gather clips and the scatter drops, so they change nothing.
+prefilled into free slots without touching the others: the admitted slots' per-slot leaves
+(sampling, keys, counts, lengths, draft seed) are gathered along the batch axis into an A-slot
+sub-state (A = a slot-count bucket), one prompt chunk is run, and the sub-state is scattered back.
+The KV caches are never gathered: the chunk's attention reads the admitted slots' rows of the
+whole cache and its K/V rows are written there in place (the kernels' `slots` argument). Padding
+rows of a bucket carry the slot index B, which the gathers clip and the writes drop, so they
+change nothing.
 
 Chunks: a prompt of P tokens is prefilled in chunks of at most `chunk` rows, each at rows
 start..start+n_valid-1 over the rows the earlier chunks wrote. The draft catch-up of a chunk
@@ -203,23 +206,26 @@ def put_slots(state, axes, slot_idx, sub, rows=None):
     return jax.tree_util.tree_map(put, state, axes, sub, *extra)
 
 
-def _chunk_forward(params, cfg: ModelConfig, cache: KVCache, tokens, start, n_valid):
-    """Target forward over one chunk at rows start.. of each slot of an A-slot cache.
+def _chunk_forward(params, cfg: ModelConfig, cache: KVCache, tokens, start, n_valid, slots):
+    """Target forward over one chunk at rows start.. of slots `slots` [A] of the whole batch's
+    cache (slots B: padding rows, nothing written). Reads and writes those slots' rows in place:
+    gathering them would copy whole slot caches (47 MB a slot for SmolLM2 at 2,048 rows) in and
+    out for every chunk.
 
-    Returns (cache with n_valid rows appended at start, hidden [A, C, H])."""
-    return _chunk_forward_captured(params, cfg, cache, tokens, start, n_valid)[:2]
+    Returns (cache k, v with n_valid rows written at start, hidden [A, C, H])."""
+    return _chunk_forward_captured(params, cfg, cache, tokens, start, n_valid, slots)[:2]
 
 
 def _chunk_forward_captured(params, cfg: ModelConfig, cache: KVCache, tokens, start, n_valid,
-                            capture_layers=()):
+                            slots, capture_layers=()):
     """_chunk_forward, plus the outputs of `capture_layers` [len, A, C, H] (None if none)."""
     a, c = tokens.shape
     rows = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32)[None], (a, c))
     hidden, k_new, v_new, captured = llama.forward(
         params, cfg.for_prefill(), tokens, start[:, None] + rows, cache.k, cache.v, start,
-        llama.causal_mask(a, c, n_valid), capture_layers)
-    k, v = kv_compact(cache.k, cache.v, k_new, v_new, start, rows, n_valid)
-    return KVCache(k, v, start + n_valid), hidden, captured
+        llama.causal_mask(a, c, n_valid), capture_layers, slots=slots)
+    k, v = kv_compact(cache.k, cache.v, k_new, v_new, start, rows, n_valid, slots)
+    return (k, v), hidden, captured
 
 
 def _last_row(x, n_valid):
@@ -229,22 +235,23 @@ def _last_row(x, n_valid):
 
 
 def spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, next_tok,
-               adm: AdmitArgs, engine_key, *, cfg: ModelConfig, spec: SpecConfig, axes,
-               features: Features = FULL, kv_rows=None):
+               adm: AdmitArgs, engine_key, *, cfg: ModelConfig, spec: SpecConfig, axes, rows,
+               features: Features = FULL):
     """One prefill chunk of target and draft for A requests in slots slot_idx.
 
     slot_idx [A] int32 (B = padding); tokens [A, C] (padded); start [A] rows already prefilled;
     n_valid [A] rows in this chunk; next_tok [A] the token after the chunk, -1 on the last chunk;
-    adm: the requests' sampling (AdmitArgs); engine_key [2] uint32.
+    adm: the requests' sampling (AdmitArgs); engine_key [2] uint32. rows: the state's row axes:
+    the KV caches are read and written in place at the slots (`_chunk_forward`), only the
+    per-slot leaves are gathered and scattered.
     Returns (state, Emitted [A]): the root (first generated token) and its logprobs on a new
     request's last chunk, else token -1.
-    kv_rows: the state's row axes for a first chunk (start = 0 in every row), whose KV caches are
-    neither gathered nor scattered whole (take_slots); None for any chunk.
     """
     a, c = tokens.shape
-    sub = take_slots(state, axes, slot_idx, None if kv_rows is None else (kv_rows, c))
-    target, hidden, captured = _chunk_forward_captured(
-        params, cfg, sub.target, tokens, start, n_valid, draft_lib.capture_layers(draft_params))
+    sub = take_slots(state, axes, slot_idx, (rows, 0))     # per-slot leaves; no KV rows
+    (tk, tv), hidden, captured = _chunk_forward_captured(
+        params, cfg, state.target, tokens, start, n_valid, slot_idx,
+        draft_lib.capture_layers(draft_params))
     normed = llama.final_norm(params, cfg, hidden)
     feats = draft_lib.target_features(draft_params, normed, captured)
     is_last = next_tok < 0
@@ -252,28 +259,29 @@ def spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, ne
     logits = llama.project_logits(params, _last_row(normed, n_valid))
     sp, first, hist, keys = admit_sampling(logits, hist, adm, engine_key, is_last, features)
     root = jnp.where(adm.root >= 0, adm.root, first.tokens)
-    rows = jnp.arange(c, dtype=jnp.int32)[None]
+    cols = jnp.arange(c, dtype=jnp.int32)[None]
     shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((a, 1), tokens.dtype)], axis=1)
-    shifted = jnp.where(rows == (n_valid - 1)[:, None],
+    shifted = jnp.where(cols == (n_valid - 1)[:, None],
                         jnp.where(is_last, root, next_tok)[:, None], shifted)
-    dk, dv, seed = draft_lib.catch_up(params, draft_params, cfg, spec, sub.draft_k, sub.draft_v,
-                                      start, feats, shifted, n_valid)
-    new = sub.replace(target=target, draft_k=dk, draft_v=dv,
+    dk, dv, seed = draft_lib.catch_up(params, draft_params, cfg, spec, state.draft_k,
+                                      state.draft_v, start, feats, shifted, n_valid, slot_idx)
+    new = sub.replace(target=sub.target.replace(lens=start + n_valid),
                       root=jnp.where(is_last, root, sub.root), seed=seed, sampling=sp, rng=keys,
                       history=hist)
-    return put_slots(state, axes, slot_idx, new, kv_rows), first
+    state = state.replace(target=state.target.replace(k=tk, v=tv), draft_k=dk, draft_v=dv)
+    return put_slots(state, axes, slot_idx, new, rows), first
 
 
 def admit_programs(admit_fn, packed_fn, rows, donate: int) -> dict:
-    """{(features, form): jitted program} per `sampling.VARIANTS`, form True for the padded
-    first-chunk form (kv_rows=rows, take_slots' `fresh`), False for the general one, "packed"
-    for packed first chunks (`admit_packed`); argument `donate` (the state) is donated.
-    admit_fn / packed_fn: spec_admit / spec_admit_packed or the plain ones, static arguments
-    bound."""
-    out = {(f, first): jit(functools.partial(admit_fn, features=f,
-                                             kv_rows=rows if first else None),
-                           donate_argnums=(donate,))
-           for f in VARIANTS for first in (False, True)}
+    """{(features, form): jitted program} per `sampling.VARIANTS`, form True for padded first
+    chunks, False for the general form, "packed" for packed first chunks (`admit_packed`);
+    argument `donate` (the state) is donated. admit_fn / packed_fn: spec_admit /
+    spec_admit_packed or the plain ones, static arguments bound. The padded first chunk and the
+    general form are one program (a first chunk starts at row 0 of the same in-place forward);
+    both keys stay so the engine's bucket keys do not change."""
+    general = {f: jit(functools.partial(admit_fn, features=f, rows=rows), donate_argnums=(donate,))
+               for f in VARIANTS}
+    out = {(f, first): general[f] for f in VARIANTS for first in (False, True)}
     out.update({(f, "packed"): jit(functools.partial(packed_fn, features=f, rows=rows),
                                    donate_argnums=(donate,)) for f in VARIANTS})
     return out
@@ -282,10 +290,10 @@ def admit_programs(admit_fn, packed_fn, rows, donate: int) -> dict:
 @functools.lru_cache(maxsize=None)
 def jit_spec_admit(cfg: ModelConfig, spec: SpecConfig, slots: int, max_len: int, dtype):
     """{(features, form): spec_admit(params, draft_params, state, slot_idx, tokens, start,
-    n_valid, next_tok, adm, engine_key)} per `sampling.VARIANTS`, with the first-chunk form
-    (take_slots' `fresh`), the general one and the packed one (`spec_admit_packed`, without
-    start), and advance(state, slot_idx, advance); the state is donated. Buckets are the input
-    shapes."""
+    n_valid, next_tok, adm, engine_key)} per `sampling.VARIANTS`, under the keys of the
+    padded first-chunk form and the general one (one program, `admit_programs`), and the packed
+    one (`spec_admit_packed`, without start), and advance(state, slot_idx, advance); the state
+    is donated. Buckets are the input shapes."""
     axes = batch_axes(lambda b: init_state(cfg, spec, b, max_len, dtype), slots)
     rows = batch_axes(lambda t: init_state(cfg, spec, slots, t, dtype), max_len, "row")
     from jaxspec.spec.admit_packed import spec_admit_packed

@@ -121,10 +121,11 @@ def _last_live(x, n_live):
 
 
 def catch_up(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k, draft_v, base,
-             features, tokens, n_live):
+             features, tokens, n_live, slots=None):
     """Draft rows (features[:, r], tokens[:, r]) at positions base + r for r < n_live.
 
-    draft_k/v [1, B, Hkv, T, D]: the committed draft cache, base [B] rows long.
+    draft_k/v [1, B, Hkv, T, D]: the committed draft cache, base [B] rows long (or [1, Bc, ...]
+    with slots [B] naming the cache slot of each row).
     features [B, R, F] target features (`target_features`: F = H for EAGLE-1, 3H for EAGLE-3);
     tokens [B, R]; n_live [B] live rows (0 = slot idle).
     Writes the draft KV of all live rows at base..base+n_live-1 and returns
@@ -137,21 +138,23 @@ def catch_up(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k, 
     if spec.skip_dead_rows:
         x = head.fuse_input(params, draft_params, tokens, features)
         q, k, v = head.qkv(cfg, draft_params, x, positions)
-        draft_k, draft_v = kv_compact(draft_k, draft_v, k[None], v[None], base, rows, n_live)
+        draft_k, draft_v = kv_compact(draft_k, draft_v, k[None], v[None], base, rows, n_live,
+                                      slots)
         # Only the last live row goes on: its query sees the rows just written (through the cache,
         # lengths base + n_live - 1) and itself (as the one new key).
         q1 = _last_live(q, n_live)                                          # [B, 1, Hq, D]
         k1 = _last_live(k.transpose(0, 2, 1, 3), n_live).transpose(0, 2, 1, 3)  # [B, Hkv, 1, D]
         v1 = _last_live(v.transpose(0, 2, 1, 3), n_live).transpose(0, 2, 1, 3)
         lens = base + jnp.maximum(n_live - 1, 0)
-        o = head.attend(cfg, q1, draft_k, draft_v, lens, k1, v1, jnp.ones((b, 1, 1), bool))
+        o = head.attend(cfg, q1, draft_k, draft_v, lens, k1, v1, jnp.ones((b, 1, 1), bool),
+                        slots)
         x1 = jax.tree_util.tree_map(lambda a: _last_live(a, n_live), x)  # EAGLE-3: a pair
         hidden = head.finish_layer(cfg, draft_params, x1, o)[:, 0]
     else:
         mask = jnp.tril(jnp.ones((r, r), bool))[None] & (rows < n_live[:, None])[:, None, :]
         hid, k, v = head.forward(params, draft_params, cfg, tokens, features, positions, draft_k,
-                                 draft_v, base, mask)
-        draft_k, draft_v = kv_compact(draft_k, draft_v, k, v, base, rows, n_live)
+                                 draft_v, base, mask, slots)
+        draft_k, draft_v = kv_compact(draft_k, draft_v, k, v, base, rows, n_live, slots)
         hidden = _last_live(hid, n_live)[:, 0]
     tok, logp = _children(params, draft_params, hidden, spec)
     return draft_k, draft_v, DraftSeed(tok, logp, hidden)
