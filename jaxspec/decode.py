@@ -109,13 +109,20 @@ def _emit(logits, sp: SlotSampling, hist: TokenCounts, keys, forced, num_top: in
     forced [B] (or None): emit these tokens instead of sampling, reporting their logprobs.
     live [B] bool (or None: all): only these slots count the token and advance their key."""
     pen = cond(sp.any_penalty(), lambda: apply_penalties(logits, sp, hist), lambda: logits)
-    new_keys, sub = split_slot_keys(keys, 2)
-    tok = sample_slots(pen, sp, sub) if forced is None else forced.astype(jnp.int32)
-    lp, ids, tlp = token_logprobs(pen[:, None], sp, tok[:, None], num_top)
     if live is None:
-        live = jnp.ones(tok.shape, bool)
-    hist = hist.add(tok[:, None], live[:, None])
-    keys = jnp.where(live[:, None], new_keys, keys)
+        live = jnp.ones(logits.shape[:1], bool)
+    # A batch known to be greedy without penalties (LEAN) neither reads its keys nor its counts:
+    # they stay as they are (see spec.cycle.cycle).
+    lean = sp.features is not None and not sp.features.sampled
+    if lean and forced is None:
+        tok = sample_slots(pen, sp, None)
+    else:
+        new_keys, sub = split_slot_keys(keys, 2)
+        tok = sample_slots(pen, sp, sub) if forced is None else forced.astype(jnp.int32)
+        keys = jnp.where(live[:, None], new_keys, keys)
+    lp, ids, tlp = token_logprobs(pen[:, None], sp, tok[:, None], num_top)
+    if sp.features is None or sp.features.penalty:
+        hist = hist.add(tok[:, None], live[:, None])
     return Emitted(tok, lp[:, 0], ids[:, 0], tlp[:, 0]), hist, keys
 
 

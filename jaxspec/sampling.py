@@ -420,6 +420,15 @@ def token_logprobs(logits, sp: SlotSampling, tokens, num_top: int):
     return cond(sp.any_logprobs(), compute, skip, None)
 
 
+def no_logprobs(b: int):
+    """(logprob [B, 0], top_ids [B, 0, 0], top_logprobs [B, 0, 0]): what a program variant that
+    computes no logprobs (LEAN) returns in their place. Zeros of the full shape would still be
+    written every call (and, over several cycles a call, gathered): empty arrays cost nothing,
+    and the host reads them only for requests that asked for logprobs, which never run LEAN."""
+    return (jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0, 0), jnp.int32),
+            jnp.zeros((b, 0, 0), jnp.float32))
+
+
 def logprob_dicts(tokens, logprob, top_ids, top_logprobs, n: int) -> List[Dict[int, float]]:
     """Host side: per emitted token, {token: logprob} plus its n best alternatives (vLLM's
     layout: the sampled token is always present, alternatives may include it)."""

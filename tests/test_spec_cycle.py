@@ -384,6 +384,41 @@ def test_cycles_per_call_equal_separate_cycles():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_lean_cycles_skip_keys_counts_and_logprobs_and_emit_the_same():
+    """The LEAN variant (every slot greedy, no penalty, no logprobs) emits what FULL emits, over
+    several cycles a call, but leaves the keys and token counts as they were and returns empty
+    logprob arrays; FULL advances every active slot's key and counts its tokens."""
+    from jaxspec.sampling import FULL, LEAN
+    spec = SpecConfig(3, 1, 4)
+    params, head = agreeing_pair()
+    tokens = jnp.asarray(np.arange(48).reshape(3, 16) % 97)
+    lens = jnp.array([5, 16, 9], jnp.int32)
+    active = jnp.array([True, True, False])
+    pre = jit_prefill(CFG, spec)
+    out, states = {}, {}
+    for name, f in (("lean", LEAN), ("full", FULL)):
+        st, _ = pre(params, head, init_state(CFG, spec, 3, 96, jnp.float32), tokens, lens)
+        before = (np.asarray(st.rng), np.asarray(st.history.counts))
+        states[name], out[name] = jit_cycle(CFG, spec, features=f, n_cycles=2)(params, head, st,
+                                                                              active)
+        states[name + "_before"] = before
+    np.testing.assert_array_equal(np.asarray(out["lean"].tokens), np.asarray(out["full"].tokens))
+    np.testing.assert_array_equal(np.asarray(out["lean"].accept_len),
+                                  np.asarray(out["full"].accept_len))
+    assert out["lean"].logprob.shape == (3, 0) and out["full"].logprob.shape == (3, 8)
+    rng0, counts0 = states["lean_before"]
+    np.testing.assert_array_equal(np.asarray(states["lean"].rng), rng0)
+    np.testing.assert_array_equal(np.asarray(states["lean"].history.counts), counts0)
+    full_rng = np.asarray(states["full"].rng)
+    assert (full_rng[:2] != rng0[:2]).any(axis=1).all() and (full_rng[2] == rng0[2]).all()
+    emitted = int((np.asarray(out["full"].tokens) >= 0).sum())
+    assert int(np.asarray(states["full"].history.counts).sum()) - int(counts0.sum()) == emitted
+    for key in ("target", "draft_k", "root", "seed"):      # everything else is the same
+        for a, b in zip(jax.tree_util.tree_leaves(getattr(states["lean"], key)),
+                        jax.tree_util.tree_leaves(getattr(states["full"], key))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # ---------------------------------------------------------------- real weights
 
 

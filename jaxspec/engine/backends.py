@@ -53,7 +53,7 @@ from jaxspec.config import ModelConfig
 from jaxspec.decode import decode_scan
 from jaxspec.kv import KVCache, init_cache
 from jaxspec.models import llama
-from jaxspec.sampling import FULL, VARIANTS, Features, SlotSampling, TokenCounts
+from jaxspec.sampling import FULL, VARIANTS, Features, SlotSampling, TokenCounts, no_logprobs
 from jaxspec.spec.admit import (AdmitArgs, _chunk_forward, _last_row, admit_programs,
                                 admit_sampling, advance_rows, batch_axes, chunk_history,
                                 jit_spec_admit, put_slots, take_slots)
@@ -65,7 +65,8 @@ class CycleTokens(NamedTuple):
     """What one engine cycle emitted (device arrays until the host reads them)."""
     tokens: jax.Array                  # [B, E] int32, -1 padded
     accept: Optional[jax.Array]        # [B] accepted drafted tokens (speculative), else None
-    logprob: jax.Array                 # [B, E] of each token (zeros unless a slot asked)
+    logprob: jax.Array                 # [B, E] of each token (zeros unless a slot asked);
+                                       # [B, 0] from the LEAN variant (`no_logprobs`)
     top_ids: jax.Array                 # [B, E, k]
     top_logprobs: jax.Array            # [B, E, k]
 
@@ -356,8 +357,10 @@ def plain_cycle(params, state: PlainState, active, *, cfg: ModelConfig, n_steps:
                                         n_steps=n_steps, features=features)
     tokens = jnp.where(active, em.tokens[:, -1], state.tokens)
     new = PlainState(cache, tokens, state.sampling, keys, hist)
-    return new, CycleTokens(jnp.where(active[:, None], em.tokens, -1), None, em.logprob,
-                            em.top_ids, em.top_logprobs)
+    lp = (em.logprob, em.top_ids, em.top_logprobs)
+    if features is not None and not features.logprobs:
+        lp = no_logprobs(tokens.shape[0])      # the steps' zeros are then never written
+    return new, CycleTokens(jnp.where(active[:, None], em.tokens, -1), None, *lp)
 
 
 def _jit_plain(cfg: ModelConfig, slots: int, max_len: int, dtype, n_steps: int):

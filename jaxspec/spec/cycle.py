@@ -30,8 +30,8 @@ from jaxspec.spec import draft as draft_lib
 from jaxspec.spec.config import SpecConfig
 from jaxspec.spec.tree import build_tree
 from jaxspec.sampling import (MAX_LOGPROBS, Emitted, Features, SlotSampling, TokenCounts,
-                              apply_penalties, apply_tree_penalties, cond, processed_logprobs,
-                              sample_slots, split_slot_keys, token_logprobs)
+                              apply_penalties, apply_tree_penalties, cond, no_logprobs,
+                              processed_logprobs, sample_slots, split_slot_keys, token_logprobs)
 from jaxspec.spec.verify import (emitted_tokens, greedy_accept, path_tokens, sample_accept,
                                  select_accept)
 from jaxspec.xla_options import gemm_choice, jit
@@ -63,7 +63,8 @@ class SpecState:
 class CycleOut(NamedTuple):
     tokens: jax.Array        # [B, S+1] emitted (accepted + bonus), -1 padded
     accept_len: jax.Array    # [B] accepted drafted tokens (0 for idle slots)
-    logprob: jax.Array       # [B, S+1] of each emitted token (zeros unless a slot asked)
+    logprob: jax.Array       # [B, S+1] of each emitted token (zeros unless a slot asked);
+                             # [B, 0] from a variant without logprobs (LEAN: no_logprobs)
     top_ids: jax.Array       # [B, S+1, k] best alternatives, k = min(MAX_LOGPROBS, V)
     top_logprobs: jax.Array  # [B, S+1, k]
 
@@ -165,7 +166,9 @@ def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, s
     pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     acc = greedy_accept(tree, pred, s)
     rng = state.rng
-    if not greedy_only:
+    # Keys advance only where a slot may sample: a LEAN batch's greedy slots never read them
+    # (a resumed request's key advance counts FULL cycles, the only ones a sampling slot runs).
+    if not greedy_only and (features is None or features.sampled):
         rng_next, coin_keys, bonus_keys = split_slot_keys(rng, 3)
 
         def sampled(_):
@@ -178,7 +181,9 @@ def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, s
         rng = jnp.where(active[:, None], rng_next, rng)
     out = emitted_tokens(tree, acc)                                         # [B, S+1]
     live = active[:, None] & (jnp.arange(s + 1)[None] <= acc.accept_len[:, None])
-    if greedy_only:
+    if features is not None and not features.logprobs:
+        lp = no_logprobs(out.shape[0])
+    elif greedy_only:
         k = min(MAX_LOGPROBS, cfg.vocab_size)
         lp = (jnp.zeros(out.shape, jnp.float32), jnp.zeros(out.shape + (k,), jnp.int32),
               jnp.zeros(out.shape + (k,), jnp.float32))
@@ -196,9 +201,13 @@ def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, s
     seed = jax.tree_util.tree_map(
         lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
         seed, state.seed)
+    # The counts feed only the penalties: a batch without them (LEAN) leaves them as they are;
+    # a request with a penalty runs every cycle FULL, and admission rebuilds a slot's counts.
+    if features is None or features.penalty:
+        hist = hist.add(out, live)
     new_state = SpecState(KVCache(tk, tv, lens + n_live), dk, dv,
                           jnp.where(active, acc.bonus, state.root), seed, state.sampling, rng,
-                          hist.add(out, live))
+                          hist)
     return new_state, CycleOut(jnp.where(active[:, None], out, -1),
                                jnp.where(active, acc.accept_len, 0), *lp)
 
@@ -221,6 +230,8 @@ def cycles(params, draft_params, state: SpecState, active, *, n_cycles: int, **k
     order = jnp.argsort(tokens < 0, axis=1, stable=True)       # emitted first, order kept
 
     def gather(x):
+        if x.shape[1] == 0:        # no logprobs (`no_logprobs`)
+            return x
         idx = order.reshape(order.shape + (1,) * (x.ndim - 2))
         return jnp.take_along_axis(x, idx, axis=1)
 
