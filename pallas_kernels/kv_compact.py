@@ -18,7 +18,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -63,27 +62,27 @@ def _kv_compact_kernel(
     seq_lens_ref,  # [B] int32
     src_ref,       # [B, M] int32
     count_ref,     # [B] int32
-    slots_ref,     # [B] int32: the cache slot of each row of new
-    kn_ref,        # [L, B, Hkv, N, D]
-    vn_ref,        # [L, B, Hkv, N, D]
-    kc_in_ref,     # [L, Bc, Hkv, T, D]  aliased to kc_ref
-    vc_in_ref,     # [L, Bc, Hkv, T, D]  aliased to vc_ref
-    kc_ref,        # [L, Bc, Hkv, T, D]
-    vc_ref,        # [L, Bc, Hkv, T, D]
-    *,
+    *refs,         # with `indirect`: slots [B] int32, the cache slot of each row of new; then
+                   # kn, vn [L, B, Hkv, N, D], the caches [L, Bc, Hkv, T, D] (aliased to the
+                   # outputs), and the outputs kc, vc
     block_m: int,
+    indirect: bool = False,
 ):
-    del kc_in_ref, vc_in_ref  # Same buffers as the outputs.
+    # No slot map unless asked for: even a constant one costs an iota kernel per call.
+    slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
+    kn_ref, vn_ref, _, _, kc_ref, vc_ref = refs   # the inputs' caches are the outputs' buffers
     _, cache_slots, num_kv_heads, t_max, head_dim = kc_ref.shape
     num_rows, num_new, num_src = kn_ref.shape[1], kn_ref.shape[3], src_ref.shape[1]
     lbh, j = pl.program_id(0), pl.program_id(1)
     layer = lbh // (num_rows * num_kv_heads)
     b = (lbh // num_kv_heads) % num_rows
     h = lbh % num_kv_heads
-    slot = slots_ref[b]
-    # a slot past the cache (a padding row) writes nothing
-    count = jnp.where((slot >= 0) & (slot < cache_slots), count_ref[b], 0)
-    slot = jnp.clip(slot, 0, cache_slots - 1)
+    count = count_ref[b]
+    slot = b
+    if indirect:   # a slot past the cache (a padding row) writes nothing
+        slot = slots_ref[b]
+        count = jnp.where((slot >= 0) & (slot < cache_slots), count, 0)
+        slot = jnp.clip(slot, 0, cache_slots - 1)
 
     @pl.when(j * block_m < count)
     def _():
@@ -119,21 +118,21 @@ def kv_compact_pallas(
 ):
     num_layers, _, hkv, _, d = k_cache.shape
     b, m = k_new.shape[1], src_idx.shape[1]
-    # A constant when every row is its own slot: no kernel makes it.
-    slots = np.arange(b, dtype=np.int32) if slots is None else slots.astype(jnp.int32)
+    slot_map = () if slots is None else (slots.astype(jnp.int32),)
     assert d == _next_pow2(d), f"head dim {d=} must be a power of 2"
     block_m = block_m or min(_next_pow2(m), 32)
-    kernel = functools.partial(_kv_compact_kernel, block_m=block_m)
+    kernel = functools.partial(_kv_compact_kernel, block_m=block_m, indirect=bool(slot_map))
+    first_cache = 5 + len(slot_map)
     return pl.pallas_call(
         kernel,
         grid=(num_layers * b * hkv, pl.cdiv(m, block_m)),
         out_shape=[jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                    jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
-        input_output_aliases={6: 0, 7: 1},
+        input_output_aliases={first_cache: 0, first_cache + 1: 1},
         compiler_params=_CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kv_compact",
-    )(seq_lens.astype(jnp.int32), src_idx.astype(jnp.int32), count.astype(jnp.int32), slots,
+    )(seq_lens.astype(jnp.int32), src_idx.astype(jnp.int32), count.astype(jnp.int32), *slot_map,
       k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype), k_cache, v_cache)
 
 

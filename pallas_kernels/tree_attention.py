@@ -27,7 +27,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -111,14 +110,11 @@ def _store_rows(out_ref, o, b, h, r, live, group, col0=0):
 def _tree_attention_kernel(
     layer_ref,     # [1] int32
     seq_lens_ref,  # [B] int32
-    slots_ref,     # [B] int32: the cache slot of each query row
-    q_ref,         # [B, Hkv, R, D]   rows r = n * G + g; packed: qkv [B, N, Hq + 2 Hkv, D]
-    k_ref,         # [L, Bc, Hkv, T, D]
-    v_ref,         # [L, Bc, Hkv, T, D]
-    kn_ref,        # [B, Hkv, N, D]; packed: the same qkv
-    vn_ref,        # [B, Hkv, N, D]; packed: the same qkv
-    mask_ref,      # [B, N, N] int8
-    *out_refs,     # S == 1: out [B, N, Hq, D]; else o [BH, S, R, D], m, l [BH, S, R] (f32)
+    *refs,         # with `indirect`: slots [B] int32, the cache slot of each query row; then
+                   # q [B, Hkv, R, D] (rows r = n * G + g; packed: qkv [B, N, Hq + 2 Hkv, D]),
+                   # k, v [L, Bc, Hkv, T, D], kn, vn [B, Hkv, N, D] (packed: the same qkv),
+                   # mask [B, N, N] int8; then the outputs: S == 1: out [B, N, Hq, D]; else
+                   # o [BH, S, R, D], m, l [BH, S, R] (f32)
     scale_log2: float,
     num_kv_heads: int,
     num_splits: int,
@@ -130,13 +126,18 @@ def _tree_attention_kernel(
     packed: bool = False,
     causal: bool = False,
     skip_before: bool = False,
+    indirect: bool = False,
 ):
+    # No slot map unless asked for: even a constant one costs an iota kernel per call.
+    slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
+    q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref = refs[:6]
+    out_refs = refs[6:]
     rb, split, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = bh // num_kv_heads, bh % num_kv_heads
     t_max = k_ref.shape[3]
     num_rows = num_new * group
     layer = layer_ref[0]
-    slot = jnp.clip(slots_ref[b], 0, k_ref.shape[1] - 1)
+    slot = jnp.clip(slots_ref[b], 0, k_ref.shape[1] - 1) if indirect else b
     seq_len = jnp.clip(seq_lens_ref[b], 0, t_max)
     # This split's share of the live prefix, a whole number of key blocks.
     chunk = pl.cdiv(pl.cdiv(seq_len, num_splits), block_k) * block_k
@@ -376,8 +377,6 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     assert block_r == _next_pow2(block_r) and block_k == _next_pow2(block_k), (
         f"{block_r=} and {block_k=} must be powers of 2")
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
-    # A constant when every row is its own slot: no kernel makes it.
-    slots = np.arange(b, dtype=np.int32) if slots is None else slots.astype(jnp.int32)
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
     f32 = jnp.float32
     if num_splits > 1:
@@ -387,7 +386,9 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     kernel = functools.partial(
         _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv,
         num_splits=num_splits, group=g, num_new=n, block_r=block_r, block_k=block_k,
-        block_n=block_n, packed=packed, causal=causal, skip_before=skip_before)
+        block_n=block_n, packed=packed, causal=causal, skip_before=skip_before,
+        indirect=slots is not None)
+    slot_map = () if slots is None else (slots.astype(jnp.int32),)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(rows, block_r), num_splits, b * hkv),
@@ -395,7 +396,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
         compiler_params=_CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_attention",
-    )(layer, seq_lens.astype(jnp.int32), slots, q_in, k_cache, v_cache, kn_in, vn_in,
+    )(layer, seq_lens.astype(jnp.int32), *slot_map, q_in, k_cache, v_cache, kn_in, vn_in,
       tree_mask.astype(jnp.int8))
     if num_splits == 1:
         return out
