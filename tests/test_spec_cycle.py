@@ -353,25 +353,34 @@ def test_second_cycle_call_does_not_recompile():
     assert int(out.accept_len[0]) == 0 and (np.asarray(out.tokens[0]) == -1).all()
 
 
+def _three_slots(spec):
+    """The agreeing pair with prompts of 5, 16 and 9 tokens in 3 slots, the third idle:
+    (params, head, active, a function returning a freshly prefilled state)."""
+    params, head = agreeing_pair()
+    tokens = jnp.asarray(np.arange(48).reshape(3, 16) % 97)
+    lens = jnp.array([5, 16, 9], jnp.int32)
+    pre = jit_prefill(CFG, spec)
+
+    def fresh():
+        return pre(params, head, init_state(CFG, spec, 3, 96, jnp.float32), tokens, lens)[0]
+
+    return params, head, jnp.array([True, True, False]), fresh
+
+
 def test_cycles_per_call_equal_separate_cycles():
     """Three cycles in one program give the state and the tokens of three calls: each slot's
     emitted tokens in order, first, -1 after; accept lengths per cycle; an idle slot emits
     nothing."""
     spec = SpecConfig(3, 1, 4)
-    params, head = agreeing_pair()
-    tokens = jnp.asarray(np.arange(48).reshape(3, 16) % 97)
-    lens = jnp.array([5, 16, 9], jnp.int32)
-    active = jnp.array([True, True, False])
-    pre = jit_prefill(CFG, spec)
-    state, _ = pre(params, head, init_state(CFG, spec, 3, 96, jnp.float32), tokens, lens)
+    params, head, active, fresh = _three_slots(spec)
+    state = fresh()
     one = jit_cycle(CFG, spec)
     ref_toks, ref_acc = [], []
     for _ in range(3):
         state, out = one(params, head, state, active)
         ref_toks.append(np.asarray(out.tokens))                     # [B, S+1]
         ref_acc.append(np.asarray(out.accept_len))
-    state3, _ = pre(params, head, init_state(CFG, spec, 3, 96, jnp.float32), tokens, lens)
-    state3, out3 = jit_cycle(CFG, spec, n_cycles=3)(params, head, state3, active)
+    state3, out3 = jit_cycle(CFG, spec, n_cycles=3)(params, head, fresh(), active)
     toks = np.asarray(out3.tokens)
     assert toks.shape == (3, 12) and out3.accept_len.shape == (3, 3)
     np.testing.assert_array_equal(np.asarray(out3.accept_len), np.stack(ref_acc, 1))
@@ -390,14 +399,10 @@ def test_lean_cycles_skip_keys_counts_and_logprobs_and_emit_the_same():
     logprob arrays; FULL advances every active slot's key and counts its tokens."""
     from jaxspec.sampling import FULL, LEAN
     spec = SpecConfig(3, 1, 4)
-    params, head = agreeing_pair()
-    tokens = jnp.asarray(np.arange(48).reshape(3, 16) % 97)
-    lens = jnp.array([5, 16, 9], jnp.int32)
-    active = jnp.array([True, True, False])
-    pre = jit_prefill(CFG, spec)
+    params, head, active, fresh = _three_slots(spec)
     out, states = {}, {}
     for name, f in (("lean", LEAN), ("full", FULL)):
-        st, _ = pre(params, head, init_state(CFG, spec, 3, 96, jnp.float32), tokens, lens)
+        st = fresh()
         before = (np.asarray(st.rng), np.asarray(st.history.counts))
         states[name], out[name] = jit_cycle(CFG, spec, features=f, n_cycles=2)(params, head, st,
                                                                               active)
