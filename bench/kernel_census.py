@@ -133,7 +133,7 @@ def main():
     ap.add_argument("--cycle-only", action="store_true",
                     help="compile only the LEAN cycle programs")
     ap.add_argument("--list", action="store_true",
-                    help="also print every kernel of the shown program (1 layer), in order")
+                    help="also print every kernel of the shown program (1 layer)")
     args = ap.parse_args()
     one, two = (census(args.mode, args.batch, n, args.cycle_only) for n in (1, 2))
     rows = []
