@@ -237,6 +237,8 @@ class LLM:
                 raise ConfigError("draft_vocab needs a token ranking for this model: pass "
                                   "draft_vocab_ranking (see jaxspec.spec.draft_vocab)")
             path = eagle_ckpt.default_ranking_path()
+            if self.draft_vocab is None and not path.is_file():
+                return draft     # a head shipped without its ranking: the whole vocabulary
         return dv.restrict(self.params, draft, dv.load_ranking(path, self.config.vocab_size)[:k])
 
     def _init_data_parallel(self, draft, spec):

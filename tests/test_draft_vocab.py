@@ -98,3 +98,24 @@ def test_bad_restrictions_are_rejected():
         draft_lib.check_head(CFG, SpecConfig(2, 4, 6), dv.restrict(params, head, ids))
     assert dv.restricted_size(dv.restrict(params, head, ids)) == 3
     assert dv.restricted_size(head) is None
+
+
+def test_llm_default_falls_back_to_the_whole_vocabulary_without_a_ranking(tmp_path, monkeypatch):
+    """A head installed without its ranking file (JAXSPEC_DRAFT_HEAD elsewhere): the default
+    drafts every token; an explicit draft_vocab names the missing file."""
+    import dataclasses
+
+    from jaxspec import LLM
+    from jaxspec.config import ModelConfig
+    from jaxspec.loading.eagle_ckpt import DEFAULT_TARGET_SHAPE
+    monkeypatch.setenv("JAXSPEC_DRAFT_HEAD", str(tmp_path / "head.safetensors"))
+    llm = LLM.__new__(LLM)
+    llm.config = dataclasses.replace(CFG, **DEFAULT_TARGET_SHAPE)
+    assert isinstance(llm.config, ModelConfig)
+    llm.params, llm.draft_vocab_ranking = {}, None
+    head = {"fc": np.zeros(2)}
+    llm.draft_vocab = None
+    assert llm._restrict_vocab(head, shipped=True) is head
+    llm.draft_vocab = 1024
+    with pytest.raises(FileNotFoundError, match="token_ranking"):
+        llm._restrict_vocab(head, shipped=True)
