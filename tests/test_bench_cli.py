@@ -106,7 +106,7 @@ def test_json_schema(sweep):
     plain, chain = res["rows"][0], res["rows"][1]
     assert plain["speedup"] == 1.0 and plain["accept_len"] is None
     assert chain["spec"] == {"num_steps": 3, "topk": 1, "num_draft_tokens": 4,
-                             "cycles_per_call": 1, "draft_vocab": None}   # the LLM's default
+                             "cycles_per_call": 1, "draft_vocab": 0}   # as run: all tokens
     assert sum(chain["accept_hist"]) == chain["cycles"] and len(chain["accept_hist"]) == 4
     assert 1.0 <= chain["accept_len"] <= 4.0
     assert set(res["requests"]) == {"b1/plain", "b1/chain", "b2/plain", "b2/chain"}

@@ -119,3 +119,14 @@ def test_llm_default_falls_back_to_the_whole_vocabulary_without_a_ranking(tmp_pa
     llm.draft_vocab = 1024
     with pytest.raises(FileNotFoundError, match="token_ranking"):
         llm._restrict_vocab(head, shipped=True)
+
+
+def test_bench_rows_record_the_vocabulary_drafted():
+    from types import SimpleNamespace
+
+    from jaxspec.benchmark.runner import draft_vocab_of
+    params, head, ids, _ = _setup(7)
+    of = lambda d: draft_vocab_of(SimpleNamespace(engine=SimpleNamespace(  # noqa: E731
+        backend=SimpleNamespace(draft_params=d))))
+    assert of(dv.restrict(params, head, ids)) == 7 and of(head) == 0
+    assert of(None) is None and draft_vocab_of(SimpleNamespace(engine=None)) is None

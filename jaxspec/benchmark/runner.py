@@ -222,6 +222,15 @@ def timed_generate(llm, chats, sp, repeats: int = 1, gc_runs: Optional[list] = N
     return outs, secs, (llm.compilations() if hasattr(llm, "compilations") else 0) - before, rates
 
 
+def draft_vocab_of(llm) -> Optional[int]:
+    """How many tokens the LLM's speculative engine drafts from (0: all), None without one (a
+    plain LLM, or pmap data parallel, which keeps no engine)."""
+    from jaxspec.spec.draft_vocab import restricted_size
+    backend = getattr(getattr(llm, "engine", None), "backend", None)
+    draft = getattr(backend, "draft_params", None)
+    return None if draft is None else (restricted_size(draft) or 0)
+
+
 def summarize(mode: Mode, batch: int, outs, secs: float, draft_label: str) -> dict:
     """One table row: throughput, accept length (tokens per cycle, bonus included) and its
     histogram, per-request latencies (all requests are submitted at once, so TTFT and latency
