@@ -44,6 +44,12 @@ def rank_tokens(token_arrays: Iterable[np.ndarray], vocab_size: int) -> np.ndarr
     return np.lexsort((np.arange(vocab_size), -counts)).astype(np.int32)
 
 
+def _ids_ok(ids: np.ndarray, vocab_size: int) -> bool:
+    """ids is 1..V distinct target ids in [0, V), one axis."""
+    return (ids.ndim == 1 and 0 < len(ids) <= vocab_size and ids.min() >= 0
+            and ids.max() < vocab_size and len(np.unique(ids)) == len(ids))
+
+
 def save_ranking(path, ids: np.ndarray) -> None:
     from safetensors.numpy import save_file
     save_file({"ids": np.ascontiguousarray(ids, np.int32)}, str(path))
@@ -66,10 +72,10 @@ def load_ranking(path, vocab_size: int) -> np.ndarray:
     if ids.ndim != 1 or ids.dtype != np.int32:
         raise WeightsError(f"{path}: tensor 'ids' must be 1-D int32, got {ids.dtype} "
                            f"{tuple(ids.shape)}")
-    if not 0 < len(ids) <= vocab_size or ids.min() < 0 or ids.max() >= vocab_size:
-        raise WeightsError(f"{path}: 'ids' must hold 1..{vocab_size} ids in [0, {vocab_size})")
-    if len(np.unique(ids)) != len(ids):
-        raise WeightsError(f"{path}: 'ids' repeats a token id")
+    if not _ids_ok(ids, vocab_size):
+        repeats = 0 < len(ids) and len(np.unique(ids)) != len(ids)
+        raise WeightsError(f"{path}: 'ids' repeats a token id" if repeats else
+                           f"{path}: 'ids' must hold 1..{vocab_size} ids in [0, {vocab_size})")
     return ids
 
 
@@ -83,8 +89,7 @@ def restrict(params, draft_params, ids):
                           "EAGLE-1 heads")
     ids = np.asarray(ids, np.int32)
     w = params["lm_head"] if "lm_head" in params else params["embed"].T     # [H, V]
-    if ids.ndim != 1 or not 0 < len(ids) <= w.shape[1] or len(np.unique(ids)) != len(ids) \
-            or ids.min() < 0 or ids.max() >= w.shape[1]:
+    if not _ids_ok(ids, w.shape[1]):
         raise ConfigError(f"draft vocabulary ids must be 1..{w.shape[1]} distinct ids in "
                           f"[0, {w.shape[1]})")
     return dict(draft_params, draft_lm_head=jnp.take(w, jnp.asarray(ids), axis=1),
@@ -150,6 +155,7 @@ def main(argv=None) -> int:
             print(f"{len(chats)} questions -> {a.save_prompts}")
             return 0
         from jaxspec import LLM, SamplingParams
+        # (the LLM loads the weights again, from the conversion cache load_model filled)
         llm = LLM(a.model, max_batch=a.batch, max_model_len=a.max_prompt_tokens + a.max_tokens + 64)
         outs = llm.generate(chats, SamplingParams(max_tokens=a.max_tokens))
         arrays = [np.asarray(o.token_ids, np.int64) for o in outs]
