@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -58,16 +57,9 @@ def _programs(cfg, spec_name: str, batch: int, prefix: int):
 
 def profile_kernels(step, state, calls: int = 10):
     """[(kernel name, ms a call, launches a call)] of `calls` back-to-back calls, costliest
-    first."""
-    from bench.profile_cycle import device_events
-    state = step(state)
-    jax.block_until_ready(state)
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(calls):
-                state = step(state)
-            jax.block_until_ready(state)
-        ev = device_events(d)
+    first (traced by `profile_cycle.profile`)."""
+    from bench.profile_cycle import profile
+    _, ev, state = profile(step, state, calls)
     ms, n = collections.defaultdict(float), collections.Counter()
     for name, _, dur in ev:
         ms[name] += dur / calls / 1e3
