@@ -150,8 +150,8 @@ class _Dispatch:
 
     def admit(self, state, slot_idx, tokens, start, n_valid, next_tok, adm=None, *,
               features: Features = FULL, first: bool = False, lower=False):
-        """One prefill chunk (admit.spec_admit / plain_admit). first: every row starts at 0,
-        which runs the form that neither gathers nor scatters whole KV caches."""
+        """One prefill chunk (admit.spec_admit / plain_admit). first: every row starts at 0
+        (the padded first-chunk form: its own bucket key, the general form's program)."""
         adm = AdmitArgs.host(len(slot_idx)) if adm is None else adm
         return self._call(_admit_key(slot_idx, tokens, features, first),
                           self._admits[features, first],
@@ -315,7 +315,7 @@ def plain_admit(params, state: PlainState, slot_idx, tokens, start, n_valid, nex
                 features: Features = FULL):
     """One prefill chunk for A requests in slots slot_idx (see spec_admit for the arguments);
     on a new request's last chunk the first token is drawn with the slot's parameters."""
-    sub = take_slots(state, axes, slot_idx, (rows, 0))     # per-slot leaves; no KV rows
+    sub = take_slots(state, axes, slot_idx, rows)     # per-slot leaves; no KV rows
     (k, v), hidden = _chunk_forward(params, cfg, state.cache, tokens, start, n_valid, slot_idx)
     is_last = next_tok < 0
     hist = chunk_history(sub.history, tokens, start, n_valid, adm.n_prompt)
@@ -334,7 +334,7 @@ def plain_admit_packed(params, state: PlainState, slot_idx, tokens, lay: PackLay
     """The first chunks of A requests packed (see `admit_packed.spec_admit_packed` for the
     arguments); on a new request's last chunk the first token is drawn."""
     slot_tok = token_slots(slot_idx, lay, state.tokens.shape[0])
-    sub = take_slots(state, axes, slot_idx, (rows, 0))      # per-slot leaves; no KV rows
+    sub = take_slots(state, axes, slot_idx, rows)      # per-slot leaves; no KV rows
     cache, hidden, _ = packed_forward(params, cfg, state.cache, tokens, lay, slot_tok)
     is_last = next_tok < 0
     hist = packed_history(sub.history, tokens, lay, adm.n_prompt)

@@ -158,26 +158,21 @@ def batch_axes(make_state, slots: int, what: str = "batch"):
     return jax.tree_util.tree_map(axis, a, b)
 
 
-def take_slots(state, axes, slot_idx, fresh=None):
+def take_slots(state, axes, slot_idx, rows=None):
     """The sub-state of slots slot_idx [A] (indices >= B are clipped: padding rows).
 
-    fresh: (row axes, width) for a first chunk (every row starts at 0). The KV leaves (those
-    with a row axis, -1 elsewhere) are then not gathered; they start as zeros `width` rows
-    long. A gathered slot is its whole cache (47 MB per slot for SmolLM2 at 2,048 rows), and a
-    first chunk reads none of it.
+    rows: the state's row axes (-1 for leaves without one). The KV leaves (those with a row
+    axis) are then not gathered: they stand in as empty arrays (0 rows), since an admission
+    reads and writes the caches in place (`_chunk_forward`). A gathered slot is its whole cache
+    (47 MB per slot for SmolLM2 at 2,048 rows).
     """
-    rows, width = fresh if fresh is not None else (None, 0)
-
     def take(x, ax, rax=-1):
         if ax < 0:
             return x
         if rax >= 0:
             shape = list(x.shape)
-            shape[ax], shape[rax] = slot_idx.shape[0], width
-            # The barrier keeps XLA from sinking the zeros into the prefill's layer loop: there
-            # the GPU rewrote the whole [L, A, Hkv, width, D] caches in every iteration (8 us per
-            # layer at A=4, width 256 on the H100, profile of 2026-11-24), not once.
-            return jax.lax.optimization_barrier(jnp.zeros(shape, x.dtype))
+            shape[ax], shape[rax] = slot_idx.shape[0], 0
+            return jnp.zeros(shape, x.dtype)
         return jnp.take(x, slot_idx, axis=ax, mode="clip")
 
     extra = () if rows is None else (rows,)
@@ -186,20 +181,13 @@ def take_slots(state, axes, slot_idx, fresh=None):
 
 def put_slots(state, axes, slot_idx, sub, rows=None):
     """Writes sub-state rows into slots slot_idx [A]; rows with an index >= B are dropped.
-    Leaves without a batch axis keep the state's value. rows (a first chunk's row axes, see
-    take_slots): of the KV leaves only the sub-state's rows 0..width-1 are written (the slot's
-    later rows are past its length)."""
+    Leaves without a batch axis keep the state's value; with rows (see take_slots) so do the
+    KV leaves."""
     def put(x, ax, s, rax=-1):
-        if ax < 0:
+        if ax < 0 or rax >= 0:
             return x
         where = [slice(None)] * x.ndim
         where[ax] = slot_idx
-        if rax >= 0:
-            # a first chunk wider than the slot (a short max_model_len under the default
-            # widths): its rows past the slot's are padding, never a prompt's
-            n = min(s.shape[rax], x.shape[rax])
-            s = jax.lax.slice_in_dim(s, 0, n, axis=rax)
-            where[rax] = slice(0, n)
         return x.at[tuple(where)].set(s.astype(x.dtype), mode="drop")
 
     extra = () if rows is None else (rows,)
@@ -248,7 +236,7 @@ def spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, ne
     request's last chunk, else token -1.
     """
     a, c = tokens.shape
-    sub = take_slots(state, axes, slot_idx, (rows, 0))     # per-slot leaves; no KV rows
+    sub = take_slots(state, axes, slot_idx, rows)          # per-slot leaves; no KV rows
     (tk, tv), hidden, captured = _chunk_forward_captured(
         params, cfg, state.target, tokens, start, n_valid, slot_idx,
         draft_lib.capture_layers(draft_params))

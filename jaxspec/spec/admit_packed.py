@@ -138,7 +138,7 @@ def spec_admit_packed(params, draft_params, state, slot_idx, tokens, lay: PackLa
     state's row axes. Returns (state, Emitted [A]) as `spec_admit` does.
     """
     slot_tok = token_slots(slot_idx, lay, state.root.shape[0])
-    sub = take_slots(state, axes, slot_idx, (rows, 0))   # per-slot leaves; no KV rows
+    sub = take_slots(state, axes, slot_idx, rows)   # per-slot leaves; no KV rows
     target, hidden, captured = packed_forward(params, cfg, state.target, tokens, lay, slot_tok,
                                               draft_lib.capture_layers(draft_params))
     normed = llama.final_norm(params, cfg, hidden)
