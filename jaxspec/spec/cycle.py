@@ -214,29 +214,38 @@ def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, s
 
 def cycles(params, draft_params, state: SpecState, active, *, n_cycles: int, **kw):
     """n_cycles cycles back to back in one program (vLLM's multi-step scheduling): the host pays
-    its per-call cost (launch, argument handling) once for all of them. The cycles are unrolled,
-    not a loop: a loop runs as a host-driven `while` on the GPU, outside the CUDA graph.
+    its per-call cost (argument handling, reading the outputs) once for all of them.
+
+    The cycles run as a loop (`lax.scan`) whose body is one cycle, as plain decoding runs its
+    steps: XLA records the body as one CUDA graph, launched once an iteration. Unrolled, the
+    call was one graph of n_cycles cycles whose every node the host launched and updated (its
+    temporaries move between calls) each call: at batch 64 with SmolLM2 the loop took 15% off
+    the host's time a 4-cycle call for the same device time (bench/RESULTS.md, twenty-first
+    set). The layers' weights are sliced inside the body: slicing them once before the loop
+    (`decode.loop_params`) copied all of them every call, 7% more device time.
 
     Returns (state, CycleOut) with tokens, logprob, top_* [B, n_cycles * (S+1), ...] (each slot's
     emitted tokens first, in order, -1 after them, as one cycle's) and accept_len [B, n_cycles].
     n_cycles == 1 is `cycle` itself (accept_len [B])."""
-    outs = []
-    for _ in range(n_cycles):
-        state, out = cycle(params, draft_params, state, active, **kw)
-        outs.append(out)
     if n_cycles == 1:
-        return state, outs[0]
-    tokens = jnp.concatenate([o.tokens for o in outs], axis=1)
+        return cycle(params, draft_params, state, active, **kw)
+    state, outs = jax.lax.scan(lambda st, _: cycle(params, draft_params, st, active, **kw),
+                               state, None, length=n_cycles)
+    # outs: CycleOut of [n_cycles, B, ...] leaves -> cycle-major rows per slot
+    b = outs.tokens.shape[1]
+    per_slot = lambda x: jnp.moveaxis(x, 0, 1).reshape((b, -1) + x.shape[3:])
+    tokens = per_slot(outs.tokens)
     order = jnp.argsort(tokens < 0, axis=1, stable=True)       # emitted first, order kept
 
     def gather(x):
-        if x.shape[1] == 0:        # no logprobs (`no_logprobs`)
-            return x
+        if x.shape[2] == 0:        # no logprobs (`no_logprobs`): [n_cycles, B, 0]
+            return x[0]
+        x = per_slot(x)
         idx = order.reshape(order.shape + (1,) * (x.ndim - 2))
         return jnp.take_along_axis(x, idx, axis=1)
 
-    cat = [gather(jnp.concatenate(xs, axis=1)) for xs in zip(*(o[2:] for o in outs))]
-    return state, CycleOut(gather(tokens), jnp.stack([o.accept_len for o in outs], axis=1), *cat)
+    return state, CycleOut(gather(outs.tokens), jnp.moveaxis(outs.accept_len, 0, 1),
+                           *map(gather, outs[2:]))
 
 
 def jit_cycle(cfg: ModelConfig, spec: SpecConfig, greedy_only: bool = False,
