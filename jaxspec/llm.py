@@ -24,7 +24,7 @@ Prompt = Union[str, Chat, Sequence[int]]
 # Measured on the H100 with the shipped ranking (bench/RESULTS.md, twentieth set): at batch 64
 # on MT-bench chain:4 ran 1.37-1.41x plain against 1.30-1.34x with all 49,152 tokens (tau
 # 2.09 against 2.12); 8,192 and 4,096 lost more acceptance (2.03, 1.98) than they saved. At
-# batch 1 the default tree (6x8x40) ran 3-5% faster (tau 3.46 against 3.62) and a forced
+# batch 1 the tree 6x8x40 ran 3-5% faster (tau 3.46 against 3.62) and a forced
 # chain 2% slower; held-out ShareGPT at batch 64, dominated by prefill, did not change.
 DEFAULT_DRAFT_VOCAB = 16384
 
@@ -204,7 +204,7 @@ class LLM:
         """draft: None/'default' (the shipped head for the default model), a checkpoint path
         (a public EAGLE-1 or EAGLE-3 head), or draft params (an EAGLE-1 dict or an
         `eagle3.Eagle3Head`). spec: a SpecConfig, a preset name ('naive', 'chain', 'tree') or
-        'STEPSxTOPKxTOKENS'; None: `engine.default_spec(max_batch)` ('6x8x40' on a GPU at
+        'STEPSxTOPKxTOKENS'; None: `engine.default_spec(max_batch)` ('5x8x40' on a GPU at
         max_batch 1, else 'chain')."""
         from jaxspec.models.eagle3 import is_eagle3
         from jaxspec.spec.config import resolve_spec
