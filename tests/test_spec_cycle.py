@@ -367,10 +367,11 @@ def _three_slots(spec):
     return params, head, jnp.array([True, True, False]), fresh
 
 
-def test_cycles_per_call_equal_separate_cycles():
-    """Three cycles in one program give the state and the tokens of three calls: each slot's
-    emitted tokens in order, first, -1 after; accept lengths per cycle; an idle slot emits
-    nothing."""
+@pytest.mark.parametrize("loop", [False, True])
+def test_cycles_per_call_equal_separate_cycles(loop):
+    """Three cycles in one program, unrolled or as a loop, give the state and the tokens of
+    three calls: each slot's emitted tokens in order, first, -1 after; accept lengths per
+    cycle; an idle slot emits nothing."""
     spec = SpecConfig(3, 1, 4)
     params, head, active, fresh = _three_slots(spec)
     state = fresh()
@@ -380,7 +381,7 @@ def test_cycles_per_call_equal_separate_cycles():
         state, out = one(params, head, state, active)
         ref_toks.append(np.asarray(out.tokens))                     # [B, S+1]
         ref_acc.append(np.asarray(out.accept_len))
-    state3, out3 = jit_cycle(CFG, spec, n_cycles=3)(params, head, fresh(), active)
+    state3, out3 = jit_cycle(CFG, spec, n_cycles=3, loop=loop)(params, head, fresh(), active)
     toks = np.asarray(out3.tokens)
     assert toks.shape == (3, 12) and out3.accept_len.shape == (3, 3)
     np.testing.assert_array_equal(np.asarray(out3.accept_len), np.stack(ref_acc, 1))
@@ -393,7 +394,8 @@ def test_cycles_per_call_equal_separate_cycles():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_lean_cycles_skip_keys_counts_and_logprobs_and_emit_the_same():
+@pytest.mark.parametrize("loop", [False, True])
+def test_lean_cycles_skip_keys_counts_and_logprobs_and_emit_the_same(loop):
     """The LEAN variant (every slot greedy, no penalty, no logprobs) emits what FULL emits, over
     several cycles a call, but leaves the keys and token counts as they were and returns empty
     logprob arrays; FULL advances every active slot's key and counts its tokens."""
@@ -404,8 +406,8 @@ def test_lean_cycles_skip_keys_counts_and_logprobs_and_emit_the_same():
     for name, f in (("lean", LEAN), ("full", FULL)):
         st = fresh()
         before = (np.asarray(st.rng), np.asarray(st.history.counts))
-        states[name], out[name] = jit_cycle(CFG, spec, features=f, n_cycles=2)(params, head, st,
-                                                                              active)
+        cyc = jit_cycle(CFG, spec, features=f, n_cycles=2, loop=loop)
+        states[name], out[name] = cyc(params, head, st, active)
         states[name + "_before"] = before
     np.testing.assert_array_equal(np.asarray(out["lean"].tokens), np.asarray(out["full"].tokens))
     np.testing.assert_array_equal(np.asarray(out["lean"].accept_len),

@@ -212,59 +212,71 @@ def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, s
                                jnp.where(active, acc.accept_len, 0), *lp)
 
 
-def cycles(params, draft_params, state: SpecState, active, *, n_cycles: int, **kw):
+# Slots from which several cycles a call run as a loop rather than unrolled (`cycles`).
+LOOP_MIN_SLOTS = 64
+
+
+def cycles(params, draft_params, state: SpecState, active, *, n_cycles: int, loop: bool = False,
+           **kw):
     """n_cycles cycles back to back in one program (vLLM's multi-step scheduling): the host pays
     its per-call cost (argument handling, reading the outputs) once for all of them.
 
-    The cycles run as a loop (`lax.scan`) whose body is one cycle, as plain decoding runs its
-    steps: XLA records the body as one CUDA graph, launched once an iteration. Unrolled, the
-    call was one graph of n_cycles cycles whose every node the host launched and updated (its
-    temporaries move between calls) each call: at batch 64 with SmolLM2 the loop took 15% off
-    the host's time a 4-cycle call for the same device time (bench/RESULTS.md, twenty-first
-    set). The layers' weights are sliced inside the body: slicing them once before the loop
-    (`decode.loop_params`) copied all of them every call, 7% more device time.
+    loop=False: the cycles are unrolled into one program, which XLA runs as one CUDA graph whose
+    nodes the host updates (their temporaries move between calls) and launches every call.
+    loop=True: a `lax.scan` over one cycle, as plain decoding runs its steps; the host launches
+    the body's graph once an iteration. Measured on the H100 with SmolLM2 (bench/RESULTS.md,
+    twenty-first set), 4 cycles a call: at batch 64 the loop took 40% off the host's time a pass
+    for the same device time; at batch 4 and 16 it ran 20% slower. `jit_cycle` picks the loop
+    from LOOP_MIN_SLOTS slots. The layers' weights are sliced inside the body: slicing them once
+    before the loop (`decode.loop_params`) copied all of them every call (7% more device time).
 
     Returns (state, CycleOut) with tokens, logprob, top_* [B, n_cycles * (S+1), ...] (each slot's
     emitted tokens first, in order, -1 after them, as one cycle's) and accept_len [B, n_cycles].
     n_cycles == 1 is `cycle` itself (accept_len [B])."""
     if n_cycles == 1:
         return cycle(params, draft_params, state, active, **kw)
-    state, outs = jax.lax.scan(lambda st, _: cycle(params, draft_params, st, active, **kw),
-                               state, None, length=n_cycles)
-    # outs: CycleOut of [n_cycles, B, ...] leaves -> cycle-major rows per slot
-    b = outs.tokens.shape[1]
-    per_slot = lambda x: jnp.moveaxis(x, 0, 1).reshape((b, -1) + x.shape[3:])
-    tokens = per_slot(outs.tokens)
+    if loop:
+        state, outs = jax.lax.scan(lambda st, _: cycle(params, draft_params, st, active, **kw),
+                                   state, None, length=n_cycles)
+        outs = [CycleOut(*(x[i] for x in outs)) for i in range(n_cycles)]
+    else:
+        outs = []
+        for _ in range(n_cycles):
+            state, out = cycle(params, draft_params, state, active, **kw)
+            outs.append(out)
+    tokens = jnp.concatenate([o.tokens for o in outs], axis=1)
     order = jnp.argsort(tokens < 0, axis=1, stable=True)       # emitted first, order kept
 
     def gather(x):
-        if x.shape[2] == 0:        # no logprobs (`no_logprobs`): [n_cycles, B, 0]
-            return x[0]
-        x = per_slot(x)
+        if x.shape[1] == 0:        # no logprobs (`no_logprobs`)
+            return x
         idx = order.reshape(order.shape + (1,) * (x.ndim - 2))
         return jnp.take_along_axis(x, idx, axis=1)
 
-    return state, CycleOut(gather(outs.tokens), jnp.moveaxis(outs.accept_len, 0, 1),
-                           *map(gather, outs[2:]))
+    cat = [gather(jnp.concatenate(xs, axis=1)) for xs in zip(*(o[2:] for o in outs))]
+    return state, CycleOut(gather(tokens), jnp.stack([o.accept_len for o in outs], axis=1), *cat)
 
 
 def jit_cycle(cfg: ModelConfig, spec: SpecConfig, greedy_only: bool = False,
               features: Optional[Features] = None, n_cycles: int = 1,
-              slots: Optional[int] = None):
+              slots: Optional[int] = None, loop: Optional[bool] = None):
     """cycle(params, draft_params, state, active) -> (state, CycleOut); the state is donated.
     n_cycles > 1: `cycles` (that many per call). slots: the state's slots when the caller
-    knows them (they choose the GEMMs, `xla_options`).
+    knows them (they choose the GEMMs, `xla_options`, and whether the cycles loop). loop: the
+    cycles as a loop or unrolled (None: a loop from LOOP_MIN_SLOTS slots).
 
     One jitted function per (cfg, spec, greedy_only, features, n_cycles, slots, GEMM rule), so
     runners of the same shapes share executables."""
-    return _jit_cycle(cfg, spec, greedy_only, features, n_cycles, slots, gemm_choice())
+    if loop is None:
+        loop = slots is not None and slots >= LOOP_MIN_SLOTS
+    return _jit_cycle(cfg, spec, greedy_only, features, n_cycles, slots, loop, gemm_choice())
 
 
 @functools.lru_cache(maxsize=None)
-def _jit_cycle(cfg, spec, greedy_only, features, n_cycles, slots, _gemm):
+def _jit_cycle(cfg, spec, greedy_only, features, n_cycles, slots, loop, _gemm):
     # The smallest products have one row per slot (the draft's lm_head at topk 1, catch-up).
     return jit(functools.partial(cycles, cfg=cfg, spec=spec, greedy_only=greedy_only,
-                                 features=features, n_cycles=n_cycles), rows=slots,
+                                 features=features, n_cycles=n_cycles, loop=loop), rows=slots,
                donate_argnums=(2,))
 
 
