@@ -394,6 +394,22 @@ def test_cycles_per_call_equal_separate_cycles(loop):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_cycles_loop_from_64_slots():
+    """Several cycles a call run as a loop from LOOP_MIN_SLOTS slots and unrolled below (the
+    measured choice in `cycles`): a scan of n_cycles iterations at the program's top level."""
+    from jaxspec.spec.cycle import LOOP_MIN_SLOTS
+    spec = SpecConfig(3, 1, 4)
+    params, head = agreeing_pair()
+    loops = {}
+    for slots in (4, LOOP_MIN_SLOTS):
+        state = jax.eval_shape(lambda: init_state(CFG, spec, slots, 32, jnp.float32))
+        active = jax.ShapeDtypeStruct((slots,), jnp.bool_)
+        cyc = jit_cycle(CFG, spec, n_cycles=3, slots=slots)
+        eqns = cyc.trace(params, head, state, active).jaxpr.jaxpr.eqns
+        loops[slots] = [e for e in eqns if e.primitive.name == "scan" and e.params["length"] == 3]
+    assert not loops[4] and len(loops[LOOP_MIN_SLOTS]) == 1
+
+
 @pytest.mark.parametrize("loop", [False, True])
 def test_lean_cycles_skip_keys_counts_and_logprobs_and_emit_the_same(loop):
     """The LEAN variant (every slot greedy, no penalty, no logprobs) emits what FULL emits, over
