@@ -204,7 +204,7 @@ class LLM:
         """draft: None/'default' (the shipped head for the default model), a checkpoint path
         (a public EAGLE-1 or EAGLE-3 head), or draft params (an EAGLE-1 dict or an
         `eagle3.Eagle3Head`). spec: a SpecConfig, a preset name ('naive', 'chain', 'tree') or
-        'STEPSxTOPKxTOKENS'; None: `engine.default_spec(max_batch)` ('5x8x40' on a GPU at
+        'STEPSxTOPKxTOKENS'; None: `engine.default_spec(max_batch)` ('4x8x32' on a GPU at
         max_batch 1, else 'chain')."""
         from jaxspec.models.eagle3 import is_eagle3
         from jaxspec.spec.config import resolve_spec

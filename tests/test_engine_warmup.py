@@ -265,17 +265,17 @@ def test_features_of_params():
 
 def test_defaults_by_backend_and_batch(monkeypatch):
     """Tree shape, cycles per call and admission interval when none is asked for
-    (bench/RESULTS.md, sixth, seventh and fifteenth sets): on a GPU a 40-token tree at batch 1,
-    the chain with 4 cycles per call above it, and speculative engines of 32+ slots admitting
-    every second call (64+: every third); on a CPU the chain, one cycle per call, admissions at
-    once."""
+    (bench/RESULTS.md, sixth, seventh, fifteenth and twenty-first sets): on a GPU a 4-step,
+    32-token tree at batch 1, the chain with 4 cycles per call above it, and speculative engines
+    of 32+ slots admitting every second call (64+: every third); on a CPU the chain, one cycle
+    per call, admissions at once."""
     from jaxspec.engine import backends
-    from jaxspec.spec.config import resolve_spec
+    from jaxspec.spec.config import SpecConfig, resolve_spec
     assert backends.default_spec(1) == backends.default_spec(8) == "chain"
     assert backends.default_cycles_per_call(8) == 1
     assert backends.default_admit_interval(64, True) == 1
     monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
-    assert resolve_spec(backends.default_spec(1)).num_draft_tokens == 40
+    assert resolve_spec(backends.default_spec(1)) == SpecConfig(4, 8, 32)
     assert backends.default_spec(4) == "chain"
     assert (backends.default_cycles_per_call(1), backends.default_cycles_per_call(4)) == (1, 4)
     assert [backends.default_admit_interval(s, True) for s in (1, 16, 31, 32, 63, 64, 128)] == \

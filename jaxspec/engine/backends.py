@@ -216,15 +216,16 @@ def default_admit_interval(slots: int, speculative: bool) -> int:
 
 
 def default_spec(slots: int) -> str:
-    """The tree shape when none is asked for: '5x8x40' on a GPU for a single slot, else 'chain'.
+    """The tree shape when none is asked for: '4x8x32' on a GPU for a single slot, else 'chain'.
     Measured on the H100 with SmolLM2 and its head (bench/RESULTS.md, seventh set): at batch 1
     a cycle is latency-bound and a 40-token tree costs about what the chain does (2.02x over
     plain against 1.45x); from batch 4 on the verify's work grows with the tree and the chain
     led (4 cycles per call: 1.92x at batch 4 against 1.84x for 4x2x8 and 1.81x for 4x4x16). A
-    CPU pays for every tree token. Five draft steps instead of six (twenty-first set, with the
-    16,384-token draft vocabulary): the same tau on MT-bench (3.40 against 3.39), one draft
-    forward less a cycle, 2.35-2.38x over plain against 2.14-2.25x in three runs."""
-    return "5x8x40" if slots == 1 and jax.default_backend() == "gpu" else "chain"
+    CPU pays for every tree token. With the 16,384-token draft vocabulary, MT-bench, 128 new
+    tokens (twenty-first set) fewer draft steps paid: 5x8x40 kept 6x8x40's tau and ran 5-11%
+    faster; 4x8x32 (tau 3.25 against 3.46) ran 2.40-2.47x plain against 5x8x40's 2.26-2.35x
+    in the same calls."""
+    return "4x8x32" if slots == 1 and jax.default_backend() == "gpu" else "chain"
 
 
 class SpecBackend(_Dispatch):
