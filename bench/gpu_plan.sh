@@ -4,6 +4,10 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
+#   bash bench/gpu_plan.sh b1trees     # issue 7: batch 1, MT-bench, trees of 4 to 6 draft steps,
+#                                      #   two runs in opposite orders, 2 passes each, at TOKENS
+#                                      #   new tokens (default 256; at 128, twenty-first set:
+#                                      #   4x8x32 2.40-2.47x, 5x8x40 2.26-2.35x, 6x8x40 2.14-2.25x)
 #   bash bench/gpu_plan.sh packing_rand   # issue 8: packed first chunks against padded, batch 64,
 #                                      #   random weights (admission device time); packing_exact,
 #                                      #   fp32 spec == plain at batch 16; packing_mt / packing_sg,
@@ -111,6 +115,12 @@ run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 
 BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
 
 case "${1:-}" in
+  b1trees)
+    T=${TOKENS:-256}
+    S="$BENCH --no-peers --max-tokens $T --repeats 2 --batch-sizes 1 --num-prompts 40"
+    run b1trees_a 280 $S --spec 4x8x32,5x8x40,6x8x40 --json "$OUT/b1trees_a.json"
+    run b1trees_b 280 $S --spec 6x8x40,5x8x40,4x8x32 --json "$OUT/b1trees_b.json"
+    ;;
   profile64)
     S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 1 --batch-sizes 64 --num-prompts 384"
     run prof_mt 250 $S --profile /tmp/prof_mt --json "$OUT/prof_mt.json"
