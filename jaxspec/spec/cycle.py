@@ -265,8 +265,8 @@ def jit_cycle(cfg: ModelConfig, spec: SpecConfig, greedy_only: bool = False,
     knows them (they choose the GEMMs, `xla_options`, and whether the cycles loop). loop: the
     cycles as a loop or unrolled (None: a loop from LOOP_MIN_SLOTS slots).
 
-    One jitted function per (cfg, spec, greedy_only, features, n_cycles, slots, GEMM rule), so
-    runners of the same shapes share executables."""
+    One jitted function per (cfg, spec, greedy_only, features, n_cycles, slots, loop, GEMM
+    rule), so runners of the same shapes share executables."""
     if loop is None:
         loop = slots is not None and slots >= LOOP_MIN_SLOTS
     return _jit_cycle(cfg, spec, greedy_only, features, n_cycles, slots, loop, gemm_choice())
