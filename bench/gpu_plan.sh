@@ -8,6 +8,10 @@
 #                                      #   two runs in opposite orders, 2 passes each, at TOKENS
 #                                      #   new tokens (default 256; at 128, twenty-first set:
 #                                      #   4x8x32 2.40-2.47x, 5x8x40 2.26-2.35x, 6x8x40 2.14-2.25x)
+#   bash bench/gpu_plan.sh shortprefix # issues 4/8: tree attention's split counts on short
+#                                      #   prefixes at batch 64 (twenty-second set: the combine's
+#                                      #   launch costs ~2.3 us a layer; 1 split wins on short
+#                                      #   prefixes and loses on long, uneven ones)
 #   bash bench/gpu_plan.sh packing_rand   # issue 8: packed first chunks against padded, batch 64,
 #                                      #   random weights (admission device time); packing_exact,
 #                                      #   fp32 spec == plain at batch 16; packing_mt / packing_sg,
@@ -128,6 +132,11 @@ case "${1:-}" in
     ;;
   prefill_attn)
     run prefill_attn 400 python3 -m bench.bench_prefill_attention
+    ;;
+  shortprefix)
+    # tree attention's split counts at batch 64 on short live prefixes in a 2,048-row cache,
+    # equal and spread lengths (random data, no GGUF needed)
+    run shortprefix 400 python3 -m bench.bench_short_prefix --iters 40 --batches 64 --news 1,4 --lens 128,384,1024 --spread 0,1 --variants default,s1,s2
     ;;
   packing_rand)
     # Packed first chunks (the default) against padded ones, batch 64, random SmolLM2-shaped
