@@ -236,26 +236,15 @@ def cycles(params, draft_params, state: SpecState, active, *, n_cycles: int, loo
     if n_cycles == 1:
         return cycle(params, draft_params, state, active, **kw)
     if loop:
-        state, stacked = jax.lax.scan(lambda st, _: cycle(params, draft_params, st, active, **kw),
-                                      state, None, length=n_cycles)
+        state, outs = jax.lax.scan(lambda st, _: cycle(params, draft_params, st, active, **kw),
+                                   state, None, length=n_cycles)
+        outs = [CycleOut(*(x[i] for x in outs)) for i in range(n_cycles)]
     else:
         outs = []
         for _ in range(n_cycles):
             state, out = cycle(params, draft_params, state, active, **kw)
             outs.append(out)
-        stacked = CycleOut(*(jnp.stack(xs) for xs in zip(*outs)))
-    return state, _merge_cycles(stacked)
-
-
-def _merge_cycles(stacked: CycleOut) -> CycleOut:
-    """n cycles' outputs, each leaf stacked [n, B, ...], as one call's: tokens and the per-token
-    leaves [B, n * (S+1), ...] with each slot's emitted tokens first, in order (-1 after them);
-    accept_len [B, n]."""
-    def flat(x):          # [n, B, K, ...] -> [B, n * K, ...], cycle by cycle
-        x = jnp.moveaxis(x, 0, 1)
-        return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
-
-    tokens = flat(stacked.tokens)
+    tokens = jnp.concatenate([o.tokens for o in outs], axis=1)
     order = jnp.argsort(tokens < 0, axis=1, stable=True)       # emitted first, order kept
 
     def gather(x):
@@ -264,8 +253,8 @@ def _merge_cycles(stacked: CycleOut) -> CycleOut:
         idx = order.reshape(order.shape + (1,) * (x.ndim - 2))
         return jnp.take_along_axis(x, idx, axis=1)
 
-    rest = [gather(flat(x)) for x in stacked[2:]]
-    return CycleOut(gather(tokens), jnp.moveaxis(stacked.accept_len, 0, 1), *rest)
+    cat = [gather(jnp.concatenate(xs, axis=1)) for xs in zip(*(o[2:] for o in outs))]
+    return state, CycleOut(gather(tokens), jnp.stack([o.accept_len for o in outs], axis=1), *cat)
 
 
 def jit_cycle(cfg: ModelConfig, spec: SpecConfig, greedy_only: bool = False,
