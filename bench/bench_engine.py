@@ -61,17 +61,19 @@ def load(args):
 
 
 def make(cfg, params, head, mode, batch, max_model_len, tok, bucket_growth=4, admit_interval=1,
-         pack=True):
+         pack=True, short_rows=None):
     """mode: 'plain' (4 decode steps per cycle), 'plain:N' (N steps; LLM uses 16), or a spec
-    preset, 'preset:K' for K cycles per call."""
+    preset, 'preset:K' for K cycles per call. short_rows: the backends' (None: their default)."""
     name, _, n = mode.partition(":")
     if name == "plain":
         n = int(n or 4)
-        backend = PlainBackend(cfg, params, batch, max_model_len + 2 * n, n_steps=n)
+        backend = PlainBackend(cfg, params, batch, max_model_len + 2 * n, n_steps=n,
+                               short_rows=short_rows)
     else:
         spec, k = resolve_spec(name), int(n or 1)
         backend = SpecBackend(cfg, params, head, spec, batch,
-                              max_model_len + 2 * spec.max_emit * k, cycles_per_call=k)
+                              max_model_len + 2 * spec.max_emit * k, cycles_per_call=k,
+                              short_rows=short_rows)
     return Engine(backend, max_model_len=max_model_len, vocab_size=cfg.vocab_size, chunk=256,
                   bucket_growth=bucket_growth, detokenize=tok.decode if tok is not None else None,
                   stream_decoder=tok.stream_decoder if tok is not None else None,
@@ -80,11 +82,12 @@ def make(cfg, params, head, mode, batch, max_model_len, tok, bucket_growth=4, ad
 
 def device_ms_per_cycle(engine, n, size=None):
     """Back-to-back calls (of `size`, default the largest) on a full state: the device's own
-    time per call (host idle)."""
+    time per call (host idle), of the build the engine would pick now (short or not)."""
     be = engine.backend
     active = np.ones(be.slots, bool)
-    ms, engine.state = timed(lambda s: be.cycle(s, active, LEAN, size=size)[0], engine.state,
-                             n, 1)
+    short = engine._short(size or max(be.sizes))
+    ms, engine.state = timed(lambda s: be.cycle(s, active, LEAN, size=size, short=short)[0],
+                             engine.state, n, 1)
     return ms
 
 
@@ -115,10 +118,10 @@ def compiled(engine):
 
 
 def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, args,
-             masks="device", admit_interval=1, pack=True):
+             masks="device", admit_interval=1, pack=True, short_rows=None):
     rng = np.random.default_rng(0)
     engine = make(cfg, params, head, mode, batch, max_model_len, tok, args.bucket_growth,
-                  admit_interval, pack)
+                  admit_interval, pack, short_rows)
     engine.device_masks = masks == "device"
     t0 = time.perf_counter()
     engine.warmup((LEAN,) if args.variants == "lean" else VARIANTS)
@@ -159,7 +162,7 @@ def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, arg
                    for (a, w, f, first), c in st.admit_shapes.items())
     cycle_ms = sum(c * dev[k] for k, c in st.call_sizes.items())
     return dict(mode=mode, batch=batch, masks=masks, admit_interval=admit_interval,
-                packing=pack,
+                packing=pack, short_rows=engine.backend.short_rows,
                 device_ms_per_cycle=dev_ms,
                 engine_ms_per_step=wall / steps * 1e3, host_ms_per_step=host_ms,
                 dispatch_ms_per_step=st.dispatch_s / steps * 1e3,
@@ -195,6 +198,8 @@ def main():
                     help="comma list: Engine(admit_interval=) values to compare")
     ap.add_argument("--packing", default="on",
                     help="comma list of on/off: first chunks packed (Engine(pack_first_chunks=))")
+    ap.add_argument("--short-rows", default="default",
+                    help="comma list: the backends' short_rows (default: their rule; 0: off)")
     ap.add_argument("--variants", choices=("all", "lean"), default="all",
                     help="program variants to compile at warm-up (the requests are greedy: "
                          "lean is enough)")
@@ -204,11 +209,12 @@ def main():
     rows = []
     for mode in args.modes.split(","):
         for b in (int(x) for x in args.batches.split(",")):
-            for masks, every, pack in itertools.product(args.masks.split(","),
-                                                        args.admit_interval.split(","),
-                                                        args.packing.split(",")):
+            for masks, every, pack, short in itertools.product(
+                    args.masks.split(","), args.admit_interval.split(","),
+                    args.packing.split(","), args.short_rows.split(",")):
                 r = run_case(cfg, params, head, tok, mode, b, args.steps, args.max_model_len,
-                             args.gen, args, masks, int(every), pack == "on")
+                             args.gen, args, masks, int(every), pack == "on",
+                             None if short == "default" else int(short))
                 rows.append(r)
                 print(r, flush=True)
     write_json("bench_engine.json", dict(device=device_name(), rows=rows))
@@ -218,11 +224,11 @@ def main():
             print(f"{r['mode']:6} {r['batch']:>3} warm-up {r['compile_s']:.1f} s "
                   f"({r['admission_shapes']} admission shapes + cycle)")
         return
-    print(f"{'mode':8} {'B':>3} {'masks':6} {'adm':>3} {'pack':>4} {'dev ms/cyc':>10} {'eng ms/step':>11} {'host ms':>8} "
+    print(f"{'mode':8} {'B':>3} {'masks':6} {'adm':>3} {'pack':>4} {'short':>5} {'dev ms/cyc':>10} {'eng ms/step':>11} {'host ms':>8} "
           f"{'dispatch':>8} {'busy':>5} {'+admit':>6} {'adm ms':>6} {'tok/s':>8} {'recompiled':>10}")
     for r in rows:
         print(f"{r['mode']:8} {r['batch']:>3} {r['masks']:6} {r['admit_interval']:>3} "
-              f"{'on' if r['packing'] else 'off':>4} "
+              f"{'on' if r['packing'] else 'off':>4} {r['short_rows']:>5} "
               f"{r['device_ms_per_cycle']:>10.3f} "
               f"{r['engine_ms_per_step']:>11.3f} {r['host_ms_per_step']:>8.3f} "
               f"{r['dispatch_ms_per_step']:>8.3f} {r['busy']:>5.2f} {r['busy_all']:>6.2f} "

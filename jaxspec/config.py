@@ -60,6 +60,19 @@ class ModelConfig:
     # back from one token to the next, so each attention row block starts at the key block its
     # first token first sees (`for_prefill(packed=True)`).
     packed_chunks: bool = False
+    # No slot's live prefix exceeds this many rows while a program built with it runs (0: not
+    # known, up to the cache's length). The attention kernel cuts the prefix into fewer splits
+    # for it: at 64 SmolLM2 slots of 100-400 rows in a 2,048-row cache, one split and no
+    # combine kernel took 2-2.4 us a layer less than the cache length's 4 (bench/RESULTS.md,
+    # twenty-second set). Results do not depend on it (the kernel reads each slot's own length
+    # at run time); an engine builds such programs and picks them only while it holds.
+    live_rows: int = 0
+
+    def with_live_rows(self, rows: int) -> "ModelConfig":
+        """This config for programs run only while every slot holds at most `rows` rows."""
+        if rows < 0:
+            raise ConfigError(f"live_rows must be >= 0, got {rows}")
+        return dataclasses.replace(self, live_rows=rows)
 
     def for_prefill(self, unroll: Optional[int] = None, packed: bool = False) -> "ModelConfig":
         """The layout prompt chunks run with: always the scan. A serving engine compiles one

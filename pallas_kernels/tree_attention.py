@@ -305,7 +305,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
-           "interpret", "causal", "skip_before")
+           "interpret", "causal", "skip_before", "live_rows")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -353,20 +353,22 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             slots, *,
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
-            skip_before=False):
+            skip_before=False, live_rows=0):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
     skip_before: the first key a query sees never moves back from one query to the next (packs
     of prompts laid end to end): each row block starts at the key block its first query first
-    sees (one mask row read per program) instead of at key 0."""
+    sees (one mask row read per program) instead of at key 0.
+    live_rows: no slot's prefix is longer while this program runs (0: the cache's length); the
+    default split count is sized for it. Only speed depends on it."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
     assert d == _next_pow2(d) and d >= 16, f"head dim {d=} must be a power of 2 >= 16"
     g = hq // hkv
     rows = n * g
-    cfg = default_config(b, n, hq, hkv, d, t)
+    cfg = default_config(b, n, hq, hkv, d, min(t, live_rows) if live_rows else t)
     block_r = block_r or cfg[0]
     block_k = block_k or cfg[1]
     num_splits = num_splits or cfg[2]
@@ -423,33 +425,35 @@ def kernel_supported(q, k_cache) -> bool:
 
 
 def tree_attention(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask, *, sm_scale,
-                   causal: bool = False, skip_before: bool = False, slots=None):
+                   causal: bool = False, skip_before: bool = False, slots=None,
+                   live_rows: int = 0):
     """Dispatch: the Pallas kernel on GPU, the reference elsewhere; under a mesh with a model
     axis, per shard of the heads (`head_sharding`). causal: the masks never let a query see a
     later new key (the kernel skips those key blocks; the reference computes the same);
     skip_before: nor a key before the first one the previous query sees (packs). slots [B]:
-    the cache slot of each query row (None: row b is slot b)."""
+    the cache slot of each query row (None: row b is slot b). live_rows: the longest prefix
+    while this runs (0: not known), which sizes the kernel's splits."""
     if model_axis_size() is not None and k_cache.shape[2] % model_axis_size() == 0:
         from jax.sharding import PartitionSpec as P
         h, r = MODEL_AXIS, P()
         kv, new = P(None, None, h, None, None), P(None, h, None, None)
         fn = functools.partial(_tree_attention_local, sm_scale=sm_scale, causal=causal,
-                               skip_before=skip_before)
+                               skip_before=skip_before, live_rows=live_rows)
         args = (q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask)
         args += () if slots is None else (slots,)
         specs = (P(None, None, h, None), kv, kv, r, r, new, new, r, r)[:len(args)]
         return per_head_shard(fn, specs, P(None, None, h, None))(*args)
     return _tree_attention_local(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask,
                                  slots, sm_scale=sm_scale, causal=causal,
-                                 skip_before=skip_before)
+                                 skip_before=skip_before, live_rows=live_rows)
 
 
 def _tree_attention_local(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask,
-                          slots=None, *, sm_scale, causal=False, skip_before=False):
+                          slots=None, *, sm_scale, causal=False, skip_before=False, live_rows=0):
     if kernel_supported(q, k_cache):
         return tree_attention_pallas(q, k_cache, v_cache, layer, seq_lens, k_new, v_new,
                                      tree_mask, slots, sm_scale=sm_scale, causal=causal,
-                                     skip_before=skip_before)
+                                     skip_before=skip_before, live_rows=live_rows)
     return tree_attention_reference(q, k_cache, v_cache, layer, seq_lens, k_new, v_new,
                                     tree_mask, sm_scale=sm_scale, slots=slots)
 
@@ -463,7 +467,8 @@ def split_packed(qkv, num_heads: int, num_kv_heads: int):
 
 
 def tree_attention_packed(qkv, k_cache, v_cache, layer, seq_lens, tree_mask, *, num_heads,
-                          sm_scale, causal: bool = False, skip_before: bool = False, slots=None):
+                          sm_scale, causal: bool = False, skip_before: bool = False, slots=None,
+                          live_rows: int = 0):
     """`tree_attention` with q, k_new and v_new packed in one array, qkv [B, N, Hq + 2 Hkv, D]
     (query heads, then KV heads' keys, then their values), as a fused projection gives them.
     On the GPU the kernel reads them in place; elsewhere, or under a model mesh, they are split
@@ -475,8 +480,8 @@ def tree_attention_packed(qkv, k_cache, v_cache, layer, seq_lens, tree_mask, *, 
             return tree_attention_packed_pallas(qkv, k_cache, v_cache, layer, seq_lens,
                                                 tree_mask, slots, num_heads=num_heads,
                                                 sm_scale=sm_scale, causal=causal,
-                                                skip_before=skip_before)
+                                                skip_before=skip_before, live_rows=live_rows)
     q, k, v = split_packed(qkv, num_heads, k_cache.shape[2])
     return tree_attention(q, k_cache, v_cache, layer, seq_lens, k, v, tree_mask,
                           sm_scale=sm_scale, causal=causal, skip_before=skip_before,
-                          slots=slots)
+                          slots=slots, live_rows=live_rows)

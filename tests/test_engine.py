@@ -88,16 +88,17 @@ def expected(prompt, sp: SamplingParams, eos):
     return ref, "length"
 
 
-def make_engine(kind, kv_budget=None, eos=(), detokenize=None, **kw):
+def make_engine(kind, kv_budget=None, eos=(), detokenize=None, short_rows=None, **kw):
     """kind: 'plain', 'spec' or 'spec:K' (K cycles per device call)."""
     params, head = agreeing_pair()
     if kind.startswith("spec"):
         k = int(kind.partition(":")[2] or 1)
         backend = SpecBackend(CFG, params, head, SPEC, SLOTS,
-                              MAX_MODEL_LEN + 2 * SPEC.max_emit * k, cycles_per_call=k)
+                              MAX_MODEL_LEN + 2 * SPEC.max_emit * k, cycles_per_call=k,
+                              short_rows=short_rows)
     else:
         backend = PlainBackend(CFG, params, SLOTS, MAX_MODEL_LEN + 2 * PLAIN_STEPS,
-                               n_steps=PLAIN_STEPS)
+                               n_steps=PLAIN_STEPS, short_rows=short_rows)
     return Engine(backend, max_model_len=MAX_MODEL_LEN, vocab_size=CFG.vocab_size, eos_ids=eos,
                   kv_budget=kv_budget, chunk=CHUNK, detokenize=detokenize, **kw)
 
@@ -178,6 +179,39 @@ def test_requests_over_time_with_aborts_and_retracts(kind):
         n_one += sps[i].max_tokens == 1
     assert n_aborted > 0 and n_one > 0
     assert not engine.requests and not engine.runs and not engine.finished_requests
+
+
+@pytest.mark.parametrize("kind", ["spec:3", "plain"])
+def test_short_build_runs_while_every_slot_is_short(kind):
+    """With short_rows, a call runs the build sized for short prefixes (`ModelConfig.live_rows`)
+    exactly while every live slot stays within short_rows rows to the call's end; warm-up
+    compiles both builds, nothing compiles after it, and outputs are plain greedy's."""
+    engine = make_engine(kind, short_rows=48)
+    engine.warmup()
+    assert {k[-1] == "short" for k in engine.backend.executables if k[0] == "cycle"} == \
+        {True, False}
+    sizes = compiled_shapes(engine)
+    calls = []
+    run = engine.backend._call
+    engine.backend._call = lambda key, *a: (calls.append(key), run(key, *a))[1]
+    short_p, long_p = [5, 17, 42, 8], [int(t) for t in np.arange(46) * 7 % CFG.vocab_size]
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    greedy_refs([short_p, short_p[::-1], long_p])
+    _COUNTER.on = True
+    try:
+        for prompts in ([short_p, short_p[::-1]], [short_p, long_p]):
+            calls.clear()
+            rids = [engine.add_request(p, sp) for p in prompts]
+            list(engine.drain())
+            for p, rid in zip(prompts, rids):
+                assert engine.pop_finished(rid).output == greedy_ref(p)[:8]
+            shorts = {k[-1] == "short" for k in calls if k[0] == "cycle"}
+            # 4 + 8 tokens and the rows reserved for calls in flight (up to 3 x 12 at spec:3)
+            # stay within 48 rows; 46 prompt rows and a call's emit do not
+            assert shorts == ({True} if prompts[1] != long_p else {False})
+    finally:
+        _COUNTER.on = False
+    assert _COUNTER.n == 0 and compiled_shapes(engine) == sizes
 
 
 @pytest.mark.parametrize("kind", ["spec", "spec:3"])

@@ -136,6 +136,20 @@ def test_dispatch_uses_reference_off_gpu():
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
 
+def test_live_rows_sizes_the_splits_not_the_result():
+    """live_rows: the longest prefix a program will see sizes its default split count (64
+    SmolLM2 slots: 4 splits for a 2,048-row cache, 1 for 512 live rows); the result is the
+    reference's whatever it says, also when a slot's prefix is longer than it claims."""
+    assert ta.default_config(64, 1, 9, 3, 64, 2048)[2] == 4
+    assert ta.default_config(64, 1, 9, 3, 64, 512)[2] == 1
+    q, kc, vc, sl, kn, vn, mask = _inputs(9, 3, 4, 8, 2, 64, 1024, 2, jnp.float32, [1000, 7, 300])
+    ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, sm_scale=0.125)
+    for live_rows in (0, 320, 64):
+        out = ta.tree_attention_pallas(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, sm_scale=0.125,
+                                       block_k=16, live_rows=live_rows, interpret=True)
+        assert _rel_err(out, ref) < TOL[jnp.float32]
+
+
 def test_default_config_fills_gpu_at_batch_one():
     block_r, block_k, splits, _, _ = ta.default_config(1, 1, 32, 8, 128, 32768)
     assert block_r == 16 and 8 * splits >= 132

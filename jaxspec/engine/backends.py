@@ -16,8 +16,11 @@ retract) does not know which one runs:
                                                  greedy, no penalty, no logprobs) or FULL; one
                                                  executable each, neither with a conditional
                                                  size: one of `sizes` (default the largest)
+                                                 short: the program built for prefixes of at
+                                                 most short_rows rows (`default_short_rows`)
   sizes                                          the call sizes the backend runs (spec: cycles
                                                  per call; plain: (n_steps,))
+  short_rows                                     0, or the rows under which `short` cycles run
   call_size(n_active)                            the size to run with n_active active slots
   emit, min_emit                                 the most / fewest tokens an active slot gains
                                                  per call of the largest size (emit: KV rows)
@@ -215,6 +218,25 @@ def default_admit_interval(slots: int, speculative: bool) -> int:
     return 3 if slots >= 64 else 2 if slots >= 32 else 1
 
 
+SHORT_ROWS = 512
+SHORT_MIN_SLOTS = 64
+
+
+def default_short_rows(slots: int) -> int:
+    """Rows per slot under which cycles run a second build of their program whose attention
+    splits are sized for `ModelConfig.live_rows` = that many rows, not the cache's length (0:
+    none). On the H100 with SmolLM2's heads at 64 slots in a 2,048-row cache (bench/RESULTS.md,
+    twenty-second set) one split and no combine kernel took 2-2.4 us a layer less than the
+    cache length's 4 splits for 100-400 live rows, and more for uneven slots of up to 2,048.
+    At batch 1 more splits fill the GPU, so below SHORT_MIN_SLOTS there is no second build.
+    Only on the GPU: elsewhere the attention is the jnp reference, the same for both."""
+    return SHORT_ROWS if slots >= SHORT_MIN_SLOTS and jax.default_backend() == "gpu" else 0
+
+
+def _short_key(short: bool) -> tuple:
+    return ("short",) if short else ()
+
+
 def default_spec(slots: int) -> str:
     """The tree shape when none is asked for: '4x8x32' on a GPU for a single slot, else 'chain'.
     Measured on the H100 with SmolLM2 and its head (bench/RESULTS.md, seventh set): at batch 1
@@ -243,7 +265,8 @@ class SpecBackend(_Dispatch):
     cycles per call ran batch 1 at 0.89x the speed of 1, and batch 4 at 1.34x)."""
 
     def __init__(self, cfg: ModelConfig, params, draft_params, spec, slots: int, max_len: int,
-                 seed: int = 0, cycles_per_call: int = 1, cycle_copies: Optional[int] = None):
+                 seed: int = 0, cycles_per_call: int = 1, cycle_copies: Optional[int] = None,
+                 short_rows: Optional[int] = None):
         from jaxspec.spec.config import check_vocab, resolve_spec
         from jaxspec.spec.draft import check_head
         from jaxspec.spec.cycle import jit_cycle
@@ -259,8 +282,11 @@ class SpecBackend(_Dispatch):
         self.sizes = tuple(sorted({1, cycles_per_call}))
         self.emit, self.min_emit = self.emits(cycles_per_call)
         self.key = _engine_key(seed)
-        self._cycles = {(f, k): jit_cycle(cfg, self.spec, features=f, n_cycles=k, slots=slots)
-                        for f in VARIANTS for k in self.sizes}
+        self.short_rows = default_short_rows(slots) if short_rows is None else short_rows
+        builds = [()] + ([("short",)] if self.short_rows else [])
+        self._cycles = {(f, k) + s: jit_cycle(cfg.with_live_rows(self.short_rows) if s else cfg,
+                                              self.spec, features=f, n_cycles=k, slots=slots)
+                        for f in VARIANTS for k in self.sizes for s in builds}
         self._admits, self._advance = jit_spec_admit(cfg, self.spec, slots, max_len, self.dtype)
         self._init_dispatch(cycle_copies)
 
@@ -283,9 +309,11 @@ class SpecBackend(_Dispatch):
         """What every jitted call takes first: (target params, draft params)."""
         return self.params, self.draft_params
 
-    def cycle(self, state, active, features: Features = FULL, *, size=None, lower=False):
+    def cycle(self, state, active, features: Features = FULL, *, size=None, short=False,
+              lower=False):
         size = size or self.cycles_per_call
-        got = self._call(("cycle", features, size), self._cycles[features, size],
+        got = self._call(("cycle", features, size) + _short_key(short),
+                         self._cycles[(features, size) + _short_key(short)],
                          (*self.weights, state, active), lower)
         if lower:
             return got
@@ -391,7 +419,8 @@ class PlainBackend(_Dispatch):
     host's per-dispatch cost); sampling, penalties and logprobs per slot."""
 
     def __init__(self, cfg: ModelConfig, params, slots: int, max_len: int, n_steps: int = 4,
-                 seed: int = 0, cycle_copies: Optional[int] = None):
+                 seed: int = 0, cycle_copies: Optional[int] = None,
+                 short_rows: Optional[int] = None):
         self.cfg, self.params = cfg, params
         self.slots, self.max_len, self.seed = slots, max_len, seed
         self.dtype = params["embed"].dtype
@@ -400,6 +429,11 @@ class PlainBackend(_Dispatch):
         self.key = _engine_key(seed)
         self._admits, self._cycles, self._advance = _jit_plain(cfg, slots, max_len, self.dtype,
                                                                n_steps)
+        self.short_rows = default_short_rows(slots) if short_rows is None else short_rows
+        if self.short_rows:   # the decode programs again, sized for short prefixes
+            short = _jit_plain(cfg.with_live_rows(self.short_rows), slots, max_len, self.dtype,
+                               n_steps)[1]
+            self._cycles = {**self._cycles, **{(f, "short"): j for f, j in short.items()}}
         self._init_dispatch(cycle_copies)
 
     def init_state(self):
@@ -419,6 +453,8 @@ class PlainBackend(_Dispatch):
         """What every jitted call takes first: (target params,)."""
         return (self.params,)
 
-    def cycle(self, state, active, features: Features = FULL, *, size=None, lower=False):
-        return self._call(("cycle", features, self.emit), self._cycles[features],
+    def cycle(self, state, active, features: Features = FULL, *, size=None, short=False,
+              lower=False):
+        return self._call(("cycle", features, self.emit) + _short_key(short),
+                          self._cycles[(features,) + _short_key(short) if short else features],
                           (*self.weights, state, active), lower)

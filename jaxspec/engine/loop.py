@@ -342,7 +342,8 @@ class Engine:
             # plain; a slot that leaves keeps its rows (idle), so LEAN stays exact for the rest.
             features = FULL if self._full_runs else LEAN
             size = self.backend.call_size(int(np.count_nonzero(active)))
-            self.state, out = self.backend.cycle(self.state, mask, features, size=size)
+            self.state, out = self.backend.cycle(self.state, mask, features, size=size,
+                                                 short=self._short(size))
             self._prefetch(out)
             self.stats.dispatch_s += time.perf_counter() - t
             emit, min_emit = self.backend.emits(size)
@@ -359,6 +360,15 @@ class Engine:
         self.stats.step_s.append(dt)
         self.stats.host_s += dt - (self.stats.wait_s - wait0)
         return out
+
+    def _short(self, size: int) -> bool:
+        """Whether the next call of `size` may run the backend's short build: every live slot
+        stays within short_rows rows to the call's end (rows are reserved ahead, so this holds
+        while calls are in flight). Only speed depends on the choice."""
+        limit = getattr(self.backend, "short_rows", 0)
+        if not limit or not self.live.any():
+            return False
+        return int(self.rows[self.live].max()) + self.backend.emits(size)[0] <= limit
 
     def drain(self) -> Iterable[StreamDelta]:
         """Steps until every request has finished, yielding deltas as they come."""
@@ -448,8 +458,9 @@ class Engine:
         idle or padding arguments, which leaves the state as it was. Cycles first (the CPU runs
         only the first: one idle cycle); admissions largest first (they compile longest)."""
         be, idle = self.backend, np.zeros(self.slots, bool)
-        calls = [functools.partial(be.cycle, active=idle, features=f, size=k)
-                 for f in variants for k in be.sizes]
+        shorts = (False, True) if getattr(be, "short_rows", 0) else (False,)
+        calls = [functools.partial(be.cycle, active=idle, features=f, size=k, short=s)
+                 for f in variants for k in be.sizes for s in shorts]
         for a, w, form in sorted(self.admission_forms(),
                                  key=lambda s: -s[1] * (1 if s[2] == "packed" else s[0])):
             calls += [self.padding_admission(a, w, form, f) for f in variants]

@@ -129,12 +129,13 @@ def attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer, se
         o = tree_attention_packed(qkv, cache_k, cache_v, layer, seq_lens, new_mask,
                                   num_heads=cfg.num_heads, sm_scale=scale,
                                   causal=cfg.causal_chunks, skip_before=cfg.packed_chunks,
-                                  slots=slots)
+                                  slots=slots, live_rows=cfg.live_rows)
         _, k, v = split_packed(qkv, cfg.num_heads, cfg.num_kv_heads)
     else:   # blocked (tensor-parallel) weights
         q, k, v = qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm, tables)
         o = tree_attention(q, cache_k, cache_v, layer, seq_lens, k, v, new_mask, sm_scale=scale,
-                           causal=cfg.causal_chunks, skip_before=cfg.packed_chunks, slots=slots)
+                           causal=cfg.causal_chunks, skip_before=cfg.packed_chunks, slots=slots,
+                           live_rows=cfg.live_rows)
     return o.reshape(b, n, cfg.q_size) @ lp["wo"], k, v
 
 
