@@ -227,7 +227,8 @@ def default_short_rows(slots: int) -> int:
     splits are sized for `ModelConfig.live_rows` = that many rows, not the cache's length (0:
     none). On the H100 with SmolLM2's heads at 64 slots in a 2,048-row cache (bench/RESULTS.md,
     twenty-second set) one split and no combine kernel took 2-2.4 us a layer less than the
-    cache length's 4 splits for 100-400 live rows, and more for uneven slots of up to 2,048.
+    cache length's 4 splits for 100-400 live rows, but 3-4 us more for uneven slots of up to
+    2,048 rows, hence the bound; chain:4 on MT-bench at 64 slots ran 0.5-3% faster with it.
     At batch 1 more splits fill the GPU, so below SHORT_MIN_SLOTS there is no second build.
     Only on the GPU: elsewhere the attention is the jnp reference, the same for both."""
     return SHORT_ROWS if slots >= SHORT_MIN_SLOTS and jax.default_backend() == "gpu" else 0
