@@ -457,5 +457,5 @@ class PlainBackend(_Dispatch):
     def cycle(self, state, active, features: Features = FULL, *, size=None, short=False,
               lower=False):
         return self._call(("cycle", features, self.emit) + _short_key(short),
-                          self._cycles[(features,) + _short_key(short) if short else features],
+                          self._cycles[(features, "short") if short else features],
                           (*self.weights, state, active), lower)

@@ -365,7 +365,7 @@ class Engine:
         """Whether the next call of `size` may run the backend's short build: every live slot
         stays within short_rows rows to the call's end (rows are reserved ahead, so this holds
         while calls are in flight). Only speed depends on the choice."""
-        limit = getattr(self.backend, "short_rows", 0)
+        limit = self.backend.short_rows
         if not limit or not self.live.any():
             return False
         return int(self.rows[self.live].max()) + self.backend.emits(size)[0] <= limit
@@ -458,7 +458,7 @@ class Engine:
         idle or padding arguments, which leaves the state as it was. Cycles first (the CPU runs
         only the first: one idle cycle); admissions largest first (they compile longest)."""
         be, idle = self.backend, np.zeros(self.slots, bool)
-        shorts = (False, True) if getattr(be, "short_rows", 0) else (False,)
+        shorts = (False, True) if be.short_rows else (False,)
         calls = [functools.partial(be.cycle, active=idle, features=f, size=k, short=s)
                  for f in variants for k in be.sizes for s in shorts]
         for a, w, form in sorted(self.admission_forms(),
