@@ -144,27 +144,19 @@ def checks():
         with jax.default_matmul_precision("highest"):
             ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(2), sl, kn, vn, mask,
                                               sm_scale=scale)
+        try:
+            out = ta.tree_attention_pallas(q, kc, vc, jnp.int32(2), sl, kn, vn, mask,
+                                           sm_scale=scale, interpret=SMOKE)
+            err = rel_err(out, ref)
+            finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
+        except Exception as e:  # keep going: the rest of the run is still worth having
+            traceback.print_exc()
+            err, finite = float("nan"), False
         tol = 1e-4 if dtype == jnp.float32 else 2e-2
-        for merge in ("fused", "combine"):
-            try:
-                fn = jax.jit(functools.partial(ta.tree_attention_pallas, sm_scale=scale,
-                                               interpret=SMOKE, merge=merge))
-                out = fn(q, kc, vc, jnp.int32(2), sl, kn, vn, mask)
-                err = rel_err(out, ref)
-                finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
-                # A race between the splits and their merge would show as runs that differ.
-                first = np.asarray(out.astype(jnp.float32))
-                same = all(np.array_equal(np.asarray(
-                    fn(q, kc, vc, jnp.int32(2), sl, kn, vn, mask).astype(jnp.float32)), first)
-                    for _ in range(0 if SMOKE else 20))
-            except Exception as e:  # keep going: the rest of the run is still worth having
-                traceback.print_exc()
-                err, finite, same = float("nan"), False, False
-            row = dict(op="tree_attention", merge=merge, b=b, n=n, hq=hq, hkv=hkv, d=d, t=t,
-                       dtype=jnp.dtype(dtype).name, rel_err=err, same_20_runs=same,
-                       ok=bool(finite and err < tol and same))
-            RESULTS["check"].append(row)
-            print("check", row, flush=True)
+        row = dict(op="tree_attention", b=b, n=n, hq=hq, hkv=hkv, d=d, t=t,
+                   dtype=jnp.dtype(dtype).name, rel_err=err, ok=bool(finite and err < tol))
+        RESULTS["check"].append(row)
+        print("check", row, flush=True)
         # The packed entry: q, k_new, v_new read out of one [B, N, Hq + 2 Hkv, D] array.
         qkv = jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], axis=2)
         try:
@@ -176,8 +168,7 @@ def checks():
         except Exception:
             traceback.print_exc()
             err, finite = float("nan"), False
-        row = dict(row, op="tree_attention_packed", merge=ta.default_merge(), rel_err=err,
-                   ok=bool(finite and err < tol))
+        row = dict(row, op="tree_attention_packed", rel_err=err, ok=bool(finite and err < tol))
         RESULTS["check"].append(row)
         print("check", row, flush=True)
 
@@ -313,7 +304,7 @@ def sweep(quick, grid: str = "blocks"):
         save()
 
 
-def table(quick, shapes="", kernel_only=False, compare_merge=False):
+def table(quick, shapes="", kernel_only=False):
     key = jax.random.key(4)
     bs, lens, ns = (1, 8, 64), (8192, 32768, 1024), (1, 16, 64)
     if quick:
@@ -327,8 +318,6 @@ def table(quick, shapes="", kernel_only=False, compare_merge=False):
         key, k = jax.random.split(key)
         with_ref = not kernel_only and ref_fits(b, n, length)
         fns = {"kernel": kernel_fn(), "xla_ref": ref_fn if with_ref else None}
-        if compare_merge:   # the combine kernel in place of the fused merge, same run
-            fns["kernel_combine"] = kernel_fn(merge="combine")
         if not kernel_only and length == (512 if SMOKE else 8192) and n <= 16:
             fns["xla_bf16"] = xla_bf16_fn
         row = bench_attention(b, n, length, fns, k)
@@ -427,8 +416,6 @@ def main():
     p.add_argument("--table-shapes", default="", help='only these "B,N,L;..." in the table')
     p.add_argument("--kernel-only", action="store_true",
                    help="table: time the kernel alone (A/B runs of two trees)")
-    p.add_argument("--compare-merge", action="store_true",
-                   help="table: also the split merge as a second (combine) kernel")
     a = p.parse_args()
     global SMOKE, HQ, HKV, D
     if a.smoke:
@@ -442,8 +429,7 @@ def main():
     RESULTS["copy"]["jax_TBs"] = jax_copy_bandwidth() / 1e12
     print("copy", RESULTS["copy"], RESULTS["device"], flush=True)
     for name, f in (("check", checks),
-                    ("table", lambda: table(a.quick, a.table_shapes, a.kernel_only,
-                                               a.compare_merge)),
+                    ("table", lambda: table(a.quick, a.table_shapes, a.kernel_only)),
                     ("sweep", lambda: sweep(a.quick, a.sweep_grid)), ("compact", bench_compact)):
         if name in skip or (name == "sweep" and a.no_sweep):
             continue

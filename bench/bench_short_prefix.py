@@ -26,14 +26,8 @@ from pallas_kernels import tree_attention as ta
 
 
 def _tuning(variant):
-    """Kernel keywords of a variant: "default" (the kernel's own split count) or "sN" (N
-    splits), then "/f" or "/c" for the split merge (fused into the kernel, or the combine
-    kernel; neither: the kernel's default)."""
-    splits, _, merge = variant.partition("/")
-    tune = {} if splits == "default" else {"num_splits": int(splits[1:])}
-    if merge:
-        tune["merge"] = {"f": "fused", "c": "combine"}[merge]
-    return tune
+    """Kernel keywords of a variant: "default" (the kernel's own), "sN" (N splits)."""
+    return {} if variant == "default" else {"num_splits": int(variant[1:])}
 
 
 def _program(c, tuning, layers, reference=False):
@@ -78,16 +72,12 @@ def main():
     ap.add_argument("--news", default="1,4,32")
     ap.add_argument("--lens", default="128,256,512,1024")
     ap.add_argument("--variants", default="default,s1,s2,s4",
-                    help="default (the kernel's split count), sN (N splits); /f or /c: "
-                         "the fused merge or the combine kernel")
+                    help="default (the kernel's split count), sN (N splits)")
     ap.add_argument("--cache", type=int, default=2048, help="cache rows (max_model_len)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     ap.add_argument("--layers", type=int, default=0, help="0: the model's")
     ap.add_argument("--spread", default="0", help="0,1: equal lengths and/or spread ones")
-    ap.add_argument("--same-runs", type=int, default=0,
-                    help="run each variant's 1-layer program this many times more and record "
-                         "whether every output is bit-identical to the first (a race shows)")
     args = ap.parse_args()
     ints = lambda s: [int(x) for x in s.split(",") if x]
     rows = []
@@ -106,12 +96,6 @@ def main():
                     tune = _tuning(v)
                     got = _program(c, tune, 1)(*x)
                     err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32))))
-                    if args.same_runs:
-                        one = _program(c, tune, 1)
-                        first = np.asarray(got.astype(jnp.float32))
-                        line[f"same_{v}"] = all(
-                            np.array_equal(np.asarray(one(*x).astype(jnp.float32)), first)
-                            for _ in range(args.same_runs))
                     prog = _program(c, tune, layers)
                     step = functools.partial(lambda p, xs, q: p(q, *xs[1:]), prog, x)
                     ms, _ = timed(step, x[0], args.iters, 5)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -114,10 +113,8 @@ def _tree_attention_kernel(
     *refs,         # with `indirect`: slots [B] int32, the cache slot of each query row; then
                    # q [B, Hkv, R, D] (rows r = n * G + g; packed: qkv [B, N, Hq + 2 Hkv, D]),
                    # k, v [L, Bc, Hkv, T, D], kn, vn [B, Hkv, N, D] (packed: the same qkv),
-                   # mask [B, N, N] int8; with `fused_merge` also counts [BH * RB] int32
-                   # (zeros, aliased to the last output); then the outputs: S == 1: out
-                   # [B, N, Hq, D]; else o [BH, S, R, D], m, l [BH, S, R] (f32), and with
-                   # `fused_merge` first out, last the counts
+                   # mask [B, N, N] int8; then the outputs: S == 1: out [B, N, Hq, D]; else
+                   # o [BH, S, R, D], m, l [BH, S, R] (f32)
     scale_log2: float,
     num_kv_heads: int,
     num_splits: int,
@@ -130,13 +127,11 @@ def _tree_attention_kernel(
     causal: bool = False,
     skip_before: bool = False,
     indirect: bool = False,
-    fused_merge: bool = False,
-    interpret: bool = False,
 ):
     # No slot map unless asked for: even a constant one costs an iota kernel per call.
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref = refs[:6]
-    out_refs = refs[7:] if fused_merge else refs[6:]
+    out_refs = refs[6:]
     rb, split, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = bh // num_kv_heads, bh % num_kv_heads
     t_max = k_ref.shape[3]
@@ -218,35 +213,11 @@ def _tree_attention_kernel(
 
     if num_splits == 1:  # No combine pass: normalise and write the final layout here.
         _store_rows(out_refs[0], o / l[:, None], b, h, r, row_live, group)
-        return
-    o_ref, m_ref, l_ref = out_refs[1:4] if fused_merge else out_refs
-    _store(o_ref.at[bh, split, rows, :], o, mask=row_live[:, None])
-    _store(m_ref.at[bh, split, rows], m, mask=row_live)
-    _store(l_ref.at[bh, split, rows], l, mask=row_live)
-    if fused_merge:
-        _merge_if_last(out_refs, bh, rb, b, h, r, row_live, group, num_splits, interpret)
-
-
-def _merge_if_last(out_refs, bh, rb, b, h, r, row_live, group, num_splits, interpret):
-    """The last program of a (slot * KV head, row block) to finish merges the splits.
-
-    Every program counts itself in with one atomic add (acquire-release, GPU scope) after its
-    partial is stored; the one that sees num_splits - 1 before its add is the last, and every
-    other program's partial is visible to it. The barrier first makes the stores of all of this
-    program's threads precede the add, which one thread issues (the pattern of CUTLASS's split-K
-    semaphore). This saves the combine kernel's launch, about 2.3 us a call on the H100."""
-    out_ref, o_ref, m_ref, l_ref, count_ref = out_refs
-    if not interpret:   # interpret mode runs the programs one after another
-        plgpu.debug_barrier()
-    arrived = plgpu.atomic_add(count_ref, (bh * pl.num_programs(0) + rb,), jnp.int32(1))
-
-    @pl.when(arrived == num_splits - 1)
-    def _():
-        head_dim = o_ref.shape[-1]
-        block_s = max(1, min(_next_pow2(num_splits), 8192 // (r.shape[0] * head_dim)))
-        acc, den = _merge_splits(o_ref, m_ref, l_ref, bh, r, row_live,
-                                 jnp.arange(head_dim)[None, None, :], block_s)
-        _store_rows(out_ref, acc / den[:, None], b, h, r, row_live, group)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        _store(o_ref.at[bh, split, rows, :], o, mask=row_live[:, None])
+        _store(m_ref.at[bh, split, rows], m, mask=row_live)
+        _store(l_ref.at[bh, split, rows], l, mask=row_live)
 
 
 def _combine_kernel(
@@ -270,19 +241,11 @@ def _combine_kernel(
     """
     bh, rb, db = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = bh // num_kv_heads, bh % num_kv_heads
-    r = rb * block_r + jnp.arange(block_r)
-    row_live = r < m_ref.shape[2]
-    col = db * block_d + jnp.arange(block_d)[None, None, :]
-    acc, den = _merge_splits(o_ref, m_ref, l_ref, bh, r, row_live, col, block_s)
-    _store_rows(out_ref, acc / den[:, None], b, h, r, row_live, group, db * block_d)
-
-
-def _merge_splits(o_ref, m_ref, l_ref, bh, r, row_live, col, block_s):
-    """(acc [rows, cols], den [rows]) of rows r, columns col [1, 1, cols] of one slot * KV head
-    over all splits: the splits are read `block_s` at a time as one [block_s, rows, cols]
-    gather and merged with a running max (base-2 log-sum-exp) in one pass."""
     num_splits, num_rows = m_ref.shape[1], m_ref.shape[2]
+    r = rb * block_r + jnp.arange(block_r)
+    row_live = r < num_rows
     rr = jnp.minimum(r, num_rows - 1)[None, :]
+    col = db * block_d + jnp.arange(block_d)[None, None, :]
 
     def body(c, carry):
         acc, den, m_run = carry
@@ -299,11 +262,11 @@ def _merge_splits(o_ref, m_ref, l_ref, bh, r, row_live, col, block_s):
         return (corr[:, None] * acc + (w[:, :, None] * o).sum(axis=0),
                 corr * den + (w * l).sum(axis=0), m_next)
 
-    rows, cols = r.shape[0], col.shape[-1]
-    carry = (jnp.zeros((rows, cols), jnp.float32), jnp.zeros((rows,), jnp.float32),
-             jnp.full((rows,), MASK_VALUE, jnp.float32))
+    carry = (jnp.zeros((block_r, block_d), jnp.float32), jnp.zeros((block_r,), jnp.float32),
+             jnp.full((block_r,), MASK_VALUE, jnp.float32))
     acc, den, _ = lax.fori_loop(0, pl.cdiv(num_splits, block_s), body, carry)
-    return acc, jnp.where(row_live, den, 1.0)
+    den = jnp.where(row_live, den, 1.0)
+    _store_rows(out_ref, acc / den[:, None], b, h, r, row_live, group, db * block_d)
 
 
 def combine_config(rows, head_dim, num_splits, num_heads_total=1):
@@ -342,7 +305,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
-           "interpret", "causal", "skip_before", "live_rows", "merge")
+           "interpret", "causal", "skip_before", "live_rows")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -390,7 +353,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             slots, *,
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
-            skip_before=False, live_rows=0, merge=None):
+            skip_before=False, live_rows=0):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -398,9 +361,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     of prompts laid end to end): each row block starts at the key block its first query first
     sees (one mask row read per program) instead of at key 0.
     live_rows: no slot's prefix is longer while this program runs (0: the cache's length); the
-    default split count is sized for it. Only speed depends on it.
-    merge: how split partials are merged, "fused" (the last program of each row block, counted
-    with an atomic) or "combine" (a second kernel); None: `default_merge()`."""
+    default split count is sized for it. Only speed depends on it."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -430,31 +391,17 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
         block_n=block_n, packed=packed, causal=causal, skip_before=skip_before,
         indirect=slots is not None)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
-    merge = merge or default_merge()
-    if merge not in ("fused", "combine"):
-        raise ValueError(f"unknown merge {merge!r}: expected 'fused' or 'combine'")
-    fused = num_splits > 1 and merge == "fused"
-    counts, aliases = (), {}
-    if fused:   # one count per (slot * KV head, row block), zero at the start of every call
-        counts = (jnp.zeros((b * hkv * pl.cdiv(rows, block_r),), jnp.int32),)
-        out_shape = [jax.ShapeDtypeStruct(q_shape, dtype)] + out_shape + [
-            jax.ShapeDtypeStruct(counts[0].shape, jnp.int32)]
-        aliases = {2 + len(slot_map) + 6: len(out_shape) - 1}
-    kernel = functools.partial(kernel, fused_merge=fused, interpret=interpret)
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(rows, block_r), num_splits, b * hkv),
         out_shape=out_shape,
-        input_output_aliases=aliases,
         compiler_params=_CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_attention",
     )(layer, seq_lens.astype(jnp.int32), *slot_map, q_in, k_cache, v_cache, kn_in, vn_in,
-      tree_mask.astype(jnp.int8), *counts)
+      tree_mask.astype(jnp.int8))
     if num_splits == 1:
         return out
-    if fused:
-        return out[0]
 
     combine_r, combine_d, block_s = combine_config(rows, d, num_splits, b * hkv)
     combine = functools.partial(_combine_kernel, num_kv_heads=hkv, group=g, block_r=combine_r,
@@ -467,12 +414,6 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
         interpret=interpret,
         name="tree_attention_combine",
     )(*out)
-
-
-def default_merge() -> str:
-    """How split partials are merged unless a call says: JAXSPEC_ATTN_MERGE (fused / combine),
-    else "fused"."""
-    return os.environ.get("JAXSPEC_ATTN_MERGE", "fused")
 
 
 def kernel_supported(q, k_cache) -> bool:

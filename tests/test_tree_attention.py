@@ -55,9 +55,9 @@ def test_kernel_matches_reference(case, dtype, entry):
     layer = jnp.int32(1)
     ref = ta.tree_attention_reference(q, kc, vc, layer, sl, kn, vn, mask, sm_scale=scale)
     # One split (the kernel's own store), and small blocks with several splits so a handful of
-    # rows already cross block/split edges (the last program's merge, or the combine's store).
-    for splits, merge in ((1, None), (3, "fused"), (3, "combine")):
-        tune = dict(sm_scale=scale, block_k=16, num_splits=splits, interpret=True, merge=merge)
+    # rows already cross block/split edges (the combine's store).
+    for splits in (1, 3):
+        tune = dict(sm_scale=scale, block_k=16, num_splits=splits, interpret=True)
         if entry == "packed":
             out = ta.tree_attention_packed_pallas(_pack(q, kn, vn), kc, vc, layer, sl, mask,
                                                   num_heads=hq, **tune)
@@ -85,8 +85,8 @@ def test_rows_read_their_slots_of_a_larger_cache(entry):
     ref_slots = ta.tree_attention_reference(q, kc, vc, layer, sl, kn, vn, mask, sm_scale=scale,
                                             slots=slots)
     np.testing.assert_allclose(np.asarray(ref_slots), np.asarray(ref), rtol=1e-6, atol=1e-6)
-    for splits, merge in ((1, None), (3, "fused"), (3, "combine")):
-        tune = dict(sm_scale=scale, block_k=16, num_splits=splits, interpret=True, merge=merge)
+    for splits in (1, 3):
+        tune = dict(sm_scale=scale, block_k=16, num_splits=splits, interpret=True)
         if entry == "packed":
             out = ta.tree_attention_packed_pallas(_pack(q, kn, vn), kc, vc, layer, sl, mask,
                                                   slots, num_heads=hq, **tune)
@@ -155,24 +155,16 @@ def test_default_config_fills_gpu_at_batch_one():
     assert block_r == 16 and 8 * splits >= 132
 
 
-@pytest.mark.parametrize("merge", ["fused", "combine"])
-def test_merge_reads_more_splits_than_one_chunk(merge):
-    # 20 splits over 400 rows, read a chunk of splits at a time (16 by the combine, 2 by the
-    # fused merge of 64-row tiles): the running max is carried from one chunk to the next.
+def test_combine_merges_more_splits_than_one_chunk():
+    # 20 splits over 400 rows with a combine chunk of 16 splits: the running max is carried
+    # from one chunk of partials to the next.
     b, n, hq, hkv, d, t = 2, 16, 8, 2, 64, 400
     assert ta.combine_config(n * hq // hkv, d, 20)[2] < 20
     q, kc, vc, sl, kn, vn, mask = _inputs(3, b, n, hq, hkv, d, t, 1, jnp.float32, [400, 170])
     out = ta.tree_attention_pallas(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=0.125,
-                                   block_k=16, num_splits=20, interpret=True, merge=merge)
+                                   block_k=16, num_splits=20, interpret=True)
     ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=0.125)
     assert _rel_err(out, ref) < TOL[jnp.float32]
-
-
-def test_unknown_merge_is_named():
-    q, kc, vc, sl, kn, vn, mask = _inputs(3, 1, 1, 8, 2, 64, 64, 1, jnp.float32, [64])
-    with pytest.raises(ValueError, match="unknown merge 'sum'"):
-        ta.tree_attention_pallas(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=0.125,
-                                 num_splits=2, interpret=True, merge="sum")
 
 
 @pytest.mark.parametrize("b,n,t", [(1, 1, 1024), (1, 1, 32768), (8, 1, 8192), (64, 1, 1024),
