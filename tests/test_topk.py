@@ -97,16 +97,24 @@ def test_policy():
     assert not topk_lib.use_two_stage(128256, 1, "gpu")
     assert not topk_lib.use_two_stage(331, 10, "gpu")
     assert not topk_lib.use_two_stage(128256, 10, "cpu")
+    method = topk_lib.vocab_top_k_method
+    assert method(16384, 8, "gpu") == "two_stage"                   # the shipped head's vocab
+    assert method(32000, 4, "gpu") == "two_stage"
+    assert method(16384, 10, "gpu") == "chunk_max"
+    assert method(49152, 8, "gpu") == "chunk_max"
+    assert method(16384, 8, "cpu") == "lax"
 
 
-def test_top_children_two_stage_equals_lax():
-    """With the two-stage path on (as on GPU), draft's top_children is unchanged."""
-    v, kk = topk_lib.TWO_STAGE_MIN_VOCAB + 123, 10
+@pytest.mark.parametrize("kk", [8, 10])
+def test_top_children_two_stage_equals_lax(kk):
+    """With the chunked paths on (as on GPU; k = 8: chunks of a draft vocabulary, k = 10: chunk
+    maxima), draft's top_children is unchanged."""
+    v = topk_lib.TWO_STAGE_MIN_VOCAB + 123
     spec = SpecConfig(num_steps=2, topk=kk, num_draft_tokens=8)
     logits = 3.0 * jax.random.normal(jax.random.PRNGKey(7), (2, kk, v), jnp.float32)
     logits = jnp.round(logits * 4) / 4                              # ties across the vocab
     with mock.patch.object(topk_lib, "TWO_STAGE_BACKENDS", (jax.default_backend(),)):
-        assert topk_lib.use_two_stage(v, kk)
+        assert topk_lib.vocab_top_k_method(v, kk) == ("two_stage" if kk == 8 else "chunk_max")
         tok, logp = jax.jit(functools.partial(draft_lib.top_children, spec=spec))(logits)
     vals, want = jax.lax.top_k(logits, kk)
     np.testing.assert_array_equal(np.asarray(tok), np.asarray(want))
