@@ -94,11 +94,22 @@ def test_json_schema(sweep):
         for g in r["gc_runs"]:
             assert set(g) == {"gc_s", "full", "device_calls", "admit_calls", "host_s",
                               "dispatch_s", "admit_dispatch_s", "wait_s", "steps",
-                              "max_step_ms"}
+                              "max_step_ms", "slowest_steps"}
             assert 0 < g["dispatch_s"] <= g["host_s"]
             assert 0 < g["admit_dispatch_s"] < g["dispatch_s"]
             assert g["device_calls"] > 0 and g["admit_calls"] >= 1 and g["steps"] > 0
             assert g["max_step_ms"] > 0
+            # the pass's slowest steps, slowest first, each with what it dispatched
+            slow = g["slowest_steps"]
+            assert 1 <= len(slow) <= min(5, g["steps"])
+            assert slow[0]["ms"] == g["max_step_ms"]
+            assert [x["ms"] for x in slow] == sorted((x["ms"] for x in slow), reverse=True)
+            assert slow[0]["ms"] >= slow[0]["median_ms"] > 0
+            assert len({x["median_ms"] for x in slow}) == 1
+            assert len({x["step"] for x in slow}) == len(slow)
+            assert all(0 <= x["step"] < g["steps"] and x["admits"] >= 0 and x["call_size"] >= 0
+                       for x in slow)
+            assert sum(x["admits"] for x in slow) <= g["admit_calls"]
         # the engine schedules by steps, not by the clock: both passes did the same calls
         first, second = r["gc_runs"]
         assert (first["device_calls"], first["admit_calls"]) == \

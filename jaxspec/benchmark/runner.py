@@ -195,7 +195,21 @@ def _pass_record(clock: GcClock, llm, before: Optional[dict]) -> dict:
         rec.update({k: round(after[k] - before[k], 4) for k in after})
         steps = llm.engine.stats.step_s[before["steps"]:]
         rec["max_step_ms"] = round(1e3 * max(steps), 2) if steps else None
+        rec["slowest_steps"] = _slowest_steps(llm.engine.stats, before["steps"])
     return rec
+
+
+def _slowest_steps(stats, first: int, n: int = 5) -> List[dict]:
+    """The n slowest steps from step `first` on: their index in the pass, milliseconds, and
+    what they dispatched (admission calls, the cycle call's size, whether the short build ran),
+    next to the pass's median step."""
+    steps, what = stats.step_s[first:], stats.step_what[first:]
+    if not steps:
+        return []
+    median = statistics.median(steps)
+    top = sorted(range(len(steps)), key=lambda i: -steps[i])[:n]
+    return [{"step": i, "ms": round(1e3 * steps[i], 2), "median_ms": round(1e3 * median, 2),
+             "admits": what[i][0], "call_size": what[i][1], "short": what[i][2]} for i in top]
 
 
 def timed_generate(llm, chats, sp, repeats: int = 1, gc_runs: Optional[list] = None):

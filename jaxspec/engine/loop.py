@@ -135,6 +135,9 @@ class EngineStats:
     admit_shapes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     call_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     step_s: List[float] = dataclasses.field(default_factory=list)
+    # what each step dispatched, beside step_s: (admission calls, cycle call size or 0, short
+    # build): a slow step's record says which programs it ran
+    step_what: List[tuple] = dataclasses.field(default_factory=list)
 
 
 def _buckets(smallest: int, largest: int, growth: int) -> List[int]:
@@ -330,10 +333,10 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> List[StreamDelta]:
         t0 = time.perf_counter()
-        wait0 = self.stats.wait_s
+        wait0, admits0 = self.stats.wait_s, self.stats.prefill_chunks
         self._admit()
         self._fit_budget()
-        keep = 0
+        keep, what = 0, (0, False)
         active = self.live & (self.left > 0)
         if active.any():
             mask = self.backend.device_mask(active) if self.device_masks else active
@@ -342,8 +345,9 @@ class Engine:
             # plain; a slot that leaves keeps its rows (idle), so LEAN stays exact for the rest.
             features = FULL if self._full_runs else LEAN
             size = self.backend.call_size(int(np.count_nonzero(active)))
+            what = (size, self._short(size))
             self.state, out = self.backend.cycle(self.state, mask, features, size=size,
-                                                 short=self._short(size))
+                                                 short=what[1])
             self._prefetch(out)
             self.stats.dispatch_s += time.perf_counter() - t
             emit, min_emit = self.backend.emits(size)
@@ -358,6 +362,7 @@ class Engine:
         out, self._deltas = self._deltas, []
         dt = time.perf_counter() - t0
         self.stats.step_s.append(dt)
+        self.stats.step_what.append((self.stats.prefill_chunks - admits0,) + what)
         self.stats.host_s += dt - (self.stats.wait_s - wait0)
         return out
 
