@@ -76,16 +76,13 @@ def test_warmup_compiles_ahead_and_serves_without_jit(kind):
     assert compiled_shapes(engine) != before and be.jit_calls == 1
 
 
-@pytest.mark.parametrize("kind,copies,admit_copies", [("spec", 1, 1), ("plain", 1, 1),
-                                                      ("spec", 2, 1), ("plain", 1, 2)])
+@pytest.mark.parametrize("kind,copies", [("spec", 1), ("plain", 1), ("spec", 2)])
 def test_warmup_can_run_every_program_once_and_leaves_the_state_as_it_was(kind, copies,
-                                                                          admit_copies,
                                                                           monkeypatch):
     """execute=True (the default on accelerators): each compiled program runs once on idle or
-    padding arguments, through its executable (each loaded copy of a cycle or an admission
-    once); the state is bit-identical afterwards."""
+    padding arguments, through its executable (each loaded copy of a cycle once); the state is
+    bit-identical afterwards."""
     monkeypatch.setenv("JAXSPEC_CYCLE_COPIES", str(copies))
-    monkeypatch.setenv("JAXSPEC_ADMIT_COPIES", str(admit_copies))
     engine = make_engine(kind)
     before = [np.asarray(x) for x in jax.tree_util.tree_leaves(engine.state)]
     be = engine.backend
@@ -101,16 +98,14 @@ def test_warmup_can_run_every_program_once_and_leaves_the_state_as_it_was(kind, 
     engine.warmup(execute=True)
     n_cycles = len(VARIANTS) * len(be.sizes) * copies
     n_admits = len(VARIANTS) * len(engine.admission_forms())
-    assert ran == ["cycle"] * n_cycles + ["admit"] * n_admits * admit_copies + \
+    assert ran == ["cycle"] * n_cycles + ["admit"] * n_admits + \
         ["advance_keys"] * len(engine.slot_buckets)
     assert be.jit_calls == 0                          # every run found its executable
     after = jax.tree_util.tree_leaves(engine.state)
     assert all(np.array_equal(x, np.asarray(y)) for x, y in zip(before, after))
-    n_spares = ((copies - 1) * len(VARIANTS) * len(be.sizes)
-                + (admit_copies - 1) * n_admits)
-    assert sum(map(len, be.spares.values())) == n_spares
+    assert sum(map(len, be.spares.values())) == (copies - 1) * len(VARIANTS) * len(be.sizes)
     engine.warmup(execute=False)                      # again: the copies start over
-    assert sum(map(len, be.spares.values())) == n_spares
+    assert sum(map(len, be.spares.values())) == (copies - 1) * len(VARIANTS) * len(be.sizes)
     runs = collections.Counter()
 
     def counted(exe):
@@ -128,9 +123,6 @@ def test_warmup_can_run_every_program_once_and_leaves_the_state_as_it_was(kind, 
     copies_run = [runs[id(x)] for x in [be.executables[key], *be.spares.get(key, [])]]
     assert len(copies_run) == copies and min(copies_run) >= 1     # taken in turn
     assert max(copies_run) - min(copies_run) <= 1
-    admitted = [k for k in be.executables if k[0].startswith("admit")
-                and sum(runs[id(x)] for x in [be.executables[k], *be.spares.get(k, [])])]
-    assert admitted and all(len(be.spares.get(k, [])) == admit_copies - 1 for k in admitted)
 
 
 def test_warmup_freezes_the_startup_heap_and_frees_what_was_dropped():

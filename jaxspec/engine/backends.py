@@ -118,11 +118,6 @@ class _Dispatch:
             cycle_copies = int(os.environ.get("JAXSPEC_CYCLE_COPIES", "1"))
         if cycle_copies < 1:
             raise ValueError(f"cycle_copies must be >= 1, got {cycle_copies}")
-        # The same for each admission program ($JAXSPEC_ADMIT_COPIES, else 1): consecutive
-        # admissions of one shape may come while the last is still queued on the device.
-        self.admit_copies = int(os.environ.get("JAXSPEC_ADMIT_COPIES", "1"))
-        if self.admit_copies < 1:
-            raise ValueError(f"JAXSPEC_ADMIT_COPIES must be >= 1, got {self.admit_copies}")
         self.executables: Dict[tuple, jax.stages.Compiled] = {}
         # More loaded copies of a program, run in turn with executables[key] (cycle_copies)
         self.spares: Dict[tuple, List[jax.stages.Compiled]] = {}
@@ -132,15 +127,13 @@ class _Dispatch:
         self.device_mask = MaskCache()   # the cycle's [B] active mask as a device array
 
     def copies_of(self, key: tuple) -> int:
-        """Loaded copies warm-up compiles of the program `key`: cycle_copies for cycles,
-        admit_copies for admissions, 1 for the rest. Why several: the host dispatches a cycle before the previous one has ended,
+        """Loaded copies warm-up compiles of the program `key`: cycle_copies for cycles, 1 for
+        the rest. Why several: the host dispatches a cycle before the previous one has ended,
         so consecutive calls of one executable get different temporary and output buffers,
         and XLA then updates the executable's CUDA graph (every node that reads a moved
         buffer) before launching it. Two copies taken in turn each see the buffers of two calls
         before, which the allocator tends to hand back, so their graphs may run unchanged."""
-        if key[0] == "cycle":
-            return self.cycle_copies
-        return self.admit_copies if key[0] in ("admit", "admit_packed") else 1
+        return self.cycle_copies if key[0] == "cycle" else 1
 
     def add_executable(self, key: tuple, compiled):
         """Files a compiled copy of `key`: a spare until the key has copies_of(key) copies;
