@@ -345,9 +345,10 @@ class Engine:
             # plain; a slot that leaves keeps its rows (idle), so LEAN stays exact for the rest.
             features = FULL if self._full_runs else LEAN
             size = self.backend.call_size(int(np.count_nonzero(active)))
-            what = (size, self._short(size))
+            short = self._short(size)
+            what = (size, short)
             self.state, out = self.backend.cycle(self.state, mask, features, size=size,
-                                                 short=what[1])
+                                                 short=short)
             self._prefetch(out)
             self.stats.dispatch_s += time.perf_counter() - t
             emit, min_emit = self.backend.emits(size)
