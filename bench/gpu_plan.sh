@@ -107,6 +107,13 @@
 #                                      #   --profile: device ms, host ms and CUDA-graph updates
 #                                      #   per program (nineteenth set: the device alone gives
 #                                      #   1.40x on MT-bench; host time is the rest)
+#   bash bench/gpu_plan.sh b1copies    # issue 7: batch 1, MT-bench, 128 tokens, 4x8x32 with one
+#                                      #   and two loaded copies of each cycle program, real
+#                                      #   weights, alternated 1, 2, 2, 1 (plain gets the same
+#                                      #   copies in each run)
+#   bash bench/gpu_plan.sh stall64     # issue 8: batch 64, MT-bench, chain:4, 4 timed passes:
+#                                      #   each slow step's time split into admission calls,
+#                                      #   cycle call, device wait and the rest (slowest_steps)
 #   bash bench/gpu_plan.sh prefill_attn  # issue 4: prompt-chunk attention settings on admission
 #                                      #   shapes (random data, no GGUF needed)
 # Every part writes its logs and JSON under $OUT (or ./gpu_out) and prints a short table last.
@@ -129,6 +136,16 @@ case "${1:-}" in
     S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 1 --batch-sizes 64 --num-prompts 384"
     run prof_mt 250 $S --profile /tmp/prof_mt --json "$OUT/prof_mt.json"
     run prof_sg 280 $S --dataset .gpu/sharegpt_heldout.jsonl --profile /tmp/prof_sg --json "$OUT/prof_sg.json"
+    ;;
+  b1copies)
+    S="$BENCH --no-peers --max-tokens ${TOKENS:-128} --spec ${SPEC:-4x8x32} --repeats 2 --batch-sizes 1 --num-prompts 40"
+    i=0; for c in ${COPIES:-1 2 2 1}; do i=$((i + 1))
+      run b1copies_${i}_c$c 200 env JAXSPEC_CYCLE_COPIES=$c $S --json "$OUT/b1copies_${i}_c$c.json"
+    done
+    ;;
+  stall64)
+    run stall64 280 $BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 4 --batch-sizes 64 \
+      --num-prompts 384 --json "$OUT/stall64.json"
     ;;
   prefill_attn)
     run prefill_attn 400 python3 -m bench.bench_prefill_attention

@@ -110,6 +110,13 @@ def test_json_schema(sweep):
             assert all(0 <= x["step"] < g["steps"] and x["admits"] >= 0 and x["call_size"] >= 0
                        for x in slow)
             assert sum(x["admits"] for x in slow) <= g["admit_calls"]
+            # where each slow step's time went: its parts add up to the step
+            for x in slow:
+                parts = [x[k] for k in ("admit_ms", "cycle_ms", "wait_ms", "other_ms")]
+                assert all(p >= 0 for p in parts[:3]) and parts[3] > -0.05, x
+                assert sum(parts) == pytest.approx(x["ms"], abs=0.05)
+                assert (x["admit_ms"] > 0) == (x["admits"] > 0)
+                assert (x["cycle_ms"] > 0) == (x["call_size"] > 0)
         # the engine schedules by steps, not by the clock: both passes did the same calls
         first, second = r["gc_runs"]
         assert (first["device_calls"], first["admit_calls"]) == \

@@ -202,14 +202,22 @@ def _pass_record(clock: GcClock, llm, before: Optional[dict]) -> dict:
 def _slowest_steps(stats, first: int, n: int = 5) -> List[dict]:
     """The n slowest steps from step `first` on: their index in the pass, milliseconds, and
     what they dispatched (admission calls, the cycle call's size, whether the short build ran),
-    next to the pass's median step."""
+    where their time went (milliseconds in the admission calls, in the cycle call, waiting on
+    the device, and the rest of the step's host work), next to the pass's median step."""
     steps, what = stats.step_s[first:], stats.step_what[first:]
     if not steps:
         return []
     median = statistics.median(steps)
     top = sorted(range(len(steps)), key=lambda i: -steps[i])[:n]
-    return [{"step": i, "ms": round(1e3 * steps[i], 2), "median_ms": round(1e3 * median, 2),
-             "admits": what[i][0], "call_size": what[i][1], "short": what[i][2]} for i in top]
+    out = []
+    for i in top:
+        admits, size, short, admit_s, cycle_s, wait_s = what[i]
+        out.append({"step": i, "ms": round(1e3 * steps[i], 2), "median_ms": round(1e3 * median, 2),
+                    "admits": admits, "call_size": size, "short": short,
+                    "admit_ms": round(1e3 * admit_s, 2), "cycle_ms": round(1e3 * cycle_s, 2),
+                    "wait_ms": round(1e3 * wait_s, 2),
+                    "other_ms": round(1e3 * (steps[i] - admit_s - cycle_s - wait_s), 2)})
+    return out
 
 
 def timed_generate(llm, chats, sp, repeats: int = 1, gc_runs: Optional[list] = None):

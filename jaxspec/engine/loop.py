@@ -136,7 +136,8 @@ class EngineStats:
     call_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     step_s: List[float] = dataclasses.field(default_factory=list)
     # what each step dispatched, beside step_s: (admission calls, cycle call size or 0, short
-    # build): a slow step's record says which programs it ran
+    # build, seconds in the admission calls, in the cycle call, waiting on the device): a slow
+    # step's record says which programs it ran and where its time went
     step_what: List[tuple] = dataclasses.field(default_factory=list)
 
 
@@ -333,10 +334,11 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> List[StreamDelta]:
         t0 = time.perf_counter()
-        wait0, admits0 = self.stats.wait_s, self.stats.prefill_chunks
+        st = self.stats
+        wait0, admits0, admit_s0 = st.wait_s, st.prefill_chunks, st.admit_dispatch_s
         self._admit()
         self._fit_budget()
-        keep, what = 0, (0, False)
+        keep, what, cycle_s = 0, (0, False), 0.0
         active = self.live & (self.left > 0)
         if active.any():
             mask = self.backend.device_mask(active) if self.device_masks else active
@@ -350,7 +352,8 @@ class Engine:
             self.state, out = self.backend.cycle(self.state, mask, features, size=size,
                                                  short=short)
             self._prefetch(out)
-            self.stats.dispatch_s += time.perf_counter() - t
+            cycle_s = time.perf_counter() - t
+            self.stats.dispatch_s += cycle_s
             emit, min_emit = self.backend.emits(size)
             self.stats.call_sizes[size] += 1
             self.pending.append(("cycle", out, list(self.slot_run), size))
@@ -362,9 +365,10 @@ class Engine:
             self._absorb(self.pending.popleft())
         out, self._deltas = self._deltas, []
         dt = time.perf_counter() - t0
-        self.stats.step_s.append(dt)
-        self.stats.step_what.append((self.stats.prefill_chunks - admits0,) + what)
-        self.stats.host_s += dt - (self.stats.wait_s - wait0)
+        st.step_s.append(dt)
+        st.step_what.append((st.prefill_chunks - admits0,) + what + (
+            st.admit_dispatch_s - admit_s0, cycle_s, st.wait_s - wait0))
+        st.host_s += dt - (st.wait_s - wait0)
         return out
 
     def _short(self, size: int) -> bool:
