@@ -94,7 +94,13 @@ def test_json_schema(sweep):
         for g in r["gc_runs"]:
             assert set(g) == {"gc_s", "full", "device_calls", "admit_calls", "host_s",
                               "dispatch_s", "admit_dispatch_s", "wait_s", "steps",
-                              "max_step_ms", "slowest_steps"}
+                              "max_step_ms", "slowest_steps", "pass_s", "before_steps_s",
+                              "between_steps_s", "after_steps_s"}
+            # the pass is its steps (host + wait) and what lies before, between and after them
+            outside = [g[k] for k in ("before_steps_s", "between_steps_s", "after_steps_s")]
+            assert all(x >= 0 for x in outside) and outside[0] > 0, g
+            assert sum(outside) + g["host_s"] + g["wait_s"] == pytest.approx(g["pass_s"],
+                                                                             abs=2e-3)
             assert 0 < g["dispatch_s"] <= g["host_s"]
             assert 0 < g["admit_dispatch_s"] < g["dispatch_s"]
             assert g["device_calls"] > 0 and g["admit_calls"] >= 1 and g["steps"] > 0

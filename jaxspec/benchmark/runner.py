@@ -185,10 +185,11 @@ def _engine_counts(llm) -> Optional[dict]:
             "steps": len(st.step_s)}
 
 
-def _pass_record(clock: GcClock, llm, before: Optional[dict]) -> dict:
+def _pass_record(clock: GcClock, llm, before: Optional[dict], span=None) -> dict:
     """One timed pass: garbage collection, and what the engine did in it (device calls,
     admission dispatches, host seconds and the part of them in the backend's calls, wait
-    seconds, its slowest step) to tell a slow pass's cause."""
+    seconds, its slowest step) to tell a slow pass's cause. span: the pass's (start, end)
+    perf_counter times, to tell how much of it lay outside the engine's steps."""
     rec = {"gc_s": round(clock.seconds, 4), "full": clock.collections[2]}
     after = _engine_counts(llm)
     if before is not None and after is not None:
@@ -196,7 +197,21 @@ def _pass_record(clock: GcClock, llm, before: Optional[dict]) -> dict:
         steps = llm.engine.stats.step_s[before["steps"]:]
         rec["max_step_ms"] = round(1e3 * max(steps), 2) if steps else None
         rec["slowest_steps"] = _slowest_steps(llm.engine.stats, before["steps"])
+        if span is not None and steps:
+            rec.update(_outside_steps(llm.engine.stats, before["steps"], *span))
     return rec
+
+
+def _outside_steps(stats, first: int, t0: float, t1: float) -> dict:
+    """Seconds of the pass [t0, t1] outside the engine's steps from step `first` on: before
+    the first (generate's encoding, checks and submission), between steps (the caller's loop)
+    and after the last (collecting the outputs). The device idles in the first and may in the
+    others."""
+    starts, secs = stats.step_start[first:], stats.step_s[first:]
+    between = sum(b - (a + s) for a, s, b in zip(starts, secs, starts[1:]))
+    return {"pass_s": round(t1 - t0, 4), "before_steps_s": round(starts[0] - t0, 4),
+            "between_steps_s": round(between, 4),
+            "after_steps_s": round(t1 - (starts[-1] + secs[-1]), 4)}
 
 
 def _slowest_steps(stats, first: int, n: int = 5) -> List[dict]:
@@ -234,9 +249,10 @@ def timed_generate(llm, chats, sp, repeats: int = 1, gc_runs: Optional[list] = N
         with GcClock() as clock:
             t0 = time.perf_counter()
             outs = llm.generate(chats, sp)
-            secs = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            secs = t1 - t0
         if gc_runs is not None:
-            gc_runs.append(_pass_record(clock, llm, counts))
+            gc_runs.append(_pass_record(clock, llm, counts, (t0, t1)))
         passes.append((sum(len(o.token_ids) for o in outs) / secs if secs > 0 else 0.0,
                        outs, secs))
     rates = [p[0] for p in passes]

@@ -135,6 +135,7 @@ class EngineStats:
     admit_shapes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     call_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     step_s: List[float] = dataclasses.field(default_factory=list)
+    step_start: List[float] = dataclasses.field(default_factory=list)   # perf_counter at each
     # what each step dispatched, beside step_s: (admission calls, cycle call size or 0, short
     # build, seconds in the admission calls, in the cycle call, waiting on the device): a slow
     # step's record says which programs it ran and where its time went
@@ -366,6 +367,7 @@ class Engine:
         out, self._deltas = self._deltas, []
         dt = time.perf_counter() - t0
         st.step_s.append(dt)
+        st.step_start.append(t0)
         st.step_what.append((st.prefill_chunks - admits0,) + what + (
             st.admit_dispatch_s - admit_s0, cycle_s, st.wait_s - wait0))
         st.host_s += dt - (st.wait_s - wait0)
