@@ -41,9 +41,7 @@ def main():
         t3 = time.perf_counter()
         rids = llm._submit(encoded, sps, stream_text=False)
         t4 = time.perf_counter()
-        for rid in rids:                                   # nothing ran: drop them again
-            llm.engine.abort(rid)
-            llm.engine.finished_requests.pop(rid, None)
+        llm.engine.drop(rids)                              # nothing ran: drop them again
         print(f"render {1e3 * (t1 - t0):.1f} ms, encode_batch {1e3 * (t2 - t1):.1f} ms, "
               f"generate's encoding {1e3 * (t3 - t2):.1f} ms, submit {1e3 * (t4 - t3):.1f} ms",
               flush=True)

@@ -153,6 +153,10 @@ class LLM:
         if self.max_model_len < 16:
             raise ConfigError(f"max_model_len={self.max_model_len} leaves no room to generate")
         self.max_batch, self.decode_chunk, self.seed = max_batch, decode_chunk, seed
+        # generate encodes and submits its prompts this many at a time, the device running the
+        # slices before (a slice's worth of chats, about 7 ms of encoding on an H100's host,
+        # against a call of 6-17 ms at batch 64)
+        self.submit_slice = max(64, max_batch)
         self.spec = None
         self.dp_runner = None   # data parallel: one batch runner over pmap replicas
         if tensor_parallel > 1:
@@ -287,11 +291,13 @@ class LLM:
         compiles on its first use); after `warmup`, anything above 0 is a missed shape."""
         return 0 if self.dp_runner is not None else self.engine.backend.jit_calls
 
-    def _encode_all(self, prompts: Sequence[Prompt]) -> List[List[int]]:
-        """Token ids of each prompt. Texts and chats go to the tokenizer as one batch each,
-        which it encodes on several threads: encoding 384 chats one by one took about 85 ms of
-        a batch-64 pass in which the device waited (bench/RESULTS.md, eighteenth set)."""
-        kinds = [_prompt_kind(p) for p in prompts]
+    def _encode_all(self, prompts: Sequence[Prompt], kinds: Sequence[str],
+                    first: int = 0) -> List[List[int]]:
+        """Token ids of each prompt (kinds: `_prompt_kind` of each; first: the index of
+        prompts[0] in the caller's list, for errors). Texts and chats go to the tokenizer as one
+        batch each, which it encodes on several threads: encoding 384 chats one by one took
+        about 85 ms of a batch-64 pass in which the device waited (bench/RESULTS.md, eighteenth
+        set)."""
         out: List[Optional[List[int]]] = [None] * len(prompts)
         for kind, encode in (("text", self.tokenizer.encode_batch),
                              ("chat", self.tokenizer.apply_chat_templates)):
@@ -301,13 +307,17 @@ class LLM:
         for i, kind in enumerate(kinds):
             if kind == "ids":
                 out[i] = list(prompts[i])
-                bad = [t for t in out[i] if not 0 <= t < self.config.vocab_size]
-                if bad:
-                    raise ValueError(f"prompt token ids out of range [0, "
-                                     f"{self.config.vocab_size}): {bad[:5]}")
             if not out[i]:
-                raise ValueError("empty prompt: it encodes to no tokens")
+                raise ValueError(f"request {first + i}: empty prompt: it encodes to no tokens")
         return out
+
+    def _check_ids(self, prompts: Sequence[Prompt], kinds: Sequence[str]):
+        """Token-id prompts must lie in the vocabulary (cheap: checked before any encoding)."""
+        for i, (p, kind) in enumerate(zip(prompts, kinds)):
+            bad = [t for t in p if not 0 <= t < self.config.vocab_size] if kind == "ids" else ()
+            if bad:
+                raise ValueError(f"request {i}: prompt token ids out of range [0, "
+                                 f"{self.config.vocab_size}): {bad[:5]}")
 
     def _check_fits(self, ids: List[int], sp: SamplingParams, i: int):
         if len(ids) + sp.max_tokens > self.max_model_len:
@@ -319,7 +329,9 @@ class LLM:
         return set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
 
     # -- generation ----------------------------------------------------------------------
-    def _normalize(self, prompts, sampling_params):
+    def _requests(self, prompts, sampling_params):
+        """(prompts as a list, their kinds, one SamplingParams each), with every check that
+        needs no encoding done."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (dict, int))):
             prompts = [prompts]
         if not prompts:
@@ -328,10 +340,20 @@ class LLM:
             [sampling_params or SamplingParams()] * len(prompts)
         if len(sps) != len(prompts):
             raise ValueError(f"{len(sps)} sampling params for {len(prompts)} prompts")
-        encoded = self._encode_all(prompts)
+        kinds = [_prompt_kind(p) for p in prompts]
+        self._check_ids(prompts, kinds)
+        return list(prompts), kinds, list(sps)
+
+    def _encoded(self, prompts, kinds, sps, first: int = 0) -> List[List[int]]:
+        """Token ids of prompts, each checked to fit the context with its max_tokens."""
+        encoded = self._encode_all(prompts, kinds, first)
         for i, (ids, sp) in enumerate(zip(encoded, sps)):
-            self._check_fits(ids, sp, i)
-        return encoded, list(sps)
+            self._check_fits(ids, sp, first + i)
+        return encoded
+
+    def _normalize(self, prompts, sampling_params):
+        prompts, kinds, sps = self._requests(prompts, sampling_params)
+        return self._encoded(prompts, kinds, sps), sps
 
     def _submit(self, encoded, sps, request_ids=None, stream_text: bool = True) -> list:
         """Adds the requests to the engine; all or none (a failure aborts the ones added).
@@ -343,26 +365,47 @@ class LLM:
                 added.append(self.engine.add_request(ids, sp, request_id=rid,
                                                      stream_text=stream_text))
         except Exception:
-            for rid in added:
-                self.engine.abort(rid)
-                self.engine.finished_requests.pop(rid, None)
+            self.engine.drop(added)
             raise
         return added
 
-    def _pump(self):
-        """One engine step; deltas are filed per request for whoever consumes them."""
-        for d in self.engine.step():
+    def _pump(self, collect: bool = True):
+        """One engine step; deltas are filed per request for whoever consumes them.
+        collect=False: dispatch only (Engine.step)."""
+        for d in self.engine.step(collect):
             self._inbox.setdefault(d.request_id, []).append(d)
+
+    def _drop(self, ids):
+        """Aborts requests whose caller has gone (a generate that failed part way, a stream left
+        early) and forgets them and their deltas."""
+        self.engine.drop(ids)
+        for rid in ids:
+            self._inbox.pop(rid, None)
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
                  ) -> List[RequestOutput]:
-        """Generates for each prompt. All requests are validated before any work starts.
-        request_id of each output is its index in `prompts`."""
-        encoded, sps = self._normalize(prompts, sampling_params)
+        """Generates for each prompt; request_id of each output is its index in `prompts`.
+        Every request is checked before generate returns anything: a bad one raises (ValueError,
+        naming it), and any of the others already started is aborted; requests of other callers
+        carry on. Prompts past the first slice (`submit_slice`) are encoded and checked a slice
+        at a time while the device already runs the first ones: encoding 384 chats took 30-40
+        ms of a batch-64 pass in which the device idled (bench/RESULTS.md, twenty-third set)."""
+        prompts, kinds, sps = self._requests(prompts, sampling_params)
         if self.dp_runner is not None:
-            return self._generate_data_parallel(encoded, sps)
-        ids = self._submit(encoded, sps, stream_text=False)
+            return self._generate_data_parallel(self._encoded(prompts, kinds, sps), sps)
+        ids: List[Any] = []
+        step = self.submit_slice
+        try:
+            for lo in range(0, len(prompts), step):
+                if ids:     # the device starts on the slices before while this one encodes
+                    self._pump(collect=False)
+                part = slice(lo, lo + step)
+                encoded = self._encoded(prompts[part], kinds[part], sps[part], first=lo)
+                ids += self._submit(encoded, sps[part], stream_text=False)
+        except BaseException:
+            self._drop(ids)
+            raise
         pending = set(ids)
         while pending:
             self._pump()
@@ -424,10 +467,7 @@ class LLM:
                             pending.discard(rid)
                             self.engine.finished_requests.pop(rid, None)
         finally:   # a consumer that stops early leaves nothing running
-            for rid in pending:
-                self.engine.abort(rid)
-                self.engine.finished_requests.pop(rid, None)
-                self._inbox.pop(rid, None)
+            self._drop(pending)
 
     def abort(self, request_id) -> bool:
         """Ends a streaming request; its stream ends with finish_reason 'abort'."""

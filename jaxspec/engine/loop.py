@@ -329,11 +329,24 @@ class Engine:
         self._finish(req, "abort")
         return True
 
+    def drop(self, request_ids: Iterable[RequestId]):
+        """Aborts requests whose caller has gone and forgets them: no finished record and no
+        final delta is left behind for anyone to collect."""
+        ids = set(request_ids)
+        for rid in ids:
+            self.abort(rid)
+            self.finished_requests.pop(rid, None)
+        self._deltas = [d for d in self._deltas if d.request_id not in ids]
+
     def has_work(self) -> bool:
         return bool(self.requests) or bool(self._deltas) or bool(self.pending)
 
     # ------------------------------------------------------------------ the loop
-    def step(self) -> List[StreamDelta]:
+    def step(self, collect: bool = True) -> List[StreamDelta]:
+        """Admits waiting requests, dispatches the next call, and reads the outputs of all calls
+        in flight but the newest. collect=False reads none: the host is free at once for other
+        work while the device runs (LLM.generate encodes its later prompts then); the next
+        step reads them all."""
         t0 = time.perf_counter()
         st = self.stats
         wait0, admits0, admit_s0 = st.wait_s, st.prefill_chunks, st.admit_dispatch_s
@@ -362,7 +375,7 @@ class Engine:
             self.left[active] -= min_emit
             self.stats.cycles += 1
             keep = 1
-        while len(self.pending) > keep:
+        while collect and len(self.pending) > keep:
             self._absorb(self.pending.popleft())
         out, self._deltas = self._deltas, []
         dt = time.perf_counter() - t0
