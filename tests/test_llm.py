@@ -122,6 +122,19 @@ def test_generate_in_slices_equals_one_slice_and_a_late_bad_prompt_drops_only_it
     assert not llm.engine.requests
 
 
+def test_a_stream_left_early_leaves_nothing_behind(llm):
+    """A consumer that stops early aborts its requests; their final 'abort' deltas are dropped
+    with them, so a later stream that reuses the request id gets only its own deltas."""
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    first = llm.stream("Once upon a time", sp, request_ids=["a"])
+    next(first)
+    first.close()                                       # the consumer leaves
+    again = list(llm.stream("Once upon a time", sp, request_ids=["a"]))
+    assert [d.finish_reason for d in again if d.finished] == ["length"]
+    assert sum(len(d.token_ids) for d in again) == 6
+    assert not llm._inbox and not llm.engine.requests and not llm.engine.finished_requests
+
+
 def test_max_tokens_must_be_positive():
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
