@@ -114,13 +114,18 @@
 #   bash bench/gpu_plan.sh stall64     # issue 8: batch 64, MT-bench, chain:4, 4 timed passes:
 #                                      #   each slow step's time split into admission calls,
 #                                      #   cycle call, device wait and the rest (slowest_steps)
+#   bash bench/gpu_plan.sh ab          # any change: jaxspec-bench on the working tree and on .base
+#                                      #   (bash bench/ab_prepare.sh REV; carry .base), alternated
+#                                      #   new, base, base, new (ORDER), then each pass's parts;
+#                                      #   BATCH (64), SPEC (chain:4), PROMPTS (384), TOKENS (128),
+#                                      #   REPEATS (3), DATASET (a jsonl under the repo; carry it)
 #   bash bench/gpu_plan.sh prefill_attn  # issue 4: prompt-chunk attention settings on admission
 #                                      #   shapes (random data, no GGUF needed)
 # Every part writes its logs and JSON under $OUT (or ./gpu_out) and prints a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)   # absolute: parts may cd
 GGUF=${GGUF:-$HOME/models/smollm2.gguf}
 run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' | tee "$OUT/$name.log" | tail -24; }
 BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
@@ -142,6 +147,16 @@ case "${1:-}" in
     i=0; for c in ${COPIES:-1 2 2 1}; do i=$((i + 1))
       run b1copies_${i}_c$c 200 env JAXSPEC_CYCLE_COPIES=$c $S --json "$OUT/b1copies_${i}_c$c.json"
     done
+    ;;
+  ab)
+    [ -d .base ] || { echo "no .base: run bash bench/ab_prepare.sh REV and carry .base"; exit 2; }
+    S="$BENCH --no-peers --max-tokens ${TOKENS:-128} --spec ${SPEC:-chain:4} --repeats ${REPEATS:-3}
+       --batch-sizes ${BATCH:-64} --num-prompts ${PROMPTS:-384} ${DATASET:+--dataset $PWD/$DATASET}"
+    echo "base: $(cat .base/REV)"
+    i=0; for t in ${ORDER:-new base base new}; do i=$((i + 1)); d=$PWD; [ "$t" = base ] && d=$PWD/.base
+      (cd "$d" && PYTHONPATH=$d:$PYTHONPATH run ab_${i}_$t 250 $S --json "$OUT/ab_${i}_$t.json")
+    done
+    python3 -m bench.pass_parts "$OUT"/ab_*.json
     ;;
   stall64)
     run stall64 280 $BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 4 --batch-sizes 64 \
