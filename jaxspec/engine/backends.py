@@ -397,22 +397,30 @@ def plain_cycle(params, state: PlainState, active, *, cfg: ModelConfig, n_steps:
 
 
 def _jit_plain(cfg: ModelConfig, slots: int, max_len: int, dtype, n_steps: int):
-    return _jit_plain_cached(cfg, slots, max_len, dtype, n_steps, gemm_choice())
+    """(admission programs, {features: decode program}, key advance) of a plain engine."""
+    gemm = gemm_choice()
+    admits, advance = _jit_plain_admits(cfg, slots, max_len, dtype, gemm)
+    return admits, _jit_plain_cycles(cfg, slots, n_steps, gemm), advance
 
 
 @functools.lru_cache(maxsize=None)
-def _jit_plain_cached(cfg, slots, max_len, dtype, n_steps, _gemm):
+def _jit_plain_cycles(cfg, slots, n_steps, _gemm):
+    """{features: n_steps decode steps}; cfg.live_rows sizes the attention (short builds)."""
+    return {f: jit(functools.partial(plain_cycle, cfg=cfg, n_steps=n_steps, features=f),
+                   rows=slots, donate_argnums=(1,)) for f in VARIANTS}
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_plain_admits(cfg, slots, max_len, dtype, _gemm):
     axes = batch_axes(lambda b: init_plain_state(cfg, b, max_len, dtype), slots)
     rows = batch_axes(lambda t: init_plain_state(cfg, slots, t, dtype), max_len, "row")
     admits = admit_programs(functools.partial(plain_admit, cfg=cfg, axes=axes),
                             functools.partial(plain_admit_packed, cfg=cfg, axes=axes), rows,
                             donate=1)
-    cycles = {f: jit(functools.partial(plain_cycle, cfg=cfg, n_steps=n_steps, features=f),
-                     rows=slots, donate_argnums=(1,)) for f in VARIANTS}
     # Each decode step splits a slot's key into 2 (next key, the draw).
     advance = jit(lambda st, idx, n: st.replace(keys=advance_rows(st.keys, idx, n, 2)),
                   donate_argnums=(0,))
-    return admits, cycles, advance
+    return admits, advance
 
 
 class PlainBackend(_Dispatch):
@@ -432,8 +440,8 @@ class PlainBackend(_Dispatch):
                                                                n_steps)
         self.short_rows = default_short_rows(slots) if short_rows is None else short_rows
         if self.short_rows:   # the decode programs again, sized for short prefixes
-            short = _jit_plain(cfg.with_live_rows(self.short_rows), slots, max_len, self.dtype,
-                               n_steps)[1]
+            short = _jit_plain_cycles(cfg.with_live_rows(self.short_rows), slots, n_steps,
+                                      gemm_choice())
             self._cycles = {**self._cycles, **{(f, "short"): j for f, j in short.items()}}
         self._init_dispatch(cycle_copies)
 
