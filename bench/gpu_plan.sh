@@ -119,6 +119,10 @@
 #                                      #   new, base, base, new (ORDER), then each pass's parts;
 #                                      #   BATCH (64), SPEC (chain:4), PROMPTS (384), TOKENS (128),
 #                                      #   REPEATS (3), DATASET (a jsonl under the repo; carry it)
+#   bash bench/gpu_plan.sh slices      # issue 8: batch 64, MT-bench, chain:4, generate's
+#                                      #   --submit-slice 16, 32, 64 (the default) and 384 (one
+#                                      #   slice: no overlap), in turn, then each pass's parts
+#                                      #   (twenty-fourth set: 64 sped both modes up, not the ratio)
 #   bash bench/gpu_plan.sh prefill_attn  # issue 4: prompt-chunk attention settings on admission
 #                                      #   shapes (random data, no GGUF needed)
 # Every part writes its logs and JSON under $OUT (or ./gpu_out) and prints a short table last.
@@ -157,6 +161,13 @@ case "${1:-}" in
       (cd "$d" && PYTHONPATH=$d:$PYTHONPATH run ab_${i}_$t 250 $S --json "$OUT/ab_${i}_$t.json")
     done
     python3 -m bench.pass_parts "$OUT"/ab_*.json
+    ;;
+  slices)
+    S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384"
+    for n in ${SLICES:-384 64 32 16 64 384}; do
+      run slices_$n 200 $S --submit-slice $n --json "$OUT/slices_$n.json"
+    done
+    python3 -m bench.pass_parts "$OUT"/slices_*.json
     ;;
   stall64)
     run stall64 280 $BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 4 --batch-sizes 64 \

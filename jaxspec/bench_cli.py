@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="while requests run, admit newcomers every this many device calls "
                          "(1: at once); fewer, larger admissions for a later first token. "
                          "Default on a GPU: 3 for speculation at 64+ slots, 2 at 32+, else 1")
+    ap.add_argument("--submit-slice", type=int, default=None,
+                    help="generate encodes and submits the prompts this many at a time while "
+                         "the device runs the ones before (default: max(64, batch size))")
     ap.add_argument("--adaptive", action="store_true",
                     help="choose the config (or plain) per batch size from a short run of each "
                          "on the run's first prompts (prefill included)")
@@ -166,6 +169,8 @@ def _defaults(args):
                          f"--prefill-chunk ({args.prefill_chunk})")
     if args.admit_interval is not None and args.admit_interval < 1:
         raise SystemExit(f"--admit-interval {args.admit_interval}: must be >= 1")
+    if args.submit_slice is not None and args.submit_slice < 1:
+        raise SystemExit(f"--submit-slice {args.submit_slice}: must be >= 1")
     if args.prefill_width_growth < 2:
         raise SystemExit(f"--prefill-width-growth {args.prefill_width_growth}: must be >= 2")
     if args.prefill_slot_growth < 2:
@@ -243,7 +248,8 @@ def _setup(args, result):
                     prefill_slot_growth=args.prefill_slot_growth,
                     prefill_packing=args.prefill_packing == "on",
                     prefill_pack_tokens=args.prefill_pack_tokens,
-                    admit_interval=args.admit_interval, prefill_chunk=args.prefill_chunk)
+                    admit_interval=args.admit_interval, prefill_chunk=args.prefill_chunk,
+                    submit_slice=args.submit_slice)
     result["draft_label"] = target.draft_label if len(modes) > 1 else None
     if args.draft == "random":
         result["notes"].append("draft: a RANDOM EAGLE head; accept lengths and speedups measure "

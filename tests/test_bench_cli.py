@@ -262,6 +262,9 @@ def test_admission_options():
         bench_cli._defaults(parse(["--admit-interval", "0"]))
     with pytest.raises(SystemExit, match="--prefill-chunk 8: must be >= 16"):
         bench_cli._defaults(parse(["--prefill-chunk", "8"]))
+    assert bench_cli._defaults(parse(["--submit-slice", "32"])).submit_slice == 32
+    with pytest.raises(SystemExit, match="--submit-slice 0: must be >= 1"):
+        bench_cli._defaults(parse(["--submit-slice", "0"]))
 
 
 def test_prefill_chunk_reaches_the_engine_and_keeps_outputs(tiny_chat_model):

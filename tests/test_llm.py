@@ -99,6 +99,7 @@ def test_generate_in_slices_equals_one_slice_and_a_late_bad_prompt_drops_only_it
                [5, 6, 7, 8], "Hello", "Water boils at"]
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
     whole = llm.generate(prompts, sp)
+    assert llm.submit_slice == 64                 # the default: max(64, max_batch)
     llm.submit_slice = 2
     try:
         sliced = llm.generate(prompts, sp)
@@ -142,6 +143,7 @@ def test_max_tokens_must_be_positive():
 
 @pytest.mark.parametrize("kw,needle", [({"max_batch": 0}, "max_batch"),
                                        ({"admit_interval": 0}, "admit_interval"),
+                                       ({"submit_slice": 0}, "submit_slice"),
                                        ({"prefill_width_growth": 1}, "prefill_width_growth"),
                                        ({"prefill_slot_growth": 1}, "prefill_slot_growth"),
                                        ({"prefill_chunk": 8}, "prefill_chunk"),
