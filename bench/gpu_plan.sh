@@ -164,8 +164,8 @@ case "${1:-}" in
     ;;
   slices)
     S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384"
-    for n in ${SLICES:-384 64 32 16 64 384}; do
-      run slices_$n 200 $S --submit-slice $n --json "$OUT/slices_$n.json"
+    i=0; for n in ${SLICES:-384 64 32 16 64 384}; do i=$((i + 1))
+      run slices_${i}_$n 200 $S --submit-slice $n --json "$OUT/slices_${i}_$n.json"
     done
     python3 -m bench.pass_parts "$OUT"/slices_*.json
     ;;
