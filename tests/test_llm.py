@@ -96,8 +96,8 @@ def test_generate_in_slices_equals_one_slice_and_a_late_bad_prompt_drops_only_it
     outputs equal those of one slice. A bad prompt in a later slice raises, naming it, aborts
     the call's requests already started, and leaves a stream of another caller running."""
     prompts = ["Count to five:", [{"role": "user", "content": "Name a fruit."}], "The sky is",
-               [5, 6, 7, 8], "Hello", "Water boils at"]
-    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+               [5, 6, 7, 8], "Hello"]
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
     whole = llm.generate(prompts, sp)
     assert llm.submit_slice == 64                 # the default: max(64, max_batch)
     llm.submit_slice = 2
@@ -106,15 +106,15 @@ def test_generate_in_slices_equals_one_slice_and_a_late_bad_prompt_drops_only_it
         assert [o.request_id for o in sliced] == list(range(len(prompts)))
         assert [(o.prompt_token_ids, o.token_ids) for o in sliced] == \
             [(o.prompt_token_ids, o.token_ids) for o in whole]
-        other = llm.stream("Once upon a time", SamplingParams(max_tokens=8, ignore_eos=True))
+        other = llm.stream("Once upon a time", SamplingParams(max_tokens=4, ignore_eos=True))
         first = next(other)                                  # the other caller is running
         with pytest.raises(ValueError, match="request 4: prompt of .* exceeds the context"):
-            llm.generate(prompts[:4] + ["hello " * 400] + prompts[5:], sp)
+            llm.generate(prompts[:4] + ["hello " * 400], sp)
         others = [r.request_id for r in llm.engine.requests.values()]
         assert others == [first.request_id]                 # ours aborted and forgotten
         assert not llm.engine.finished_requests
         rest = [t for d in other for t in d.token_ids]
-        alone = llm.generate("Once upon a time", SamplingParams(max_tokens=8, ignore_eos=True))
+        alone = llm.generate("Once upon a time", SamplingParams(max_tokens=4, ignore_eos=True))
         assert first.token_ids + rest == alone[0].token_ids
     finally:
         llm.submit_slice = 64
