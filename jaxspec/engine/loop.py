@@ -367,13 +367,13 @@ class Engine:
                                                  short=short)
             self._prefetch(out)
             cycle_s = time.perf_counter() - t
-            self.stats.dispatch_s += cycle_s
+            st.dispatch_s += cycle_s
             emit, min_emit = self.backend.emits(size)
-            self.stats.call_sizes[size] += 1
+            st.call_sizes[size] += 1
             self.pending.append(("cycle", out, list(self.slot_run), size))
             self.rows[active] += emit
             self.left[active] -= min_emit
-            self.stats.cycles += 1
+            st.cycles += 1
             keep = 1
         while collect and len(self.pending) > keep:
             self._absorb(self.pending.popleft())
