@@ -154,8 +154,7 @@ def decode_scan(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampli
         hidden, k_new, v_new, _ = llama.forward(params, cfg, tok[:, None], cache.lens[:, None],
                                                 cache.k, cache.v, cache.lens, mask)
         cache = _append(cache, k_new, v_new, count)
-        keep = sp.features is not None and sp.features.argmax_only and f is None
-        em, hist, keys = _emit(llama.lm_head(params, cfg, hidden[:, 0], keep), sp, hist, keys, f,
+        em, hist, keys = _emit(llama.lm_head(params, cfg, hidden[:, 0]), sp, hist, keys, f,
                                num_top, active)
         nxt = em.tokens if active is None else jnp.where(active, em.tokens, tok)
         return (cache, nxt, hist, keys), em

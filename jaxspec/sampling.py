@@ -128,12 +128,6 @@ class Features(NamedTuple):
                    and p.presence_penalty == 0 and p.logprobs is None for p in params)
         return LEAN if lean else FULL
 
-    @property
-    def argmax_only(self) -> bool:
-        """Tokens come from an argmax alone (no sampling, penalty or logprobs): the logits may
-        stay in the model's dtype (`llama.target_logits(keep_dtype=True)`)."""
-        return not (self.sampled or self.penalty or self.logprobs)
-
 
 LEAN = Features(sampled=False, penalty=False, logprobs=False)
 FULL = Features(sampled=True, penalty=True, logprobs=True)

@@ -167,23 +167,3 @@ def test_multi_step_decode_slices_weights_outside_the_loop(params, monkeypatch):
     outs = [np.asarray(decode_steps(params, cfg, init_cache(CFG, 2, 16, jnp.float32), toks, sp,
                                     jax.random.PRNGKey(0), 4)[1]) for cfg in (CFG, ucfg)]
     np.testing.assert_array_equal(outs[0], outs[1])
-
-
-def test_lean_decode_keeps_the_logits_in_the_model_dtype(params):
-    """A bf16 LEAN decode step takes its argmax from bf16 logits [B, V]; FULL upcasts the same
-    rounded values to fp32 (`llama.target_logits`), and both pick the same tokens."""
-    from jaxspec.decode import decode_scan
-    from jaxspec.sampling import FULL, LEAN, TokenCounts
-    b = 3
-    p16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
-    cache = init_cache(CFG, b, 32, jnp.bfloat16)
-    tokens = jnp.array([3, 50, 7], jnp.int32)
-    hist, keys = TokenCounts.zeros(b, CFG.vocab_size), jnp.zeros((b, 2), jnp.uint32)
-    outs, f32_logits = {}, {}
-    for name, f in (("lean", LEAN), ("full", FULL)):
-        fn = jax.jit(lambda c, t, h, k, f=f: decode_scan(p16, CFG, c, t, SlotSampling.greedy(b),
-                                                          h, k, n_steps=6, features=f)[3].tokens)
-        f32_logits[name] = "f32[3,97]" in str(jax.make_jaxpr(fn)(cache, tokens, hist, keys))
-        outs[name] = np.asarray(fn(cache, tokens, hist, keys))
-    assert not f32_logits["lean"] and f32_logits["full"]
-    np.testing.assert_array_equal(outs["lean"], outs["full"])

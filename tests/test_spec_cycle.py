@@ -442,55 +442,6 @@ def test_lean_cycles_skip_keys_counts_and_logprobs_and_emit_the_same(loop):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _f32_arrays_of_shape(jaxpr, shape):
-    """Equations (searched through nested jaxprs) whose output is an fp32 array of `shape`."""
-    found = []
-    for eqn in jaxpr.eqns:
-        found += [eqn.primitive.name for v in eqn.outvars
-                  if getattr(v.aval, "shape", None) == shape and v.aval.dtype == jnp.float32]
-        for p in eqn.params.values():
-            for sub in (p if isinstance(p, (list, tuple)) else [p]):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _f32_arrays_of_shape(inner, shape)
-    return found
-
-
-def test_lean_verify_keeps_the_logits_in_the_model_dtype():
-    """A bf16 LEAN cycle's verify takes its argmax from bf16 logits [B, N, V] (half the bytes),
-    where FULL upcasts the same rounded values to fp32 for its sampling math."""
-    from jaxspec.sampling import FULL, LEAN
-    spec = SpecConfig(3, 1, 4)
-    params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), target_params())
-    head = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), random_head())
-    state = jax.eval_shape(lambda: init_state(CFG, spec, 2, 64, jnp.bfloat16))
-    active = jax.ShapeDtypeStruct((2,), jnp.bool_)
-    verify_logits = (2, spec.num_draft_tokens, CFG.vocab_size)
-    found = {}
-    for name, f in (("lean", LEAN), ("full", FULL)):
-        cyc = jit_cycle(CFG, spec, features=f)
-        found[name] = _f32_arrays_of_shape(cyc.trace(params, head, state, active).jaxpr.jaxpr,
-                                           verify_logits)
-    assert found["lean"] == [] and found["full"]
-
-
-def test_target_logits_rounded_alike_kept_or_upcast():
-    """The fp32 logits are the model-dtype ones upcast, so an argmax over either picks the same
-    token, ties included (bf16 rows built with exact ties pick the first)."""
-    rng = np.random.default_rng(0)
-    params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), target_params())
-    normed = jnp.asarray(rng.normal(size=(64, CFG.hidden_size)), jnp.bfloat16)
-    kept = llama.target_logits(params, normed, keep_dtype=True)
-    full = llama.target_logits(params, normed)
-    assert kept.dtype == jnp.bfloat16 and full.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(kept.astype(jnp.float32)), np.asarray(full))
-    np.testing.assert_array_equal(np.asarray(jnp.argmax(kept, -1)), np.asarray(jnp.argmax(full, -1)))
-    # An fp32 model's logits are the fp32 dot itself (the CPU tests' HF comparisons).
-    np.testing.assert_array_equal(
-        np.asarray(llama.target_logits(target_params(), normed.astype(jnp.float32))),
-        np.asarray(llama.project_logits(target_params(), normed.astype(jnp.float32))))
-
-
 # ---------------------------------------------------------------- real weights
 
 

@@ -196,28 +196,14 @@ def final_norm(params, cfg: ModelConfig, hidden):
 
 
 def project_logits(params, normed):
-    """normed [..., H] -> fp32 logits [..., V] (the lm_head alone, as EAGLE-1 drafts and the
-    draft's training use it; the target's own are `target_logits`)."""
+    """normed [..., H] -> fp32 logits [..., V] (the lm_head alone, as EAGLE-1 drafts use it)."""
     w = params["lm_head"] if "lm_head" in params else params["embed"].T
     return jnp.dot(normed, w.astype(normed.dtype), preferred_element_type=jnp.float32)
 
 
-def target_logits(params, normed, keep_dtype: bool = False):
-    """normed [..., H] -> the target's logits [..., V] as its lm_head writes them: rounded to the
-    model's dtype (bf16 on the GPU), as HF transformers, SGLang and vLLM compute a bf16 model's
-    logits. Every program that picks a token (plain decode, admissions, the verify; LEAN or FULL)
-    sees these same values, so their greedy picks agree. Returned as fp32 for the sampling math,
-    or kept in the model's dtype (keep_dtype) where an argmax alone reads them: half the bytes
-    written and read back (25 instead of 50 MB a batch-64 chain cycle for SmolLM2)."""
-    w = params["lm_head"] if "lm_head" in params else params["embed"].T
-    logits = jnp.dot(normed, w.astype(normed.dtype), preferred_element_type=normed.dtype)
-    return logits if keep_dtype else logits.astype(jnp.float32)
-
-
-def lm_head(params, cfg: ModelConfig, hidden, keep_dtype: bool = False):
-    """hidden [..., H] (before the final norm) -> the target's logits [..., V] (`target_logits`:
-    fp32 values rounded to the model's dtype, or in that dtype with keep_dtype)."""
-    return target_logits(params, final_norm(params, cfg, hidden), keep_dtype)
+def lm_head(params, cfg: ModelConfig, hidden):
+    """hidden [..., H] (before the final norm) -> fp32 logits [..., V]."""
+    return project_logits(params, final_norm(params, cfg, hidden))
 
 
 def causal_mask(batch: int, n: int, n_valid=None):

@@ -244,7 +244,7 @@ def spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, ne
     feats = draft_lib.target_features(draft_params, normed, captured)
     is_last = next_tok < 0
     hist = chunk_history(sub.history, tokens, start, n_valid, adm.n_prompt)
-    logits = llama.target_logits(params, _last_row(normed, n_valid))
+    logits = llama.project_logits(params, _last_row(normed, n_valid))
     sp, first, hist, keys = admit_sampling(logits, hist, adm, engine_key, is_last, features)
     root = jnp.where(adm.root >= 0, adm.root, first.tokens)
     cols = jnp.arange(c, dtype=jnp.int32)[None]

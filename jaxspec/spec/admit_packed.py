@@ -145,7 +145,7 @@ def spec_admit_packed(params, draft_params, state, slot_idx, tokens, lay: PackLa
     feats = draft_lib.target_features(draft_params, normed[None], captured)
     is_last = next_tok < 0
     hist = packed_history(sub.history, tokens, lay, adm.n_prompt)
-    logits = llama.target_logits(params, normed[lay.last])
+    logits = llama.project_logits(params, normed[lay.last])
     sp, first, hist, keys = admit_sampling(logits, hist, adm, engine_key, is_last, features)
     root = jnp.where(adm.root >= 0, adm.root, first.tokens)
     succ = next_tokens(tokens, lay, n_valid, jnp.where(is_last, root, next_tok))

@@ -117,7 +117,7 @@ def prefill(params, draft_params, state: SpecState, tokens, prompt_lens, samplin
     feats = draft_lib.target_features(draft_params, normed, captured)
     last = jnp.take_along_axis(normed, jnp.maximum(prompt_lens - 1, 0)[:, None, None], axis=1)
     hist = TokenCounts.from_prompts(tokens, prompt_lens, cfg.vocab_size)
-    logits = llama.target_logits(params, last[:, 0])
+    logits = llama.project_logits(params, last[:, 0])
     logits = _penalized(logits, sp, lambda: apply_penalties(logits, sp, hist))
     if greedy_only:
         root = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -159,10 +159,7 @@ def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, s
         lens, tree.mask, draft_lib.capture_layers(draft_params))
     normed = llama.final_norm(params, cfg, hidden)                          # [B, N, H]
     feats = draft_lib.target_features(draft_params, normed, captured)       # [B, N, H or 3H]
-    # A LEAN cycle only takes the argmax: logits in the model's dtype (half the bytes).
-    argmax_only = features is not None and (features.argmax_only
-                                            or greedy_only and not features.penalty)
-    logits = llama.target_logits(params, normed, argmax_only)               # [B, N, V]
+    logits = llama.project_logits(params, normed)                           # [B, N, V]
     # Row i sees the committed counts plus the tokens on its own path (no [B, N, V] counts).
     logits = _penalized(logits, sp, lambda: apply_tree_penalties(logits, sp, hist,
                                                                  *path_tokens(tree, s)))
