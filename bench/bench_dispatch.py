@@ -10,6 +10,10 @@ synthetic  f(state) -> state (+ outputs), ~1 ms of matmuls per call, state donat
   +np_arg       also takes a numpy [B] bool argument (the engine's `active` mask)
   +dev_arg      the same argument put on the device once, reused
   +prefetch     +np_arg, and copy_to_host_async() on the output (the engine's _prefetch)
+  +put_arg      +np_arg, put on the device (jax.device_put) just before the call
+  +pinned_arg   the argument in pinned host memory, moved to the device inside the program
+  +pinned_put   the argument copied to pinned host memory, then put on the device
+  +thread_put   the argument put on the device by a worker thread, one call ahead
   no_donate     +out without donation
 engine     the SpecBackend / PlainBackend cycle on SmolLM2-shaped random weights:
   np_active     backend.cycle(state, numpy active) as Engine.step calls it
@@ -89,6 +93,8 @@ def synthetic_rows(n):
     pinned = _pinned_put(f_state, batch)
     if pinned is not None:
         cases["+pinned_arg"] = lambda s: pinned(s, a_np)
+        cases["+pinned_put"] = _pinned_two_step(f_arg, a_np)
+    cases["+thread_put"] = _thread_put(f_arg, a_np)
     rows = []
     for name, call in cases.items():
         state = {"x": jnp.ones((dim, dim), jnp.bfloat16) * 0.01,
@@ -116,6 +122,29 @@ def _pinned_put(f_state, batch):
 
     def call(s, a_np):
         return inner(s, jax.device_put(a_np, host))
+    return call
+
+
+def _pinned_two_step(f_arg, a_np):
+    """The argument copied into pinned host memory, then put on the device (both outside the
+    program): whether a transfer from pinned memory leaves the host free to run ahead."""
+    dev = jax.devices()[0]
+    host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    on_dev = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    return lambda s: f_arg(s, jax.device_put(jax.device_put(a_np, host), on_dev))
+
+
+def _thread_put(f_arg, a_np):
+    """Each call's argument put on the device by a worker thread one call ahead: whatever the
+    transfer waits for, it waits there instead of in the dispatching thread."""
+    import concurrent.futures as cf
+    pool = cf.ThreadPoolExecutor(1)
+    nxt = [pool.submit(jax.device_put, a_np)]
+
+    def call(s):
+        arg = nxt[0].result()
+        nxt[0] = pool.submit(jax.device_put, a_np)
+        return f_arg(s, arg)
     return call
 
 

@@ -39,7 +39,7 @@ def main():
         t2 = time.perf_counter()
         encoded, sps = llm._normalize(chats, sp)          # render + encode + checks, as run
         t3 = time.perf_counter()
-        rids = llm._submit(encoded, sps, stream_text=False)
+        rids = llm._submit(encoded, sps, stream=False)
         t4 = time.perf_counter()
         llm.engine.drop(rids)                              # nothing ran: drop them again
         print(f"render {1e3 * (t1 - t0):.1f} ms, encode_batch {1e3 * (t2 - t1):.1f} ms, "

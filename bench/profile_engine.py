@@ -106,7 +106,7 @@ def main():
         while len(eng.requests) < args.batch:
             eng.add_request([int(t) for t in rng.integers(0, cfg.vocab_size, 64)],
                             SamplingParams(max_tokens=int(rng.integers(16, 129)), ignore_eos=True),
-                            stream_text=args.stream)
+                            stream=args.stream)
     for _ in range(30):
         top_up()
         eng.step()

@@ -358,15 +358,15 @@ class LLM:
         prompts, kinds, sps = self._requests(prompts, sampling_params)
         return self._encoded(prompts, kinds, sps), sps
 
-    def _submit(self, encoded, sps, request_ids=None, stream_text: bool = True) -> list:
+    def _submit(self, encoded, sps, request_ids=None, stream: bool = True) -> list:
         """Adds the requests to the engine; all or none (a failure aborts the ones added).
-        stream_text=False (generate): no text until a request ends (Engine.add_request)."""
+        stream=False (generate): no deltas until a request ends (Engine.add_request)."""
         added = []
         try:
             for i, (ids, sp) in enumerate(zip(encoded, sps)):
                 rid = None if request_ids is None else request_ids[i]
                 added.append(self.engine.add_request(ids, sp, request_id=rid,
-                                                     stream_text=stream_text))
+                                                     stream=stream))
         except Exception:
             self.engine.drop(added)
             raise
@@ -405,7 +405,7 @@ class LLM:
                     self._pump(collect=False)
                 part = slice(lo, lo + step)
                 encoded = self._encoded(prompts[part], kinds[part], sps[part], first=lo)
-                ids += self._submit(encoded, sps[part], stream_text=False)
+                ids += self._submit(encoded, sps[part], stream=False)
         except BaseException:
             self._drop(ids)
             raise

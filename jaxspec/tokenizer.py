@@ -28,6 +28,11 @@ class Tokenizer:
         self.hf = hf_tokenizer
         eos = [hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else []
         self.eos_token_ids: Tuple[int, ...] = tuple(dict.fromkeys([*eos, *extra_eos_ids]))
+        # The `tokenizers` backend decodes as the wrapper does when it cleans up no spaces;
+        # the wrapper's own checks of the ids cost several times the decode itself (0.19 ms
+        # against 0.05 for 128 tokens, once per finished request).
+        self._backend = (None if getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)
+                         else getattr(hf_tokenizer, "backend_tokenizer", None))
 
     @property
     def vocab_size(self) -> int:
@@ -45,14 +50,16 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def stream_decoder(self) -> Optional["StreamDecoder"]:
         """A fresh incremental decoder for one request's tokens, or None where its text could
         differ from `decode`'s (a tokenizer that cleans up spaces after decoding, or one without
         a `tokenizers` backend): the engine then decodes windows of the output instead."""
-        backend = getattr(self.hf, "backend_tokenizer", None)
-        if backend is None or getattr(self.hf, "clean_up_tokenization_spaces", False):
+        backend = self._backend
+        if backend is None:
             return None
         try:
             from tokenizers.decoders import DecodeStream

@@ -318,9 +318,10 @@ def test_stop_strings_cut_text_and_stream_equals_final():
         assert r.output == greedy_ref(p)[:cut + len(s)]   # up to the token completing it
 
 
-def test_no_text_streamed_decodes_once_per_request():
-    """stream_text=False (LLM.generate): running deltas carry no text and no step decodes; a
-    request is decoded once, at its end, and stop strings still cut it at the right token."""
+def test_unstreamed_requests_get_one_delta_and_one_decode():
+    """stream=False (LLM.generate): no deltas while a request runs, one when it ends with all
+    its tokens and text; it is decoded once, at its end, and stop strings still cut it at the
+    right token. Streamed requests of the same engine get their running deltas as before."""
     calls = []
 
     def counting(ids):
@@ -331,11 +332,10 @@ def test_no_text_streamed_decodes_once_per_request():
     stop = _detok(greedy_ref(prompts[2]))[6:8]
     sps = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2 + \
         [SamplingParams(max_tokens=12, stop=(stop,))]
-    for stream_text in (False, True):
+    for stream in (False, True):
         engine = make_engine("spec", detokenize=counting)
         calls.clear()
-        ids = [engine.add_request(p, sp, stream_text=stream_text)
-               for p, sp in zip(prompts[:2], sps[:2])]
+        ids = [engine.add_request(p, sp, stream=stream) for p, sp in zip(prompts[:2], sps[:2])]
         deltas = list(engine.drain())
         outs = [engine.pop_finished(rid) for rid in ids]
         for rid, p, r in zip(ids, prompts, outs):
@@ -343,19 +343,22 @@ def test_no_text_streamed_decodes_once_per_request():
             assert r.output == greedy_ref(p)[:12] and r.text == _detok(r.output)
             assert "".join(d.text for d in mine) == r.text
             assert sum((d.token_ids for d in mine), []) == r.output
-            if not stream_text:
-                assert all(d.text == "" for d in mine[:-1]) and mine[-1].finished
-        if stream_text:
+            assert mine[-1].finished and mine[-1].finish_reason == "length"
+            assert len(mine) == 1 if not stream else len(mine) > 1
+        if stream:
             assert len(calls) > 2 * len(deltas) // 2     # every step decodes each request
         else:
             assert sorted(calls) == sorted(r.output for r in outs)   # one decode each, at the end
     engine = make_engine("spec", detokenize=_detok)
-    rid = engine.add_request(prompts[2], sps[2], stream_text=False)
+    quiet = engine.add_request(prompts[2], sps[2], stream=False)
+    loud = engine.add_request(prompts[0], sps[0])
     deltas = list(engine.drain())
-    r = engine.pop_finished(rid)
+    r = engine.pop_finished(quiet)
     full = _detok(greedy_ref(prompts[2]))
-    assert r.finish_reason == "stop" and r.text == full[:full.find(stop)] == deltas[-1].text
-    assert all(d.text == "" for d in deltas[:-1])
+    mine = [d for d in deltas if d.request_id == quiet]
+    assert r.finish_reason == "stop" and r.text == full[:full.find(stop)]
+    assert len(mine) == 1 and mine[0].text == r.text and mine[0].token_ids == r.output
+    assert len([d for d in deltas if d.request_id == loud]) > 1
 
 
 def test_bad_requests_rejected_without_disturbing_running_ones():

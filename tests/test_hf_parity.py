@@ -93,6 +93,20 @@ def test_gguf_tokenizer_matches_transformers(smollm2_loaded, hf_smollm2):
     assert tok.pad_token_id == ref.pad_token_id
 
 
+def test_decode_through_the_backend_equals_the_wrapper(smollm2_loaded):
+    """Tokenizer.decode calls the `tokenizers` backend directly (the wrapper's id checks cost
+    more than the decode); its text equals the wrapper's on random ids, special ones and
+    broken UTF-8 included, with and without skipping special tokens."""
+    _, _, tok = smollm2_loaded
+    assert tok._backend is not None
+    rng = np.random.default_rng(0)
+    special = tok.encode("<|im_start|>user<|im_end|>", add_special_tokens=False)
+    for n in (1, 7, 128):
+        ids = [int(i) for i in rng.integers(0, tok.vocab_size, n)] + special
+        for skip in (False, True):
+            assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip)
+
+
 def test_gguf_tokenizer_splits_digits_like_smollm2(smollm2_loaded):
     """SmolLM2's tokenizer.json (and llama.cpp's "smollm" pre-tokenizer) split every digit;
     transformers' GGUF path does not, so numbers are checked here on their own."""

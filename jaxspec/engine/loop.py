@@ -87,9 +87,9 @@ class Request:
     logprobs: Optional[List[dict]] = None   # per output token, when sp.logprobs is set
     pending_logprobs: List[dict] = dataclasses.field(default_factory=list)
     seq: int = 0                        # add order: a step's deltas of running requests follow it
-    # False: running deltas carry no text (the final delta carries all of it), so no step
-    # detokenizes for this request (LLM.generate reads only the final text)
-    stream_text: bool = True
+    # False: no deltas while it runs, one when it ends with all its tokens and text, so no step
+    # builds a delta or detokenizes for this request (LLM.generate reads only the end)
+    stream: bool = True
 
     @property
     def finished(self) -> bool:
@@ -273,11 +273,11 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: Sequence[int], sp: Optional[SamplingParams] = None, *,
                     request_id: Optional[RequestId] = None, stop: Sequence[str] = (),
-                    stream_text: bool = True) -> RequestId:
+                    stream: bool = True) -> RequestId:
         """Queues a request; raises ValueError (and changes nothing) if it can never run.
-        stream_text=False: its deltas carry text only once it has finished (all of it then),
-        which spares the host two detokenizations per request per step (batch 64: 128 a
-        cycle); its stop strings are still checked as tokens come."""
+        stream=False: no deltas while it runs, one when it ends with all its tokens and text.
+        That spares the host a delta and two detokenizations per request per step (batch 64:
+        64 deltas and 128 decodes a call); its stop strings are still checked as tokens come."""
         sp = sp if sp is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(sp).__name__}")
@@ -309,7 +309,7 @@ class Engine:
         req = Request(request_id, prompt, sp, frozenset(stop_ids), stop,
                       t_arrival=time.perf_counter(), serial=self._serial % 2**31,
                       logprobs=[] if sp.logprobs is not None else None, seq=self._serial,
-                      stream_text=stream_text)
+                      stream=stream)
         self._serial += 1
         self.requests[request_id] = req
         self.waiting.append(req)
@@ -836,14 +836,14 @@ class Engine:
 
     def _flush(self, touched: List[Request]):
         """Deltas of the running requests that got tokens, in the order they were added."""
-        live = [r for r in touched if r.pending_tokens and not r.finished]
+        live = [r for r in touched if r.stream and r.pending_tokens and not r.finished]
         live.sort(key=lambda r: r.seq)
         for req in live:
             self._delta(req)
 
     def _delta(self, req: Request):
         text = ""
-        if self.detokenize is not None and (req.finished or req.stream_text):
+        if self.detokenize is not None and (req.finished or req.stream):
             if req.finished:
                 full = req.text
             else:
