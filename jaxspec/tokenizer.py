@@ -28,9 +28,9 @@ class Tokenizer:
         self.hf = hf_tokenizer
         eos = [hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else []
         self.eos_token_ids: Tuple[int, ...] = tuple(dict.fromkeys([*eos, *extra_eos_ids]))
-        # The `tokenizers` backend decodes as the wrapper does when it cleans up no spaces;
-        # the wrapper's own checks of the ids cost several times the decode itself (0.19 ms
-        # against 0.05 for 128 tokens, once per finished request).
+        # The `tokenizers` backend decodes as the wrapper does when it cleans up no spaces, and
+        # the wrapper's own handling of the ids costs about as much as the decode (128 tokens:
+        # 50 against 29 us on a CPU host; once per finished request, 384 a batch-64 pass).
         self._backend = (None if getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)
                          else getattr(hf_tokenizer, "backend_tokenizer", None))
 
