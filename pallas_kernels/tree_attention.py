@@ -41,6 +41,8 @@ _LOG2E = 1.4426950408889634
 _SPLIT_KEYS = 512
 _MIN_PROGRAMS = 64
 _WIDE_TILE_PROGRAMS = 264
+# Small KV heads (kv heads x head dim) whose short prefixes one program reads alone (below).
+_SMALL_KV_WIDTH = 256
 
 
 from pallas_kernels._compat import CompilerParams as _CompilerParams
@@ -301,6 +303,12 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
     if rows > 16:   # whole waves: 320 programs (5 splits, B = 8, N = 16) ran 1.28x 256's (2 calls)
         num_splits = max(1, min(num_splits, _WIDE_TILE_PROGRAMS // programs))
     num_warps = 4 if block_r <= 32 else 8
+    if (rows <= 16 and programs < _MIN_PROGRAMS and cache_len <= _SPLIT_KEYS
+            and num_kv_heads * head_dim <= _SMALL_KV_WIDTH):
+        # Decode-like tiles over a few small heads and at most 512 keys (SmolLM2 at batch 1):
+        # one split of 128-key blocks, no combine kernel, took 3.8-6.7 us a layer where 8
+        # splits took 5.2-9.7 (bench/RESULTS.md, twenty-fifth set). Wider heads keep the rule.
+        return block_r, 128, 1, num_warps, 3
     return block_r, block_k, num_splits, num_warps, 3
 
 

@@ -281,6 +281,11 @@ def test_defaults_by_backend_and_batch(monkeypatch):
     assert [backends.default_admit_interval(s, True) for s in (1, 16, 31, 32, 63, 64, 128)] == \
         [1, 1, 1, 2, 2, 3, 3]
     assert backends.default_admit_interval(64, False) == 1
+    # short builds: from 64 slots, and plain decoding at 1 slot (none on a CPU)
+    assert [backends.default_short_rows(s) for s in (1, 4, 63, 64)] == [0, 0, 0, 512]
+    assert [backends.default_short_rows(s, plain=True) for s in (1, 4, 64)] == [512, 0, 512]
+    monkeypatch.setattr(backends.jax, "default_backend", lambda: "cpu")
+    assert backends.default_short_rows(1, plain=True) == backends.default_short_rows(64) == 0
 
 
 @pytest.mark.parametrize("kind", ["spec", "plain"])

@@ -155,6 +155,23 @@ def test_default_config_fills_gpu_at_batch_one():
     assert block_r == 16 and 8 * splits >= 132
 
 
+def test_small_heads_read_short_prefixes_in_one_program():
+    """SmolLM2's 3 KV heads of 64 at batch 1: up to 512 keys, one split of 128-key blocks; more
+    keys, wider heads, many programs or wide tiles keep the split rule."""
+    assert ta.default_config(1, 1, 9, 3, 64, 512)[1:3] == (128, 1)
+    assert ta.default_config(1, 1, 9, 3, 64, 2048)[1:3] == (64, 8)
+    assert ta.default_config(1, 1, 32, 8, 128, 512)[1:3] == (64, 2)
+    assert ta.default_config(64, 1, 9, 3, 64, 512)[1:3] == (64, 1)
+    assert ta.default_config(1, 32, 9, 3, 64, 512)[1] == 64
+    # and the kernel at that setting equals the reference (prefixes shorter and longer than a
+    # block, one that ends at the cache's last row)
+    q, kc, vc, sl, kn, vn, mask = _inputs(5, 3, 1, 9, 3, 64, 512, 1, jnp.float32, [512, 100, 1])
+    out = ta.tree_attention_pallas(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=0.125,
+                                   block_k=128, num_splits=1, interpret=True)
+    ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=0.125)
+    assert _rel_err(out, ref) < TOL[jnp.float32]
+
+
 def test_combine_merges_more_splits_than_one_chunk():
     # 20 splits over 400 rows with a combine chunk of 16 splits: the running max is carried
     # from one chunk of partials to the next.

@@ -222,16 +222,21 @@ SHORT_ROWS = 512
 SHORT_MIN_SLOTS = 64
 
 
-def default_short_rows(slots: int) -> int:
+def default_short_rows(slots: int, plain: bool = False) -> int:
     """Rows per slot under which cycles run a second build of their program whose attention
     splits are sized for `ModelConfig.live_rows` = that many rows, not the cache's length (0:
     none). On the H100 with SmolLM2's heads at 64 slots in a 2,048-row cache (bench/RESULTS.md,
     twenty-second set) one split and no combine kernel took 2-2.4 us a layer less than the
     cache length's 4 splits for 100-400 live rows, but 3-4 us more for uneven slots of up to
     2,048 rows, hence the bound; chain:4 on MT-bench at 64 slots ran 0.5-3% faster with it.
-    At batch 1 more splits fill the GPU, so below SHORT_MIN_SLOTS there is no second build.
-    Only on the GPU: elsewhere the attention is the jnp reference, the same for both."""
-    return SHORT_ROWS if slots >= SHORT_MIN_SLOTS and jax.default_backend() == "gpu" else 0
+    Plain decoding (plain=True) at 1 slot gets one too: its one-token attention over up to 512
+    rows took 1.5-3 us a layer less in one split (twenty-fifth set, `tree_attention.
+    default_config`). A speculative engine below SHORT_MIN_SLOTS has none: its verify's wide
+    tiles at 1 slot ran slower in fewer splits. Only on the GPU: elsewhere the attention is the
+    jnp reference, the same for both."""
+    if jax.default_backend() != "gpu":
+        return 0
+    return SHORT_ROWS if slots >= SHORT_MIN_SLOTS or (plain and slots == 1) else 0
 
 
 def _short_key(short: bool) -> tuple:
@@ -438,7 +443,8 @@ class PlainBackend(_Dispatch):
         self.key = _engine_key(seed)
         self._admits, self._cycles, self._advance = _jit_plain(cfg, slots, max_len, self.dtype,
                                                                n_steps)
-        self.short_rows = default_short_rows(slots) if short_rows is None else short_rows
+        self.short_rows = (default_short_rows(slots, plain=True) if short_rows is None
+                           else short_rows)
         if self.short_rows:   # the decode programs again, sized for short prefixes
             short = _jit_plain_cycles(cfg.with_live_rows(self.short_rows), slots, n_steps,
                                       gemm_choice())
