@@ -842,8 +842,9 @@ class Engine:
             self._delta(req)
 
     def _delta(self, req: Request):
+        """A delta of a finished request, or of a running one that streams (`_flush`)."""
         text = ""
-        if self.detokenize is not None and (req.finished or req.stream):
+        if self.detokenize is not None:
             if req.finished:
                 full = req.text
             else:
