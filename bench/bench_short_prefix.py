@@ -25,12 +25,14 @@ from bench.common import SHAPES, timed, write_json
 from pallas_kernels import tree_attention as ta
 
 
-_KEYS = {"s": "num_splits", "r": "block_r", "w": "num_warps", "k": "block_k"}
+_KEYS = {"s": "num_splits", "r": "block_r", "w": "num_warps", "k": "block_k",
+         "p": "num_stages"}
 
 
 def _tuning(variant):
     """Kernel keywords of a variant: "default" (the kernel's own), or "+"-joined settings: "sN"
-    (N splits), "rN" (N-row tiles), "wN" (N warps), "kN" (N-key blocks); e.g. "s2+r64"."""
+    (N splits), "rN" (N-row tiles), "wN" (N warps), "kN" (N-key blocks), "pN" (N pipeline
+    stages); e.g. "s2+r64"."""
     if variant == "default":
         return {}
     return {_KEYS[part[0]]: int(part[1:]) for part in variant.split("+")}
@@ -90,7 +92,7 @@ def main():
     ap.add_argument("--lens", default="128,256,512,1024")
     ap.add_argument("--variants", default="default,s1,s2,s4",
                     help="default (the kernel's own), or settings joined by +: sN (N splits), "
-                         "rN (row tile), wN (warps), kN (key block)")
+                         "rN (row tile), wN (warps), kN (key block), pN (pipeline stages)")
     ap.add_argument("--cache", type=int, default=2048, help="cache rows (max_model_len)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))

@@ -13,6 +13,7 @@ A 1-step plain call can be bound by the host's launch, not the device: its `meas
 may then exceed the layer model's.
 
     python3 -m bench.cycle_parts [--batch 64] [--prefix 320] [--spec chain] [--profile 1,30]
+        [--draft-vocab 16384]
 Writes $OUT/cycle_parts.json.
 """
 from __future__ import annotations
@@ -31,14 +32,19 @@ from jaxspec.models import eagle, llama
 from jaxspec.sampling import LEAN
 
 
-def _programs(cfg, spec_name: str, batch: int, prefix: int):
-    """[(backend, step, state)] for the spec and the plain backend: back-to-back callables."""
+def _programs(cfg, spec_name: str, batch: int, prefix: int, draft_vocab: int = 0):
+    """[(backend, step, state)] for the spec and the plain backend: back-to-back callables.
+    draft_vocab: the head drafts only that many target ids (as the shipped head's 16,384)."""
     from jaxspec.engine.backends import PlainBackend, SpecBackend
     gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if gpu else jnp.float32
     params = llama.init_random_params(cfg, jax.random.PRNGKey(0), dtype=dtype)
     head = jax.tree_util.tree_map(lambda x: x.astype(dtype),
                                   eagle.init_eagle_params(cfg, jax.random.PRNGKey(1)))
+    if draft_vocab:
+        from jaxspec.spec import draft_vocab as dv
+        ids = np.random.default_rng(0).permutation(cfg.vocab_size)[:draft_vocab]
+        head = dv.restrict(params, head, ids)
     max_len = prefix + 1024
     spec = SpecBackend(cfg, params, head, spec_name, batch, max_len, cycles_per_call=1)
     plain = PlainBackend(cfg, params, batch, max_len, n_steps=1)
@@ -90,13 +96,15 @@ def main():
                     help="layer counts (of 1, 2 and the model's) whose programs to profile, "
                          "e.g. 1,30")
     ap.add_argument("--top", type=int, default=60)
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="the head drafts this many target ids (0: all; the shipped head 16384)")
     a = ap.parse_args()
     full = SMOLLM2_135M.num_layers
     gpu = jax.default_backend() == "gpu"
     rows, profiles = {}, {}
     for layers in (1, 2, full):
         cfg = dataclasses.replace(SMOLLM2_135M, num_layers=layers, unroll_layers=gpu)
-        progs = dict(zip(("spec", "plain"), _programs(cfg, a.spec, a.batch, a.prefix)))
+        progs = dict(zip(("spec", "plain"), _programs(cfg, a.spec, a.batch, a.prefix, a.draft_vocab)))
         rows[layers] = {}
         for m, (be, step, st) in progs.items():   # states are donated: keep the last
             rows[layers][m], st = timed(step, st, a.calls, a.repeats)

@@ -1,5 +1,5 @@
-"""Two-stage top_k and top_k_by_chunk_max == jax.lax.top_k bit for bit: values, indices and tie
-order."""
+"""Two-stage top_k, top_k_by_chunk_max, top_k_by_argmax and top_k_by_rank == jax.lax.top_k bit
+for bit: values, indices and tie order."""
 from __future__ import annotations
 
 import functools
@@ -23,7 +23,8 @@ def _check(x, k, chunk=CHUNK):
     for fn in (functools.partial(topk_lib.top_k, k=k, chunk=chunk),
                functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=max(1, chunk // 8)),
                functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=3, small="top_k"),
-               functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=5, small="sort")):
+               functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=5, small="sort"),
+               functools.partial(topk_lib.top_k_by_argmax, k=k)):
         got = jax.jit(fn)(x)
         assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype
         assert got[1].dtype == jnp.int32
@@ -70,6 +71,44 @@ def test_all_equal_and_infinities():
     _check(x.astype(jnp.bfloat16), 10)
 
 
+def _check_short(x, k):
+    """The short-row selections: top_k_by_rank and small_top_k equal lax.top_k, and
+    top_k_indices_in_order is its index set in ascending order."""
+    want = jax.lax.top_k(x, k)
+    for fn in (topk_lib.top_k_by_rank, topk_lib.small_top_k):
+        got = jax.jit(functools.partial(fn, k=k))(x)
+        assert got[1].dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(got[0], np.float64),
+                                      np.asarray(want[0], np.float64))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    got = jax.jit(functools.partial(topk_lib.top_k_indices_in_order, k=k))(x)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.sort(np.asarray(want[1]), axis=-1))
+
+
+@pytest.mark.parametrize("w", [1, 4, 10, 33, topk_lib.RANK_MAX_WIDTH, topk_lib.RANK_MAX_WIDTH + 7])
+@pytest.mark.parametrize("k", [1, 2, 5])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
+def test_short_rows_match_lax(w, k, dtype):
+    """Random rows and rows of few distinct values (ties), below and above the rank path's
+    width bound."""
+    if k > w:
+        pytest.skip("k > W")
+    x = jax.random.normal(jax.random.PRNGKey(w * 10 + k), (3, 2, w), jnp.float32)
+    _check_short((4 * x).astype(dtype), k)
+    _check_short(jax.random.randint(jax.random.PRNGKey(w + k), (2, 3, w), -2, 2).astype(dtype), k)
+
+
+def test_short_rows_infinities_and_zeros():
+    """-inf, +inf and signed zeros in the rank order lax.top_k gives them on the CPU."""
+    x = jnp.array([[0.0, -0.0, -jnp.inf, 1.0, -0.0, jnp.inf, 0.0, -jnp.inf]], jnp.float32)
+    for k in (1, 3, 6, 8):
+        _check_short(x, k)
+        want = jax.lax.top_k(x, k)
+        got = topk_lib.top_k_by_argmax(x, k)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64, 5000])
 def test_chunk_sizes(chunk):
     x = jax.random.randint(jax.random.PRNGKey(chunk), (4, 307), 0, 20).astype(jnp.float32)
@@ -103,18 +142,24 @@ def test_policy():
     assert method(16384, 10, "gpu") == "chunk_max"
     assert method(49152, 8, "gpu") == "chunk_max"
     assert method(16384, 8, "cpu") == "lax"
+    assert method(16384, 2, "gpu") == "argmax"                      # a batch-64 small tree
+    assert method(64, 2, "gpu") == "argmax"
+    assert method(16384, 3, "gpu") == "two_stage"
+    assert method(16384, 2, "cpu") == "lax"
+    assert method(16384, 1, "gpu") == "lax"                         # callers take argmax
 
 
-@pytest.mark.parametrize("kk", [8, 10])
+@pytest.mark.parametrize("kk", [2, 8, 10])
 def test_top_children_two_stage_equals_lax(kk):
-    """With the chunked paths on (as on GPU; k = 8: chunks of a draft vocabulary, k = 10: chunk
-    maxima), draft's top_children is unchanged."""
+    """With the GPU paths on (k = 2: argmax passes, k = 8: chunks of a draft vocabulary,
+    k = 10: chunk maxima), draft's top_children is unchanged."""
     v = topk_lib.TWO_STAGE_MIN_VOCAB + 123
-    spec = SpecConfig(num_steps=2, topk=kk, num_draft_tokens=8)
+    spec = SpecConfig(num_steps=2, topk=kk, num_draft_tokens=min(8, kk + kk * kk + 1))
     logits = 3.0 * jax.random.normal(jax.random.PRNGKey(7), (2, kk, v), jnp.float32)
     logits = jnp.round(logits * 4) / 4                              # ties across the vocab
     with mock.patch.object(topk_lib, "TWO_STAGE_BACKENDS", (jax.default_backend(),)):
-        assert topk_lib.vocab_top_k_method(v, kk) == ("two_stage" if kk == 8 else "chunk_max")
+        assert topk_lib.vocab_top_k_method(v, kk) == {2: "argmax", 8: "two_stage",
+                                                       10: "chunk_max"}[kk]
         tok, logp = jax.jit(functools.partial(draft_lib.top_children, spec=spec))(logits)
     vals, want = jax.lax.top_k(logits, kk)
     np.testing.assert_array_equal(np.asarray(tok), np.asarray(want))

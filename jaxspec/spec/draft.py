@@ -254,7 +254,7 @@ def draft_tree(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k
         if kk == 1:
             sel = jnp.zeros((b, 1), jnp.int32)
         else:
-            _, sel = jax.lax.top_k(cum.reshape(b, kk * kk), kk)             # [B, K]
+            _, sel = topk_lib.small_top_k(cum.reshape(b, kk * kk), kk)      # [B, K]
         par = sel // kk
         tok = jnp.take_along_axis(ctok.reshape(b, kk * kk), sel, axis=1)
         score = jnp.take_along_axis(cum.reshape(b, kk * kk), sel, axis=1)

@@ -46,6 +46,14 @@ TWO_STAGE_MIN_VOCAB = 16384
 # set). Wider rows (a full 128K vocab) keep the chunk maxima, measured there.
 DRAFT_VOCAB_MAX = 32768
 DRAFT_VOCAB_CHUNK = 1024
+# At or below this k a vocab-wide top-k is k argmax passes (`top_k_by_argmax`) on the GPU:
+# each pass is one fused reduction over the row, where XLA's TopK kernel (one or two stages)
+# took 15.7 us a call for [128, 16384] at k = 2 in the batch-64 3x2x6 cycle (H100, 2026-11-27).
+ARGMAX_MAX_K = 2
+# Rows at most this wide take their top-k by pairwise ranks (`top_k_by_rank`): the tree's
+# per-step selection of K of K*K children and its choice of N - 1 candidates, which XLA ran as
+# sort kernels of about 2 us each.
+RANK_MAX_WIDTH = 64
 # Backends whose TopK the split helps. Not CPU: there lax.top_k is already a per-row partial sort
 # and the split costs more than it saves (1.5 -> 2.6 ms for [1, 10, 128256] on this repo's CPU).
 TWO_STAGE_BACKENDS = ("gpu",)
@@ -183,10 +191,82 @@ def top_k_by_chunk_max(x, k: int, *, width: int | None = None, small: str | None
     return vals.reshape(lead + (k,)), idx.reshape(lead + (k,)).astype(jnp.int32)
 
 
+def top_k_by_argmax(x, k: int):
+    """jax.lax.top_k(x, k) over the last axis as k argmax passes, each over the row with the
+    earlier picks excluded (for small k: every pass is one fused reduction).
+
+    Exact: a pass takes the first position of the least `_descending_key` (lax.top_k's order:
+    the larger value, then the lower index); earlier picks are set to the largest key, so they
+    lose to every other element but a NaN whose key is that same largest value (NaN as in
+    `top_k`)."""
+    if x.ndim == 0 or not 1 <= k <= x.shape[-1]:
+        return jax.lax.top_k(x, k)                     # lax's own errors and empty results
+    key = _descending_key(x)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    last = jnp.array(jnp.iinfo(key.dtype).max, key.dtype)
+    picks = []
+    for _ in range(k):
+        masked = key
+        for i in picks:
+            masked = jnp.where(iota == i[..., None], last, masked)
+        picks.append(jnp.argmin(masked, axis=-1).astype(jnp.int32))
+    idx = jnp.stack(picks, axis=-1)
+    return jnp.take_along_axis(x, idx, axis=-1), idx
+
+
+def _ranks(x):
+    """[..., W] -> int32 [..., W]: each element's place in lax.top_k's order (0 = first), from
+    pairwise comparisons (a [..., W, W] array: for short rows only)."""
+    key = _descending_key(x)
+    w = x.shape[-1]
+    iota = jnp.arange(w, dtype=jnp.int32)
+    ahead = ((key[..., None, :] < key[..., :, None])
+             | ((key[..., None, :] == key[..., :, None]) & (iota[None, :] < iota[:, None])))
+    return jnp.sum(ahead, axis=-1, dtype=jnp.int32)                    # [..., W]
+
+
+def top_k_by_rank(x, k: int):
+    """jax.lax.top_k(x, k) of short rows by pairwise ranks: elementwise work and sums that XLA
+    fuses, where a top-k of a few dozen elements is a sort kernel of its own on the GPU. Exact
+    (a total order on `_descending_key`, ties by index; NaN as in `top_k`)."""
+    if x.ndim == 0 or not 1 <= k <= x.shape[-1]:
+        return jax.lax.top_k(x, k)
+    rank = _ranks(x)
+    iota = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    hit = rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]    # [..., k, W]
+    idx = jnp.sum(jnp.where(hit, iota, 0), axis=-1, dtype=jnp.int32)
+    return jnp.take_along_axis(x, idx, axis=-1), idx
+
+
+def top_k_indices_in_order(x, k: int):
+    """int32 [..., k]: the indices of lax.top_k(x, k), ascending (the set, in index order).
+    Short rows (RANK_MAX_WIDTH) by pairwise ranks with no sort at all; wider ones by
+    lax.top_k and a sort of the k indices."""
+    if x.shape[-1] > RANK_MAX_WIDTH or not 1 <= k <= x.shape[-1]:
+        _, idx = jax.lax.top_k(x, k)
+        return jnp.sort(idx.astype(jnp.int32), axis=-1)
+    chosen = _ranks(x) < k                                               # [..., W]
+    place = jnp.cumsum(chosen, axis=-1, dtype=jnp.int32) - 1            # its slot among them
+    iota = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    hit = chosen[..., None, :] & (place[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None])
+    return jnp.sum(jnp.where(hit, iota, 0), axis=-1, dtype=jnp.int32)
+
+
+def small_top_k(x, k: int):
+    """lax.top_k(x, k) for the tree's short rows: by ranks up to RANK_MAX_WIDTH, else lax."""
+    if x.shape[-1] <= RANK_MAX_WIDTH:
+        return top_k_by_rank(x, k)
+    return jax.lax.top_k(x, k)
+
+
 def vocab_top_k_method(v: int, k: int, backend: str | None = None) -> str:
-    """How `vocab_top_k` selects the top k of rows V wide: "lax" (jax.lax.top_k), "two_stage"
-    (`top_k` in DRAFT_VOCAB_CHUNK-wide chunks: draft vocabularies at small k) or "chunk_max"
-    (`top_k_by_chunk_max`: wide vocabularies). All three give lax.top_k's result."""
+    """How `vocab_top_k` selects the top k of rows V wide: "lax" (jax.lax.top_k), "argmax"
+    (`top_k_by_argmax`: k <= ARGMAX_MAX_K on the GPU), "two_stage" (`top_k` in
+    DRAFT_VOCAB_CHUNK-wide chunks: draft vocabularies at small k) or "chunk_max"
+    (`top_k_by_chunk_max`: wide vocabularies). All give lax.top_k's result."""
+    backend = jax.default_backend() if backend is None else backend
+    if backend in TWO_STAGE_BACKENDS and 1 < k <= ARGMAX_MAX_K:
+        return "argmax"
     if not use_two_stage(v, k, backend):
         return "lax"
     return "two_stage" if v <= DRAFT_VOCAB_MAX and k <= SORT_MIN_K else "chunk_max"
@@ -196,6 +276,8 @@ def vocab_top_k(x, k: int):
     """x [..., V] -> (values, indices [..., k] int32): lax.top_k's result, split into chunks
     where `use_two_stage` says a wide row's one-block-per-row TopK would leave SMs idle."""
     method = vocab_top_k_method(x.shape[-1], k)
+    if method == "argmax":
+        return top_k_by_argmax(x, k)
     if method == "two_stage":
         return top_k(x, k, chunk=DRAFT_VOCAB_CHUNK)
     if method == "chunk_max":

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.spec.config import SpecConfig
+from jaxspec.spec import topk as topk_lib
 from jaxspec.spec.draft import Candidates
 
 
@@ -35,11 +36,10 @@ def build_tree(cands: Candidates, root, spec: SpecConfig) -> Tree:
         # depth), so no scores are needed.
         sel = jnp.broadcast_to(jnp.arange(n - 1, dtype=jnp.int32)[None], (b, n - 1))
     else:
-        # lax.top_k puts the lower index first on ties, and a parent (lower index, score >= its
-        # child's) therefore always wins against its own child.
-        _, sel = jax.lax.top_k(cands.scores, n - 1)
-        # Candidates are generated depth by depth, so index order puts parents first.
-        sel = jnp.sort(sel.astype(jnp.int32), axis=1)
+        # lax.top_k's set: the lower index first on ties, so a parent (lower index, score >= its
+        # child's) always wins against its own child. Candidates are generated depth by depth,
+        # so index order puts parents first.
+        sel = topk_lib.top_k_indices_in_order(cands.scores, n - 1)
     bidx = jnp.arange(b)[:, None]
     node_of = jnp.full((b, c), -1, jnp.int32).at[bidx, sel].set(
         jnp.arange(1, n, dtype=jnp.int32)[None])
