@@ -1,4 +1,4 @@
-"""Two-stage top_k, top_k_by_chunk_max, top_k_by_argmax and top_k_by_rank == jax.lax.top_k bit
+"""Two-stage top_k, top_k_by_chunk_max, top2_by_reduce and top_k_by_rank == jax.lax.top_k bit
 for bit: values, indices and tie order."""
 from __future__ import annotations
 
@@ -23,14 +23,19 @@ def _check(x, k, chunk=CHUNK):
     for fn in (functools.partial(topk_lib.top_k, k=k, chunk=chunk),
                functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=max(1, chunk // 8)),
                functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=3, small="top_k"),
-               functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=5, small="sort"),
-               functools.partial(topk_lib.top_k_by_argmax, k=k)):
+               functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=5, small="sort")):
         got = jax.jit(fn)(x)
-        assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype
-        assert got[1].dtype == jnp.int32
-        np.testing.assert_array_equal(np.asarray(got[0], np.float64),
-                                      np.asarray(want[0], np.float64))
-        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+        _assert_same(got, want)
+    if k == 2:
+        _assert_same(jax.jit(topk_lib.top2_by_reduce)(x), want)
+
+
+def _assert_same(got, want):
+    """got == want (lax.top_k's values and indices) bit for bit."""
+    assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype
+    assert got[1].dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got[0], np.float64), np.asarray(want[0], np.float64))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
 # V: prime (padded), split evenly into chunks under the bound, a multiple of the bound, below one
@@ -39,7 +44,7 @@ VOCABS = [1009, 1000, 4 * CHUNK, 50, 10, CHUNK + 1]
 
 
 @pytest.mark.parametrize("v", VOCABS)
-@pytest.mark.parametrize("k", [1, 4, 10])
+@pytest.mark.parametrize("k", [1, 2, 4, 10])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_random_matches_lax(v, k, dtype):
     if k > v:
@@ -50,7 +55,7 @@ def test_random_matches_lax(v, k, dtype):
 
 
 @pytest.mark.parametrize("v", VOCABS)
-@pytest.mark.parametrize("k", [1, 4, 10])
+@pytest.mark.parametrize("k", [1, 2, 4, 10])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
 def test_ties_match_lax(v, k, dtype):
     """Few distinct values: most of the top k are ties, so the index order is what is tested."""
@@ -69,6 +74,8 @@ def test_all_equal_and_infinities():
     x = jnp.full((3, 211), -jnp.inf, jnp.float32).at[:, 5].set(1.0).at[:, 210].set(2.0)
     _check(x, 10)
     _check(x.astype(jnp.bfloat16), 10)
+    for y in (jnp.zeros((2, 211), jnp.float32), jnp.full((2, 211), -jnp.inf), x):
+        _check(y, 2)                                                 # one finite element in x
 
 
 def _check_short(x, k):
@@ -102,11 +109,10 @@ def test_short_rows_match_lax(w, k, dtype):
 def test_short_rows_infinities_and_zeros():
     """-inf, +inf and signed zeros in the rank order lax.top_k gives them on the CPU."""
     x = jnp.array([[0.0, -0.0, -jnp.inf, 1.0, -0.0, jnp.inf, 0.0, -jnp.inf]], jnp.float32)
-    for k in (1, 3, 6, 8):
+    for k in (1, 2, 3, 6, 8):
         _check_short(x, k)
-        want = jax.lax.top_k(x, k)
-        got = topk_lib.top_k_by_argmax(x, k)
-        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    _assert_same(topk_lib.top2_by_reduce(x), jax.lax.top_k(x, 2))
+    _assert_same(topk_lib.top2_by_reduce(x[:, 2:]), jax.lax.top_k(x[:, 2:], 2))   # -inf first
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64, 5000])
@@ -142,8 +148,8 @@ def test_policy():
     assert method(16384, 10, "gpu") == "chunk_max"
     assert method(49152, 8, "gpu") == "chunk_max"
     assert method(16384, 8, "cpu") == "lax"
-    assert method(16384, 2, "gpu") == "argmax"                      # a batch-64 small tree
-    assert method(64, 2, "gpu") == "argmax"
+    assert method(16384, 2, "gpu") == "top2"                        # a batch-64 small tree
+    assert method(64, 2, "gpu") == "top2"
     assert method(16384, 3, "gpu") == "two_stage"
     assert method(16384, 2, "cpu") == "lax"
     assert method(16384, 1, "gpu") == "lax"                         # callers take argmax
@@ -151,14 +157,14 @@ def test_policy():
 
 @pytest.mark.parametrize("kk", [2, 8, 10])
 def test_top_children_two_stage_equals_lax(kk):
-    """With the GPU paths on (k = 2: argmax passes, k = 8: chunks of a draft vocabulary,
+    """With the GPU paths on (k = 2: one top-2 reduction, k = 8: chunks of a draft vocabulary,
     k = 10: chunk maxima), draft's top_children is unchanged."""
     v = topk_lib.TWO_STAGE_MIN_VOCAB + 123
     spec = SpecConfig(num_steps=2, topk=kk, num_draft_tokens=min(8, kk + kk * kk + 1))
     logits = 3.0 * jax.random.normal(jax.random.PRNGKey(7), (2, kk, v), jnp.float32)
     logits = jnp.round(logits * 4) / 4                              # ties across the vocab
     with mock.patch.object(topk_lib, "TWO_STAGE_BACKENDS", (jax.default_backend(),)):
-        assert topk_lib.vocab_top_k_method(v, kk) == {2: "argmax", 8: "two_stage",
+        assert topk_lib.vocab_top_k_method(v, kk) == {2: "top2", 8: "two_stage",
                                                        10: "chunk_max"}[kk]
         tok, logp = jax.jit(functools.partial(draft_lib.top_children, spec=spec))(logits)
     vals, want = jax.lax.top_k(logits, kk)
@@ -200,3 +206,14 @@ def test_chunk_max_small_selection_policy():
     sorts_at, top_k_at = ops(topk_lib.SORT_MIN_K)
     assert not top_k_above and top_k_at
     assert sorts_above > sorts_at >= 1          # at or below: only the chosen chunks' index sort
+
+
+def test_logsumexp_from_max_is_jax_logsumexp():
+    """top_children's logsumexp, its max read from the top-1 value, gives jax.nn.logsumexp's bits,
+    with -inf entries and a row that is all -inf."""
+    x = 3.0 * jax.random.normal(jax.random.PRNGKey(11), (4, 3, 1000), jnp.float32)
+    x = x.at[0, 0, :].set(-jnp.inf).at[1, 0, 5].set(-jnp.inf)
+    top = jnp.max(x, axis=-1, keepdims=True)
+    got = jax.jit(draft_lib._logsumexp_from_max)(x, top)
+    want = jax.jit(functools.partial(jax.nn.logsumexp, axis=-1, keepdims=True))(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

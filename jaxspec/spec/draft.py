@@ -53,8 +53,17 @@ def top_children(logits, spec: SpecConfig):
     # two-stage on a wide vocab on GPU: XLA's TopK runs one block per row, K rows leave SMs idle
     vals, tok = topk_lib.vocab_top_k(logits, spec.topk)
     # top-k first, then one logsumexp: the K log-probs without a [.., V] log-softmax array.
-    logp = vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    logp = vals - _logsumexp_from_max(logits, vals[..., :1])
     return tok.astype(jnp.int32), logp.astype(jnp.float32)
+
+
+def _logsumexp_from_max(x, top):
+    """jax.nn.logsumexp(x, -1, keepdims=True), its row max read from `top` [..., 1] (the top-1
+    value the top-k just found) instead of a reduction pass of its own over the vocabulary.
+    The same operations as jax.nn.logsumexp, so the same bits wherever top is the row's max
+    (no NaN in the row)."""
+    top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, jnp.zeros_like(top)))
+    return jnp.log(jnp.sum(jnp.exp(x - top), axis=-1, keepdims=True)) + top
 
 
 def head_module(draft_params):

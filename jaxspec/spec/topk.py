@@ -46,10 +46,6 @@ TWO_STAGE_MIN_VOCAB = 16384
 # set). Wider rows (a full 128K vocab) keep the chunk maxima, measured there.
 DRAFT_VOCAB_MAX = 32768
 DRAFT_VOCAB_CHUNK = 1024
-# At or below this k a vocab-wide top-k is k argmax passes (`top_k_by_argmax`) on the GPU:
-# each pass is one fused reduction over the row, where XLA's TopK kernel (one or two stages)
-# took 15.7 us a call for [128, 16384] at k = 2 in the batch-64 3x2x6 cycle (H100, 2026-11-27).
-ARGMAX_MAX_K = 2
 # Rows at most this wide take their top-k by pairwise ranks (`top_k_by_rank`): the tree's
 # per-step selection of K of K*K children and its choice of N - 1 candidates, which XLA ran as
 # sort kernels of about 2 us each.
@@ -191,26 +187,44 @@ def top_k_by_chunk_max(x, k: int, *, width: int | None = None, small: str | None
     return vals.reshape(lead + (k,)), idx.reshape(lead + (k,)).astype(jnp.int32)
 
 
-def top_k_by_argmax(x, k: int):
-    """jax.lax.top_k(x, k) over the last axis as k argmax passes, each over the row with the
-    earlier picks excluded (for small k: every pass is one fused reduction).
+def _top2_merge(a, b):
+    """Merge two (key, index, key, index) top-2 sets into the top 2 of their four elements
+    (the lesser key first, then the lower index): associative and commutative, so XLA may
+    reduce in any order."""
+    a1, ai1, a2, ai2 = a
+    b1, bi1, b2, bi2 = b
 
-    Exact: a pass takes the first position of the least `_descending_key` (lax.top_k's order:
-    the larger value, then the lower index); earlier picks are set to the largest key, so they
-    lose to every other element but a NaN whose key is that same largest value (NaN as in
-    `top_k`)."""
-    if x.ndim == 0 or not 1 <= k <= x.shape[-1]:
-        return jax.lax.top_k(x, k)                     # lax's own errors and empty results
+    def ahead(k, i, k2, i2):
+        return (k < k2) | ((k == k2) & (i < i2))
+
+    a_first = ahead(a1, ai1, b1, bi1)
+    f1, fi1 = jnp.where(a_first, a1, b1), jnp.where(a_first, ai1, bi1)
+    # The second is the better of the loser's first and the winner's second.
+    c1, ci1 = jnp.where(a_first, a2, a1), jnp.where(a_first, ai2, ai1)
+    c2, ci2 = jnp.where(a_first, b1, b2), jnp.where(a_first, bi1, bi2)
+    c_first = ahead(c1, ci1, c2, ci2)
+    return f1, fi1, jnp.where(c_first, c1, c2), jnp.where(c_first, ci1, ci2)
+
+
+def top2_by_reduce(x):
+    """jax.lax.top_k(x, 2) over the last axis in one reduction pass: every element enters as
+    (its `_descending_key`, its index) and `_top2_merge` keeps the best two (lax.top_k's order:
+    the larger value, then the lower index). On the GPU this is one fused reduction kernel,
+    where XLA's TopK kernel took 15.7 us a call for [128, 16384] (H100, batch-64 3x2x6 cycle).
+    Exact but for NaN (as in `top_k`)."""
+    if x.ndim == 0 or x.shape[-1] < 2:
+        return jax.lax.top_k(x, 2)                     # lax's own errors
     key = _descending_key(x)
-    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    last = jnp.array(jnp.iinfo(key.dtype).max, key.dtype)
-    picks = []
-    for _ in range(k):
-        masked = key
-        for i in picks:
-            masked = jnp.where(iota == i[..., None], last, masked)
-        picks.append(jnp.argmin(masked, axis=-1).astype(jnp.int32))
-    idx = jnp.stack(picks, axis=-1)
+    last = x.ndim - 1
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, last)
+    worst = jnp.iinfo(key.dtype).max
+    none = jnp.iinfo(jnp.int32).max
+    _, i1, _, i2 = jax.lax.reduce(
+        (key, iota, jnp.full_like(key, worst), jnp.full_like(iota, none)),
+        (jnp.array(worst, key.dtype), jnp.int32(none), jnp.array(worst, key.dtype),
+         jnp.int32(none)),
+        _top2_merge, (last,))
+    idx = jnp.stack([i1, i2], axis=-1)
     return jnp.take_along_axis(x, idx, axis=-1), idx
 
 
@@ -260,13 +274,13 @@ def small_top_k(x, k: int):
 
 
 def vocab_top_k_method(v: int, k: int, backend: str | None = None) -> str:
-    """How `vocab_top_k` selects the top k of rows V wide: "lax" (jax.lax.top_k), "argmax"
-    (`top_k_by_argmax`: k <= ARGMAX_MAX_K on the GPU), "two_stage" (`top_k` in
+    """How `vocab_top_k` selects the top k of rows V wide: "lax" (jax.lax.top_k), "top2"
+    (`top2_by_reduce`: k = 2 on the GPU), "two_stage" (`top_k` in
     DRAFT_VOCAB_CHUNK-wide chunks: draft vocabularies at small k) or "chunk_max"
     (`top_k_by_chunk_max`: wide vocabularies). All give lax.top_k's result."""
     backend = jax.default_backend() if backend is None else backend
-    if backend in TWO_STAGE_BACKENDS and 1 < k <= ARGMAX_MAX_K:
-        return "argmax"
+    if backend in TWO_STAGE_BACKENDS and k == 2 and v >= 2:
+        return "top2"
     if not use_two_stage(v, k, backend):
         return "lax"
     return "two_stage" if v <= DRAFT_VOCAB_MAX and k <= SORT_MIN_K else "chunk_max"
@@ -276,8 +290,8 @@ def vocab_top_k(x, k: int):
     """x [..., V] -> (values, indices [..., k] int32): lax.top_k's result, split into chunks
     where `use_two_stage` says a wide row's one-block-per-row TopK would leave SMs idle."""
     method = vocab_top_k_method(x.shape[-1], k)
-    if method == "argmax":
-        return top_k_by_argmax(x, k)
+    if method == "top2":
+        return top2_by_reduce(x)
     if method == "two_stage":
         return top_k(x, k, chunk=DRAFT_VOCAB_CHUNK)
     if method == "chunk_max":
