@@ -212,7 +212,7 @@ class LLM:
         (a public EAGLE-1 or EAGLE-3 head), or draft params (an EAGLE-1 dict or an
         `eagle3.Eagle3Head`). spec: a SpecConfig, a preset name ('naive', 'chain', 'tree') or
         'STEPSxTOPKxTOKENS'; None: `engine.default_spec(max_batch)` ('4x8x32' on a GPU at
-        max_batch 1, else 'chain')."""
+        max_batch 1, '3x2x4' there from max_batch 16, else 'chain')."""
         from jaxspec.models.eagle3 import is_eagle3
         from jaxspec.spec.config import resolve_spec
         self.spec = resolve_spec(spec if spec is not None else default_spec(self.max_batch))

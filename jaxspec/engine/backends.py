@@ -243,8 +243,13 @@ def _short_key(short: bool) -> tuple:
     return ("short",) if short else ()
 
 
+# Slots from which a GPU engine drafts a 2-wide tree of the chain's size by default.
+WIDE_CHAIN_MIN_SLOTS = 16
+
+
 def default_spec(slots: int) -> str:
-    """The tree shape when none is asked for: '4x8x32' on a GPU for a single slot, else 'chain'.
+    """The tree shape when none is asked for, on a GPU: '4x8x32' for a single slot, the chain
+    for 2-15 slots, '3x2x4' from WIDE_CHAIN_MIN_SLOTS; on a CPU the chain.
     Measured on the H100 with SmolLM2 and its head (bench/RESULTS.md, seventh set): at batch 1
     a cycle is latency-bound and a 40-token tree costs about what the chain does (2.02x over
     plain against 1.45x); from batch 4 on the verify's work grows with the tree and the chain
@@ -253,8 +258,16 @@ def default_spec(slots: int) -> str:
     tokens (twenty-first set) fewer draft steps paid: 5x8x40 kept 6x8x40's tau and ran 5-11%
     faster; 4x8x32 (tau 3.25 against 3.46) ran 2.40-2.47x plain against 5x8x40's 2.26-2.35x
     in the same calls, and at 256 new tokens 2.75-2.87x against 2.65-2.70x (twenty-second
-    set)."""
-    return "4x8x32" if slots == 1 and jax.default_backend() == "gpu" else "chain"
+    set). '3x2x4' verifies the chain's 4 tokens, but picks the 3 best of 2 + 4 + 4 candidates
+    by cumulative score (EAGLE-2's dynamic tree at the chain's size): tau 2.16-2.18 against
+    2.09-2.10, for two draft rows a step and a top-2 (one reduction since the twenty-sixth
+    set). MT-bench, 4 cycles a call, same runs: batch 16 1.35x plain against the chain's
+    1.28x; batch 64 1.39-1.42x against 1.36-1.38x (twenty-sixth set)."""
+    if jax.default_backend() != "gpu":
+        return "chain"
+    if slots == 1:
+        return "4x8x32"
+    return "3x2x4" if slots >= WIDE_CHAIN_MIN_SLOTS else "chain"
 
 
 class SpecBackend(_Dispatch):
