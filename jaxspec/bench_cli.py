@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-sizes", "--batch-size", dest="batch_sizes", default="1",
                     help="comma list of batch sizes to sweep, e.g. 1,4,16")
     ap.add_argument("--spec", default=None,
-                    help="comma list of presets (naive, chain, tree) or STEPSxTOPKxTOKENS, "
+                    help="comma list of presets (naive, chain, tree), STEPSxTOPKxTOKENS, or "
+                         "'default' (the shape LLM() picks at each batch size: 4x8x32 at 1, "
+                         "chain below 16, 3x2x4 from 16 on a GPU), "
                          "each optionally ':K' for K cycles per device call, e.g. chain:4, "
                          "and '@V' for a draft vocabulary of the V most frequent tokens "
                          "(0: all), e.g. chain:4@16384 (default: chain,tree on GPU, chain on "

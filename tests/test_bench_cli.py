@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+from unittest import mock
 
 import pytest
 
 from jaxspec import bench_cli
 from jaxspec.benchmark import adaptive, large, prompts, runner, serving
 from jaxspec.benchmark.runner import divergence, first_difference, parse_specs
+from jaxspec.spec import SpecConfig
 
 ROW_KEYS = {"mode", "batch", "spec", "requests", "tokens", "seconds", "tokens_per_s",
             "accept_len", "accept_hist", "speedup", "mean_ttft_s", "mean_latency_s",
@@ -188,6 +190,36 @@ def test_results_are_written_after_every_run(tiny_chat_model, tmp_path, monkeypa
     assert end["partial"] is True and end["error"] == "RuntimeError: cut off"
     assert [r["mode"] for r in end["rows"]] == ["plain"]
     assert any(ln.split()[:2] == ["1", "plain"] for ln in capsys.readouterr().out.splitlines())
+
+
+def test_default_spec_runs_the_llm_default_at_each_batch_size(tiny_chat_model, tmp_path):
+    """--spec default builds each batch size's LLM with the shape LLM() would pick there (here,
+    a GPU's rule), and the row reports that shape."""
+    from jaxspec.engine import backends
+    path = tmp_path / "r.json"
+    seen, build, rule = [], runner.Target.llm, backends.default_spec
+
+    def llm(self, batch, mode):
+        out = build(self, batch, mode)
+        seen.append((batch, mode.label, getattr(out, "spec", None)))
+        return out
+
+    def gpu_rule(slots):            # the GPU's choice; everything else runs as on this CPU
+        with mock.patch.object(backends.jax, "default_backend", lambda: "gpu"):
+            return rule(slots)
+
+    with mock.patch.object(runner.Target, "llm", llm), \
+            mock.patch.object(backends, "default_spec", gpu_rule):
+        assert bench_cli.main(["--model", str(tiny_chat_model), "--draft", "random", "--spec",
+                               "default:1", "--batch-sizes", "1,16", "--num-prompts", "2",
+                               "--max-tokens", "6", "--max-model-len", "128", "--no-peers",
+                               "--quiet", "--dtype", "float32", "--json", str(path)]) == 0
+    assert [(b, label, spec) for b, label, spec in seen if label != "plain"] == [
+        (1, "default:1", SpecConfig(4, 8, 32)), (16, "default:1", SpecConfig(3, 2, 4))]
+    rows = [r for r in json.loads(path.read_text())["rows"] if r["mode"] == "default:1"]
+    assert [(r["spec"]["num_steps"], r["spec"]["topk"], r["spec"]["num_draft_tokens"])
+            for r in rows] == [(4, 8, 32), (3, 2, 4)]
+    assert [len(r["accept_hist"]) for r in rows] == [5, 4]
 
 
 def test_time_budget_starts_no_run_after_it_is_spent(tmp_path, capsys):
@@ -442,6 +474,16 @@ def test_parse_specs():
     assert ms[2].spec == ms[0].spec and ms[2].describe(64)["cycles_per_call"] == 4
     with pytest.raises(Exception, match="STEPSxTOPKxTOKENS"):
         parse_specs("bushy")
+    # 'default': LLM()'s own shape, resolved at each batch size (on a GPU: 4x8x32, chain, 3x2x4)
+    d, = parse_specs("default:2")
+    assert d.label == "default:2" and d.cycles_per_call == 2
+    assert d.describe()["num_steps"] is None
+    assert d.spec_at(1) == d.spec_at(64) == SpecConfig(3, 1, 4)                 # a CPU: the chain
+    with mock.patch("jax.default_backend", lambda: "gpu"):
+        assert [d.spec_at(b) for b in (1, 4, 16)] == [SpecConfig(4, 8, 32), SpecConfig(3, 1, 4),
+                                                      SpecConfig(3, 2, 4)]
+        assert d.describe(16) == {"num_steps": 3, "topk": 2, "num_draft_tokens": 4,
+                                  "cycles_per_call": 2, "draft_vocab": None}
     for bad in ("chain:0", "chain:x"):
         with pytest.raises(Exception, match="cycles per call"):
             parse_specs(bad)

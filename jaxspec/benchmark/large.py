@@ -64,7 +64,7 @@ def run(modes, shape: str = "llama3-8b", prefix: Optional[int] = None,
     replay_acc = replayed_accept(replay) if replay else {}
     rows = []
     for m in modes:
-        ms = bc.cycle_ms(cfg, params, head, m.spec, prefix, max_len, n, reps)
+        ms = bc.cycle_ms(cfg, params, head, m.spec_at(1), prefix, max_len, n, reps)
         ratio = ms / decode
         proj = [{"accept_len": a, "source": "assumed", "projected_speedup": a / ratio}
                 for a in (assume or [])]
@@ -72,7 +72,7 @@ def run(modes, shape: str = "llama3-8b", prefix: Optional[int] = None,
             a = replay_acc[m.label]
             proj.append({"accept_len": a, "source": f"replayed from {replay}",
                          "projected_speedup": a / ratio})
-        rows.append({"mode": m.label, "spec": m.describe(), "cycle_ms": ms,
+        rows.append({"mode": m.label, "spec": m.describe(1), "cycle_ms": ms,
                      "cycle_over_decode": ratio, "break_even_accept_len": ratio,
                      "projections": proj})
         if progress:

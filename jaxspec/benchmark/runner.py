@@ -16,24 +16,39 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 from jaxspec.config import ConfigError
 
 WARMUP_TOKENS = 8
+# --spec's name for the tree shape `LLM()` picks when given none (`backends.default_spec`):
+# it depends on the batch size, so it is resolved per run.
+DEFAULT_SPEC = "default"
 
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """A decoding mode: plain (spec None) or speculative with a SpecConfig, run cycles_per_call
-    cycles per device call (None: the LLM's default for the batch size), drafting draft_vocab
-    tokens (`LLM(draft_vocab=)`; None: the LLM's default)."""
+    """A decoding mode: plain (spec None) or speculative with a SpecConfig (or DEFAULT_SPEC: the
+    LLM's default shape at each batch size), run cycles_per_call cycles per device call (None:
+    the LLM's default for the batch size), drafting draft_vocab tokens (`LLM(draft_vocab=)`;
+    None: the LLM's default)."""
     label: str
     spec: Any = None
     cycles_per_call: Optional[int] = None
     draft_vocab: Optional[int] = None
 
+    def spec_at(self, batch: int):
+        """The SpecConfig run at `batch` (None for plain)."""
+        if self.spec != DEFAULT_SPEC:
+            return self.spec
+        from jaxspec.engine.backends import default_spec
+        from jaxspec.spec.config import resolve_spec
+        return resolve_spec(default_spec(batch))
+
     def describe(self, batch: Optional[int] = None) -> Optional[dict]:
-        """The config; cycles_per_call as run at `batch` (None if left to the default and no
-        batch is given)."""
+        """The config; its shape and cycles_per_call as run at `batch` (None if left to the
+        default and no batch is given)."""
         if self.spec is None:
             return None
-        s = self.spec
+        if self.spec == DEFAULT_SPEC and batch is None:
+            return {"num_steps": None, "topk": None, "num_draft_tokens": None,
+                    "cycles_per_call": self.cycles_per_call, "draft_vocab": self.draft_vocab}
+        s = self.spec_at(batch)
         k = self.cycles_per_call
         if k is None and batch is not None:
             from jaxspec.engine.backends import default_cycles_per_call
@@ -46,9 +61,10 @@ PLAIN = Mode("plain")
 
 
 def parse_specs(text: str) -> List[Mode]:
-    """'chain,tree,3x1x4,chain:4': presets or num_steps x topk x num_draft_tokens, each with an
-    optional ':K' for K cycles per device call and an optional '@V' for a draft vocabulary of
-    V tokens (0: all; `LLM(draft_vocab=)`), e.g. 'chain:4@16384'."""
+    """'chain,tree,3x1x4,chain:4,default': presets, num_steps x topk x num_draft_tokens, or
+    'default' (the shape `LLM()` picks at each batch size), each with an optional ':K' for K
+    cycles per device call and an optional '@V' for a draft vocabulary of V tokens (0: all;
+    `LLM(draft_vocab=)`), e.g. 'chain:4@16384'."""
     from jaxspec.spec.config import PRESETS, resolve_spec
     modes = []
     for item in (t.strip() for t in text.split(",")):
@@ -71,10 +87,11 @@ def parse_specs(text: str) -> List[Mode]:
             raise ConfigError(f"--spec {item!r}: ':K' must be a positive number of cycles per "
                               "call") from None
         try:
-            spec = resolve_spec(name)
+            spec = DEFAULT_SPEC if name == DEFAULT_SPEC else resolve_spec(name)
         except ConfigError:
-            raise ConfigError(f"--spec {item!r}: a preset ({', '.join(PRESETS)}) or "
-                              "STEPSxTOPKxTOKENS such as 3x1x4, optionally ':K'") from None
+            raise ConfigError(f"--spec {item!r}: a preset ({', '.join(PRESETS)}), "
+                              f"STEPSxTOPKxTOKENS such as 3x1x4, or '{DEFAULT_SPEC}', "
+                              "optionally ':K'") from None
         modes.append(Mode(item, spec, k, vocab))
     if len({m.label for m in modes}) != len(modes):
         raise ConfigError(f"--spec {text!r} names a config twice")
@@ -127,7 +144,7 @@ class Target:
             draft = self._random_draft()
         try:
             return LLM(self.model, max_batch=batch, max_model_len=self.max_model_len,
-                       seed=self.seed, draft=draft, spec=mode.spec,
+                       seed=self.seed, draft=draft, spec=mode.spec_at(batch),
                        cycles_per_call=mode.cycles_per_call, draft_vocab=mode.draft_vocab,
                        **self.common)
         except (ValueError, FileNotFoundError) as e:
@@ -283,7 +300,8 @@ def summarize(mode: Mode, batch: int, outs, secs: float, draft_label: str) -> di
            "requests": len(outs), "tokens": ntok, "seconds": secs,
            "tokens_per_s": ntok / secs if secs > 0 else 0.0,
            "accept_len": statistics.fmean(taus) if taus else None,
-           "accept_hist": _hist(taus, mode.spec.max_emit) if mode.spec is not None else None,
+           "accept_hist": (_hist(taus, mode.spec_at(batch).max_emit) if mode.spec is not None
+                           else None),
            "cycles": len(taus) if mode.spec is not None else None,
            # Requests cut at max_tokens, and the accept length apart for them and for the
            # requests that ended by themselves (EOS or a stop): a long greedy answer that never
