@@ -125,6 +125,12 @@
 #                                      #   (twenty-fourth set: 64 sped both modes up, not the ratio)
 #   bash bench/gpu_plan.sh prefill_attn  # issue 4: prompt-chunk attention settings on admission
 #                                      #   shapes (random data, no GGUF needed)
+#   bash bench/gpu_plan.sh widechain   # issue 8: 3x2x4:4 (the default from 16 slots) against
+#                                      #   chain:4 at batch 16 and 64, both orders, MT-bench,
+#                                      #   then held-out ShareGPT at 64 (carry
+#                                      #   .gpu/sharegpt_heldout.jsonl); twenty-sixth set, MT-bench:
+#                                      #   batch 16 1.35x against 1.28x, batch 64 1.38-1.42x
+#                                      #   against 1.31-1.38x; ShareGPT unmeasured
 # Every part writes its logs and JSON under $OUT (or ./gpu_out) and prints a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -151,6 +157,15 @@ case "${1:-}" in
     i=0; for c in ${COPIES:-1 2 2 1}; do i=$((i + 1))
       run b1copies_${i}_c$c 200 env JAXSPEC_CYCLE_COPIES=$c $S --json "$OUT/b1copies_${i}_c$c.json"
     done
+    ;;
+  widechain)
+    S="$BENCH --no-peers --max-tokens 128 --repeats 2"
+    run wide_64a 230 $S --spec 3x2x4:4,chain:4 --batch-sizes 64 --num-prompts 384 --json "$OUT/wide_64a.json"
+    run wide_64b 230 $S --spec chain:4,3x2x4:4 --batch-sizes 64 --num-prompts 384 --json "$OUT/wide_64b.json"
+    run wide_16 200 $S --spec chain:4,3x2x4:4 --batch-sizes 16 --num-prompts 64 --json "$OUT/wide_16.json"
+    run wide_sg 280 $S --spec 3x2x4:4,chain:4 --batch-sizes 64 --num-prompts 384 \
+      --dataset .gpu/sharegpt_heldout.jsonl --json "$OUT/wide_sg.json"
+    python3 -m bench.pass_parts "$OUT"/wide_*.json
     ;;
   ab)
     [ -d .base ] || { echo "no .base: run bash bench/ab_prepare.sh REV and carry .base"; exit 2; }
