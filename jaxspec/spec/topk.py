@@ -46,10 +46,11 @@ TWO_STAGE_MIN_VOCAB = 16384
 # set). Wider rows (a full 128K vocab) keep the chunk maxima, measured there.
 DRAFT_VOCAB_MAX = 32768
 DRAFT_VOCAB_CHUNK = 1024
-# Rows at most this wide take their top-k by pairwise ranks (`top_k_by_rank`): the tree's
+# Rows at most this wide take their top-k by pairwise ranks (`top_k_by_rank`): a small tree's
 # per-step selection of K of K*K children and its choice of N - 1 candidates, which XLA ran as
-# sort kernels of about 2 us each.
-RANK_MAX_WIDTH = 64
+# sort kernels of about 2 us each. Measured for trees of topk 2 at batch 16-64 (twenty-sixth
+# set); the batch-1 trees' wider rows (64 children at topk 8, 200 candidates) keep lax.top_k.
+RANK_MAX_WIDTH = 16
 # Backends whose TopK the split helps. Not CPU: there lax.top_k is already a per-row partial sort
 # and the split costs more than it saves (1.5 -> 2.6 ms for [1, 10, 128256] on this repo's CPU).
 TWO_STAGE_BACKENDS = ("gpu",)
@@ -209,9 +210,9 @@ def _top2_merge(a, b):
 def top2_by_reduce(x):
     """jax.lax.top_k(x, 2) over the last axis in one reduction pass: every element enters as
     (its `_descending_key`, its index) and `_top2_merge` keeps the best two (lax.top_k's order:
-    the larger value, then the lower index). On the GPU this is one fused reduction kernel,
-    where XLA's TopK kernel took 15.7 us a call for [128, 16384] (H100, batch-64 3x2x6 cycle).
-    Exact but for NaN (as in `top_k`)."""
+    the larger value, then the lower index). On the GPU this is one fused reduction kernel:
+    4.4 us a call where XLA's TopK kernel took 15.7 us, [64-128, 16384] fp32 rows in the
+    batch-64 3x2x6 cycle (H100, twenty-sixth set). Exact but for NaN (as in `top_k`)."""
     if x.ndim == 0 or x.shape[-1] < 2:
         return jax.lax.top_k(x, 2)                     # lax's own errors
     key = _descending_key(x)

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.spec.config import SpecConfig
 from jaxspec.spec import topk as topk_lib
+from jaxspec.spec.config import SpecConfig
 from jaxspec.spec.draft import Candidates
 
 
