@@ -288,8 +288,9 @@ def vocab_top_k_method(v: int, k: int, backend: str | None = None) -> str:
 
 
 def vocab_top_k(x, k: int):
-    """x [..., V] -> (values, indices [..., k] int32): lax.top_k's result, split into chunks
-    where `use_two_stage` says a wide row's one-block-per-row TopK would leave SMs idle."""
+    """x [..., V] -> (values, indices [..., k] int32): lax.top_k's result, by the method
+    `vocab_top_k_method` picks (one reduction for k = 2 on the GPU; chunks where a wide row's
+    one-block-per-row TopK would leave SMs idle)."""
     method = vocab_top_k_method(x.shape[-1], k)
     if method == "top2":
         return top2_by_reduce(x)
