@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-pack-tokens", type=int, default=None,
                     help="widest row of packed first chunks (>= --prefill-chunk; default twice "
                          "it); more go into 2, 4, .. rows of it")
-    ap.add_argument("--prefill-chunk", type=int, default=512,
-                    help="widest prefill chunk: longer prompts take one device call per chunk")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="widest prefill chunk: longer prompts take one device call per chunk "
+                         "(default 2048 on a GPU, 512 elsewhere)")
     ap.add_argument("--admit-interval", type=int, default=None,
                     help="while requests run, admit newcomers every this many device calls "
                          "(1: at once); fewer, larger admissions for a later first token. "
@@ -158,6 +159,9 @@ def _defaults(args):
         args.mode = "serve" if args.request_rate is not None else "sweep"
     if args.dataset is None:
         args.dataset = "gsm8k" if args.mode == "accuracy" else "mt-bench"
+    if args.prefill_chunk is None:
+        from jaxspec.engine.backends import default_prefill_chunk
+        args.prefill_chunk = default_prefill_chunk()
     try:
         args.batch_list = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
     except ValueError:

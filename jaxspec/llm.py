@@ -13,6 +13,7 @@ from jaxspec import compile_cache
 from jaxspec.config import ConfigError
 from jaxspec.engine import Engine, PlainBackend, SpecBackend, StreamDelta
 from jaxspec.engine.backends import (default_admit_interval, default_cycles_per_call,
+                                     default_prefill_chunk,
                                      default_spec)
 from jaxspec.kv import kv_bytes_per_token
 from jaxspec.sampling import VARIANTS, Features, SamplingParams, apply_stop_strings
@@ -87,6 +88,7 @@ class LLM:
     prefill_chunk: the widest prefill chunk (`Engine(chunk=)`, capped at max_model_len); a
     longer prompt is prefilled in chunks this wide, one device call each. Wider chunks mean
     fewer calls for long prompts, each with its own host cost, for one more width to compile.
+    None: `engine.default_prefill_chunk` (2048 on a GPU, 512 elsewhere).
     draft_vocab: an EAGLE-1 head drafts only the K most frequent tokens of a ranking
     (`spec.draft_vocab`, FR-Spec): the draft's lm_head reads K columns instead of V; the output
     is unchanged, only tokens outside the K are never drafted. 0: the whole vocabulary. None:
@@ -105,7 +107,7 @@ class LLM:
                  draft: Any = None, spec: Any = None, data_parallel: int = 1,
                  tensor_parallel: int = 1, data_parallel_impl: str = "pmap",
                  admit_interval: Optional[int] = None, cycles_per_call: Optional[int] = None,
-                 prefill_width_growth: int = 4, prefill_chunk: int = 512,
+                 prefill_width_growth: int = 4, prefill_chunk: Optional[int] = None,
                  prefill_slot_growth: int = 4, prefill_packing: bool = True,
                  prefill_pack_tokens: Optional[int] = None, draft_vocab: Optional[int] = None,
                  draft_vocab_ranking: Optional[str] = None, submit_slice: Optional[int] = None):
@@ -126,6 +128,8 @@ class LLM:
             raise ConfigError(f"prefill_width_growth must be >= 2, got {prefill_width_growth}")
         if prefill_slot_growth < 2:
             raise ConfigError(f"prefill_slot_growth must be >= 2, got {prefill_slot_growth}")
+        if prefill_chunk is None:
+            prefill_chunk = default_prefill_chunk()
         if prefill_pack_tokens is not None and prefill_pack_tokens < prefill_chunk:
             raise ConfigError(f"prefill_pack_tokens ({prefill_pack_tokens}) must be >= "
                               f"prefill_chunk ({prefill_chunk})")

@@ -285,9 +285,12 @@ def test_dtype_option(capsys):
 
 
 def test_admission_options():
+    from jaxspec.engine import backends
     parse = bench_cli.build_parser().parse_args
     a = bench_cli._defaults(parse([]))
-    assert a.admit_interval is None and a.prefill_chunk == 512    # None: the engine's default
+    assert a.admit_interval is None and a.prefill_chunk == 512    # the CPU's default chunk
+    with mock.patch.object(backends.jax, "default_backend", lambda: "gpu"):
+        assert bench_cli._defaults(parse([])).prefill_chunk == backends.GPU_PREFILL_CHUNK
     a = bench_cli._defaults(parse(["--admit-interval", "2", "--prefill-chunk", "2048"]))
     assert a.admit_interval == 2 and a.prefill_chunk == 2048
     with pytest.raises(SystemExit, match="--admit-interval 0: must be >= 1"):

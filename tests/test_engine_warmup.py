@@ -268,14 +268,17 @@ def test_defaults_by_backend_and_batch(monkeypatch):
     (bench/RESULTS.md, sixth, seventh, fifteenth, twenty-first and twenty-sixth sets): on a GPU
     a 4-step, 32-token tree at batch 1, the chain with 4 cycles per call above it (a 2-wide tree
     of the chain's 4 tokens from 16 slots), and speculative engines
-    of 32+ slots admitting every second call (64+: every third); on a CPU the chain, one cycle
-    per call, admissions at once."""
+    of 32+ slots admitting every second call (64+: every third), prompts prefilled in chunks of
+    up to 2048 tokens (twenty-seventh set); on a CPU the chain, one cycle per call, admissions
+    at once, 512-token chunks."""
     from jaxspec.engine import backends
     from jaxspec.spec.config import SpecConfig, resolve_spec
     assert backends.default_spec(1) == backends.default_spec(8) == "chain"
     assert backends.default_cycles_per_call(8) == 1
     assert backends.default_admit_interval(64, True) == 1
+    assert backends.default_prefill_chunk() == 512
     monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
+    assert backends.default_prefill_chunk() == backends.GPU_PREFILL_CHUNK == 2048
     assert resolve_spec(backends.default_spec(1)) == SpecConfig(4, 8, 32)
     assert backends.default_spec(4) == backends.default_spec(15) == "chain"
     assert resolve_spec(backends.default_spec(16)) == resolve_spec(backends.default_spec(64)) \

@@ -105,7 +105,7 @@ class Target:
                  seed: int = 0, data_parallel: int = 1, tensor_parallel: int = 1,
                  dtype: Optional[str] = None, data_parallel_impl: str = "pmap",
                  prefill_width_growth: int = 4, admit_interval: Optional[int] = None,
-                 prefill_chunk: int = 512, prefill_slot_growth: int = 4,
+                 prefill_chunk: Optional[int] = None, prefill_slot_growth: int = 4,
                  prefill_packing: bool = True, prefill_pack_tokens: Optional[int] = None,
                  submit_slice: Optional[int] = None):
         self.model, self.draft_arg, self.max_model_len, self.seed = model, draft, max_model_len, seed
