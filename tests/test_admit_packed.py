@@ -110,6 +110,11 @@ def test_packs_fill_rows_first_fit():
     assert packs([9, 9, 9]) == [([9, 9, 9], [0, 1, 2], 3)]
     with pytest.raises(ValueError, match="pack_tokens"):
         make_engine("plain", pack_tokens=8)
+    # at most pack_max_tokens a pack (one row of 32 here): more first chunks take more packs
+    engine = make_engine("plain", pack_tokens=32, min_chunk=4, pack_max_tokens=48)
+    assert engine.pack_sizes == [4, 8, 16, 32]
+    assert packs([16] * 3 + [2]) == [([16, 16], [0, 0], 1), ([16, 2], [0, 0], 1)]
+    assert make_engine("plain", pack_tokens=16, pack_max_tokens=64).pack_sizes == [16, 32, 64]
 
 
 @pytest.mark.parametrize("kind", ["spec", "plain"])
