@@ -131,6 +131,12 @@
 #                                      #   .gpu/sharegpt_heldout.jsonl); twenty-sixth set, MT-bench:
 #                                      #   batch 16 1.35x against 1.28x, batch 64 1.38-1.42x
 #                                      #   against 1.31-1.38x; ShareGPT unmeasured
+#   bash bench/gpu_plan.sh packcap     # issue 8: why the 32,768-token pack cap made plain 11%
+#                                      #   faster on held-out ShareGPT at batch 64 and left
+#                                      #   speculation as it was (twenty-seventh set): plain and
+#                                      #   3x2x4:4 with --profile on the working tree and on .base
+#                                      #   (bash bench/ab_prepare.sh 9dbd651; carry .base and
+#                                      #   .gpu/sharegpt_heldout.jsonl)
 # Every part writes its logs and JSON under $OUT (or ./gpu_out) and prints a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -166,6 +172,15 @@ case "${1:-}" in
     run wide_sg 280 $S --spec 3x2x4:4,chain:4 --batch-sizes 64 --num-prompts 384 \
       --dataset .gpu/sharegpt_heldout.jsonl --json "$OUT/wide_sg.json"
     python3 -m bench.pass_parts "$OUT"/wide_*.json
+    ;;
+  packcap)
+    [ -d .base ] || { echo "no .base: run bash bench/ab_prepare.sh 9dbd651 and carry .base"; exit 2; }
+    S="$BENCH --no-peers --max-tokens 128 --spec 3x2x4:4 --repeats 1 --batch-sizes 64 --num-prompts 384
+       --dataset $PWD/.gpu/sharegpt_heldout.jsonl"
+    run packcap_new 280 $S --profile /tmp/prof_new --json "$OUT/packcap_new.json"
+    d=$PWD/.base
+    (cd "$d" && PYTHONPATH=$d:$PYTHONPATH run packcap_base 280 $S --profile /tmp/prof_base \
+      --json "$OUT/packcap_base.json")
     ;;
   ab)
     [ -d .base ] || { echo "no .base: run bash bench/ab_prepare.sh REV and carry .base"; exit 2; }
