@@ -115,6 +115,8 @@ def test_packs_fill_rows_first_fit():
     assert engine.pack_sizes == [4, 8, 16, 32]
     assert packs([16] * 3 + [2]) == [([16, 16], [0, 0], 1), ([16, 2], [0, 0], 1)]
     assert make_engine("plain", pack_tokens=16, pack_max_tokens=64).pack_sizes == [16, 32, 64]
+    with pytest.raises(ValueError, match="pack_max_tokens"):
+        make_engine("plain", pack_tokens=32, pack_max_tokens=16)
 
 
 @pytest.mark.parametrize("kind", ["spec", "plain"])

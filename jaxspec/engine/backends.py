@@ -229,9 +229,9 @@ def default_prefill_chunk() -> int:
     4x their rows there, while first chunks run packed (rows of 2 x chunk tokens). Measured on
     the H100 with SmolLM2 and its head, batch 64, 128 new tokens, 384 requests (bench/RESULTS.md,
     twenty-seventh set): on held-out ShareGPT (prompts of 773 tokens on average, 59% over 512)
-    2048 ran plain 1.03x and 3x2x4:4 1.08-1.10x the tokens/s of 512 (1024: 0.97x both); on
-    MT-bench (prompts under 512) the two are equal by design. On the CPU a wider chunk only
-    adds admission programs to compile."""
+    2048 ran plain 1.03x and 3x2x4:4 1.08-1.10x the tokens/s of 512 (1024: 0.97x both), and
+    with `loop.PACK_MAX_TOKENS` plain gained 11% more; on MT-bench (prompts under 512) the two
+    are equal by design. On the CPU a wider chunk only adds admission programs to compile."""
     return GPU_PREFILL_CHUNK if jax.default_backend() == "gpu" else 512
 
 

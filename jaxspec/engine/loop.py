@@ -203,7 +203,8 @@ class Engine:
     pack_first_chunks: first chunks run packed (`spec.admit_packed`): an admission's newcomers
     end to end in one row of T tokens, T in min_chunk * 2**k up to pack_tokens (default 2 x
     chunk), or first-fit in R rows of pack_tokens (R = 2, 4, .. up to what every slot's first
-    chunk needs, and at most pack_max_tokens tokens in all: more newcomers take more packs),
+    chunk needs, and at most pack_max_tokens tokens in all, by default PACK_MAX_TOKENS or one
+    row: more newcomers take more packs),
     at most T / min_chunk requests in T tokens, instead of padded to the slot
     bucket and the longest prompt's width. False: the padded first-chunk form (bucket_growth,
     width_growth).
@@ -216,7 +217,7 @@ class Engine:
                  admit_interval: int = 1, width_growth: Optional[int] = None,
                  stream_decoder: Optional[Callable[[], Any]] = None,
                  pack_first_chunks: bool = True, pack_tokens: Optional[int] = None,
-                 pack_max_tokens: int = PACK_MAX_TOKENS):
+                 pack_max_tokens: Optional[int] = None):
         self.backend = backend
         if admit_interval < 1:
             raise ValueError(f"admit_interval must be >= 1, got {admit_interval}")
@@ -241,13 +242,18 @@ class Engine:
         pack_tokens = 2 * chunk if pack_tokens is None else pack_tokens
         if pack_tokens < chunk:
             raise ValueError(f"pack_tokens ({pack_tokens}) must be >= chunk ({chunk})")
+        if pack_max_tokens is None:
+            pack_max_tokens = max(PACK_MAX_TOKENS, pack_tokens)
+        if pack_max_tokens < pack_tokens:
+            raise ValueError(f"pack_max_tokens ({pack_max_tokens}) must be >= pack_tokens "
+                             f"({pack_tokens})")
         self.pack_tokens = pack_tokens
         # First-fit leaves at most one row with fewer than pack_tokens // chunk first chunks, so
         # r_max rows (a power of 2) hold every slot's first chunk; at most pack_max_tokens in
         # all (more newcomers: more packs).
         per_row = max(1, pack_tokens // chunk)
         r_max = 1 << (-(-self.slots // per_row) - 1).bit_length()
-        r_max = min(r_max, 1 << (max(1, pack_max_tokens // pack_tokens).bit_length() - 1))
+        r_max = min(r_max, 1 << ((pack_max_tokens // pack_tokens).bit_length() - 1))
         self.pack_sizes = _buckets(min_chunk, pack_tokens, 2) + \
             ([pack_tokens * r for r in _buckets(2, r_max, 2)] if r_max > 1 else [])
         self.compile_workers = compile_workers or (
