@@ -137,6 +137,10 @@
 #                                      #   3x2x4:4 with --profile on the working tree and on .base
 #                                      #   (bash bench/ab_prepare.sh 9dbd651; carry .base and
 #                                      #   .gpu/sharegpt_heldout.jsonl)
+#   bash bench/gpu_plan.sh packrows    # issue 8: packs of 2, 3, 4, 6, 8 rows (--prefill-pack-rows
+#                                      #   fine) against 2, 4, 8, batch 64, held-out ShareGPT
+#                                      #   (carry it), alternated; arithmetic on its lengths: 1.27x
+#                                      #   the tokens of groups of 11 against 1.56x (unmeasured)
 # Every part writes its logs and JSON under $OUT (or ./gpu_out) and prints a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -172,6 +176,14 @@ case "${1:-}" in
     run wide_sg 280 $S --spec 3x2x4:4,chain:4 --batch-sizes 64 --num-prompts 384 \
       --dataset .gpu/sharegpt_heldout.jsonl --json "$OUT/wide_sg.json"
     python3 -m bench.pass_parts "$OUT"/wide_*.json
+    ;;
+  packrows)
+    S="$BENCH --no-peers --max-tokens 128 --spec 3x2x4:4 --repeats 2 --batch-sizes 64 --num-prompts 384
+       --dataset $PWD/.gpu/sharegpt_heldout.jsonl"
+    i=0; for r in fine pow2 pow2 fine; do i=$((i + 1))
+      run packrows_${i}_$r 170 $S --prefill-pack-rows $r --json "$OUT/packrows_${i}_$r.json"
+    done
+    python3 -m bench.pass_parts "$OUT"/packrows_*.json
     ;;
   packcap)
     [ -d .base ] || { echo "no .base: run bash bench/ab_prepare.sh 9dbd651 and carry .base"; exit 2; }

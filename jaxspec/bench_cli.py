@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-pack-tokens", type=int, default=None,
                     help="widest row of packed first chunks (>= --prefill-chunk; default twice "
                          "it); more go into 2, 4, .. rows of it")
+    ap.add_argument("--prefill-pack-rows", choices=["pow2", "fine"], default="pow2",
+                    help="row counts a pack of first chunks is padded to: 2, 4, 8, .. (pow2) or "
+                         "2, 3, 4, 6, 8, 12, .. (fine: less padding, more programs)")
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="widest prefill chunk: longer prompts take one device call per chunk "
                          "(default 2048 on a GPU, 512 elsewhere)")
@@ -254,6 +257,7 @@ def _setup(args, result):
                     prefill_slot_growth=args.prefill_slot_growth,
                     prefill_packing=args.prefill_packing == "on",
                     prefill_pack_tokens=args.prefill_pack_tokens,
+                    prefill_pack_rows=args.prefill_pack_rows,
                     admit_interval=args.admit_interval, prefill_chunk=args.prefill_chunk,
                     submit_slice=args.submit_slice)
     result["draft_label"] = target.draft_label if len(modes) > 1 else None

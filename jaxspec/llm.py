@@ -12,6 +12,7 @@ import jax
 from jaxspec import compile_cache
 from jaxspec.config import ConfigError
 from jaxspec.engine import Engine, PlainBackend, SpecBackend, StreamDelta
+from jaxspec.engine.loop import PACK_ROWS
 from jaxspec.engine.backends import (default_admit_interval, default_cycles_per_call,
                                      default_prefill_chunk,
                                      default_spec)
@@ -85,6 +86,9 @@ class LLM:
     prefill_pack_tokens: the widest pack row (`Engine(pack_tokens=)`, >= prefill_chunk; None:
     2 x prefill_chunk). Attention inside a row costs its width squared; more first chunks
     than a row takes go first-fit into 2, 4, .. rows of this width.
+    prefill_pack_rows: 'pow2' (2, 4, 8, .. rows) or 'fine' (2, 3, 4, 6, 8, 12, ..): the row
+    counts a pack is padded to (`Engine(pack_rows=)`); 'fine' pads a pack to at most 1.5x its
+    rows, for one more program per doubling.
     prefill_chunk: the widest prefill chunk (`Engine(chunk=)`, capped at max_model_len); a
     longer prompt is prefilled in chunks this wide, one device call each. Wider chunks mean
     fewer calls for long prompts, each with its own host cost, for one more width to compile.
@@ -109,7 +113,8 @@ class LLM:
                  admit_interval: Optional[int] = None, cycles_per_call: Optional[int] = None,
                  prefill_width_growth: int = 4, prefill_chunk: Optional[int] = None,
                  prefill_slot_growth: int = 4, prefill_packing: bool = True,
-                 prefill_pack_tokens: Optional[int] = None, draft_vocab: Optional[int] = None,
+                 prefill_pack_tokens: Optional[int] = None, prefill_pack_rows: str = "pow2",
+                 draft_vocab: Optional[int] = None,
                  draft_vocab_ranking: Optional[str] = None, submit_slice: Optional[int] = None):
         from jaxspec.weights import load_model
         if max_batch <= 0:
@@ -135,6 +140,9 @@ class LLM:
                               f"prefill_chunk ({prefill_chunk})")
         if prefill_chunk < 16:
             raise ConfigError(f"prefill_chunk must be >= 16, got {prefill_chunk}")
+        if prefill_pack_rows not in PACK_ROWS:
+            raise ConfigError(f"prefill_pack_rows must be one of {PACK_ROWS}, got "
+                              f"{prefill_pack_rows!r}")
         if draft_vocab is not None and (isinstance(draft_vocab, bool)
                                         or not isinstance(draft_vocab, int) or draft_vocab < 0):
             raise ConfigError(f"draft_vocab must be an int >= 0 (0: the whole vocabulary), got "
@@ -200,7 +208,7 @@ class LLM:
                              admit_interval=admit_interval, width_growth=prefill_width_growth,
                              bucket_growth=prefill_slot_growth,
                              pack_first_chunks=prefill_packing,
-                             pack_tokens=prefill_pack_tokens,
+                             pack_tokens=prefill_pack_tokens, pack_rows=prefill_pack_rows,
                              stream_decoder=getattr(self.tokenizer, "stream_decoder", None))
         self._inbox: dict = {}
 

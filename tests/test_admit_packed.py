@@ -146,6 +146,32 @@ def test_engines_with_and_without_packing_give_the_same_outputs(kind):
             assert out == expected(p, sp, ())[0]
 
 
+@pytest.mark.parametrize("kind", ["spec", "plain"])
+def test_fine_row_counts_pack_three_rows_alike(kind):
+    """pack_rows='fine' adds 3-row packs (2, 3, 4 rows at one first chunk a row and 4 slots):
+    three long first chunks run as one 3-row pack and give the padded form's tokens."""
+    from test_engine import CHUNK
+    engine = make_engine(kind, pack_tokens=CHUNK, pack_rows="fine")
+    assert engine.pack_sizes[-3:] == [2 * CHUNK, 3 * CHUNK, 4 * CHUNK]
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, CFG.vocab_size, n)]
+               for n in (CHUNK - 1, CHUNK // 2 + 2, CHUNK)]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    outs = {}
+    for rows in ("fine", None):
+        engine = (make_engine(kind, pack_tokens=CHUNK, pack_rows=rows) if rows else
+                  make_engine(kind, pack_first_chunks=False))
+        ids = [engine.add_request(p, sp) for p in prompts]
+        list(engine.drain())
+        outs[rows] = [engine.pop_finished(i).output for i in ids]
+        if rows:
+            assert [engine.pack_shape(s[1])[0] for s in engine.stats.admit_shapes
+                    if s[3] == "packed"] == [3]
+    assert outs["fine"] == outs[None] == [expected(p, sp, ())[0] for p in prompts]
+    with pytest.raises(ValueError, match="pack_rows must be one of"):
+        make_engine(kind, pack_rows="halves")
+
+
 def test_packed_form_adds_no_device_loop():
     """The packed program's loops are the padded form's (the layer scans): a loop on device
     values makes the GPU host wait each trip (the request lookup is a compare, no search)."""

@@ -298,6 +298,8 @@ def test_admission_options():
     with pytest.raises(SystemExit, match="--prefill-chunk 8: must be >= 16"):
         bench_cli._defaults(parse(["--prefill-chunk", "8"]))
     assert bench_cli._defaults(parse(["--submit-slice", "32"])).submit_slice == 32
+    assert parse([]).prefill_pack_rows == "pow2"
+    assert parse(["--prefill-pack-rows", "fine"]).prefill_pack_rows == "fine"
     with pytest.raises(SystemExit, match="--submit-slice 0: must be >= 1"):
         bench_cli._defaults(parse(["--submit-slice", "0"]))
 

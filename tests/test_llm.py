@@ -147,6 +147,7 @@ def test_max_tokens_must_be_positive():
                                        ({"prefill_width_growth": 1}, "prefill_width_growth"),
                                        ({"prefill_slot_growth": 1}, "prefill_slot_growth"),
                                        ({"prefill_chunk": 8}, "prefill_chunk"),
+                                       ({"prefill_pack_rows": "odd"}, "prefill_pack_rows"),
                                        ({"draft_vocab": -1}, "draft_vocab"),
                                        ({"draft_vocab": 2.5}, "draft_vocab")])
 def test_bad_engine_settings_rejected_before_loading(kw, needle):

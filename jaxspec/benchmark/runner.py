@@ -107,7 +107,7 @@ class Target:
                  prefill_width_growth: int = 4, admit_interval: Optional[int] = None,
                  prefill_chunk: Optional[int] = None, prefill_slot_growth: int = 4,
                  prefill_packing: bool = True, prefill_pack_tokens: Optional[int] = None,
-                 submit_slice: Optional[int] = None):
+                 prefill_pack_rows: str = "pow2", submit_slice: Optional[int] = None):
         self.model, self.draft_arg, self.max_model_len, self.seed = model, draft, max_model_len, seed
         # Passed to every LLM: with data_parallel, `batch` is the slots of each replica;
         # dtype None is the loader's default (bf16 on GPU, fp32 on CPU).
@@ -117,6 +117,7 @@ class Target:
                            prefill_slot_growth=prefill_slot_growth,
                            prefill_packing=prefill_packing,
                            prefill_pack_tokens=prefill_pack_tokens,
+                           prefill_pack_rows=prefill_pack_rows,
                            admit_interval=admit_interval, prefill_chunk=prefill_chunk,
                            submit_slice=submit_slice)
         self._draft_params = None

@@ -154,6 +154,19 @@ def _buckets(smallest: int, largest: int, growth: int) -> List[int]:
     return out + [largest] if out[-1] < largest else out
 
 
+PACK_ROWS = ("pow2", "fine")
+
+
+def _row_counts(r_max: int, ladder: str) -> List[int]:
+    """Row counts of the multi-row packs, 2 .. r_max: powers of 2 ('pow2'), or with 3 * 2**k
+    between them ('fine': 2, 3, 4, 6, 8, 12, ..), which pads a pack to at most 1.5x its rows
+    instead of 2x, for one more program per doubling."""
+    rows = _buckets(2, r_max, 2) if r_max > 1 else []
+    if ladder == "fine":
+        rows = sorted(set(rows) | {3 * r // 2 for r in rows if 3 * r // 2 < r_max})
+    return rows
+
+
 def _bucket(n: int, buckets: List[int]) -> int:
     """The smallest bucket >= n (n never exceeds the largest)."""
     return buckets[bisect.bisect_left(buckets, n)]
@@ -204,7 +217,7 @@ class Engine:
     end to end in one row of T tokens, T in min_chunk * 2**k up to pack_tokens (default 2 x
     chunk), or first-fit in R rows of pack_tokens (R = 2, 4, .. up to what every slot's first
     chunk needs, and at most pack_max_tokens tokens in all, by default PACK_MAX_TOKENS or one
-    row: more newcomers take more packs),
+    row: more newcomers take more packs; pack_rows 'fine' adds 3, 6, 12, .. rows),
     at most T / min_chunk requests in T tokens, instead of padded to the slot
     bucket and the longest prompt's width. False: the padded first-chunk form (bucket_growth,
     width_growth).
@@ -217,7 +230,7 @@ class Engine:
                  admit_interval: int = 1, width_growth: Optional[int] = None,
                  stream_decoder: Optional[Callable[[], Any]] = None,
                  pack_first_chunks: bool = True, pack_tokens: Optional[int] = None,
-                 pack_max_tokens: Optional[int] = None):
+                 pack_max_tokens: Optional[int] = None, pack_rows: str = "pow2"):
         self.backend = backend
         if admit_interval < 1:
             raise ValueError(f"admit_interval must be >= 1, got {admit_interval}")
@@ -254,8 +267,10 @@ class Engine:
         per_row = max(1, pack_tokens // chunk)
         r_max = 1 << (-(-self.slots // per_row) - 1).bit_length()
         r_max = min(r_max, 1 << ((pack_max_tokens // pack_tokens).bit_length() - 1))
+        if pack_rows not in PACK_ROWS:
+            raise ValueError(f"pack_rows must be one of {PACK_ROWS}, got {pack_rows!r}")
         self.pack_sizes = _buckets(min_chunk, pack_tokens, 2) + \
-            ([pack_tokens * r for r in _buckets(2, r_max, 2)] if r_max > 1 else [])
+            [pack_tokens * r for r in _row_counts(r_max, pack_rows)]
         self.compile_workers = compile_workers or (
             1 if jax.default_backend() == "cpu" else os.cpu_count() or 1)
         self.detokenize = detokenize
