@@ -9,7 +9,7 @@ import pytest
 from jaxspec.sampling import SamplingParams, flat_params
 from jaxspec.spec.admit import AdmitArgs
 from jaxspec.spec.admit_packed import PackLayout, build_pack
-from test_engine import CFG, SLOTS, expected, live_engine, make_engine, state_axes
+from test_engine import CFG, CHUNK, SLOTS, expected, live_engine, make_engine, state_axes
 
 POISON = 7.0
 
@@ -150,7 +150,6 @@ def test_engines_with_and_without_packing_give_the_same_outputs(kind):
 def test_fine_row_counts_pack_three_rows_alike(kind):
     """pack_rows='fine' adds 3-row packs (2, 3, 4 rows at one first chunk a row and 4 slots):
     three long first chunks run as one 3-row pack and give the padded form's tokens."""
-    from test_engine import CHUNK
     engine = make_engine(kind, pack_tokens=CHUNK, pack_rows="fine")
     assert engine.pack_sizes[-3:] == [2 * CHUNK, 3 * CHUNK, 4 * CHUNK]
     rng = np.random.default_rng(5)
