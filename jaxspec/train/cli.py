@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlp-width", type=int, default=None,
                    help="EAGLE-1: the head's MLP intermediate size (default the target's); with "
                         "--init-head, that head widened without changing what it computes")
+    p.add_argument("--token-weight", type=float, default=0.1,
+                   help="EAGLE-1: weight of the token cross-entropy against the target's "
+                        "distribution (the EAGLE paper's w_cls, 0.1)")
+    p.add_argument("--feature-weight", type=float, default=1.0,
+                   help="EAGLE-1: weight of the feature regression (smooth L1; w_reg, 1.0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, help="target dtype (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -148,6 +153,18 @@ def initial_head(spec: Optional[str], cfg, arch: str = "eagle1", mlp_width: Opti
     return head if mlp_width is None else widen_mlp(head, mlp_width, jax.random.PRNGKey(seed + 2))
 
 
+def check_loss_weights(feature_weight: float, token_weight: float, arch: str = "eagle1"):
+    """The EAGLE-1 loss weights: finite, >= 0, not both 0; EAGLE-3 takes only the defaults."""
+    for name, w in (("--feature-weight", feature_weight), ("--token-weight", token_weight)):
+        if not (np.isfinite(w) and w >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {w}")
+    if feature_weight == 0 and token_weight == 0:
+        raise ValueError("--feature-weight and --token-weight are both 0: nothing to train")
+    if arch != "eagle1" and (feature_weight, token_weight) != (1.0, 0.1):
+        raise ValueError("--feature-weight / --token-weight set the EAGLE-1 loss; an EAGLE-3 "
+                         "head trains on its KL to the target alone")
+
+
 def parse_layers(s: Optional[str]):
     return tuple(int(x) for x in s.split(",")) if s else None
 
@@ -157,7 +174,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from jaxspec.train.loop import Batches, TrainConfig, train
     from jaxspec.weights import load_model
 
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        check_loss_weights(args.feature_weight, args.token_weight, args.arch)
+    except ValueError as e:
+        ap.error(str(e))
     e3 = args.arch == "eagle3"
     ttt = args.ttt_steps if args.ttt_steps is not None else (7 if e3 else 1)
     noise = args.noise if args.noise is not None else (0.0 if e3 else 0.2)
@@ -187,7 +209,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                      warmup_steps=args.warmup, noise=noise, seed=args.seed,
                      log_every=args.log_every, ckpt_every=args.ckpt_every,
-                     max_seconds=args.max_seconds, ttt_steps=ttt)
+                     max_seconds=args.max_seconds, ttt_steps=ttt,
+                     feature_weight=args.feature_weight, token_weight=args.token_weight)
     draft, records = train(params, cfg, batches, tc, out, eval_batch=eval_batch,
                            draft=initial_head(args.init_head, cfg, args.arch, args.mlp_width,
                                               args.seed),

@@ -48,6 +48,8 @@ class TrainConfig:
     compute_dtype: Optional[str] = None   # "bfloat16" for the head's matmuls; None: feature dtype
     ttt_steps: int = 1             # > 1: also train on the head's own predicted features
     ttt_decay: float = 0.8
+    feature_weight: float = 1.0    # EAGLE-1 loss: w_reg x feature smooth-L1 + w_cls x token CE
+    token_weight: float = 0.1
 
 
 def init_head(cfg: ModelConfig, key, scale: float = 0.02, mlp_width=None):
@@ -109,7 +111,8 @@ class Eagle3Objective:
 
 def make_train_step(cfg: ModelConfig, tc: TrainConfig, opt, objective=None):
     cdt = jnp.dtype(tc.compute_dtype) if tc.compute_dtype else None
-    loss_fn = objective.loss if objective is not None else eagle1_loss
+    loss_fn = objective.loss if objective is not None else functools.partial(
+        eagle1_loss, feature_weight=tc.feature_weight, token_weight=tc.token_weight)
 
     @functools.partial(jit, donate_argnums=(0, 1))
     def step_fn(draft, opt_state, params, tokens, features, loss_mask, key, step, total):
@@ -125,15 +128,18 @@ def make_train_step(cfg: ModelConfig, tc: TrainConfig, opt, objective=None):
     return step_fn
 
 
-@functools.partial(jit, static_argnums=(2, 6))
-def eval_loss(draft, params, cfg: ModelConfig, tokens, features, loss_mask, ttt_steps: int = 1):
+@functools.partial(jit, static_argnums=(2, 6, 7, 8))
+def eval_loss(draft, params, cfg: ModelConfig, tokens, features, loss_mask, ttt_steps: int = 1,
+              feature_weight: float = 1.0, token_weight: float = 0.1):
     return eagle1_loss(draft, params, cfg, tokens, features, loss_mask, jax.random.PRNGKey(0),
-                       0.0, ttt_steps=ttt_steps)[1]
+                       0.0, ttt_steps=ttt_steps, feature_weight=feature_weight,
+                       token_weight=token_weight)[1]
 
 
 def _eval_fn(cfg: ModelConfig, tc: TrainConfig, objective):
     if objective is None:
-        return lambda draft, params, *batch: eval_loss(draft, params, cfg, *batch, tc.ttt_steps)
+        return lambda draft, params, *batch: eval_loss(draft, params, cfg, *batch, tc.ttt_steps,
+                                                       tc.feature_weight, tc.token_weight)
     return jit(lambda draft, params, tokens, feats, mask: objective.loss(
         draft, params, cfg, tokens, feats, mask, jax.random.PRNGKey(0), 0.0,
         ttt_steps=tc.ttt_steps, ttt_decay=tc.ttt_decay)[1])

@@ -123,7 +123,8 @@ def smooth_l1(x, y, beta: float = 1.0):
 
 def eagle1_loss(draft_params, params, cfg: ModelConfig, tokens, features, loss_mask, noise_key,
                 noise: float = 0.0, compute_dtype=None, ttt_steps: int = 1,
-                ttt_decay: float = 0.8):
+                ttt_decay: float = 0.8, feature_weight: float = FEATURE_WEIGHT,
+                token_weight: float = TOKEN_WEIGHT):
     """Scalar loss and metrics for a batch.
 
     tokens [B, T]; features [B, T, H] (target, post-norm); loss_mask [B, T] = 1 on the tokens
@@ -135,6 +136,8 @@ def eagle1_loss(draft_params, params, cfg: ModelConfig, tokens, features, loss_m
     ttt_steps > 1: also train the head on its own predicted features (draft_forward_ttt); pass k
     weighs ttt_decay**k (weights normalised to sum 1), pass k's row t counts for t >= k. Metrics
     are pass 0's, plus acc_k per pass.
+    feature_weight, token_weight: w_reg and w_cls (EAGLE-1: 1.0 and 0.1). Acceptance depends on
+    the token term alone; a larger w_cls trades feature fit for top-1 agreement.
     """
     dt = compute_dtype or features.dtype
     dp = jax.tree_util.tree_map(lambda a: a.astype(dt), draft_params)
@@ -159,7 +162,7 @@ def eagle1_loss(draft_params, params, cfg: ModelConfig, tokens, features, loss_m
         d_logits = llama.project_logits(params, pred.astype(head_dt))
         ploss = -((t_p * jax.nn.log_softmax(d_logits, axis=-1)).sum(-1) * m).sum() / denom
         acc = ((jnp.argmax(d_logits, -1) == t_top) * m).sum() / denom
-        loss_k = FEATURE_WEIGHT * vloss + TOKEN_WEIGHT * ploss
+        loss_k = feature_weight * vloss + token_weight * ploss
         loss = loss + weights[k] / sum(weights) * loss_k
         if k == 0:
             metrics.update(vloss=vloss, ploss=ploss, acc=acc)
