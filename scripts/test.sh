@@ -11,6 +11,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export JAX_PLATFORMS=cpu
+# XLA's older CPU runtime compiled and ran tests/test_spec_sampling.py 17% faster than the thunk
+# runtime (58 against 70 s); set only where this jaxlib still has it (an unknown flag aborts).
+legacy=--xla_cpu_use_thunk_runtime=false
+if XLA_FLAGS="${XLA_FLAGS:-} $legacy" .venv/bin/python -c 'import jax; jax.devices()' \
+    >/dev/null 2>&1; then
+  export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$legacy"
+fi
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi

@@ -28,7 +28,8 @@ CFG = ModelConfig(arch="Qwen2ForCausalLM", vocab_size=96, hidden_size=32, interm
 
 @pytest.fixture(scope="module")
 def multi_device_run():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(),
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "parallel_check.py"), "2", "4"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
@@ -112,7 +113,8 @@ def test_multihost_two_processes():
 
 def test_llm_data_and_tensor_parallel_equal_single_device(smollm2_gguf):
     """The public API: LLM(data_parallel=2) and LLM(tensor_parallel=3), plain and speculative."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=3",
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=3"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(),
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "llm_parallel_check.py"),
                            str(smollm2_gguf)], env=env, cwd=ROOT, capture_output=True, text=True,
