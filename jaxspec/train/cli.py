@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.train.loss import FEATURE_WEIGHT, TOKEN_WEIGHT
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxspec train-eagle", description=__doc__.split("\n\n")[0])
@@ -71,10 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlp-width", type=int, default=None,
                    help="EAGLE-1: the head's MLP intermediate size (default the target's); with "
                         "--init-head, that head widened without changing what it computes")
-    p.add_argument("--token-weight", type=float, default=0.1,
+    p.add_argument("--token-weight", type=float, default=TOKEN_WEIGHT,
                    help="EAGLE-1: weight of the token cross-entropy against the target's "
                         "distribution (the EAGLE paper's w_cls, 0.1)")
-    p.add_argument("--feature-weight", type=float, default=1.0,
+    p.add_argument("--feature-weight", type=float, default=FEATURE_WEIGHT,
                    help="EAGLE-1: weight of the feature regression (smooth L1; w_reg, 1.0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, help="target dtype (default: bf16 on GPU, fp32 on CPU)")
@@ -160,7 +162,7 @@ def check_loss_weights(feature_weight: float, token_weight: float, arch: str = "
             raise ValueError(f"{name} must be a finite number >= 0, got {w}")
     if feature_weight == 0 and token_weight == 0:
         raise ValueError("--feature-weight and --token-weight are both 0: nothing to train")
-    if arch != "eagle1" and (feature_weight, token_weight) != (1.0, 0.1):
+    if arch != "eagle1" and (feature_weight, token_weight) != (FEATURE_WEIGHT, TOKEN_WEIGHT):
         raise ValueError("--feature-weight / --token-weight set the EAGLE-1 loss; an EAGLE-3 "
                          "head trains on its KL to the target alone")
 

@@ -24,7 +24,7 @@ import optax
 
 from jaxspec.config import ModelConfig
 from jaxspec.models import eagle
-from jaxspec.train.loss import eagle1_loss, target_features
+from jaxspec.train.loss import FEATURE_WEIGHT, TOKEN_WEIGHT, eagle1_loss, target_features
 from jaxspec.xla_options import jit
 
 
@@ -48,8 +48,8 @@ class TrainConfig:
     compute_dtype: Optional[str] = None   # "bfloat16" for the head's matmuls; None: feature dtype
     ttt_steps: int = 1             # > 1: also train on the head's own predicted features
     ttt_decay: float = 0.8
-    feature_weight: float = 1.0    # EAGLE-1 loss: w_reg x feature smooth-L1 + w_cls x token CE
-    token_weight: float = 0.1
+    feature_weight: float = FEATURE_WEIGHT   # EAGLE-1 loss: w_reg x feature smooth-L1
+    token_weight: float = TOKEN_WEIGHT       # + w_cls x token cross-entropy
 
 
 def init_head(cfg: ModelConfig, key, scale: float = 0.02, mlp_width=None):
@@ -130,7 +130,7 @@ def make_train_step(cfg: ModelConfig, tc: TrainConfig, opt, objective=None):
 
 @functools.partial(jit, static_argnums=(2, 6, 7, 8))
 def eval_loss(draft, params, cfg: ModelConfig, tokens, features, loss_mask, ttt_steps: int = 1,
-              feature_weight: float = 1.0, token_weight: float = 0.1):
+              feature_weight: float = FEATURE_WEIGHT, token_weight: float = TOKEN_WEIGHT):
     return eagle1_loss(draft, params, cfg, tokens, features, loss_mask, jax.random.PRNGKey(0),
                        0.0, ttt_steps=ttt_steps, feature_weight=feature_weight,
                        token_weight=token_weight)[1]
