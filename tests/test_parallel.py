@@ -26,11 +26,15 @@ CFG = ModelConfig(arch="Qwen2ForCausalLM", vocab_size=96, hidden_size=32, interm
                   num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8, attention_bias=True)
 
 
+def fake_devices_env(n: int) -> dict:
+    """A subprocess environment with n fake CPU devices; the caller's XLA_FLAGS are kept."""
+    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+    return dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+
+
 @pytest.fixture(scope="module")
 def multi_device_run():
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    env = dict(os.environ, XLA_FLAGS=flags.strip(),
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = fake_devices_env(4)
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "parallel_check.py"), "2", "4"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     return proc
@@ -113,9 +117,7 @@ def test_multihost_two_processes():
 
 def test_llm_data_and_tensor_parallel_equal_single_device(smollm2_gguf):
     """The public API: LLM(data_parallel=2) and LLM(tensor_parallel=3), plain and speculative."""
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=3"
-    env = dict(os.environ, XLA_FLAGS=flags.strip(),
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = fake_devices_env(3)
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "llm_parallel_check.py"),
                            str(smollm2_gguf)], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=1200)
