@@ -2,10 +2,14 @@
 MT-bench questions (first turn, chat template, greedy), per speculation preset.
 
     python -m bench.bench_accept [--model M] [--head H.safetensors] [--presets chain tree]
-        [--questions 80] [--max-new 256] [--out results.json] [--agreement]
+        [--questions 80] [--max-new 256] [--draft-vocab K] [--out results.json] [--agreement]
 
 --head defaults to the shipped head of the default model. tau depends only on the head and the
 target (greedy, static shapes), not on the batch: all questions run as one batch.
+--draft-vocab K (EAGLE-1 heads) drafts only the ranking's K most frequent tokens, as
+`LLM(draft_vocab=K)` does (the ranking shipped beside the default head, or --ranking); the
+default 0 drafts the whole vocabulary. A head's tau under the cut can rank heads differently
+from its tau over the whole vocabulary.
 
 --agreement (EAGLE-1 heads): where a chain's acceptance is lost, per MT-bench category. Over
 the chain preset's answers, the target's teacher-forced features and the head's chained
@@ -170,14 +174,24 @@ def main(argv=None) -> int:
                     help="preset names or STEPSxTOPKxTOKENS, e.g. chain 5x1x6 4x2x8")
     ap.add_argument("--questions", type=int, default=80)
     ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="EAGLE-1 heads: draft only the K most frequent tokens (0: all)")
+    ap.add_argument("--ranking", default=None,
+                    help="token ranking for --draft-vocab (default: the shipped head's)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--agreement", action="store_true",
                     help="per category: the chain's tau measured and simulated from the head's "
                          "teacher-forced agreement with the target (EAGLE-1 heads)")
     a = ap.parse_args(argv)
+    if a.draft_vocab < 0:
+        ap.error(f"--draft-vocab must be >= 0 (0: the whole vocabulary), got {a.draft_vocab}")
+    if a.draft_vocab and a.agreement:
+        ap.error("--agreement simulates the head's full-vocabulary passes; drop --draft-vocab")
     cfg, params, tok = load_model(a.model)
     dtype = params["embed"].dtype
     draft = load_draft(a.head, cfg, dtype) if a.head else load_default_head(cfg, dtype)
+    if 0 < a.draft_vocab < cfg.vocab_size:
+        draft = _restricted(cfg, params, draft, a.draft_vocab, a.ranking)
     if jax.default_backend() == "gpu":
         params = llama.unstack_layers(params)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
@@ -194,6 +208,14 @@ def main(argv=None) -> int:
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
+
+
+def _restricted(cfg, params, draft, k: int, ranking=None):
+    """draft cut to the ranking's k most frequent tokens (`spec.draft_vocab.restrict`)."""
+    from jaxspec.loading.eagle_ckpt import default_ranking_path
+    from jaxspec.spec import draft_vocab as dv
+    path = ranking or default_ranking_path()
+    return dv.restrict(params, draft, dv.load_ranking(path, cfg.vocab_size)[:k])
 
 
 def _print_agreement(cfg, params, draft, prompts, a) -> int:

@@ -58,3 +58,39 @@ def test_agreement_simulation_equals_the_measured_chain():
     assert table["all"]["tau"] == pytest.approx(table["all"]["tau_simulated"])
     assert table["a"]["cycles"] + table["b"]["cycles"] == table["all"]["cycles"] == len(accepts)
     assert 0.0 < table["all"]["agreement"] < 1.0
+
+
+def test_draft_vocab_cuts_the_head_to_the_rankings_first_k(tmp_path):
+    """--draft-vocab K measures the head as LLM(draft_vocab=K) runs it: the ranking's first K
+    ids and the target lm_head's columns for them; a cut head still drafts, and greedy output
+    stays the target's."""
+    import numpy as np
+    from draft_models import agreeing_pair
+    from bench.bench_accept import _restricted, measure_acceptance
+    from jaxspec.config import ModelConfig
+    from jaxspec.spec import draft_vocab as dv
+
+    cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=97, hidden_size=32,
+                      intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8)
+    params, head = agreeing_pair(cfg, scale=0.02, lm_head_scale=0.5)
+    ranking = np.random.default_rng(0).permutation(cfg.vocab_size)
+    dv.save_ranking(tmp_path / "r.safetensors", ranking)
+    cut = _restricted(cfg, params, head, 40, tmp_path / "r.safetensors")
+    assert np.array_equal(np.asarray(cut["draft_ids"]), ranking[:40])
+    w = np.asarray(params["lm_head"] if "lm_head" in params else params["embed"].T)
+    assert np.array_equal(np.asarray(cut["draft_lm_head"]), w[:, ranking[:40]])
+    prompts = [[5, 17, 42, 8, 9], list(range(60, 72))]
+    full = measure_acceptance(cfg, params, head, prompts, ["chain"], max_new=24)["chain"]
+    some = measure_acceptance(cfg, params, cut, prompts, ["chain"], max_new=24)["chain"]
+    assert some["tokens"] == full["tokens"] == 48
+    # the agreeing head drafts the target's argmax; outside the 40 ids it cannot, so it misses
+    assert 1.0 < some["tau"] < full["tau"]
+
+
+def test_draft_vocab_flag_is_checked_before_any_model_loads(capsys):
+    from bench.bench_accept import main
+    for argv in (["--draft-vocab", "-1"], ["--draft-vocab", "8", "--agreement"]):
+        with pytest.raises(SystemExit):
+            main(argv + ["--model", "/nonexistent.gguf"])
+        assert "--draft-vocab" in capsys.readouterr().err
