@@ -13,6 +13,15 @@
 #                                      #   chain and tree tau of both and of the shipped head on
 #                                      #   MT-bench (80 questions, 256 tokens); the heads, logs and
 #                                      #   answers come back under $OUT
+#   bash bench/gpu_plan.sh stage4      # issue 7: the twenty-eighth set's head (token weight 1.0)
+#                                      #   on all 44.6K self-distilled answers (carry
+#                                      #   .gpu/tw1/head.safetensors, .gpu/stage4/ and
+#                                      #   .gpu/train/sharegpt_more2.npz from `python -m
+#                                      #   bench.train_gpu prepare --later-turns --skip 9000
+#                                      #   --examples 30000 --data .gpu/train/sharegpt_more2.npz`)
+#   bash bench/gpu_plan.sh newhead     # issues 7/8: HEAD against the shipped head, batch 1, 4, 16
+#                                      #   and 64, MT-bench, default specs (at batch 1 and 64 with
+#                                      #   the draft vocabulary the shipped head gets)
 #   bash bench/gpu_plan.sh b1trees     # issue 7: batch 1, MT-bench, trees of 4 to 6 draft steps,
 #                                      #   two runs in opposite orders, 2 passes each, at TOKENS
 #                                      #   new tokens (default 256; at 128, twenty-first set:
@@ -166,6 +175,30 @@ case "${1:-}" in
       .gpu/train/sharegpt_more.npz --gen-seconds ${GEN_S:-45} --train-seconds ${TRAIN_S:-120} \
       --token-weights ${WEIGHTS:-1.0 0.1} --vs-shipped --deadline 580
     rm -f "$OUT"/tw*/loss.png    # at most 8 files come back
+    ;;
+  stage4)
+    # the call-3 head of the twenty-eighth set (token weight 1.0, carry .gpu/tw1/head.safetensors)
+    # trained on all 44.6K answers: the 14.6K that set's calls answered (carry .gpu/stage4/)
+    # and the 30K later turns of stage 3 answered here (carry .gpu/train/sharegpt_more2.npz)
+    run stage4 590 python3 -m bench.train_gpu run --gguf "$GGUF" --out "$OUT" --mode sd \
+      --init-head .gpu/tw1/head.safetensors --ttt-steps 4 --lr ${LR:-1.5e-4} --warmup 100 \
+      --sd-data .gpu/stage4/examples_sd_first.npz .gpu/stage4/examples_sd_more.npz \
+      --more-data .gpu/train/sharegpt_more2.npz --gen-seconds 140 --train-seconds ${TRAIN_S:-300} \
+      --token-weights 1.0 --vs-shipped --deadline 580
+    rm -f "$OUT"/examples_sd_*.npz
+    ;;
+  newhead)
+    # a head against the shipped one (HEAD, default the twenty-eighth set's), batch 1, 4, 16
+    # and 64 at the default specs, MT-bench, then held-out ShareGPT at 64, in alternation
+    H=${HEAD:-.gpu/tw1/head.safetensors}
+    S="$BENCH --no-peers --max-tokens 128 --repeats 2"
+    for d in new ship; do D=""; [ $d = new ] && D="--draft $PWD/$H"
+      run nh_b1_$d 120 $S --batch-sizes 1 --num-prompts 40 --spec 4x8x32@16384 $D --json "$OUT/nh_b1_$d.json"
+      run nh_b4_16_$d 150 $S --batch-sizes 4,16 --num-prompts 64 --json "$OUT/nh_b4_16_$d.json" $D
+    done
+    for d in ship new; do D=""; [ $d = new ] && D="--draft $PWD/$H"
+      run nh_b64_$d 110 $S --batch-sizes 64 --num-prompts 384 --spec 3x2x4:4@16384 $D --json "$OUT/nh_b64_$d.json"
+    done
     ;;
   b1trees)
     T=${TOKENS:-256}
