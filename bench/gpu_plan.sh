@@ -13,9 +13,9 @@
 #                                      #   chain and tree tau of both and of the shipped head on
 #                                      #   MT-bench (80 questions, 256 tokens); the heads, logs and
 #                                      #   answers come back under $OUT
-#   bash bench/gpu_plan.sh stage4      # issue 7: the twenty-eighth set's head (token weight 1.0)
+#   bash bench/gpu_plan.sh stage4      # issue 7: the shipped head (stage 4, token weight 1.0)
 #                                      #   on all 44.6K self-distilled answers (carry
-#                                      #   .gpu/tw1/head.safetensors, .gpu/stage4/ and
+#                                      #   .gpu/stage4/ and
 #                                      #   .gpu/train/sharegpt_more2.npz from `python -m
 #                                      #   bench.train_gpu prepare --later-turns --skip 9000
 #                                      #   --examples 30000 --data .gpu/train/sharegpt_more2.npz`)
@@ -177,20 +177,20 @@ case "${1:-}" in
     rm -f "$OUT"/tw*/loss.png    # at most 8 files come back
     ;;
   stage4)
-    # the call-3 head of the twenty-eighth set (token weight 1.0, carry .gpu/tw1/head.safetensors)
-    # trained on all 44.6K answers: the 14.6K that set's calls answered (carry .gpu/stage4/)
-    # and the 30K later turns of stage 3 answered here (carry .gpu/train/sharegpt_more2.npz)
+    # the shipped head (stage 4 since the twenty-eighth set: token weight 1.0) trained on all
+    # 44.6K answers: the 14.6K that set's calls answered (carry .gpu/stage4/) and the 30K later
+    # turns of stage 3 answered here (carry .gpu/train/sharegpt_more2.npz)
     run stage4 590 python3 -m bench.train_gpu run --gguf "$GGUF" --out "$OUT" --mode sd \
-      --init-head .gpu/tw1/head.safetensors --ttt-steps 4 --lr ${LR:-1.5e-4} --warmup 100 \
+      --init-head shipped --ttt-steps 4 --lr ${LR:-1.5e-4} --warmup 100 \
       --sd-data .gpu/stage4/examples_sd_first.npz .gpu/stage4/examples_sd_more.npz \
       --more-data .gpu/train/sharegpt_more2.npz --gen-seconds 140 --train-seconds ${TRAIN_S:-300} \
       --token-weights 1.0 --vs-shipped --deadline 580
     rm -f "$OUT"/examples_sd_*.npz
     ;;
   newhead)
-    # a head against the shipped one (HEAD, default the twenty-eighth set's), batch 1, 4, 16
-    # and 64 at the default specs, MT-bench, then held-out ShareGPT at 64, in alternation
-    H=${HEAD:-.gpu/tw1/head.safetensors}
+    # a head (HEAD, a file under the repo: carry it) against the shipped one, batch 1, 4, 16
+    # and 64 at the default specs, MT-bench, in alternation
+    H=${HEAD:?HEAD=path/to/head.safetensors}
     S="$BENCH --no-peers --max-tokens 128 --repeats 2"
     for d in new ship; do D=""; [ $d = new ] && D="--draft $PWD/$H"
       run nh_b1_$d 120 $S --batch-sizes 1 --num-prompts 40 --spec 4x8x32@16384 $D --json "$OUT/nh_b1_$d.json"
