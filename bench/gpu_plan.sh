@@ -20,7 +20,7 @@
 #                                      #   bench.train_gpu prepare --later-turns --skip 9000
 #                                      #   --examples 30000 --data .gpu/train/sharegpt_more2.npz`)
 #   bash bench/gpu_plan.sh newhead     # issues 7/8: HEAD against the shipped head, batch 1, 4, 16
-#                                      #   and 64, MT-bench, default specs (at batch 1 and 64 with
+#                                      #   and 64, MT-bench (all 80 questions at batch 1), default specs (at batch 1 and 64 with
 #                                      #   the draft vocabulary the shipped head gets)
 #   bash bench/gpu_plan.sh b1trees     # issue 7: batch 1, MT-bench, trees of 4 to 6 draft steps,
 #                                      #   two runs in opposite orders, 2 passes each, at TOKENS
@@ -193,7 +193,7 @@ case "${1:-}" in
     H=${HEAD:?HEAD=path/to/head.safetensors}
     S="$BENCH --no-peers --max-tokens 128 --repeats 2"
     for d in new ship; do D=""; [ $d = new ] && D="--draft $PWD/$H"
-      run nh_b1_$d 120 $S --batch-sizes 1 --num-prompts 40 --spec 4x8x32@16384 $D --json "$OUT/nh_b1_$d.json"
+      run nh_b1_$d 150 $S --batch-sizes 1 --num-prompts 80 --spec 4x8x32@16384 $D --json "$OUT/nh_b1_$d.json"
       run nh_b4_16_$d 150 $S --batch-sizes 4,16 --num-prompts 64 --json "$OUT/nh_b4_16_$d.json" $D
     done
     for d in ship new; do D=""; [ $d = new ] && D="--draft $PWD/$H"
