@@ -20,8 +20,9 @@
 #                                      #   bench.train_gpu prepare --later-turns --skip 9000
 #                                      #   --examples 30000 --data .gpu/train/sharegpt_more2.npz`)
 #   bash bench/gpu_plan.sh newhead     # issues 7/8: HEAD against the shipped head, batch 1, 4, 16
-#                                      #   and 64, MT-bench (all 80 questions at batch 1), default specs (at batch 1 and 64 with
-#                                      #   the draft vocabulary the shipped head gets)
+#                                      #   and 64, MT-bench (all 80 questions at batch 1), default
+#                                      #   specs (at batch 1 and 64 with the draft vocabulary the
+#                                      #   shipped head gets)
 #   bash bench/gpu_plan.sh b1trees     # issue 7: batch 1, MT-bench, trees of 4 to 6 draft steps,
 #                                      #   two runs in opposite orders, 2 passes each, at TOKENS
 #                                      #   new tokens (default 256; at 128, twenty-first set:
