@@ -191,7 +191,8 @@ def main(argv=None) -> int:
     dtype = params["embed"].dtype
     draft = load_draft(a.head, cfg, dtype) if a.head else load_default_head(cfg, dtype)
     if 0 < a.draft_vocab < cfg.vocab_size:
-        draft = _restricted(cfg, params, draft, a.draft_vocab, a.ranking)
+        from jaxspec.spec.draft_vocab import restrict_top
+        draft = restrict_top(params, draft, cfg, a.draft_vocab, a.ranking)
     if jax.default_backend() == "gpu":
         params = llama.unstack_layers(params)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
@@ -208,14 +209,6 @@ def main(argv=None) -> int:
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
-
-
-def _restricted(cfg, params, draft, k: int, ranking=None):
-    """draft cut to the ranking's k most frequent tokens (`spec.draft_vocab.restrict`)."""
-    from jaxspec.loading.eagle_ckpt import default_ranking_path
-    from jaxspec.spec import draft_vocab as dv
-    path = ranking or default_ranking_path()
-    return dv.restrict(params, draft, dv.load_ranking(path, cfg.vocab_size)[:k])
 
 
 def _print_agreement(cfg, params, draft, prompts, a) -> int:

@@ -242,7 +242,6 @@ class LLM:
 
     def _restrict_vocab(self, draft, shipped: bool):
         """draft with its vocabulary cut to draft_vocab tokens (see the class docstring)."""
-        from jaxspec.loading import eagle_ckpt
         from jaxspec.models.eagle3 import is_eagle3
         from jaxspec.spec import draft_vocab as dv
         k = self.draft_vocab
@@ -250,15 +249,10 @@ class LLM:
             k = DEFAULT_DRAFT_VOCAB if shipped and not is_eagle3(draft) else 0
         if k == 0 or k >= self.config.vocab_size:
             return draft
-        path = self.draft_vocab_ranking
-        if path is None:
-            if not eagle_ckpt.matches_default_target(self.config):
-                raise ConfigError("draft_vocab needs a token ranking for this model: pass "
-                                  "draft_vocab_ranking (see jaxspec.spec.draft_vocab)")
-            path = eagle_ckpt.default_ranking_path()
-            if self.draft_vocab is None and not path.is_file():
-                return draft     # a head shipped without its ranking: the whole vocabulary
-        return dv.restrict(self.params, draft, dv.load_ranking(path, self.config.vocab_size)[:k])
+        path = dv.ranking_path(self.config, self.draft_vocab_ranking)
+        if self.draft_vocab is None and self.draft_vocab_ranking is None and not path.is_file():
+            return draft     # a head shipped without its ranking: the whole vocabulary
+        return dv.restrict_top(self.params, draft, self.config, k, path)
 
     def _init_data_parallel(self, draft, spec):
         """Replicas over local devices with jax.pmap, max_batch slots each; generate() spreads

@@ -66,8 +66,8 @@ def test_draft_vocab_cuts_the_head_to_the_rankings_first_k(tmp_path):
     stays the target's."""
     import numpy as np
     from draft_models import agreeing_pair
-    from bench.bench_accept import _restricted, measure_acceptance
-    from jaxspec.config import ModelConfig
+    from bench.bench_accept import measure_acceptance
+    from jaxspec.config import ConfigError, ModelConfig
     from jaxspec.spec import draft_vocab as dv
 
     cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=97, hidden_size=32,
@@ -76,7 +76,7 @@ def test_draft_vocab_cuts_the_head_to_the_rankings_first_k(tmp_path):
     params, head = agreeing_pair(cfg, scale=0.02, lm_head_scale=0.5)
     ranking = np.random.default_rng(0).permutation(cfg.vocab_size)
     dv.save_ranking(tmp_path / "r.safetensors", ranking)
-    cut = _restricted(cfg, params, head, 40, tmp_path / "r.safetensors")
+    cut = dv.restrict_top(params, head, cfg, 40, tmp_path / "r.safetensors")
     assert np.array_equal(np.asarray(cut["draft_ids"]), ranking[:40])
     w = np.asarray(params["lm_head"] if "lm_head" in params else params["embed"].T)
     assert np.array_equal(np.asarray(cut["draft_lm_head"]), w[:, ranking[:40]])
@@ -86,6 +86,8 @@ def test_draft_vocab_cuts_the_head_to_the_rankings_first_k(tmp_path):
     assert some["tokens"] == full["tokens"] == 48
     # the agreeing head drafts the target's argmax; outside the 40 ids it cannot, so it misses
     assert 1.0 < some["tau"] < full["tau"]
+    with pytest.raises(ConfigError, match="token ranking"):   # the shipped one ranks SmolLM2's
+        dv.restrict_top(params, head, cfg, 40)
 
 
 def test_draft_vocab_flag_is_checked_before_any_model_loads(capsys):

@@ -96,6 +96,24 @@ def restrict(params, draft_params, ids):
                 draft_ids=jnp.asarray(ids))
 
 
+def ranking_path(cfg, ranking=None) -> Path:
+    """The ranking file to cut a head of target `cfg` with: `ranking`, else the one shipped
+    beside the default head, which ranks only the default model's tokens."""
+    from jaxspec.loading import eagle_ckpt
+    if ranking is not None:
+        return Path(ranking)
+    if not eagle_ckpt.matches_default_target(cfg):
+        raise ConfigError("draft_vocab needs a token ranking for this model: pass "
+                          "draft_vocab_ranking (see jaxspec.spec.draft_vocab)")
+    return eagle_ckpt.default_ranking_path()
+
+
+def restrict_top(params, draft_params, cfg, k: int, ranking=None):
+    """draft_params cut to the k most frequent tokens of the ranking (`ranking_path`)."""
+    return restrict(params, draft_params, load_ranking(ranking_path(cfg, ranking),
+                                                       cfg.vocab_size)[:k])
+
+
 def restricted_size(draft_params) -> Optional[int]:
     """K of a restricted EAGLE-1 head, None for a full one (or an EAGLE-3 head)."""
     ids = draft_params.get("draft_ids") if isinstance(draft_params, dict) else None
