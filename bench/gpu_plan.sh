@@ -19,6 +19,9 @@
 #                                      #   .gpu/train/sharegpt_more2.npz from `python -m
 #                                      #   bench.train_gpu prepare --later-turns --skip 9000
 #                                      #   --examples 30000 --data .gpu/train/sharegpt_more2.npz`)
+#   bash bench/gpu_plan.sh sweep_s4    # issue 8: batch 1, 4, 16, 64 at the default specs with the
+#                                      #   shipped head, MT-bench (SET=sg: held-out ShareGPT,
+#                                      #   carry .gpu/sharegpt_heldout.jsonl); one merged plot
 #   bash bench/gpu_plan.sh newhead     # issues 7/8: HEAD against the shipped head, batch 1, 4, 16
 #                                      #   and 64, MT-bench (all 80 questions at batch 1), default
 #                                      #   specs (at batch 1 and 64 with the draft vocabulary the
@@ -402,6 +405,13 @@ case "${1:-}" in
       run copies_b1_${c}_$round 120 env JAXSPEC_CYCLE_COPIES=$c $ENG --modes chain --batches 1
       run copies_b64_${c}_$round 150 env JAXSPEC_CYCLE_COPIES=$c $ENG --modes chain:4 --batches 64
     done; done
+    ;;
+  sweep_s4)    # issue 8: the batch sweep at the default specs (SET=sg: held-out ShareGPT)
+    DS=""; N=mt; [ "${SET:-mt}" = sg ] && { DS="--dataset $PWD/.gpu/sharegpt_heldout.jsonl"; N=sg; }
+    S="$BENCH --no-peers --max-tokens 128 --repeats 2 --spec default $DS"
+    run s4_${N}_small 280 $S --batch-sizes 1,4 --num-prompts 80 --json "$OUT/s4_${N}_small.json"
+    run s4_${N}_large 280 $S --batch-sizes 16,64 --num-prompts 384 --json "$OUT/s4_${N}_large.json"
+    python3 -m bench.merge_sweeps "$OUT/sweep_$N.png" "$OUT/s4_${N}_small.json" "$OUT/s4_${N}_large.json"
     ;;
   sweep13)     # MT-bench; sweep13_sg: the same on held-out ShareGPT
     S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3"
