@@ -165,6 +165,26 @@ def test_plot_is_a_png(sweep):
     assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_merge_sweeps_joins_two_calls_of_one_set(sweep, tmp_path):
+    """bench.merge_sweeps: a sweep run as two calls (small and large batches) gives one plot and
+    one JSON holding every row; files of different sets are refused."""
+    from bench import merge_sweeps
+    result, _ = sweep
+    parts = []
+    for b in (1, 2):
+        part = dict(result, rows=[r for r in result["rows"] if r["batch"] == b])
+        parts.append(tmp_path / f"b{b}.json")
+        parts[-1].write_text(json.dumps(part))
+    merge_sweeps.main([str(tmp_path / "m.png")] + [str(p) for p in parts])
+    merged = json.loads((tmp_path / "m.json").read_text())
+    assert merged["rows"] == [r for b in (1, 2) for r in result["rows"] if r["batch"] == b]
+    assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(dict(result, dataset="gsm8k")))
+    with pytest.raises(SystemExit, match="different sets"):
+        merge_sweeps.main([str(tmp_path / "x.png"), str(parts[0]), str(other)])
+
+
 def test_results_are_written_after_every_run(tiny_chat_model, tmp_path, monkeypatch, capsys):
     """A run cut off during its second (batch size x mode) run keeps the first on disk."""
     path = tmp_path / "r.json"
