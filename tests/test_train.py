@@ -134,6 +134,30 @@ def test_loss_weights_and_mask():
     np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
+def test_target_temperature_sharpens_the_token_target():
+    """target_temperature=T: the token term is the cross-entropy against softmax(target logits
+    / T). T = 1 is the default loss bit for bit; T -> 0 is the hard-label cross-entropy against
+    the target's top-1 (computed here from the draft forward directly); acc does not move."""
+    params = target()
+    toks, mask = corpus(4)
+    toks, mask = jnp.asarray(toks), jnp.asarray(mask)
+    feats = target_features(params, CFG, toks)
+    head = init_head(CFG, jax.random.PRNGKey(1))
+    key = jax.random.PRNGKey(0)
+    base = eagle1_loss(head, params, CFG, toks, feats, mask, key)[1]
+    same = eagle1_loss(head, params, CFG, toks, feats, mask, key, target_temperature=1.0)[1]
+    assert float(same["ploss"]) == float(base["ploss"])
+    cold = eagle1_loss(head, params, CFG, toks, feats, mask, key, target_temperature=1e-4)[1]
+    d_logits = llama.project_logits(params, draft_forward_ttt(params, head, CFG, toks, feats,
+                                                              1)[0])
+    top = jnp.argmax(llama.project_logits(params, feats[:, 1:]), -1)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(d_logits, -1), top[..., None], -1)[..., 0]
+    m = mask[:, 1:].astype(jnp.float32)
+    np.testing.assert_allclose(cold["ploss"], (nll * m).sum() / m.sum(), rtol=1e-4)
+    assert abs(float(cold["ploss"]) - float(base["ploss"])) > 1e-3
+    assert float(cold["acc"]) == float(base["acc"]) and float(cold["vloss"]) == float(base["vloss"])
+
+
 def ragged(n=40, seed=1):
     """corpus rows cut to random lengths (the rest right padding, out of the loss mask)."""
     toks, mask = corpus(n, seed)
@@ -253,8 +277,16 @@ def test_loss_weight_checks():
             check_loss_weights(fw, tw)
     with pytest.raises(ValueError, match="EAGLE-3"):
         check_loss_weights(1.0, 1.0, "eagle3")
+    check_loss_weights(1.0, 1.0, target_temperature=0.5)
+    for temp in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="target-temperature"):
+            check_loss_weights(1.0, 1.0, target_temperature=temp)
+    with pytest.raises(ValueError, match="EAGLE-3"):
+        check_loss_weights(1.0, 0.1, "eagle3", target_temperature=0.5)
     with pytest.raises(SystemExit):          # argparse's error, before any model is loaded
         main(["--out", "unused", "--token-weight", "-1"])
+    with pytest.raises(SystemExit):
+        main(["--out", "unused", "--target-temperature", "0"])
 
 
 def test_resume_mid_run_equals_uninterrupted(tmp_path):

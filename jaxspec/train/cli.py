@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-weight", type=float, default=TOKEN_WEIGHT,
                    help="EAGLE-1: weight of the token cross-entropy against the target's "
                         "distribution (the EAGLE paper's w_cls, 0.1)")
+    p.add_argument("--target-temperature", type=float, default=1.0,
+                   help="EAGLE-1: the token term's target is softmax(target logits / T); T < 1 "
+                        "sharpens it towards the target's top-1 (default 1: EAGLE's)")
     p.add_argument("--feature-weight", type=float, default=FEATURE_WEIGHT,
                    help="EAGLE-1: weight of the feature regression (smooth L1; w_reg, 1.0)")
     p.add_argument("--seed", type=int, default=0)
@@ -155,8 +158,16 @@ def initial_head(spec: Optional[str], cfg, arch: str = "eagle1", mlp_width: Opti
     return head if mlp_width is None else widen_mlp(head, mlp_width, jax.random.PRNGKey(seed + 2))
 
 
-def check_loss_weights(feature_weight: float, token_weight: float, arch: str = "eagle1"):
-    """The EAGLE-1 loss weights: finite, >= 0, not both 0; EAGLE-3 takes only the defaults."""
+def check_loss_weights(feature_weight: float, token_weight: float, arch: str = "eagle1",
+                       target_temperature: float = 1.0):
+    """The EAGLE-1 loss weights: finite, >= 0, not both 0; the target temperature finite and
+    > 0; EAGLE-3 takes only the defaults."""
+    if not (np.isfinite(target_temperature) and target_temperature > 0):
+        raise ValueError(f"--target-temperature must be a finite number > 0, got "
+                         f"{target_temperature}")
+    if arch != "eagle1" and target_temperature != 1.0:
+        raise ValueError("--target-temperature sets the EAGLE-1 token term; an EAGLE-3 head "
+                         "trains on its KL to the target alone")
     for name, w in (("--feature-weight", feature_weight), ("--token-weight", token_weight)):
         if not (np.isfinite(w) and w >= 0):
             raise ValueError(f"{name} must be a finite number >= 0, got {w}")
@@ -179,7 +190,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
-        check_loss_weights(args.feature_weight, args.token_weight, args.arch)
+        check_loss_weights(args.feature_weight, args.token_weight, args.arch,
+                           args.target_temperature)
     except ValueError as e:
         ap.error(str(e))
     e3 = args.arch == "eagle3"
@@ -212,7 +224,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      warmup_steps=args.warmup, noise=noise, seed=args.seed,
                      log_every=args.log_every, ckpt_every=args.ckpt_every,
                      max_seconds=args.max_seconds, ttt_steps=ttt,
-                     feature_weight=args.feature_weight, token_weight=args.token_weight)
+                     feature_weight=args.feature_weight, token_weight=args.token_weight,
+                     target_temperature=args.target_temperature)
     draft, records = train(params, cfg, batches, tc, out, eval_batch=eval_batch,
                            draft=initial_head(args.init_head, cfg, args.arch, args.mlp_width,
                                               args.seed),

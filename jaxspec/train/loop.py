@@ -50,6 +50,7 @@ class TrainConfig:
     ttt_decay: float = 0.8
     feature_weight: float = FEATURE_WEIGHT   # EAGLE-1 loss: w_reg x feature smooth-L1
     token_weight: float = TOKEN_WEIGHT       # + w_cls x token cross-entropy
+    target_temperature: float = 1.0          # the token term's target: softmax(logits / T)
 
 
 def init_head(cfg: ModelConfig, key, scale: float = 0.02, mlp_width=None):
@@ -112,7 +113,8 @@ class Eagle3Objective:
 def make_train_step(cfg: ModelConfig, tc: TrainConfig, opt, objective=None):
     cdt = jnp.dtype(tc.compute_dtype) if tc.compute_dtype else None
     loss_fn = objective.loss if objective is not None else functools.partial(
-        eagle1_loss, feature_weight=tc.feature_weight, token_weight=tc.token_weight)
+        eagle1_loss, feature_weight=tc.feature_weight, token_weight=tc.token_weight,
+        target_temperature=tc.target_temperature)
 
     @functools.partial(jit, donate_argnums=(0, 1))
     def step_fn(draft, opt_state, params, tokens, features, loss_mask, key, step, total):
@@ -128,18 +130,20 @@ def make_train_step(cfg: ModelConfig, tc: TrainConfig, opt, objective=None):
     return step_fn
 
 
-@functools.partial(jit, static_argnums=(2, 6, 7, 8))
+@functools.partial(jit, static_argnums=(2, 6, 7, 8, 9))
 def eval_loss(draft, params, cfg: ModelConfig, tokens, features, loss_mask, ttt_steps: int = 1,
-              feature_weight: float = FEATURE_WEIGHT, token_weight: float = TOKEN_WEIGHT):
+              feature_weight: float = FEATURE_WEIGHT, token_weight: float = TOKEN_WEIGHT,
+              target_temperature: float = 1.0):
     return eagle1_loss(draft, params, cfg, tokens, features, loss_mask, jax.random.PRNGKey(0),
                        0.0, ttt_steps=ttt_steps, feature_weight=feature_weight,
-                       token_weight=token_weight)[1]
+                       token_weight=token_weight, target_temperature=target_temperature)[1]
 
 
 def _eval_fn(cfg: ModelConfig, tc: TrainConfig, objective):
     if objective is None:
         return lambda draft, params, *batch: eval_loss(draft, params, cfg, *batch, tc.ttt_steps,
-                                                       tc.feature_weight, tc.token_weight)
+                                                       tc.feature_weight, tc.token_weight,
+                                                       tc.target_temperature)
     return jit(lambda draft, params, tokens, feats, mask: objective.loss(
         draft, params, cfg, tokens, feats, mask, jax.random.PRNGKey(0), 0.0,
         ttt_steps=tc.ttt_steps, ttt_decay=tc.ttt_decay)[1])

@@ -124,7 +124,7 @@ def smooth_l1(x, y, beta: float = 1.0):
 def eagle1_loss(draft_params, params, cfg: ModelConfig, tokens, features, loss_mask, noise_key,
                 noise: float = 0.0, compute_dtype=None, ttt_steps: int = 1,
                 ttt_decay: float = 0.8, feature_weight: float = FEATURE_WEIGHT,
-                token_weight: float = TOKEN_WEIGHT):
+                token_weight: float = TOKEN_WEIGHT, target_temperature: float = 1.0):
     """Scalar loss and metrics for a batch.
 
     tokens [B, T]; features [B, T, H] (target, post-norm); loss_mask [B, T] = 1 on the tokens
@@ -138,6 +138,10 @@ def eagle1_loss(draft_params, params, cfg: ModelConfig, tokens, features, loss_m
     are pass 0's, plus acc_k per pass.
     feature_weight, token_weight: w_reg and w_cls (EAGLE-1: 1.0 and 0.1). Acceptance depends on
     the token term alone; a larger w_cls trades feature fit for top-1 agreement.
+    target_temperature: the token term's target is softmax(target logits / T). T < 1 sharpens
+    it towards the target's top-1, the token greedy verification accepts (T -> 0: a hard-label
+    cross-entropy); 1 is EAGLE's distribution match, which also ranks the runners-up a tree
+    drafts. The acc metrics compare argmaxes and do not depend on T.
     """
     dt = compute_dtype or features.dtype
     dp = jax.tree_util.tree_map(lambda a: a.astype(dt), draft_params)
@@ -150,7 +154,8 @@ def eagle1_loss(draft_params, params, cfg: ModelConfig, tokens, features, loss_m
     m0 = loss_mask[:, 1:].astype(jnp.float32)                                # [B, T-1]
     head_dt = params["embed"].dtype
     t_logits = jax.lax.stop_gradient(llama.project_logits(params, target.astype(head_dt)))
-    t_p = jax.nn.softmax(t_logits, axis=-1)
+    t_p = jax.nn.softmax(t_logits / target_temperature if target_temperature != 1.0 else t_logits,
+                         axis=-1)
     t_top = jnp.argmax(t_logits, -1)
     weights = [ttt_decay ** k for k in range(ttt_steps)]
     loss, metrics = 0.0, {}
