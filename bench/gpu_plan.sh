@@ -13,12 +13,15 @@
 #                                      #   chain and tree tau of both and of the shipped head on
 #                                      #   MT-bench (80 questions, 256 tokens); the heads, logs and
 #                                      #   answers come back under $OUT
-#   bash bench/gpu_plan.sh stage4      # issue 7: the shipped head (stage 4, token weight 1.0)
-#                                      #   on all 44.6K self-distilled answers (carry
-#                                      #   .gpu/stage4/ and
+#   bash bench/gpu_plan.sh stage4      # issue 7: the shipped head (token weight 1.0; TEMP: the
+#                                      #   token target's temperature, default 1) on all 42.5K
+#                                      #   self-distilled answers (carry .gpu/stage4/ and
 #                                      #   .gpu/train/sharegpt_more2.npz from `python -m
 #                                      #   bench.train_gpu prepare --later-turns --skip 9000
-#                                      #   --examples 30000 --data .gpu/train/sharegpt_more2.npz`)
+#                                      #   --examples 30000 --data .gpu/train/sharegpt_more2.npz`);
+#                                      #   its run in the twenty-ninth set gave stage 5; the
+#                                      #   27.8K answers it makes come back as
+#                                      #   examples_sd_more.npz (keep them under .gpu/stage4/)
 #   bash bench/gpu_plan.sh sweep_s4    # issue 8: batch 1, 4, 16, 64 at the default specs with the
 #                                      #   shipped head, MT-bench (SET=sg: held-out ShareGPT,
 #                                      #   carry .gpu/sharegpt_heldout.jsonl); one merged plot
@@ -184,15 +187,14 @@ case "${1:-}" in
     rm -f "$OUT"/tw*/loss.png    # at most 8 files come back
     ;;
   stage4)
-    # the shipped head (stage 4 since the twenty-eighth set: token weight 1.0) trained on all
-    # 44.6K answers: the 14.6K that set's calls answered (carry .gpu/stage4/) and the 30K later
-    # turns of stage 3 answered here (carry .gpu/train/sharegpt_more2.npz)
+    # the shipped head trained on all 42.5K answers: the 14.6K of the twenty-eighth set (carry
+    # .gpu/stage4/) and the 27.8K later turns of sharegpt_more2.npz answered here (carry it)
     run stage4 590 python3 -m bench.train_gpu run --gguf "$GGUF" --out "$OUT" --mode sd \
       --init-head shipped --ttt-steps 4 --lr ${LR:-1.5e-4} --warmup 100 \
       --sd-data .gpu/stage4/examples_sd_first.npz .gpu/stage4/examples_sd_more.npz \
       --more-data .gpu/train/sharegpt_more2.npz --gen-seconds 140 --train-seconds ${TRAIN_S:-300} \
-      --token-weights 1.0 --vs-shipped --deadline 580
-    rm -f "$OUT"/examples_sd_*.npz
+      --token-weights 1.0 --target-temps ${TEMP:-1.0} --vs-shipped --deadline 580
+    rm -f "$OUT"/examples_sd_first.npz    # the carried answers; the new ones come back
     ;;
   targettemp)
     # issue 7: the shipped head fine-tuned twice from the same start on the same 14.6K answers
