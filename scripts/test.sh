@@ -28,6 +28,11 @@ cores=$(nproc 2>/dev/null || echo 1)
 jobs=${TEST_JOBS:-$(( cores > 1 ? 2 : 1 ))}
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
+# One persistent compilation cache for the run's processes: tests in different files build the
+# same programs (the default model's engines, the same tiny configs), and a process finds what
+# an earlier one compiled. It starts empty and is removed with the logs.
+export JAX_COMPILATION_CACHE_DIR="$logs/xla" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 pids=()
 for ((i = 0; i < ${#files[@]}; i += per)); do
   while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 1; done
