@@ -296,9 +296,10 @@ class SpecBackend(_Dispatch):
     batches of a small model) more cycles per call keep the device busy; a request that ends
     inside a call still runs to the call's end (its extra tokens are dropped), and newcomers wait
     up to a call for admission. The accept lengths come per cycle ([B, cycles_per_call]).
-    With a single active slot a call runs one cycle (`call_size`): there the host keeps up with
-    the device, and a longer call mostly wastes cycles past the request's end (measured: 4
-    cycles per call ran batch 1 at 0.89x the speed of 1, and batch 4 at 1.34x)."""
+    With a single active slot of several a call runs one cycle (`call_size`): there the host
+    keeps up with the device, and a longer call mostly wastes cycles past the request's end
+    (measured: 4 cycles per call ran batch 1 at 0.89x the speed of 1, and batch 4 at 1.34x). A
+    one-slot engine runs cycles_per_call as given."""
 
     def __init__(self, cfg: ModelConfig, params, draft_params, spec, slots: int, max_len: int,
                  seed: int = 0, cycles_per_call: int = 1, cycle_copies: Optional[int] = None,
@@ -338,7 +339,9 @@ class SpecBackend(_Dispatch):
         return self.spec.max_emit * size, size   # an active slot emits >= 1 token per cycle
 
     def call_size(self, n_active: int) -> int:
-        return 1 if n_active <= 1 else self.cycles_per_call
+        # A one-slot engine runs the size it was built for: cycles_per_call > 1 there is asked
+        # for explicitly (the default gives one slot 1).
+        return 1 if n_active <= 1 < self.slots else self.cycles_per_call
 
     @property
     def weights(self) -> tuple:
