@@ -22,6 +22,9 @@
 #                                      #   its run in the twenty-ninth set gave stage 5; the
 #                                      #   27.8K answers it makes come back as
 #                                      #   examples_sd_more.npz (keep them under .gpu/stage4/)
+#   bash bench/gpu_plan.sh b1calls     # issue 7: batch 1 at 4x8x32 with 1, 2 and 3 cycles a call
+#                                      #   (':2', ':3'), both orders; where the host's dispatch
+#                                      #   (0.65-0.75 ms a call) bounds the pass, fewer calls help
 #   bash bench/gpu_plan.sh sweep_s4    # issue 8: batch 1, 4, 16, 64 at the default specs with the
 #                                      #   shipped head, MT-bench (SET=sg: held-out ShareGPT,
 #                                      #   carry .gpu/sharegpt_heldout.jsonl); one merged plot
@@ -230,6 +233,14 @@ case "${1:-}" in
     S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 1 --batch-sizes 64 --num-prompts 384"
     run prof_mt 250 $S --profile /tmp/prof_mt --json "$OUT/prof_mt.json"
     run prof_sg 280 $S --dataset .gpu/sharegpt_heldout.jsonl --profile /tmp/prof_sg --json "$OUT/prof_sg.json"
+    ;;
+  b1calls)
+    # issue 7: batch 1 with 2 and 3 cycles a call (a one-slot engine runs the ':K' it is given)
+    # against one, both orders; MT-bench, 80 questions, 128 tokens
+    S="$BENCH --no-peers --max-tokens ${TOKENS:-128} --repeats 2 --batch-sizes 1 --num-prompts 80"
+    run b1calls_a 280 $S --spec 4x8x32,4x8x32:2,4x8x32:3 --json "$OUT/b1calls_a.json"
+    run b1calls_b 280 $S --spec 4x8x32:3,4x8x32:2,4x8x32 --json "$OUT/b1calls_b.json"
+    python3 -m bench.pass_parts "$OUT"/b1calls_*.json
     ;;
   b1copies)
     S="$BENCH --no-peers --max-tokens ${TOKENS:-128} --spec ${SPEC:-4x8x32} --repeats 2 --batch-sizes 1 --num-prompts 40"
