@@ -11,6 +11,10 @@ target (greedy, static shapes), not on the batch: all questions run as one batch
 default 0 drafts the whole vocabulary. A head's tau under the cut can rank heads differently
 from its tau over the whole vocabulary.
 
+--turns 2 runs MT-bench as EAGLE's evaluation does: each question's second turn follows its
+first with the first turn's answer in the chat (each preset answers its own first turns), and
+tau is over the cycles of both turns; the output also gives tau per turn.
+
 --agreement (EAGLE-1 heads): where a chain's acceptance is lost, per MT-bench category. Over
 the chain preset's answers, the target's teacher-forced features and the head's chained
 training passes (`train.loss.draft_forward_ttt`) say, position by position, whether each draft
@@ -24,50 +28,91 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import numpy as np
 
 def mt_bench_questions(path=None, n: int = 80) -> List[str]:
     """First turns of MT-bench: from `path` (a jsonl in the MT-bench layout) or the packaged copy."""
+    return [turns[0] for turns in mt_bench_turns(path, n)]
+
+
+def mt_bench_turns(path=None, n: int = 80) -> List[List[str]]:
+    """Every turn of the first n MT-bench questions (two each), from `path` or the packaged
+    copy."""
     if path is None:
         from jaxspec.datasets import mt_bench
-        return [r["chat"][0]["content"] for r in mt_bench(limit=n)]
+        return [r["turns"] for r in mt_bench(limit=n)]
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [r["turns"][0] for r in rows[:n]]
+    return [list(r["turns"]) for r in rows[:n]]
+
+
+def follow_up(tok, first_turns: Sequence[str], later: Sequence[str]) -> Callable:
+    """Builds a second turn's prompts from first-turn results: the chat of each question's
+    first turn, the answer as the assistant's message (its text without special tokens, as far
+    as max_new let it run) and the next user turn, in the chat template."""
+    def prompts(results) -> List[List[int]]:
+        return tok.apply_chat_templates([
+            [{"role": "user", "content": q},
+             {"role": "assistant", "content": tok.decode(r.token_ids, skip_special_tokens=True)},
+             {"role": "user", "content": q2}]
+            for q, q2, r in zip(first_turns, later, results)])
+    return prompts
 
 
 def measure_acceptance(cfg, params, draft, prompts: Sequence[Sequence[int]], presets=("chain", "tree"),
-                       max_new: int = 256, max_slots: int = 0, runners=None) -> Dict[str, dict]:
+                       max_new: int = 256, max_slots: int = 0, runners=None,
+                       next_turns: Sequence[Callable] = ()) -> Dict[str, dict]:
     """{preset: {tau, looping, tau_unlooped, cycles, tokens, wall_s, accept_hist}} with
     SpecRunner, greedy (looping, tau_unlooped: `loop_split`). presets:
     names or STEPSxTOPKxTOKENS (as jaxspec-bench --spec).
 
-    runners: a dict kept by the caller to reuse compiled runners across heads of one shape."""
+    runners: a dict kept by the caller to reuse compiled runners across heads of one shape.
+    next_turns: for each later turn, a function of the previous turn's results giving its
+    prompts (`follow_up`); the figures then cover every turn's cycles, and 'turns' holds each
+    turn's own (tau, cycles, tokens)."""
     from jaxspec.benchmark.runner import parse_specs
-    from jaxspec.spec import SpecRunner
 
     out = {}
-    slots = max_slots or len(prompts)
     for name, spec in ((m.label, m.spec) for m in parse_specs(",".join(presets))):
-        max_len = _runner_rows(prompts, max_new, spec)
-        key = (name, slots, max_len)
-        if runners is not None and key in runners:
-            runner = runners[key]
-            runner.draft_params = draft
-        else:
-            runner = SpecRunner(cfg, params, draft, spec, max_slots=slots, max_len=max_len)
-            if runners is not None:
-                runners[key] = runner
         t0 = time.perf_counter()
-        res = runner.generate(prompts, [max_new] * len(prompts), tuple(cfg.eos_token_ids))
+        turns = [_answer(cfg, params, draft, spec, name, prompts, max_new, max_slots, runners)]
+        for make in next_turns:
+            turns.append(_answer(cfg, params, draft, spec, name, make(turns[-1]), max_new,
+                                 max_slots, runners))
         wall = time.perf_counter() - t0
+        res = [r for turn in turns for r in turn]
         acc = np.concatenate([np.asarray(r.accept_lens, np.int64) for r in res])
         out[name] = {"tau": float((acc + 1).mean()), **loop_split(res), "cycles": int(acc.size),
                      "tokens": int(sum(len(r.token_ids) for r in res)), "wall_s": round(wall, 2),
                      "accept_hist": np.bincount(acc, minlength=spec.num_steps + 1).tolist(),
                      "spec": [spec.num_steps, spec.topk, spec.num_draft_tokens]}
+        if next_turns:
+            out[name]["turns"] = [_turn_figures(turn) for turn in turns]
     return out
+
+
+def _answer(cfg, params, draft, spec, name, prompts, max_new, max_slots, runners):
+    """One turn: greedy SpecRunner results for `prompts` (a runner from `runners` when one of
+    the same preset, slots and rows was built before)."""
+    from jaxspec.spec import SpecRunner
+    slots = max_slots or len(prompts)
+    max_len = _runner_rows(prompts, max_new, spec)
+    key = (name, slots, max_len)
+    if runners is not None and key in runners:
+        runner = runners[key]
+        runner.draft_params = draft
+    else:
+        runner = SpecRunner(cfg, params, draft, spec, max_slots=slots, max_len=max_len)
+        if runners is not None:
+            runners[key] = runner
+    return runner.generate(prompts, [max_new] * len(prompts), tuple(cfg.eos_token_ids))
+
+
+def _turn_figures(res) -> dict:
+    acc = np.concatenate([np.asarray(r.accept_lens, np.int64) for r in res])
+    return {"tau": float((acc + 1).mean()), "cycles": int(acc.size),
+            "tokens": int(sum(len(r.token_ids) for r in res))}
 
 
 def chain_agreement(cfg, params, draft, seqs: Sequence[Sequence[int]], steps: int,
@@ -178,6 +223,9 @@ def main(argv=None) -> int:
                     help="EAGLE-1 heads: draft only the K most frequent tokens (0: all)")
     ap.add_argument("--ranking", default=None,
                     help="token ranking for --draft-vocab (default: the shipped head's)")
+    ap.add_argument("--turns", type=int, choices=(1, 2), default=1,
+                    help="2: also each question's second turn, after its first turn's answer "
+                         "(EAGLE's MT-bench evaluation); tau over both turns' cycles")
     ap.add_argument("--out", default=None)
     ap.add_argument("--agreement", action="store_true",
                     help="per category: the chain's tau measured and simulated from the head's "
@@ -187,6 +235,8 @@ def main(argv=None) -> int:
         ap.error(f"--draft-vocab must be >= 0 (0: the whole vocabulary), got {a.draft_vocab}")
     if a.draft_vocab and a.agreement:
         ap.error("--agreement simulates the head's full-vocabulary passes; drop --draft-vocab")
+    if a.turns > 1 and a.agreement:
+        ap.error("--agreement measures first turns only; drop --turns")
     cfg, params, tok = load_model(a.model)
     dtype = params["embed"].dtype
     draft = load_draft(a.head, cfg, dtype) if a.head else load_default_head(cfg, dtype)
@@ -195,17 +245,20 @@ def main(argv=None) -> int:
         draft = restrict_top(params, draft, cfg, a.draft_vocab, a.ranking)
     if jax.default_backend() == "gpu":
         params = llama.unstack_layers(params)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
-               for q in mt_bench_questions(n=a.questions)]
+    turns = mt_bench_turns(n=a.questions)
+    firsts = [t[0] for t in turns]
+    prompts = tok.apply_chat_templates([[{"role": "user", "content": q}] for q in firsts])
     if a.agreement:
         return _print_agreement(cfg, params, draft, prompts, a)
-    res = measure_acceptance(cfg, params, draft, prompts, a.presets, a.max_new)
+    later = [follow_up(tok, firsts, [t[1] for t in turns])] if a.turns > 1 else []
+    res = measure_acceptance(cfg, params, draft, prompts, a.presets, a.max_new, next_turns=later)
     print(f"{'preset':8s} {'(S,K,N)':12s} {'tau':>6s} {'looping':>7s} {'tau, rest':>9s} "
-          f"{'cycles':>7s} {'tokens':>7s} {'wall_s':>7s}")
+          f"{'cycles':>7s} {'tokens':>7s} {'wall_s':>7s}  per turn")
     for name, r in res.items():
         rest = "-" if r["tau_unlooped"] is None else f"{r['tau_unlooped']:.3f}"
+        each = " / ".join(f"{t['tau']:.3f}" for t in r.get("turns", ()))
         print(f"{name:8s} {str(tuple(r['spec'])):12s} {r['tau']:6.3f} {r['looping']:7.0%} "
-              f"{rest:>9s} {r['cycles']:7d} {r['tokens']:7d} {r['wall_s']:7.1f}")
+              f"{rest:>9s} {r['cycles']:7d} {r['tokens']:7d} {r['wall_s']:7.1f}  {each}")
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return 0

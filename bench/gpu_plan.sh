@@ -22,6 +22,8 @@
 #                                      #   its run in the twenty-ninth set gave stage 5; the
 #                                      #   27.8K answers it makes come back as
 #                                      #   examples_sd_more.npz (keep them under .gpu/stage4/)
+#   bash bench/gpu_plan.sh turns2      # issue 7: chain and tree tau over both MT-bench turns, as
+#                                      #   EAGLE's evaluation runs them (per turn too)
 #   bash bench/gpu_plan.sh b1calls     # issue 7: batch 1 at 4x8x32 with 1, 2 and 3 cycles a call
 #                                      #   (':2', ':3'), both orders; where the host's dispatch
 #                                      #   (0.65-0.75 ms a call) bounds the pass, fewer calls help
@@ -233,6 +235,12 @@ case "${1:-}" in
     S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 1 --batch-sizes 64 --num-prompts 384"
     run prof_mt 250 $S --profile /tmp/prof_mt --json "$OUT/prof_mt.json"
     run prof_sg 280 $S --dataset .gpu/sharegpt_heldout.jsonl --profile /tmp/prof_sg --json "$OUT/prof_sg.json"
+    ;;
+  turns2)
+    # issue 7: tau over both MT-bench turns (EAGLE's evaluation: the second turn follows the
+    # first turn's answer), chain and tree, 256 new tokens, the shipped head's 16,384 tokens
+    run turns2 400 python3 -m bench.bench_accept --presets chain tree --questions 80 \
+      --max-new 256 --draft-vocab 16384 --turns 2 --out "$OUT/turns2.json"
     ;;
   b1calls)
     # issue 7: batch 1 with 2 and 3 cycles a call (a one-slot engine runs the ':K' it is given)

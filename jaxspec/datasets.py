@@ -8,11 +8,13 @@ from typing import List, Optional
 
 
 def mt_bench(limit: Optional[int] = None) -> List[dict]:
-    """MT-bench first turns as chats, each {'id', 'category', 'chat'}."""
+    """MT-bench first turns as chats, each {'id', 'category', 'chat', 'turns'} ('turns': every
+    user turn's text, for multi-turn runs)."""
     text = resources.files("jaxspec.data").joinpath("mt_bench.jsonl").read_text()
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     out = [{"id": r["question_id"], "category": r["category"],
-            "chat": [{"role": "user", "content": r["turns"][0]}]} for r in rows]
+            "chat": [{"role": "user", "content": r["turns"][0]}], "turns": list(r["turns"])}
+           for r in rows]
     return out[:limit] if limit else out
 
 
