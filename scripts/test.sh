@@ -21,11 +21,35 @@ fi
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
-mapfile -t files < <(ls tests/test_*.py | sort)
-groups=5
-per=$(( (${#files[@]} + groups - 1) / groups ))
 cores=$(nproc 2>/dev/null || echo 1)
 jobs=${TEST_JOBS:-$(( cores > 1 ? 2 : 1 ))}
+# The files go to `jobs` lanes that run side by side, balanced by the seconds each file took
+# (tests/durations.json; a file not listed counts as the median): longest first, each to the
+# lane with the least so far. Each lane runs its files in up to 3 pytest processes one after
+# another (about 5 for the suite, as before), its longest files first.
+mapfile -t plan < <(.venv/bin/python - "$jobs" <<'PY'
+import json, pathlib, statistics, sys
+jobs = int(sys.argv[1])
+files = sorted(str(p) for p in pathlib.Path("tests").glob("test_*.py"))
+known = json.loads(pathlib.Path("tests/durations.json").read_text())
+default = statistics.median(known.values()) if known else 60
+cost = {f: known.get(pathlib.Path(f).name, default) for f in files}
+lanes = [[0.0, []] for _ in range(jobs)]
+for f in sorted(files, key=lambda f: -cost[f]):
+    lane = min(lanes, key=lambda l: l[0])
+    lane[0] += cost[f]
+    lane[1].append(f)
+per_lane = max(1, -(-5 // jobs)) if jobs > 1 else 5
+for i, (total, fs) in enumerate(lanes):
+    n = min(per_lane, len(fs))
+    for j in range(n):
+        # split the lane by time: process j takes the files up to its share of the seconds
+        part = [f for k, f in enumerate(fs)
+                if j * total / n <= sum(cost[g] for g in fs[:k]) < (j + 1) * total / n]
+        if part:
+            print(i, " ".join(part))
+PY
+)
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 # One persistent compilation cache for the run's processes: tests in different files build the
@@ -33,17 +57,26 @@ trap 'rm -rf "$logs"' EXIT
 # an earlier one compiled. It starts empty and is removed with the logs.
 export JAX_COMPILATION_CACHE_DIR="$logs/xla" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+lanes=$(printf '%s\n' "${plan[@]}" | cut -d' ' -f1 | sort -u)
 pids=()
-for ((i = 0; i < ${#files[@]}; i += per)); do
-  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 1; done
-  ( echo "== pytest ${files[*]:i:per}"
-    .venv/bin/python -m pytest --durations=8 "${files[@]:i:per}" ) > "$logs/$i.log" 2>&1 &
-  pids+=("$i:$!")
+for lane in $lanes; do
+  ( n=0
+    for entry in "${plan[@]}"; do
+      [ "${entry%% *}" = "$lane" ] || continue
+      read -ra part <<< "${entry#* }"
+      ( echo "== pytest ${part[*]}"
+        .venv/bin/python -m pytest --durations=8 "${part[@]}" ) > "$logs/$lane.$n.log" 2>&1 \
+        || echo "$lane.$n" >> "$logs/failed"
+      n=$((n + 1))
+    done ) &
+  pids+=("$!")
 done
 status=0
-for entry in "${pids[@]}"; do
-  i=${entry%%:*}
-  wait "${entry#*:}" || status=$?
-  cat "$logs/$i.log"
+for pid in "${pids[@]}"; do
+  wait "$pid" || status=$?
 done
+for log in $(ls "$logs"/*.log | sort -V); do
+  cat "$log"
+done
+[ -e "$logs/failed" ] && status=1
 exit "$status"
