@@ -226,6 +226,9 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, choices=(1, 2), default=1,
                     help="2: also each question's second turn, after its first turn's answer "
                          "(EAGLE's MT-bench evaluation); tau over both turns' cycles")
+    ap.add_argument("--max-slots", type=int, default=0,
+                    help="slots a runner holds (0: every question at once); fewer bound memory, "
+                         "not tau")
     ap.add_argument("--out", default=None)
     ap.add_argument("--agreement", action="store_true",
                     help="per category: the chain's tau measured and simulated from the head's "
@@ -235,6 +238,8 @@ def main(argv=None) -> int:
         ap.error(f"--draft-vocab must be >= 0 (0: the whole vocabulary), got {a.draft_vocab}")
     if a.draft_vocab and a.agreement:
         ap.error("--agreement simulates the head's full-vocabulary passes; drop --draft-vocab")
+    if a.max_slots < 0:
+        ap.error(f"--max-slots must be >= 0 (0: every question at once), got {a.max_slots}")
     if a.turns > 1 and a.agreement:
         ap.error("--agreement measures first turns only; drop --turns")
     cfg, params, tok = load_model(a.model)
@@ -251,7 +256,8 @@ def main(argv=None) -> int:
     if a.agreement:
         return _print_agreement(cfg, params, draft, prompts, a)
     later = [follow_up(tok, firsts, [t[1] for t in turns])] if a.turns > 1 else []
-    res = measure_acceptance(cfg, params, draft, prompts, a.presets, a.max_new, next_turns=later)
+    res = measure_acceptance(cfg, params, draft, prompts, a.presets, a.max_new, a.max_slots,
+                             next_turns=later)
     print(f"{'preset':8s} {'(S,K,N)':12s} {'tau':>6s} {'looping':>7s} {'tau, rest':>9s} "
           f"{'cycles':>7s} {'tokens':>7s} {'wall_s':>7s}  per turn")
     for name, r in res.items():
