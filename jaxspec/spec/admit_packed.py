@@ -105,11 +105,14 @@ def packed_forward(params, cfg: ModelConfig, cache: KVCache, tokens, lay: PackLa
     [len, 1, R * W, H] or None): the pack's tokens as one flat row."""
     r, w = tokens.shape
     shape = (cfg.num_layers, r, cfg.num_kv_heads, w, cfg.head_dim)
-    # nothing of it is read (length 0); the barrier as in admit.take_slots
-    empty = jax.lax.optimization_barrier(jnp.zeros(shape, cache.k.dtype))
+    # nothing of it is read (length 0). The barriers keep XLA from constant-folding the
+    # attention over it: its softmax max over a known-masked prefix took XLA's evaluator
+    # seconds per admission program at compile time.
+    empty, none = jax.lax.optimization_barrier((jnp.zeros(shape, cache.k.dtype),
+                                                jnp.zeros((r,), jnp.int32)))
     hidden, k_new, v_new, captured = llama.forward(
-        params, cfg.for_prefill(packed=True), tokens, lay.pos, empty, empty,
-        jnp.zeros((r,), jnp.int32), lay.mask, capture_layers)
+        params, cfg.for_prefill(packed=True), tokens, lay.pos, empty, empty, none, lay.mask,
+        capture_layers)
     cache = KVCache(scatter_rows(cache.k, k_new, slot_tok, lay.pos),
                     scatter_rows(cache.v, v_new, slot_tok, lay.pos), cache.lens)
     if captured is not None:

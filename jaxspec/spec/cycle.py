@@ -105,9 +105,9 @@ def prefill(params, draft_params, state: SpecState, tokens, prompt_lens, samplin
     b, p = tokens.shape
     sp = state.sampling if sampling is None else sampling
     rng = state.rng if rng is None else rng
-    # From an argument, not a constant: XLA would constant-fold the attention over the (empty)
-    # cache at full batch size, which takes seconds at compile time for large batches.
-    zeros = prompt_lens * 0
+    # Not a constant (XLA simplifies `prompt_lens * 0` to one): XLA would constant-fold the
+    # attention over the (empty) cache at full batch size, seconds at compile time.
+    zeros = jax.lax.optimization_barrier(jnp.zeros_like(prompt_lens))
     pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
     hidden, k_new, v_new, captured = llama.forward(
         params, cfg.for_prefill(), tokens, pos, state.target.k, state.target.v, zeros,
