@@ -82,10 +82,9 @@ def measure_acceptance(cfg, params, draft, prompts: Sequence[Sequence[int]], pre
                                  max_slots, runners))
         wall = time.perf_counter() - t0
         res = [r for turn in turns for r in turn]
-        acc = np.concatenate([np.asarray(r.accept_lens, np.int64) for r in res])
-        out[name] = {"tau": float((acc + 1).mean()), **loop_split(res), "cycles": int(acc.size),
-                     "tokens": int(sum(len(r.token_ids) for r in res)), "wall_s": round(wall, 2),
-                     "accept_hist": np.bincount(acc, minlength=spec.num_steps + 1).tolist(),
+        out[name] = {**_turn_figures(res), **loop_split(res), "wall_s": round(wall, 2),
+                     "accept_hist": np.bincount(_accepts(res),
+                                                minlength=spec.num_steps + 1).tolist(),
                      "spec": [spec.num_steps, spec.topk, spec.num_draft_tokens]}
         if next_turns:
             out[name]["turns"] = [_turn_figures(turn) for turn in turns]
@@ -109,8 +108,14 @@ def _answer(cfg, params, draft, spec, name, prompts, max_new, max_slots, runners
     return runner.generate(prompts, [max_new] * len(prompts), tuple(cfg.eos_token_ids))
 
 
+def _accepts(res) -> np.ndarray:
+    """Every cycle's accepted draft tokens over SpecRunner results, in order."""
+    return np.concatenate([np.asarray(r.accept_lens, np.int64) for r in res])
+
+
 def _turn_figures(res) -> dict:
-    acc = np.concatenate([np.asarray(r.accept_lens, np.int64) for r in res])
+    """tau (accepted + bonus per cycle), cycles and emitted tokens of SpecRunner results."""
+    acc = _accepts(res)
     return {"tau": float((acc + 1).mean()), "cycles": int(acc.size),
             "tokens": int(sum(len(r.token_ids) for r in res))}
 

@@ -20,7 +20,7 @@ if XLA_FLAGS="${XLA_FLAGS:-} $legacy" .venv/bin/python -c 'import jax; jax.devic
 fi
 # Most of the suite's time is XLA compiling small programs; LLVM's optimizations of the CPU code
 # are most of that and buy little on these tiny shapes. Level 0 (HLO passes unchanged, so the
-# programs, their collectives and numerics are the same) took tests/test_engine_warmup.py's
+# HLO programs and their collectives are the same; only the machine code differs) took tests/test_engine_warmup.py's
 # first_chunk_wider_than_the_slot[plain] from 92 to 41 s and test_llm.py with
 # test_eagle3_train.py (real SmolLM2 weights, training) from 724 to 457 s on a loaded 2-core box.
 optlevel=--xla_backend_optimization_level=0
@@ -35,8 +35,9 @@ cores=$(nproc 2>/dev/null || echo 1)
 jobs=${TEST_JOBS:-$(( cores > 1 ? 2 : 1 ))}
 # The files go to `jobs` lanes that run side by side, balanced by the seconds each file took
 # (tests/durations.json; a file not listed counts as the median): longest first, each to the
-# lane with the least so far. Each lane runs its files in up to 3 pytest processes one after
-# another (about 5 for the suite, as before), its longest files first.
+# lane with the least so far. Each lane runs its files in up to ceil(5 / jobs) pytest processes
+# one after another (6 for the suite on two lanes), its longest files first: one process for the
+# whole suite has crashed inside XLA (above).
 mapfile -t plan < <(.venv/bin/python - "$jobs" <<'PY'
 import json, pathlib, statistics, sys
 jobs = int(sys.argv[1])
