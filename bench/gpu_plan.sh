@@ -239,7 +239,7 @@ case "${1:-}" in
   turns2)
     # issue 7: tau over both MT-bench turns (EAGLE's evaluation: the second turn follows the
     # first turn's answer), chain and tree, 256 new tokens, the shipped head's 16,384 tokens
-    run turns2 400 python3 -m bench.bench_accept --presets chain tree --questions 80 \
+    run turns2 400 python3 -m bench.bench_accept --model "$GGUF" --presets chain tree --questions 80 \
       --max-new 256 --draft-vocab 16384 --turns 2 --out "$OUT/turns2.json"
     ;;
   b1calls)
