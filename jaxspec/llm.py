@@ -72,7 +72,8 @@ class LLM:
     cycles_per_call: speculative cycles per device call (`SpecBackend(cycles_per_call=)`, the
     speculative counterpart of decode_chunk): more amortize the host's cost per call where it
     exceeds a cycle's device time (large batches of a small model). None:
-    `engine.default_cycles_per_call(max_batch)` (4 on a GPU for max_batch > 1, else 1). An
+    `engine.default_cycles_per_call(max_batch)` (on a GPU 4 for max_batch > 1, 2 for 1; 1 on a
+    CPU). An
     engine of several slots runs one cycle a call while a single slot is active; max_batch=1
     runs the number given.
     prefill_width_growth: ratio of successive prefill chunk widths (`Engine(width_growth=)`): 4

@@ -265,8 +265,9 @@ def test_features_of_params():
 
 def test_defaults_by_backend_and_batch(monkeypatch):
     """Tree shape, cycles per call and admission interval when none is asked for
-    (bench/RESULTS.md, sixth, seventh, fifteenth, twenty-first and twenty-sixth sets): on a GPU
-    a 4-step, 32-token tree at batch 1, the chain with 4 cycles per call above it (a 2-wide tree
+    (bench/RESULTS.md, sixth, seventh, fifteenth, twenty-first, twenty-sixth and thirty-first
+    sets): on a GPU a 4-step, 32-token tree at 2 cycles per call at batch 1, the chain with 4
+    cycles per call above it (a 2-wide tree
     of the chain's 4 tokens from 16 slots), and speculative engines
     of 32+ slots admitting every second call (64+: every third), prompts prefilled in chunks of
     up to 2048 tokens (twenty-seventh set); on a CPU the chain, one cycle per call, admissions
@@ -283,7 +284,7 @@ def test_defaults_by_backend_and_batch(monkeypatch):
     assert backends.default_spec(4) == backends.default_spec(15) == "chain"
     assert resolve_spec(backends.default_spec(16)) == resolve_spec(backends.default_spec(64)) \
         == SpecConfig(3, 2, 4)
-    assert (backends.default_cycles_per_call(1), backends.default_cycles_per_call(4)) == (1, 4)
+    assert (backends.default_cycles_per_call(1), backends.default_cycles_per_call(4)) == (2, 4)
     assert [backends.default_admit_interval(s, True) for s in (1, 16, 31, 32, 63, 64, 128)] == \
         [1, 1, 1, 2, 2, 3, 3]
     assert backends.default_admit_interval(64, False) == 1

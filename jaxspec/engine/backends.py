@@ -194,12 +194,17 @@ def _admit_key(slot_idx, tokens, features, first: bool) -> tuple:
 
 
 def default_cycles_per_call(slots: int) -> int:
-    """Speculative cycles per call when none is asked for: 4 on a GPU for more than one slot, 1
-    otherwise. Measured on the H100 with SmolLM2 and its head (bench/RESULTS.md, sixth set):
-    batch 4, 16, 64 ran 1.34x, 1.32x, 1.35x faster with 4 cycles per call than with 1, while
-    batch 1 ran 0.89x as fast (the end of each request wastes up to a call). A CPU runs the
-    cycles on the host itself: nothing to overlap."""
-    return 4 if slots > 1 and jax.default_backend() == "gpu" else 1
+    """Speculative cycles per call when none is asked for: on a GPU 4 for more than one slot and
+    2 for one, else 1. Measured on the H100 with SmolLM2 and its head: batch 4, 16, 64 ran 1.34x,
+    1.32x, 1.35x faster with 4 cycles per call than with 1 (bench/RESULTS.md, sixth set); batch
+    1 at 4x8x32 (MT-bench, 80 prompts, 128 tokens) ran 2.42-2.43x plain with 2 cycles a call,
+    2.40-2.45x with 3 and 2.09-2.32x with 1, in two runs of opposite orders (thirty-first set):
+    the host's ~1 ms per call exceeds the one-slot cycle's device time, and a request's end
+    wastes at most one cycle of a 2-cycle call. A CPU runs the cycles on the host itself:
+    nothing to overlap."""
+    if jax.default_backend() != "gpu":
+        return 1
+    return 4 if slots > 1 else 2
 
 
 def default_admit_interval(slots: int, speculative: bool) -> int:
