@@ -23,10 +23,11 @@
 #                                      #   27.8K answers it makes come back as
 #                                      #   examples_sd_more.npz (keep them under .gpu/stage4/)
 #   bash bench/gpu_plan.sh turns2      # issue 7: chain and tree tau over both MT-bench turns, as
-#                                      #   EAGLE's evaluation runs them (per turn too)
+#                                      #   EAGLE's evaluation runs them (per turn too), drafting
+#                                      #   16,384 tokens and all (VOCABS; thirty-first set)
 #   bash bench/gpu_plan.sh b1calls     # issue 7: batch 1 at 4x8x32 with 1, 2 and 3 cycles a call
-#                                      #   (':2', ':3'), both orders; where the host's dispatch
-#                                      #   (0.65-0.75 ms a call) bounds the pass, fewer calls help
+#                                      #   (':1', ':2', ':3'), both orders (thirty-first set: 2
+#                                      #   became the batch-1 default; ':1' is the old one)
 #   bash bench/gpu_plan.sh sweep_s4    # issue 8: batch 1, 4, 16, 64 at the default specs with the
 #                                      #   shipped head, MT-bench (SET=sg: held-out ShareGPT,
 #                                      #   carry .gpu/sharegpt_heldout.jsonl); one merged plot
@@ -238,16 +239,19 @@ case "${1:-}" in
     ;;
   turns2)
     # issue 7: tau over both MT-bench turns (EAGLE's evaluation: the second turn follows the
-    # first turn's answer), chain and tree, 256 new tokens, the shipped head's 16,384 tokens
-    run turns2 400 python3 -m bench.bench_accept --model "$GGUF" --presets chain tree --questions 80 \
-      --max-new 256 --draft-vocab 16384 --turns 2 --out "$OUT/turns2.json"
+    # first turn's answer), chain and tree, 256 new tokens, drafting the shipped head's 16,384
+    # tokens and all of them (thirty-first set: 2.49993 / 4.321 and 2.568 / 4.654), 50 s each
+    for v in ${VOCABS:-16384 0}; do
+      run turns2_v$v 280 python3 -m bench.bench_accept --model "$GGUF" --presets chain tree \
+        --questions 80 --max-new 256 --draft-vocab $v --turns 2 --out "$OUT/turns2_v$v.json"
+    done
     ;;
   b1calls)
     # issue 7: batch 1 with 2 and 3 cycles a call (a one-slot engine runs the ':K' it is given)
     # against one, both orders; MT-bench, 80 questions, 128 tokens
     S="$BENCH --no-peers --max-tokens ${TOKENS:-128} --repeats 2 --batch-sizes 1 --num-prompts 80"
-    run b1calls_a 280 $S --spec 4x8x32,4x8x32:2,4x8x32:3 --json "$OUT/b1calls_a.json"
-    run b1calls_b 280 $S --spec 4x8x32:3,4x8x32:2,4x8x32 --json "$OUT/b1calls_b.json"
+    run b1calls_a 280 $S --spec 4x8x32:1,4x8x32:2,4x8x32:3 --json "$OUT/b1calls_a.json"
+    run b1calls_b 280 $S --spec 4x8x32:3,4x8x32:2,4x8x32:1 --json "$OUT/b1calls_b.json"
     python3 -m bench.pass_parts "$OUT"/b1calls_*.json
     ;;
   b1copies)
