@@ -76,7 +76,8 @@ for lane in $lanes; do
       [ "${entry%% *}" = "$lane" ] || continue
       read -ra part <<< "${entry#* }"
       ( echo "== pytest ${part[*]}"
-        .venv/bin/python -m pytest --durations=8 "${part[@]}" ) > "$logs/$lane.$n.log" 2>&1 \
+        .venv/bin/python -m pytest --durations=8 --junitxml="$logs/$lane.$n.xml" "${part[@]}" ) \
+        > "$logs/$lane.$n.log" 2>&1 \
         || echo "$lane.$n" >> "$logs/failed"
       n=$((n + 1))
     done ) &
@@ -89,5 +90,21 @@ done
 for log in $(ls "$logs"/*.log | sort -V); do
   cat "$log"
 done
+# Seconds per file in this run (from the JUnit reports), the figures the lanes are balanced by;
+# UPDATE_DURATIONS=1 writes them to tests/durations.json.
+.venv/bin/python - "$logs" "${UPDATE_DURATIONS:-0}" <<'PY'
+import collections, json, pathlib, sys
+import xml.etree.ElementTree as ET
+secs = collections.Counter()
+for xml in pathlib.Path(sys.argv[1]).glob("*.xml"):
+    for case in ET.parse(xml).iter("testcase"):
+        name = (case.get("classname") or "").split(".")[-1] + ".py"
+        secs[name] += float(case.get("time") or 0)
+if secs:
+    print("seconds per file:", ", ".join(f"{f} {s:.0f}" for f, s in secs.most_common()))
+    if sys.argv[2] == "1":
+        out = {f: round(s) for f, s in sorted(secs.items())}
+        pathlib.Path("tests/durations.json").write_text(json.dumps(out, indent=1) + "\n")
+PY
 [ -e "$logs/failed" ] && status=1
 exit "$status"

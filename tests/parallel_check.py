@@ -3,9 +3,9 @@ devices (the flag must be set before jax initialises, so it cannot run inside py
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/parallel_check.py 2 4
 
-runs the checks on the first 2 and on all 4 devices (one process, so the single-device
-references and their compilations are shared; the GSPMD-only tensor-parallel paths run on all
-devices only). Each check compares greedy outputs with the single-device runners, token for
+runs tensor parallel on the first 2 and on all 4 devices, speculative data parallel on the
+first 2 and plain on all 4 (one process, so the single-device references and their compilations
+are shared; the GSPMD-only tensor-parallel paths run on all devices only). Each check compares greedy outputs with the single-device runners, token for
 token, and prints `ok <name>`; a mismatch raises.
 """
 import dataclasses
@@ -81,18 +81,18 @@ def check(name, got, want):
 
 def check_dp(n):
     p, d = pair()
-    r = DataParallelSpecRunner(CFG, p, d, SPEC, slots=2, max_len=MAX_LEN, replicas=n)
-    res = r.generate(PROMPTS, NEW)
-    check(f"dp{n}-spec", [x.token_ids for x in res], spec_reference())
-    assert all(sum(a + 1 for a in x.accept_lens) >= len(x.token_ids) - 1 for x in res)
-    # The same runner again (state reused, nothing recompiled) with fewer prompts than slots.
-    check(f"dp{n}-spec-again", [x.token_ids for x in r.generate(PROMPTS[:1], NEW[:1])],
-          spec_reference()[:1])
     if n < jax.device_count():
-        # The engine's data parallel: speculative on the fewer devices, plain on all (each
-        # engine's warm-up compiles every admission shape: one device count per kind).
+        # Speculative on the fewer devices, plain on all: the pmap runner and the engine are
+        # the same code at any replica count, and each count's compiles are the cost.
+        r = DataParallelSpecRunner(CFG, p, d, SPEC, slots=2, max_len=MAX_LEN, replicas=n)
+        res = r.generate(PROMPTS, NEW)
+        check(f"dp{n}-spec", [x.token_ids for x in res], spec_reference())
+        assert all(sum(a + 1 for a in x.accept_lens) >= len(x.token_ids) - 1 for x in res)
+        # The same runner again (state reused, nothing recompiled) with fewer prompts than slots.
+        check(f"dp{n}-spec-again", [x.token_ids for x in r.generate(PROMPTS[:1], NEW[:1])],
+              spec_reference()[:1])
         check_dp_engine(n, "spec")
-        return   # plain decoding once, on all devices (its compiles are the cost)
+        return
     check_dp_engine(n, "plain")
     pr = DataParallelPlainRunner(CFG, p, slots=2, max_len=MAX_LEN, replicas=n, decode_chunk=8)
     gens = pr.generate(PROMPTS, [SamplingParams(max_tokens=m) for m in NEW], [set()] * 7)

@@ -1,9 +1,9 @@
 """Data and tensor parallel: greedy outputs equal the single device's, token for token.
 
 The multi-device checks run in one subprocess with 4 fake CPU devices
-(`XLA_FLAGS=--xla_force_host_platform_device_count=4` must be set before jax initialises), each
-check on the first 2 devices and on all 4 (tests/parallel_check.py); the layout and error checks
-run here.
+(`XLA_FLAGS=--xla_force_host_platform_device_count=4` must be set before jax initialises): tensor
+parallel on the first 2 devices and on all 4, data parallel speculative on 2 and plain on 4
+(tests/parallel_check.py); the layout and error checks run here.
 """
 import dataclasses
 import os
@@ -40,9 +40,8 @@ def multi_device_run():
     return proc
 
 
-CHECKS = [f"{kind}{n}-{what}" for n in (2, 4) for kind, what in
-          [("dp", "spec"), ("dp", "spec-again"), ("tp", "forward"), ("tp", "spec")]]
-CHECKS += ["dp2-engine-spec", "dp2-engine-spec-sampled"]
+CHECKS = [f"tp{n}-{what}" for n in (2, 4) for what in ("forward", "spec")]
+CHECKS += ["dp2-spec", "dp2-spec-again", "dp2-engine-spec", "dp2-engine-spec-sampled"]
 CHECKS += ["dp4-engine-plain", "dp4-engine-plain-sampled"]
 CHECKS += ["dp4-plain", "dp4-plain-vs-spec", "tp4-jit-cycle", "tp4-collectives", "tp4-plain-tied",
            "tp4-engine"]
