@@ -197,11 +197,11 @@ def default_cycles_per_call(slots: int) -> int:
     """Speculative cycles per call when none is asked for: on a GPU 4 for more than one slot and
     2 for one, else 1. Measured on the H100 with SmolLM2 and its head: batch 4, 16, 64 ran 1.34x,
     1.32x, 1.35x faster with 4 cycles per call than with 1 (bench/RESULTS.md, sixth set); batch
-    1 at 4x8x32 (MT-bench, 80 prompts, 128 tokens) ran 2.42-2.43x plain with 2 cycles a call,
-    2.40-2.45x with 3 and 2.09-2.32x with 1, in two runs of opposite orders (thirty-first set):
-    the host's ~1 ms per call exceeds the one-slot cycle's device time, and a request's end
-    wastes at most one cycle of a 2-cycle call. A CPU runs the cycles on the host itself:
-    nothing to overlap."""
+    1 at 4x8x32 (MT-bench, 80 prompts, 128 tokens, thirty-first set) ran 2.42-2.54x plain with
+    2 cycles a call on three machines against 2.09-2.57x with 1: where the host is slow its ~1
+    ms a call outlasts the one-slot cycle's device time (2 won by 5-16%), where it is fast 1
+    won by 1.2-1.7% (a request's last call may run a wasted cycle). A CPU runs the cycles on
+    the host itself: nothing to overlap."""
     if jax.default_backend() != "gpu":
         return 1
     return 4 if slots > 1 else 2
