@@ -44,7 +44,8 @@ jobs = int(sys.argv[1])
 files = sorted(str(p) for p in pathlib.Path("tests").glob("test_*.py"))
 known = json.loads(pathlib.Path("tests/durations.json").read_text())
 default = statistics.median(known.values()) if known else 60
-cost = {f: known.get(pathlib.Path(f).name, default) for f in files}
+# at least a second each: a file of 0 s must still fall in some process's share
+cost = {f: max(1, known.get(pathlib.Path(f).name, default)) for f in files}
 lanes = [[0.0, []] for _ in range(jobs)]
 for f in sorted(files, key=lambda f: -cost[f]):
     lane = min(lanes, key=lambda l: l[0])
@@ -53,10 +54,12 @@ for f in sorted(files, key=lambda f: -cost[f]):
 per_lane = max(1, -(-5 // jobs)) if jobs > 1 else 5
 for i, (total, fs) in enumerate(lanes):
     n = min(per_lane, len(fs))
-    for j in range(n):
-        # split the lane by time: process j takes the files up to its share of the seconds
-        part = [f for k, f in enumerate(fs)
-                if j * total / n <= sum(cost[g] for g in fs[:k]) < (j + 1) * total / n]
+    # split the lane by time: process j takes the files that start in its share of the seconds
+    # (every file lands in exactly one: its start is below the lane's total)
+    parts = [[] for _ in range(n)]
+    for k, f in enumerate(fs):
+        parts[min(n - 1, int(sum(cost[g] for g in fs[:k]) * n / total))].append(f)
+    for part in parts:
         if part:
             print(i, " ".join(part))
 PY
