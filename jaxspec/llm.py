@@ -73,9 +73,8 @@ class LLM:
     speculative counterpart of decode_chunk): more amortize the host's cost per call where it
     exceeds a cycle's device time (large batches of a small model). None:
     `engine.default_cycles_per_call(max_batch)` (on a GPU 4 for max_batch > 1, 2 for 1; 1 on a
-    CPU). An
-    engine of several slots runs one cycle a call while a single slot is active; max_batch=1
-    runs the number given.
+    CPU). An engine of several slots runs one cycle a call while a single slot is active;
+    max_batch=1 runs the number given.
     prefill_width_growth: ratio of successive prefill chunk widths (`Engine(width_growth=)`): 4
     runs chunks 16, 64, 256 or 512 wide; 2 pads short chat prompts less (16, 32, .., 512) for
     more programs to compile at warm-up.

@@ -56,9 +56,10 @@ for i, (total, fs) in enumerate(lanes):
     n = min(per_lane, len(fs))
     # split the lane by time: process j takes the files that start in its share of the seconds
     # (every file lands in exactly one: its start is below the lane's total)
-    parts = [[] for _ in range(n)]
-    for k, f in enumerate(fs):
-        parts[min(n - 1, int(sum(cost[g] for g in fs[:k]) * n / total))].append(f)
+    parts, start = [[] for _ in range(n)], 0.0
+    for f in fs:
+        parts[min(n - 1, int(start * n / total))].append(f)
+        start += cost[f]
     for part in parts:
         if part:
             print(i, " ".join(part))

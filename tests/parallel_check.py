@@ -5,8 +5,9 @@ devices (the flag must be set before jax initialises, so it cannot run inside py
 
 runs tensor parallel on the first 2 and on all 4 devices, speculative data parallel on the
 first 2 and plain on all 4 (one process, so the single-device references and their compilations
-are shared; the GSPMD-only tensor-parallel paths run on all devices only). Each check compares greedy outputs with the single-device runners, token for
-token, and prints `ok <name>`; a mismatch raises.
+are shared; the GSPMD-only tensor-parallel paths run on all devices only). Each check compares
+greedy outputs with the single-device runners, token for token, and prints `ok <name>`; a
+mismatch raises.
 """
 import dataclasses
 import functools

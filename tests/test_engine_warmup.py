@@ -267,9 +267,8 @@ def test_defaults_by_backend_and_batch(monkeypatch):
     """Tree shape, cycles per call and admission interval when none is asked for
     (bench/RESULTS.md, sixth, seventh, fifteenth, twenty-first, twenty-sixth and thirty-first
     sets): on a GPU a 4-step, 32-token tree at 2 cycles per call at batch 1, the chain with 4
-    cycles per call above it (a 2-wide tree
-    of the chain's 4 tokens from 16 slots), and speculative engines
-    of 32+ slots admitting every second call (64+: every third), prompts prefilled in chunks of
+    cycles per call above it (a 2-wide tree of the chain's 4 tokens from 16 slots), and
+    speculative engines of 32+ slots admitting every second call (64+: every third), prompts prefilled in chunks of
     up to 2048 tokens (twenty-seventh set); on a CPU the chain, one cycle per call, admissions
     at once, 512-token chunks."""
     from jaxspec.engine import backends
