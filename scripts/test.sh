@@ -80,7 +80,7 @@ for lane in $lanes; do
       [ "${entry%% *}" = "$lane" ] || continue
       read -ra part <<< "${entry#* }"
       ( echo "== pytest ${part[*]}"
-        .venv/bin/python -m pytest --durations=8 --junitxml="$logs/$lane.$n.xml" "${part[@]}" ) \
+        .venv/bin/python -m pytest --durations="${PYTEST_DURATIONS:-8}" --junitxml="$logs/$lane.$n.xml" "${part[@]}" ) \
         > "$logs/$lane.$n.log" 2>&1 \
         || echo "$lane.$n" >> "$logs/failed"
       n=$((n + 1))
