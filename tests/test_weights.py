@@ -239,6 +239,34 @@ def test_cache_hit_and_corrupt_entry_rebuilt(tmp_path, monkeypatch, caplog):
     assert len(list((tmp_path / "cache").glob("params-*.safetensors"))) == 2
 
 
+def test_gguf_parsed_once_a_process_until_the_file_changes(tmp_path):
+    """A second load of an unchanged GGUF reuses the parsed reader; a file rewritten in place
+    (new size or mtime) is parsed and checked again, so a damaged rewrite is still an error."""
+    from jaxspec.loading import gguf_file
+    path = tmp_path / "m.gguf"
+    tensors = random_hf_tensors(TINY)
+    write_gguf(path, TINY, tensors)
+    first = gguf_file.open_gguf(path)
+    assert gguf_file.open_gguf(path) is first
+    assert gguf_file.open_gguf(path, reuse=False) is not first
+    meta = gguf_file.metadata(first)
+    meta["general.architecture"] = "changed by a caller"
+    assert gguf_file.metadata(first)["general.architecture"] == "llama"   # a new dict each call
+
+    other = dict(tensors)
+    other["model.norm.weight"] = tensors["model.norm.weight"] + 1.0
+    write_gguf(path, TINY, other)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
+    second = gguf_file.open_gguf(path)
+    assert second is not first
+    _, p = load_params(path, dtype=jnp.float32, use_cache=False)
+    np.testing.assert_array_equal(np.asarray(p["final_norm"]), other["model.norm.weight"])
+
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    with pytest.raises(WeightsError, match="truncated GGUF file|not a readable GGUF"):
+        gguf_file.open_gguf(path)
+
+
 def test_load_model_does_not_import_torch(smollm2_gguf):
     code = ("import sys; from jaxspec.weights import load_model; "
             "cfg, p, tok = load_model(); tok.apply_chat_template([{'role': 'user', 'content': 'hi'}]); "

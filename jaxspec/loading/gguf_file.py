@@ -5,9 +5,11 @@ adjacent pairs; the forward here (like HF) rotates halves, so the permutation is
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
+import weakref
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -46,11 +48,36 @@ def hf_name(gguf_name: str) -> Optional[str]:
     return None
 
 
-def open_gguf(path: Path):
-    """A `gguf.GGUFReader`, with every way a damaged file fails turned into a WeightsError."""
+# Parsing a GGUF's fields is pure Python over every token string: 4 s for SmolLM2's 49,152
+# tokens and 48,900 merges, on each load. A process that builds several LLMs on one file (a
+# script comparing settings, the test suite) parses it once: readers are kept by the file's
+# identity (path, size, mtime, inode), so a file rewritten in place is read and checked again.
+_READERS: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
+_KEEP_READERS = 2
+_METADATA: "weakref.WeakKeyDictionary[Any, Dict[bool, Dict[str, Any]]]" = weakref.WeakKeyDictionary()
+
+
+def open_gguf(path: Path, reuse: bool = True):
+    """A `gguf.GGUFReader`, with every way a damaged file fails turned into a WeightsError.
+
+    reuse: hand back the reader of an earlier call on the same unchanged file (read-only: it
+    maps the file and holds the parsed fields)."""
+    st = Path(path).stat()
+    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if reuse and key in _READERS:
+        _READERS.move_to_end(key)
+        return _READERS[key]
+    reader = _open_checked(Path(path), st.st_size)
+    if reuse:
+        _READERS[key] = reader
+        while len(_READERS) > _KEEP_READERS:
+            _READERS.popitem(last=False)
+    return reader
+
+
+def _open_checked(path: Path, size: int):
     import gguf
 
-    size = path.stat().st_size
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # noqa: BLE001 - the reader raises many types on a damaged file
@@ -65,16 +92,21 @@ def open_gguf(path: Path):
 
 
 def metadata(reader, include_tokenizer: bool = False) -> Dict[str, Any]:
-    """Key -> plain Python value (str, int, float, bool, list)."""
-    out = {}
-    for k, field in reader.fields.items():
-        if k.startswith("GGUF.") or (k in _TOKENIZER_ARRAYS and not include_tokenizer):
-            continue
-        try:
-            out[k] = field.contents()
-        except Exception as e:  # noqa: BLE001
-            raise WeightsError(f"{reader.data.filename}: corrupt GGUF metadata {k!r} ({e})") from None
-    return out
+    """Key -> plain Python value (str, int, float, bool, list); a new dict each call, its values
+    converted once per reader (the tokenizer's lists are shared: read them, don't change them)."""
+    done = _METADATA.setdefault(reader, {})
+    if include_tokenizer not in done:
+        out = {}
+        for k, field in reader.fields.items():
+            if k.startswith("GGUF.") or (k in _TOKENIZER_ARRAYS and not include_tokenizer):
+                continue
+            try:
+                out[k] = field.contents()
+            except Exception as e:  # noqa: BLE001
+                raise WeightsError(f"{reader.data.filename}: corrupt GGUF metadata {k!r} "
+                                   f"({e})") from None
+        done[include_tokenizer] = out
+    return dict(done[include_tokenizer])
 
 
 def read_config(path: Path, reader) -> ModelConfig:
