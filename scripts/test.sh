@@ -20,39 +20,56 @@ if XLA_FLAGS="${XLA_FLAGS:-} $legacy" .venv/bin/python -c 'import jax; jax.devic
 fi
 # Most of the suite's time is XLA compiling small programs; LLVM's optimizations of the CPU code
 # are most of that and buy little on these tiny shapes. Level 0 (HLO passes unchanged, so the
-# HLO programs and their collectives are the same; only the machine code differs) took tests/test_engine_warmup.py's
-# first_chunk_wider_than_the_slot[plain] from 92 to 41 s and test_llm.py with
-# test_eagle3_train.py (real SmolLM2 weights, training) from 724 to 457 s on a loaded 2-core box.
+# HLO programs and their collectives are the same; only the machine code differs) took
+# tests/test_engine_warmup.py's first_chunk_wider_than_the_slot[plain] from 92 to 41 s. Tests
+# that run the real SmolLM2 weights (marked real_weights) are the opposite: their time is the
+# model running, and at level 0 a SmolLM2 forward ran 3.4x slower. They run in a process of
+# their own at the full level: 293 s against 401 s, alone on 2 cores.
+full_flags=${XLA_FLAGS:-}
 optlevel=--xla_backend_optimization_level=0
 if XLA_FLAGS="${XLA_FLAGS:-} $optlevel" .venv/bin/python -c 'import jax; jax.devices()' \
     >/dev/null 2>&1; then
   export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$optlevel"
 fi
+quick_flags=$XLA_FLAGS
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
 cores=$(nproc 2>/dev/null || echo 1)
 jobs=${TEST_JOBS:-$(( cores > 1 ? 2 : 1 ))}
-# The files go to `jobs` lanes that run side by side, balanced by the seconds each file took
-# (tests/durations.json; a file not listed counts as the median): longest first, each to the
-# lane with the least so far. Each lane runs its files in up to ceil(5 / jobs) pytest processes
-# one after another (6 for the suite on two lanes), its longest files first: one process for the
-# whole suite has crashed inside XLA (above).
+# The work goes to `jobs` lanes that run side by side, balanced by the seconds each part took
+# (tests/durations.json; a file not listed counts as the median). The parts are the test files
+# (without their real_weights tests) and one process of all real_weights tests ("@real_weights"),
+# longest first, each to the lane with the least so far. Each lane runs its files in up to
+# ceil(5 / jobs) pytest processes one after another, its longest files first (one process for
+# the whole suite has crashed inside XLA's compiler late in the run, while every file passes
+# alone). Plan lines: "<lane> quick|full <files>".
 mapfile -t plan < <(.venv/bin/python - "$jobs" <<'PY'
-import json, pathlib, statistics, sys
+import json, pathlib, re, statistics, sys
 jobs = int(sys.argv[1])
 files = sorted(str(p) for p in pathlib.Path("tests").glob("test_*.py"))
+text = {f: pathlib.Path(f).read_text() for f in files}
+marked = [f for f in files if "pytest.mark.real_weights" in text[f]]
+# files whose every test is real_weights (a module-level mark) have nothing for the quick ones
+whole = {f for f in marked if re.search(r"^pytestmark = pytest\.mark\.real_weights", text[f], re.M)}
 known = json.loads(pathlib.Path("tests/durations.json").read_text())
 default = statistics.median(known.values()) if known else 60
 # at least a second each: a file of 0 s must still fall in some process's share
-cost = {f: max(1, known.get(pathlib.Path(f).name, default)) for f in files}
+cost = {f: max(1, known.get(pathlib.Path(f).name, default)) for f in files if f not in whole}
+full = "@real_weights"
+if marked:
+    cost[full] = max(1, known.get(full, default))
 lanes = [[0.0, []] for _ in range(jobs)]
-for f in sorted(files, key=lambda f: -cost[f]):
+for f in sorted(cost, key=lambda f: -cost[f]):
     lane = min(lanes, key=lambda l: l[0])
     lane[0] += cost[f]
     lane[1].append(f)
 per_lane = max(1, -(-5 // jobs)) if jobs > 1 else 5
-for i, (total, fs) in enumerate(lanes):
+for i, (_, items) in enumerate(lanes):
+    if full in items:
+        print(i, "full", " ".join(marked))
+    fs = [f for f in items if f != full]
+    total = sum(cost[f] for f in fs)
     n = min(per_lane, len(fs))
     # split the lane by time: process j takes the files that start in its share of the seconds
     # (every file lands in exactly one: its start is below the lane's total)
@@ -62,7 +79,7 @@ for i, (total, fs) in enumerate(lanes):
         start += cost[f]
     for part in parts:
         if part:
-            print(i, " ".join(part))
+            print(i, "quick", " ".join(part))
 PY
 )
 logs=$(mktemp -d)
@@ -78,9 +95,17 @@ for lane in $lanes; do
   ( n=0
     for entry in "${plan[@]}"; do
       [ "${entry%% *}" = "$lane" ] || continue
-      read -ra part <<< "${entry#* }"
-      ( echo "== pytest ${part[*]}"
-        .venv/bin/python -m pytest --durations="${PYTEST_DURATIONS:-8}" --junitxml="$logs/$lane.$n.xml" "${part[@]}" ) \
+      rest=${entry#* }
+      kind=${rest%% *}
+      read -ra part <<< "${rest#* }"
+      if [ "$kind" = full ]; then
+        flags=$full_flags select="real_weights" xml="$logs/$lane.$n.full.xml"
+      else
+        flags=$quick_flags select="not real_weights" xml="$logs/$lane.$n.xml"
+      fi
+      ( echo "== pytest -m '$select' ${part[*]}"
+        XLA_FLAGS=$flags .venv/bin/python -m pytest --durations="${PYTEST_DURATIONS:-8}" \
+          -m "$select" --junitxml="$xml" "${part[@]}" ) \
         > "$logs/$lane.$n.log" 2>&1 \
         || echo "$lane.$n" >> "$logs/failed"
       n=$((n + 1))
@@ -101,8 +126,9 @@ import collections, json, pathlib, sys
 import xml.etree.ElementTree as ET
 secs = collections.Counter()
 for xml in pathlib.Path(sys.argv[1]).glob("*.xml"):
+    full = xml.name.endswith(".full.xml")
     for case in ET.parse(xml).iter("testcase"):
-        name = (case.get("classname") or "").split(".")[-1] + ".py"
+        name = "@real_weights" if full else (case.get("classname") or "").split(".")[-1] + ".py"
         secs[name] += float(case.get("time") or 0)
 if secs:
     print("seconds per file:", ", ".join(f"{f} {s:.0f}" for f, s in secs.most_common()))

@@ -328,6 +328,7 @@ def test_config_names_the_target_layers(tmp_path):
         load_eagle3_head(path, CFG)
 
 
+@pytest.mark.real_weights
 def test_llm_runs_a_public_eagle3_checkpoint(smollm2_gguf, tmp_path):
     """A public-layout EAGLE-3 head for SmolLM2 (random weights, a 4096-token draft vocabulary)
     through LLM(draft=dir): greedy output equals plain greedy."""

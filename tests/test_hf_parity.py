@@ -34,6 +34,7 @@ def hf_logits(model, ids):
         return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
+@pytest.mark.real_weights
 def test_smollm2_gguf_logits_match_transformers(smollm2_loaded, hf_smollm2):
     cfg, params, tok = smollm2_loaded
     model, _ = hf_smollm2

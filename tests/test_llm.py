@@ -5,6 +5,8 @@ import pytest
 
 from jaxspec import LLM, SamplingParams
 
+pytestmark = pytest.mark.real_weights
+
 
 @pytest.fixture(scope="module")
 def llm(smollm2_gguf):

@@ -114,6 +114,7 @@ def test_multihost_two_processes():
     assert "ok multihost" in proc.stdout.splitlines(), proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
+@pytest.mark.real_weights
 def test_llm_data_and_tensor_parallel_equal_single_device(smollm2_gguf):
     """The public API: LLM(data_parallel=2) and LLM(tensor_parallel=3), plain and speculative."""
     env = fake_devices_env(3)

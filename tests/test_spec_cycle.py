@@ -445,6 +445,7 @@ def test_lean_cycles_skip_keys_counts_and_logprobs_and_emit_the_same(loop):
 # ---------------------------------------------------------------- real weights
 
 
+@pytest.mark.real_weights
 def test_smollm2_greedy_spec_equals_plain_greedy():
     weights = pytest.importorskip("jaxspec.weights")
     try:
