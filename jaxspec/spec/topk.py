@@ -46,11 +46,13 @@ TWO_STAGE_MIN_VOCAB = 16384
 # set). Wider rows (a full 128K vocab) keep the chunk maxima, measured there.
 DRAFT_VOCAB_MAX = 32768
 DRAFT_VOCAB_CHUNK = 1024
-# Rows at most this wide take their top-k by pairwise ranks (`top_k_by_rank`): a small tree's
-# per-step selection of K of K*K children and its choice of N - 1 candidates, which XLA ran as
-# sort kernels of about 2 us each. Measured for trees of topk 2 at batch 16-64 (twenty-sixth
-# set); the batch-1 trees' wider rows (64 children at topk 8, 200 candidates) keep lax.top_k.
-RANK_MAX_WIDTH = 16
+# Rows at most this wide take their top-k by pairwise ranks (`top_k_by_rank`): a tree's
+# per-step selection of K of K*K children and its choice of N - 1 candidates, which XLA runs as
+# sort kernels (about 2 us each for topk 2 at batch 16-64, twenty-sixth set; 5.6 us each, five a
+# cycle, for the batch-1 4x8x32 tree's 64 children and 200 candidates, thirty-second set). The
+# [..., W, W] comparisons are one fused kernel at these widths; 6x10x60's 510 candidates keep
+# lax.top_k.
+RANK_MAX_WIDTH = 256
 # Backends whose TopK the split helps. Not CPU: there lax.top_k is already a per-row partial sort
 # and the split costs more than it saves (1.5 -> 2.6 ms for [1, 10, 128256] on this repo's CPU).
 TWO_STAGE_BACKENDS = ("gpu",)
