@@ -8,7 +8,9 @@ MT-bench questions (first turn, chat template, greedy), per speculation preset.
 target (greedy, static shapes), not on the batch: all questions run as one batch.
 --draft-vocab K (EAGLE-1 heads) drafts only the ranking's K most frequent tokens, as
 `LLM(draft_vocab=K)` does (the ranking shipped beside the default head, or --ranking); the
-default 0 drafts the whole vocabulary. A head's tau under the cut can rank heads differently
+default 0 drafts the whole vocabulary. With it, --context-vocab E lets each slot also draft the
+last E distinct tokens outside the K of its own prompt and output (`spec.context_vocab`; the
+LLM's default unless given, 0: none). A head's tau under the cut can rank heads differently
 from its tau over the whole vocabulary.
 
 --turns 2 runs MT-bench as EAGLE's evaluation does: each question's second turn follows its
@@ -228,6 +230,9 @@ def main(argv=None) -> int:
                     help="EAGLE-1 heads: draft only the K most frequent tokens (0: all)")
     ap.add_argument("--ranking", default=None,
                     help="token ranking for --draft-vocab (default: the shipped head's)")
+    ap.add_argument("--context-vocab", type=int, default=None,
+                    help="with --draft-vocab: context tokens a slot also drafts "
+                         "(`LLM(draft_context_vocab=)`; default: the LLM's, 0: none)")
     ap.add_argument("--turns", type=int, choices=(1, 2), default=1,
                     help="2: also each question's second turn, after its first turn's answer "
                          "(EAGLE's MT-bench evaluation); tau over both turns' cycles")
@@ -241,6 +246,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.draft_vocab < 0:
         ap.error(f"--draft-vocab must be >= 0 (0: the whole vocabulary), got {a.draft_vocab}")
+    if a.context_vocab is not None and a.context_vocab < 0:
+        ap.error(f"--context-vocab must be >= 0 (0: none), got {a.context_vocab}")
     if a.draft_vocab and a.agreement:
         ap.error("--agreement simulates the head's full-vocabulary passes; drop --draft-vocab")
     if a.max_slots < 0:
@@ -252,7 +259,9 @@ def main(argv=None) -> int:
     draft = load_draft(a.head, cfg, dtype) if a.head else load_default_head(cfg, dtype)
     if 0 < a.draft_vocab < cfg.vocab_size:
         from jaxspec.spec.draft_vocab import restrict_top
-        draft = restrict_top(params, draft, cfg, a.draft_vocab, a.ranking)
+        from jaxspec.llm import DEFAULT_CONTEXT_VOCAB
+        ctx = DEFAULT_CONTEXT_VOCAB if a.context_vocab is None else a.context_vocab
+        draft = restrict_top(params, draft, cfg, a.draft_vocab, a.ranking, context=ctx)
     if jax.default_backend() == "gpu":
         params = llama.unstack_layers(params)
     turns = mt_bench_turns(n=a.questions)

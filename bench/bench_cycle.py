@@ -106,7 +106,7 @@ def spec_state(cfg, spec, prefix, max_len, dtype, key):
     seed = draft_lib.DraftSeed(
         jax.random.randint(k1, (1, spec.topk), 0, cfg.vocab_size, jnp.int32),
         -jnp.arange(spec.topk, dtype=jnp.float32)[None],
-        (jax.random.normal(k2, (1, cfg.hidden_size))).astype(dtype))
+        (jax.random.normal(k2, (1, cfg.hidden_size))).astype(dtype), st.seed.ctx)
     return st.replace(target=KVCache(st.target.k, st.target.v, jnp.full((1,), prefix, jnp.int32)),
                       seed=seed)
 

@@ -338,11 +338,12 @@ def run_sweep(args, result):
             # as run: the default depends on the mode and the batch (default_admit_interval);
             # no engine under pmap data parallel
             interval = getattr(getattr(llm, "engine", None), "admit_interval", None)
-            vocab = R.draft_vocab_of(llm)
+            vocab, context = R.draft_vocab_of(llm), R.context_vocab_of(llm)
             del llm
             row = R.summarize(m, b, outs, secs, target.draft_label)
             if row["spec"] is not None:     # as run: the LLM's default resolved
                 row["spec"]["draft_vocab"] = vocab
+                row["spec"]["context_vocab"] = context
             row["admit_interval"] = interval
             row["compiled_in_timed_pass"] = compiled
             row["warmup_s"] = round(warm_s, 2)

@@ -29,6 +29,9 @@ Prompt = Union[str, Chat, Sequence[int]]
 # batch 1 the tree 6x8x40 ran 3-5% faster (tau 3.46 against 3.62) and a forced
 # chain 2% slower; held-out ShareGPT at batch 64, dominated by prefill, did not change.
 DEFAULT_DRAFT_VOCAB = 16384
+# Context vocabulary a slot of a cut head drafts besides the K (`LLM(draft_context_vocab=)`,
+# `spec.context_vocab`): the last 256 distinct tokens of its prompt and output outside the K.
+DEFAULT_CONTEXT_VOCAB = 256
 
 
 @dataclasses.dataclass
@@ -101,6 +104,9 @@ class LLM:
     the shipped head's measured default (`DEFAULT_DRAFT_VOCAB`), else the whole vocabulary.
     draft_vocab_ranking: the ranking file (`spec.draft_vocab.save_ranking`); None: the one
     shipped beside the default head (needed for a draft_vocab > 0 with another head).
+    draft_context_vocab: with a cut draft vocabulary, each request may also draft the last E
+    distinct tokens of its own prompt and output that lie outside it (`spec.context_vocab`:
+    the topic's rare words, which a frequency cut misses). None: `DEFAULT_CONTEXT_VOCAB`; 0: off.
     submit_slice: `generate` encodes, checks and submits its prompts this many at a time, the
     device running the slices before while the next one encodes. None: max(64, max_batch)
     (a slice of 64 chats encodes in about 7 ms on an H100's host, against a call of 6-17 ms at
@@ -117,7 +123,8 @@ class LLM:
                  prefill_slot_growth: int = 4, prefill_packing: bool = True,
                  prefill_pack_tokens: Optional[int] = None, prefill_pack_rows: str = "pow2",
                  draft_vocab: Optional[int] = None,
-                 draft_vocab_ranking: Optional[str] = None, submit_slice: Optional[int] = None):
+                 draft_vocab_ranking: Optional[str] = None, submit_slice: Optional[int] = None,
+                 draft_context_vocab: Optional[int] = None):
         from jaxspec.weights import load_model
         if max_batch <= 0:
             raise ConfigError(f"max_batch must be positive, got {max_batch}")
@@ -149,7 +156,14 @@ class LLM:
                                         or not isinstance(draft_vocab, int) or draft_vocab < 0):
             raise ConfigError(f"draft_vocab must be an int >= 0 (0: the whole vocabulary), got "
                               f"{draft_vocab!r}")
+        if draft_context_vocab is not None and (
+                isinstance(draft_context_vocab, bool) or not isinstance(draft_context_vocab, int)
+                or draft_context_vocab < 0):
+            raise ConfigError(f"draft_context_vocab must be an int >= 0 (0: none), got "
+                              f"{draft_context_vocab!r}")
         self.draft_vocab, self.draft_vocab_ranking = draft_vocab, draft_vocab_ranking
+        self.draft_context_vocab = (DEFAULT_CONTEXT_VOCAB if draft_context_vocab is None
+                                    else draft_context_vocab)
         if cycles_per_call is not None and cycles_per_call < 1:
             raise ConfigError(f"cycles_per_call must be >= 1, got {cycles_per_call}")
         self.cycles_per_call = cycles_per_call or default_cycles_per_call(max_batch)
@@ -254,7 +268,8 @@ class LLM:
         path = dv.ranking_path(self.config, self.draft_vocab_ranking)
         if self.draft_vocab is None and self.draft_vocab_ranking is None and not path.is_file():
             return draft     # a head shipped without its ranking: the whole vocabulary
-        return dv.restrict_top(self.params, draft, self.config, k, path)
+        return dv.restrict_top(self.params, draft, self.config, k, path,
+                               context=getattr(self, "draft_context_vocab", DEFAULT_CONTEXT_VOCAB))
 
     def _init_data_parallel(self, draft, spec):
         """Replicas over local devices with jax.pmap, max_batch slots each; generate() spreads

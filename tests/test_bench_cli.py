@@ -132,7 +132,8 @@ def test_json_schema(sweep):
     plain, chain = res["rows"][0], res["rows"][1]
     assert plain["speedup"] == 1.0 and plain["accept_len"] is None
     assert chain["spec"] == {"num_steps": 3, "topk": 1, "num_draft_tokens": 4,
-                             "cycles_per_call": 1, "draft_vocab": 0}   # as run: all tokens
+                             "cycles_per_call": 1, "draft_vocab": 0,   # as run: all tokens
+                             "context_vocab": 0}
     assert sum(chain["accept_hist"]) == chain["cycles"] and len(chain["accept_hist"]) == 4
     assert 1.0 <= chain["accept_len"] <= 4.0
     assert set(res["requests"]) == {"b1/plain", "b1/chain", "b2/plain", "b2/chain"}
@@ -493,7 +494,7 @@ def test_parse_specs():
     assert [m.label for m in ms] == ["chain", "2x2x4", "chain:4", "chain:4@8192"]
     assert ms[1].describe() == {"num_steps": 2, "topk": 2, "num_draft_tokens": 4,
                                 "cycles_per_call": None,          # the LLM's default
-                                "draft_vocab": None}
+                                "draft_vocab": None, "context_vocab": None}
     assert ms[3].draft_vocab == 8192 and ms[3].cycles_per_call == 4 and ms[3].spec == ms[0].spec
     assert ms[1].describe(1)["cycles_per_call"] == 1
     assert ms[2].spec == ms[0].spec and ms[2].describe(64)["cycles_per_call"] == 4
@@ -508,12 +509,18 @@ def test_parse_specs():
         assert [d.spec_at(b) for b in (1, 4, 16)] == [SpecConfig(4, 8, 32), SpecConfig(3, 1, 4),
                                                       SpecConfig(3, 2, 4)]
         assert d.describe(16) == {"num_steps": 3, "topk": 2, "num_draft_tokens": 4,
-                                  "cycles_per_call": 2, "draft_vocab": None}
+                                  "cycles_per_call": 2, "draft_vocab": None,
+                                  "context_vocab": None}
     for bad in ("chain:0", "chain:x"):
         with pytest.raises(Exception, match="cycles per call"):
             parse_specs(bad)
     for bad in ("chain@-1", "chain:4@x"):
         with pytest.raises(Exception, match="draft vocabulary"):
+            parse_specs(bad)
+    e, = parse_specs("4x8x32:2@16384+0")
+    assert (e.draft_vocab, e.context_vocab, e.cycles_per_call) == (16384, 0, 2)
+    for bad in ("chain@16384+-1", "chain@16384+x"):
+        with pytest.raises(Exception, match="context vocabulary"):
             parse_specs(bad)
 
 

@@ -26,11 +26,13 @@ class Mode:
     """A decoding mode: plain (spec None) or speculative with a SpecConfig (or DEFAULT_SPEC: the
     LLM's default shape at each batch size), run cycles_per_call cycles per device call (None:
     the LLM's default for the batch size), drafting draft_vocab tokens (`LLM(draft_vocab=)`;
-    None: the LLM's default)."""
+    None: the LLM's default) and context_vocab context tokens a slot
+    (`LLM(draft_context_vocab=)`; None: the LLM's default)."""
     label: str
     spec: Any = None
     cycles_per_call: Optional[int] = None
     draft_vocab: Optional[int] = None
+    context_vocab: Optional[int] = None
 
     def spec_at(self, batch: int):
         """The SpecConfig run at `batch` (None for plain)."""
@@ -47,14 +49,16 @@ class Mode:
             return None
         if self.spec == DEFAULT_SPEC and batch is None:
             return {"num_steps": None, "topk": None, "num_draft_tokens": None,
-                    "cycles_per_call": self.cycles_per_call, "draft_vocab": self.draft_vocab}
+                    "cycles_per_call": self.cycles_per_call, "draft_vocab": self.draft_vocab,
+                    "context_vocab": self.context_vocab}
         s = self.spec_at(batch)
         k = self.cycles_per_call
         if k is None and batch is not None:
             from jaxspec.engine.backends import default_cycles_per_call
             k = default_cycles_per_call(batch)
         return {"num_steps": s.num_steps, "topk": s.topk, "num_draft_tokens": s.num_draft_tokens,
-                "cycles_per_call": k, "draft_vocab": self.draft_vocab}
+                "cycles_per_call": k, "draft_vocab": self.draft_vocab,
+                "context_vocab": self.context_vocab}
 
 
 PLAIN = Mode("plain")
@@ -64,13 +68,22 @@ def parse_specs(text: str) -> List[Mode]:
     """'chain,tree,3x1x4,chain:4,default': presets, num_steps x topk x num_draft_tokens, or
     'default' (the shape `LLM()` picks at each batch size), each with an optional ':K' for K
     cycles per device call and an optional '@V' for a draft vocabulary of V tokens (0: all;
-    `LLM(draft_vocab=)`), e.g. 'chain:4@16384'."""
+    `LLM(draft_vocab=)`), itself with an optional '+E' for E context tokens a slot
+    (`LLM(draft_context_vocab=)`; 0: none), e.g. 'chain:4@16384', '4x8x32:2@16384+0'."""
     from jaxspec.spec.config import PRESETS, resolve_spec
     modes = []
     for item in (t.strip() for t in text.split(",")):
         if not item:
             continue
         rest, at, vocab = item.partition("@")
+        vocab, plus, ctx = vocab.partition("+")
+        try:
+            ctx = int(ctx) if plus else None
+            if ctx is not None and ctx < 0:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"--spec {item!r}: '+E' must be a context vocabulary size >= 0 "
+                              "(0: none)") from None
         try:
             vocab = int(vocab) if at else None
             if vocab is not None and vocab < 0:
@@ -92,7 +105,7 @@ def parse_specs(text: str) -> List[Mode]:
             raise ConfigError(f"--spec {item!r}: a preset ({', '.join(PRESETS)}), "
                               f"STEPSxTOPKxTOKENS such as 3x1x4, or '{DEFAULT_SPEC}', "
                               "optionally ':K'") from None
-        modes.append(Mode(item, spec, k, vocab))
+        modes.append(Mode(item, spec, k, vocab, ctx))
     if len({m.label for m in modes}) != len(modes):
         raise ConfigError(f"--spec {text!r} names a config twice")
     return modes
@@ -147,6 +160,7 @@ class Target:
             return LLM(self.model, max_batch=batch, max_model_len=self.max_model_len,
                        seed=self.seed, draft=draft, spec=mode.spec_at(batch),
                        cycles_per_call=mode.cycles_per_call, draft_vocab=mode.draft_vocab,
+                       draft_context_vocab=mode.context_vocab,
                        **self.common)
         except (ValueError, FileNotFoundError) as e:
             raise SystemExit(f"cannot load the draft head ({e}); pass --draft PATH, or "
@@ -284,9 +298,21 @@ def draft_vocab_of(llm) -> Optional[int]:
     """How many tokens the LLM's speculative engine drafts from (0: all), None without one (a
     plain LLM, or pmap data parallel, which keeps no engine)."""
     from jaxspec.spec.draft_vocab import restricted_size
-    backend = getattr(getattr(llm, "engine", None), "backend", None)
-    draft = getattr(backend, "draft_params", None)
+    draft = _engine_draft(llm)
     return None if draft is None else (restricted_size(draft) or 0)
+
+
+def context_vocab_of(llm) -> Optional[int]:
+    """The context vocabulary a slot of the LLM's speculative engine drafts (0: none), None
+    without an engine (as `draft_vocab_of`)."""
+    from jaxspec.spec.context_vocab import size
+    draft = _engine_draft(llm)
+    return None if draft is None else size(draft)
+
+
+def _engine_draft(llm):
+    backend = getattr(getattr(llm, "engine", None), "backend", None)
+    return getattr(backend, "draft_params", None)
 
 
 def summarize(mode: Mode, batch: int, outs, secs: float, draft_label: str) -> dict:

@@ -32,6 +32,7 @@ from jaxspec.kv import init_cache
 from jaxspec.sampling import (VARIANTS, Features, SamplingParams, SlotSampling, TokenCounts,
                               logprob_dicts, slot_keys)
 from jaxspec.spec.config import SpecConfig, check_vocab, resolve_spec
+from jaxspec.spec import context_vocab
 from jaxspec.spec.cycle import cycle, init_state, prefill
 from jaxspec.spec.runner import SpecResult, _Request, check_requests, prompt_bucket
 
@@ -83,14 +84,14 @@ def _stack(trees):
 
 @functools.lru_cache(maxsize=None)
 def pmap_spec(cfg: ModelConfig, spec: SpecConfig, devices: Tuple[jax.Device, ...],
-              slots: int, max_len: int, dtype):
+              slots: int, max_len: int, dtype, context: int = 0):
     """(init, prefill, cycle) pmapped over `devices`; weights in_axes=None, state donated.
 
     init(dummy [D]) -> state [D, ...]
     prefill(params, draft, state, tokens [D, B, P], lens [D, B], sampling [D, B], keys [D, B, 2])
     cycle[features](params, draft, state, active [D, B]): one per `sampling.VARIANTS`
     """
-    init = jax.pmap(lambda _: init_state(cfg, spec, slots, max_len, dtype), AXIS,
+    init = jax.pmap(lambda _: init_state(cfg, spec, slots, max_len, dtype, context=context), AXIS,
                     devices=devices)
     pre = jax.pmap(functools.partial(prefill, cfg=cfg, spec=spec, with_logprobs=True), AXIS,
                    in_axes=(None, None, 0, 0, 0, 0, 0), donate_argnums=(2,), devices=devices)
@@ -115,8 +116,9 @@ class DataParallelSpecRunner:
         self.dtype = params["embed"].dtype
         self.params = replicate(params, self.devices)
         self.draft_params = replicate(draft_params, self.devices)
-        self._init, self._prefill, self._cycle = pmap_spec(cfg, self.spec, self.devices, slots,
-                                                          max_len, jnp.dtype(self.dtype))
+        self._init, self._prefill, self._cycle = pmap_spec(
+            cfg, self.spec, self.devices, slots, max_len, jnp.dtype(self.dtype),
+            context_vocab.size(draft_params))
         self._state = None
         self.key = jax.random.PRNGKey(seed)
         self._active = MaskCache(sharded_put(self.devices))    # [D, B] masks on the devices

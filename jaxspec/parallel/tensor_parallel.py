@@ -280,7 +280,8 @@ class TensorParallelSpecRunner(SpecRunner):
         self.mesh = mesh
         self.params = shard_params(params, cfg, mesh, vocab=vocab)
         self.draft_params = shard_draft_params(draft_params, cfg, mesh)
-        state = shard_state(init_state(cfg, self.spec, max_slots, max_len, self.dtype), cfg, mesh)
+        state = shard_state(init_state(cfg, self.spec, max_slots, max_len, self.dtype,
+                                       draft_params), cfg, mesh)
         self._state = state
         self._cycle = tp_cycle(cfg, self.spec, mesh, state)
         self._prefill = tp_prefill(cfg, self.spec, mesh, state)

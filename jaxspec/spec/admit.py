@@ -251,8 +251,11 @@ def spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, ne
     shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros((a, 1), tokens.dtype)], axis=1)
     shifted = jnp.where(cols == (n_valid - 1)[:, None],
                         jnp.where(is_last, root, next_tok)[:, None], shifted)
+    # a first chunk starts the request's context vocabulary afresh
+    ctx = jnp.where((start == 0)[:, None], -1, sub.seed.ctx)
     dk, dv, seed = draft_lib.catch_up(params, draft_params, cfg, spec, state.draft_k,
-                                      state.draft_v, start, feats, shifted, n_valid, slot_idx)
+                                      state.draft_v, start, feats, shifted, n_valid, slot_idx,
+                                      ctx=ctx)
     new = sub.replace(target=sub.target.replace(lens=start + n_valid),
                       root=jnp.where(is_last, root, sub.root), seed=seed, sampling=sp, rng=keys,
                       history=hist)

@@ -26,6 +26,7 @@ from flax import struct
 from jaxspec.config import ModelConfig
 from jaxspec.kv import KVCache, init_cache
 from jaxspec.models import llama
+from jaxspec.spec import context_vocab
 from jaxspec.spec import draft as draft_lib
 from jaxspec.spec.config import SpecConfig
 from jaxspec.spec.tree import build_tree
@@ -70,15 +71,20 @@ class CycleOut(NamedTuple):
 
 
 def init_state(cfg: ModelConfig, spec: SpecConfig, slots: int, max_len: int, dtype,
-               draft_params=None) -> SpecState:
+               draft_params=None, context: Optional[int] = None) -> SpecState:
     """draft_params: sizes the draft cache and hidden for a head whose layer is not shaped like
-    the target's (an EAGLE-3 head with its own head count); None: the target's shapes."""
+    the target's (an EAGLE-3 head with its own head count), and the context vocabulary
+    (`context_vocab`); None: the target's shapes, no context vocabulary. context: the context
+    vocabulary's size E when draft_params are not at hand (None: the head's)."""
     target = init_cache(cfg, slots, max_len, dtype)
     dcfg = cfg if draft_params is None else draft_lib.layer_config(cfg, draft_params)
     dshape = (1, slots, dcfg.num_kv_heads, max_len, dcfg.head_dim)
     k = spec.topk
+    if context is None:
+        context = context_vocab.size(draft_params)
     seed = draft_lib.DraftSeed(jnp.zeros((slots, k), jnp.int32), jnp.zeros((slots, k), jnp.float32),
-                               jnp.zeros((slots, dcfg.hidden_size), dtype))
+                               jnp.zeros((slots, dcfg.hidden_size), dtype),
+                               jnp.full((slots, context), -1, jnp.int32))
     return SpecState(target, jnp.zeros(dshape, dtype), jnp.zeros(dshape, dtype),
                      jnp.zeros((slots,), jnp.int32), seed, SlotSampling.greedy(slots),
                      jnp.zeros((slots, 2), jnp.uint32), TokenCounts.zeros(slots, cfg.vocab_size))
@@ -197,7 +203,8 @@ def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, s
     # Catch-up rows: (feature of path node d, emitted token d) at position L + d, d <= accept_len.
     path_feats = jnp.take_along_axis(feats, acc.path[..., None], axis=1)   # [B, S+1, F]
     dk, dv, seed = draft_lib.catch_up(params, draft_params, cfg, spec, state.draft_k,
-                                      state.draft_v, lens, path_feats, out, n_live)
+                                      state.draft_v, lens, path_feats, out, n_live,
+                                      ctx=state.seed.ctx)
     seed = jax.tree_util.tree_map(
         lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
         seed, state.seed)

@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.models import eagle, eagle3
+from jaxspec.spec import context_vocab
 from jaxspec.spec import topk as topk_lib
 from jaxspec.spec.config import SpecConfig
 from pallas_kernels.kv_compact import kv_compact
@@ -43,6 +44,7 @@ class DraftSeed(NamedTuple):
     tokens: jax.Array  # [B, K] the root's top-k children
     logp: jax.Array    # [B, K] their log-probabilities (zeros on the argmax path)
     hidden: jax.Array  # [B, H] draft hidden of the root's row: the children's input feature
+    ctx: jax.Array     # [B, E] the slot's context vocabulary (`context_vocab`; E = 0: none)
 
 
 def top_children(logits, spec: SpecConfig):
@@ -108,19 +110,58 @@ def check_head(cfg: ModelConfig, spec: SpecConfig, draft_params) -> None:
                           f"three in [0, {cfg.num_layers})")
 
 
-def _children(params, draft_params, hidden, spec: SpecConfig):
-    """Draft hidden [..., H] -> top-k children (target ids [..., K], log-probs [..., K]).
+def _children(params, draft_params, hidden, spec: SpecConfig, ctx=None):
+    """Draft hidden [B, ..., H] -> top-k children (target ids [B, ..., K], log-probs [B, ..., K]).
     EAGLE-3, or an EAGLE-1 head with a smaller draft vocabulary (`draft_vocab`): top-k over the
-    draft vocabulary, then mapped to target ids."""
+    draft vocabulary, then mapped to target ids; with a context vocabulary ctx [B, E]
+    (`context_vocab`), over the draft vocabulary and the slot's context ids together."""
     if eagle3.is_eagle3(draft_params):
         tok, logp = top_children(eagle3.logits(draft_params, hidden), spec)
         return eagle3.to_target(draft_params, tok), logp
-    if "draft_ids" in draft_params:    # a smaller draft vocabulary (`draft_vocab.restrict`)
-        logits = jnp.dot(hidden, draft_params["draft_lm_head"].astype(hidden.dtype),
-                         preferred_element_type=jnp.float32)
+    if "draft_ids" not in draft_params:
+        return top_children(eagle.logits(params, hidden), spec)
+    # a smaller draft vocabulary (`draft_vocab.restrict`)
+    logits = jnp.dot(hidden, draft_params["draft_lm_head"].astype(hidden.dtype),
+                     preferred_element_type=jnp.float32)
+    ids = draft_params["draft_ids"]
+    if ctx is None or ctx.shape[-1] == 0:
         tok, logp = top_children(logits, spec)
-        return draft_params["draft_ids"][tok], logp
-    return top_children(eagle.logits(params, hidden), spec)
+        return ids[tok], logp
+    return _with_context(logits, ids, context_vocab.logits(params, hidden, ctx), ctx, spec)
+
+
+def _with_context(logits, ids, extra, ctx, spec: SpecConfig):
+    """top_children over the draft vocabulary's logits [.., K] (target ids `ids`) and the
+    context's [.., E] (target ids ctx [B, E]) as one row: each part's top-k, then the best of
+    the 2k (no [.., K + E] copy). Ties go to the draft vocabulary."""
+    cids = context_vocab.ids_like(ctx, extra.shape)
+    if spec.uses_argmax:
+        ib = jnp.argmax(logits, axis=-1)[..., None]
+        ie = jnp.argmax(extra, axis=-1)[..., None]
+        vb = jnp.take_along_axis(logits, ib, axis=-1)
+        ve = jnp.take_along_axis(extra, ie, axis=-1)
+        tok = jnp.where(ve > vb, jnp.take_along_axis(cids, ie, axis=-1), ids[ib])
+        return tok.astype(jnp.int32), jnp.zeros(tok.shape, jnp.float32)
+    k = spec.topk
+    vb, ib = topk_lib.vocab_top_k(logits, k)
+    ve, ie = topk_lib.vocab_top_k(extra, min(k, extra.shape[-1]))
+    vals, sel = topk_lib.small_top_k(jnp.concatenate([vb, ve], axis=-1), k)
+    cand = jnp.concatenate([ids[ib], jnp.take_along_axis(cids, ie, axis=-1)], axis=-1)
+    lse = jnp.logaddexp(_logsumexp_from_max(logits, vb[..., :1]),
+                        jax.nn.logsumexp(extra, axis=-1, keepdims=True))
+    tok = jnp.take_along_axis(cand, sel, axis=-1)
+    return tok.astype(jnp.int32), (vals - lse).astype(jnp.float32)
+
+
+def _context(draft_params, ctx, tokens, live):
+    """The context after the catch-up's tokens [B, R] where live [B, R]; ctx None: a fresh
+    one."""
+    b = tokens.shape[0]
+    if ctx is None:
+        ctx = context_vocab.fresh(draft_params, b)
+    if ctx.shape[-1] == 0:
+        return ctx
+    return context_vocab.update(ctx, tokens, live, draft_params["draft_in_vocab"])
 
 
 def _last_live(x, n_live):
@@ -130,15 +171,16 @@ def _last_live(x, n_live):
 
 
 def catch_up(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k, draft_v, base,
-             features, tokens, n_live, slots=None):
+             features, tokens, n_live, slots=None, ctx=None):
     """Draft rows (features[:, r], tokens[:, r]) at positions base + r for r < n_live.
 
     draft_k/v [1, B, Hkv, T, D]: the committed draft cache, base [B] rows long (or [1, Bc, ...]
     with slots [B] naming the cache slot of each row).
     features [B, R, F] target features (`target_features`: F = H for EAGLE-1, 3H for EAGLE-3);
     tokens [B, R]; n_live [B] live rows (0 = slot idle).
+    ctx [B, E]: the rows' context vocabulary before these tokens (None: an empty one).
     Writes the draft KV of all live rows at base..base+n_live-1 and returns
-    (draft_k, draft_v, DraftSeed from the last live row).
+    (draft_k, draft_v, DraftSeed from the last live row, its context updated with the tokens).
     """
     head = head_module(draft_params)
     b, r = tokens.shape
@@ -165,8 +207,9 @@ def catch_up(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k, 
                                  draft_v, base, mask, slots)
         draft_k, draft_v = kv_compact(draft_k, draft_v, k, v, base, rows, n_live, slots)
         hidden = _last_live(hid, n_live)[:, 0]
-    tok, logp = _children(params, draft_params, hidden, spec)
-    return draft_k, draft_v, DraftSeed(tok, logp, hidden)
+    ctx = _context(draft_params, ctx, tokens, rows < n_live[:, None])
+    tok, logp = _children(params, draft_params, hidden, spec, ctx)
+    return draft_k, draft_v, DraftSeed(tok, logp, hidden, ctx)
 
 
 def catch_up_packed(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k, draft_v,
@@ -192,8 +235,10 @@ def catch_up_packed(params, draft_params, cfg: ModelConfig, spec: SpecConfig, dr
     o = _attend_rows(q[0, lay.last], rows_of(k), rows_of(v), own)                   # [A, Hq, D]
     x1 = jax.tree_util.tree_map(lambda z: z[0, lay.last][:, None], x)   # EAGLE-3: a pair
     hidden = head.finish_layer(cfg, draft_params, x1, o[:, None])[:, 0]
-    tok, logp = _children(params, draft_params, hidden, spec)
-    return draft_k, draft_v, DraftSeed(tok, logp, hidden)
+    # each request's context: its tokens in its pack row (a first chunk: the whole prompt so far)
+    ctx = _context(draft_params, None, tokens.reshape(r, w)[row], own)
+    tok, logp = _children(params, draft_params, hidden, spec, ctx)
+    return draft_k, draft_v, DraftSeed(tok, logp, hidden, ctx)
 
 
 def _attend_rows(q, k, v, visible):
@@ -252,7 +297,7 @@ def draft_tree(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k
         o = head.attend(cfg, q_sq, draft_k, draft_v, lens, jnp.concatenate(ks, axis=2),
                         jnp.concatenate(vs, axis=2), mask)[:, lo:hi]
         hid = head.finish_layer(cfg, draft_params, x, o)                    # [B, K, H]
-        ctok, clogp = _children(params, draft_params, hid, spec)            # [B, K, K]
+        ctok, clogp = _children(params, draft_params, hid, spec, seed.ctx)  # [B, K, K]
         cum = score[:, :, None] + clogp
         base = kk + (i - 1) * kk * kk
         cand_tok.append(ctok.reshape(b, kk * kk))

@@ -14,6 +14,8 @@ outside the K can no longer be drafted.
 
 `draft._children` projects through `draft_lm_head` and maps the picks back through
 `draft_ids` when the head has them. EAGLE-3 heads have their own draft vocabulary already.
+`restrict(..., context=E)` also lets each slot draft the last E distinct tokens of its own
+prompt and output that lie outside the K (`spec.context_vocab`): the topic's rare words.
 
 Rankings are built from a corpus's token counts (`rank_tokens`; `python -m
 jaxspec.spec.draft_vocab` counts the answers of ShareGPT first turns) and stored as a
@@ -79,21 +81,31 @@ def load_ranking(path, vocab_size: int) -> np.ndarray:
     return ids
 
 
-def restrict(params, draft_params, ids):
+def restrict(params, draft_params, ids, context: int = 0):
     """EAGLE-1 draft params that draft only the target ids `ids` [K] (distinct): the target
-    lm_head's K columns (`draft_lm_head` [H, K]) and the ids (`draft_ids` [K] int32)."""
+    lm_head's K columns (`draft_lm_head` [H, K]) and the ids (`draft_ids` [K] int32). context > 0
+    adds a context vocabulary of that many ids a slot (`context_vocab`: `draft_in_vocab` [V] bool
+    and `draft_context` [E] int32)."""
     import jax.numpy as jnp
     from jaxspec.models.eagle3 import is_eagle3
     if is_eagle3(draft_params):
         raise ConfigError("an EAGLE-3 head has its own draft vocabulary; draft_vocab applies to "
                           "EAGLE-1 heads")
+    if isinstance(context, bool) or not isinstance(context, (int, np.integer)) or context < 0:
+        raise ConfigError(f"the context vocabulary must be an int >= 0, got {context!r}")
     ids = np.asarray(ids, np.int32)
     w = params["lm_head"] if "lm_head" in params else params["embed"].T     # [H, V]
     if not _ids_ok(ids, w.shape[1]):
         raise ConfigError(f"draft vocabulary ids must be 1..{w.shape[1]} distinct ids in "
                           f"[0, {w.shape[1]})")
-    return dict(draft_params, draft_lm_head=jnp.take(w, jnp.asarray(ids), axis=1),
-                draft_ids=jnp.asarray(ids))
+    out = dict(draft_params, draft_lm_head=jnp.take(w, jnp.asarray(ids), axis=1),
+               draft_ids=jnp.asarray(ids))
+    if context and len(ids) < w.shape[1]:
+        in_vocab = np.zeros(w.shape[1], bool)
+        in_vocab[ids] = True
+        out.update(draft_in_vocab=jnp.asarray(in_vocab),
+                   draft_context=jnp.full((int(context),), -1, jnp.int32))
+    return out
 
 
 def ranking_path(cfg, ranking=None) -> Path:
@@ -108,10 +120,11 @@ def ranking_path(cfg, ranking=None) -> Path:
     return eagle_ckpt.default_ranking_path()
 
 
-def restrict_top(params, draft_params, cfg, k: int, ranking=None):
-    """draft_params cut to the k most frequent tokens of the ranking (`ranking_path`)."""
+def restrict_top(params, draft_params, cfg, k: int, ranking=None, context: int = 0):
+    """draft_params cut to the k most frequent tokens of the ranking (`ranking_path`), with a
+    context vocabulary of `context` ids a slot (`restrict`)."""
     return restrict(params, draft_params, load_ranking(ranking_path(cfg, ranking),
-                                                       cfg.vocab_size)[:k])
+                                                       cfg.vocab_size)[:k], context)
 
 
 def restricted_size(draft_params) -> Optional[int]:
