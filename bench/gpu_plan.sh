@@ -22,6 +22,11 @@
 #                                      #   its run in the twenty-ninth set gave stage 5; the
 #                                      #   27.8K answers it makes come back as
 #                                      #   examples_sd_more.npz (keep them under .gpu/stage4/)
+#   bash bench/gpu_plan.sh ctxvocab    # issue 7: the context vocabulary (E = CTX, default 256)
+#                                      #   against none: chain and tree tau over both MT-bench
+#                                      #   turns drafting 16,384 tokens (ctxvocab_tau), batch 1
+#                                      #   end to end at 4x8x32:2 both orders (ctxvocab_b1), batch
+#                                      #   64 at the default spec with E = 0, 64, 256 (ctxvocab_b64)
 #   bash bench/gpu_plan.sh turns2      # issue 7: chain and tree tau over both MT-bench turns, as
 #                                      #   EAGLE's evaluation runs them (per turn too), drafting
 #                                      #   16,384 tokens and all (VOCABS; thirty-first set)
@@ -236,6 +241,24 @@ case "${1:-}" in
     S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 1 --batch-sizes 64 --num-prompts 384"
     run prof_mt 250 $S --profile /tmp/prof_mt --json "$OUT/prof_mt.json"
     run prof_sg 280 $S --dataset .gpu/sharegpt_heldout.jsonl --profile /tmp/prof_sg --json "$OUT/prof_sg.json"
+    ;;
+  ctxvocab_tau)
+    for c in ${CTXS:-0 256}; do
+      run ctx_tau_c$c 280 python3 -m bench.bench_accept --model "$GGUF" --presets chain tree \
+        --questions 80 --max-new 256 --draft-vocab 16384 --context-vocab $c --turns 2 \
+        --out "$OUT/ctx_tau_c$c.json"
+    done
+    ;;
+  ctxvocab_b1)
+    S="$BENCH --no-peers --max-tokens ${TOKENS:-128} --repeats 2 --batch-sizes 1 --num-prompts 80"
+    A=4x8x32:2@16384+0 B=4x8x32:2@16384+${CTX:-256}
+    run ctx_b1_a 290 $S --spec $A,$B --json "$OUT/ctx_b1_a.json"
+    run ctx_b1_b 290 $S --spec $B,$A --json "$OUT/ctx_b1_b.json"
+    ;;
+  ctxvocab_b64)
+    run ctx_b64 580 $BENCH --no-peers --max-tokens ${TOKENS:-128} --repeats 2 --batch-sizes 64 \
+      --num-prompts 384 --spec default@16384+0,default@16384+64,default@16384+256 \
+      --json "$OUT/ctx_b64.json"
     ;;
   turns2)
     # issue 7: tau over both MT-bench turns (EAGLE's evaluation: the second turn follows the
