@@ -71,6 +71,14 @@ def reference_outputs(which):
     return [plain_greedy(params, CFG, p, NEW) for p in PROMPTS]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _own_cycle_programs():
+    """Runners of other files (cut and context vocabularies: other head shapes) share the
+    lru-cached jitted cycles; the compile counts below are this file's own."""
+    from jaxspec.spec.cycle import jit_cycle
+    jit_cycle.cache_clear()
+
+
 @pytest.mark.parametrize("which", ["random", "agreeing"])
 @pytest.mark.parametrize("shape", SPECS, ids=lambda s: "s%d_k%d_n%d" % s)
 def test_greedy_spec_equals_plain_greedy(shape, which):
