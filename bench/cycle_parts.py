@@ -32,9 +32,11 @@ from jaxspec.models import eagle, llama
 from jaxspec.sampling import LEAN
 
 
-def _programs(cfg, spec_name: str, batch: int, prefix: int, draft_vocab: int = 0):
+def _programs(cfg, spec_name: str, batch: int, prefix: int, draft_vocab: int = 0,
+              context: int = 0):
     """[(backend, step, state)] for the spec and the plain backend: back-to-back callables.
-    draft_vocab: the head drafts only that many target ids (as the shipped head's 16,384)."""
+    draft_vocab: the head drafts only that many target ids (as the shipped head's 16,384);
+    context: with a context vocabulary of that many ids a slot, all of them held."""
     from jaxspec.engine.backends import PlainBackend, SpecBackend
     gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if gpu else jnp.float32
@@ -44,7 +46,7 @@ def _programs(cfg, spec_name: str, batch: int, prefix: int, draft_vocab: int = 0
     if draft_vocab:
         from jaxspec.spec import draft_vocab as dv
         ids = np.random.default_rng(0).permutation(cfg.vocab_size)[:draft_vocab]
-        head = dv.restrict(params, head, ids)
+        head = dv.restrict(params, head, ids, context=context)
     max_len = prefix + 1024
     spec = SpecBackend(cfg, params, head, spec_name, batch, max_len, cycles_per_call=1)
     plain = PlainBackend(cfg, params, batch, max_len, n_steps=1)
@@ -57,6 +59,10 @@ def _programs(cfg, spec_name: str, batch: int, prefix: int, draft_vocab: int = 0
         k = jax.random.normal(jax.random.PRNGKey(2), cache.k.shape, dtype)
         full = KVCache(k, k * 0.5, jnp.full((batch,), prefix, jnp.int32))
         st = st.replace(target=full) if hasattr(st, "target") else st.replace(cache=full)
+        if hasattr(st, "seed") and st.seed.ctx.shape[1]:      # a full context: every id live
+            held = np.setdiff1d(np.arange(cfg.vocab_size), ids)
+            ctx = np.broadcast_to(held[:context], st.seed.ctx.shape).astype(np.int32)
+            st = st.replace(seed=st.seed._replace(ctx=jnp.asarray(ctx)))
         out.append((be, lambda s, be=be: be.cycle(s, active, LEAN)[0], st))
     return out
 
@@ -98,13 +104,16 @@ def main():
     ap.add_argument("--top", type=int, default=60)
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="the head drafts this many target ids (0: all; the shipped head 16384)")
+    ap.add_argument("--context-vocab", type=int, default=0,
+                    help="with --draft-vocab: a context vocabulary of this many ids a slot")
     a = ap.parse_args()
     full = SMOLLM2_135M.num_layers
     gpu = jax.default_backend() == "gpu"
     rows, profiles = {}, {}
     for layers in (1, 2, full):
         cfg = dataclasses.replace(SMOLLM2_135M, num_layers=layers, unroll_layers=gpu)
-        progs = dict(zip(("spec", "plain"), _programs(cfg, a.spec, a.batch, a.prefix, a.draft_vocab)))
+        progs = dict(zip(("spec", "plain"), _programs(cfg, a.spec, a.batch, a.prefix, a.draft_vocab,
+                                                        a.context_vocab)))
         rows[layers] = {}
         for m, (be, step, st) in progs.items():   # states are donated: keep the last
             rows[layers][m], st = timed(step, st, a.calls, a.repeats)
