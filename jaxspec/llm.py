@@ -30,8 +30,11 @@ Prompt = Union[str, Chat, Sequence[int]]
 # chain 2% slower; held-out ShareGPT at batch 64, dominated by prefill, did not change.
 DEFAULT_DRAFT_VOCAB = 16384
 # Context vocabulary a slot of a cut head drafts besides the K (`LLM(draft_context_vocab=)`,
-# `spec.context_vocab`): the last 256 distinct tokens of its prompt and output outside the K.
-DEFAULT_CONTEXT_VOCAB = 256
+# `spec.context_vocab`). Off by default: on the H200 (bench/RESULTS.md, thirty-third set) 256
+# raised tau (MT-bench, both turns, 16,384 drafted: chain 2.500 -> 2.565, tree 4.321 -> 4.600;
+# batch-1 4x8x32 3.29 -> 3.40) but its ~25 small kernels cost the batch-1 cycle 68 us (6%):
+# 2.50-2.51x plain against 2.55-2.56x without it.
+DEFAULT_CONTEXT_VOCAB = 0
 
 
 @dataclasses.dataclass
@@ -106,7 +109,8 @@ class LLM:
     shipped beside the default head (needed for a draft_vocab > 0 with another head).
     draft_context_vocab: with a cut draft vocabulary, each request may also draft the last E
     distinct tokens of its own prompt and output that lie outside it (`spec.context_vocab`:
-    the topic's rare words, which a frequency cut misses). None: `DEFAULT_CONTEXT_VOCAB`; 0: off.
+    the topic's rare words, which a frequency cut misses; 256 measured). None:
+    `DEFAULT_CONTEXT_VOCAB` (0: off).
     submit_slice: `generate` encodes, checks and submits its prompts this many at a time, the
     device running the slices before while the next one encodes. None: max(64, max_batch)
     (a slice of 64 chats encodes in about 7 ms on an H100's host, against a call of 6-17 ms at

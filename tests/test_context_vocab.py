@@ -167,3 +167,10 @@ def test_engine_chunks_packs_and_retracts_keep_the_context_exact():
             assert r.output == te.greedy_ref(prompts[i])[:12], i
             accepted[e] += sum(r.accept_lens)
     assert accepted[8] > accepted[0], accepted
+
+
+def test_llm_rejects_a_bad_context_size_before_loading_anything():
+    from jaxspec import LLM
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="draft_context_vocab"):
+            LLM("/no/such/model.gguf", draft_context_vocab=bad)

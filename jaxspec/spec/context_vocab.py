@@ -7,7 +7,10 @@ those already occurred in the prompt or earlier in the answer (41% in the prompt
 slot keeps the last E distinct such tokens of its context (prompt and output), and the draft
 scores them beside the K: E more lm_head columns, gathered per slot, a few hundred KB a draft
 forward at E = 256 where the K columns are 19 MB. The verify is unchanged, so the output is
-still exactly the target's; only what the draft can propose grows.
+still exactly the target's; only what the draft can propose grows. Measured on the H200
+(bench/RESULTS.md, thirty-third set), E = 256 gives back most of the cut's acceptance (tree
+tau 4.321 -> 4.600 against 4.654 uncut) but adds ~25 small kernels to a batch-1 cycle (68 us,
+6%), more than its tau returns there, so `LLM` leaves it off unless asked.
 
 Layout: ctx [B, E] int32 target ids, -1 for an empty entry, right-aligned (oldest first, the
 newest last). A head with a context vocabulary carries `draft_in_vocab` [V] bool (the K ids)
