@@ -77,28 +77,13 @@ def parse_specs(text: str) -> List[Mode]:
             continue
         rest, at, vocab = item.partition("@")
         vocab, plus, ctx = vocab.partition("+")
-        try:
-            ctx = int(ctx) if plus else None
-            if ctx is not None and ctx < 0:
-                raise ValueError
-        except ValueError:
-            raise ConfigError(f"--spec {item!r}: '+E' must be a context vocabulary size >= 0 "
-                              "(0: none)") from None
-        try:
-            vocab = int(vocab) if at else None
-            if vocab is not None and vocab < 0:
-                raise ValueError
-        except ValueError:
-            raise ConfigError(f"--spec {item!r}: '@V' must be a draft vocabulary size >= 0 "
-                              "(0: the whole vocabulary)") from None
+        ctx = _optional_int(ctx, plus, 0, f"--spec {item!r}: '+E' must be a context vocabulary "
+                                          "size >= 0 (0: none)")
+        vocab = _optional_int(vocab, at, 0, f"--spec {item!r}: '@V' must be a draft vocabulary "
+                                            "size >= 0 (0: the whole vocabulary)")
         name, colon, k = rest.partition(":")
-        try:
-            k = int(k) if colon else None
-            if k is not None and k < 1:
-                raise ValueError
-        except ValueError:
-            raise ConfigError(f"--spec {item!r}: ':K' must be a positive number of cycles per "
-                              "call") from None
+        k = _optional_int(k, colon, 1, f"--spec {item!r}: ':K' must be a positive number of "
+                                       "cycles per call")
         try:
             spec = DEFAULT_SPEC if name == DEFAULT_SPEC else resolve_spec(name)
         except ConfigError:
@@ -109,6 +94,20 @@ def parse_specs(text: str) -> List[Mode]:
     if len({m.label for m in modes}) != len(modes):
         raise ConfigError(f"--spec {text!r} names a config twice")
     return modes
+
+
+def _optional_int(text: str, given: str, minimum: int, error: str) -> Optional[int]:
+    """int(text) when its separator was `given`, else None; ConfigError(error) when it is not
+    an int >= minimum."""
+    if not given:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ConfigError(error)
+    return value
 
 
 class Target:
