@@ -59,7 +59,7 @@ def _programs(cfg, spec_name: str, batch: int, prefix: int, draft_vocab: int = 0
         k = jax.random.normal(jax.random.PRNGKey(2), cache.k.shape, dtype)
         full = KVCache(k, k * 0.5, jnp.full((batch,), prefix, jnp.int32))
         st = st.replace(target=full) if hasattr(st, "target") else st.replace(cache=full)
-        if hasattr(st, "seed") and st.seed.ctx.shape[1]:      # a full context: every id live
+        if hasattr(st, "seed") and context:                    # a full context: every id live
             held = np.setdiff1d(np.arange(cfg.vocab_size), ids)
             ctx = np.broadcast_to(held[:context], st.seed.ctx.shape).astype(np.int32)
             st = st.replace(seed=st.seed._replace(ctx=jnp.asarray(ctx)))

@@ -102,12 +102,15 @@ def check_dp(n):
 
 
 def check_dp_engine(n, kind):
-    """One engine over n devices' slots (parallel.dp_engine): greedy outputs equal the single
-    device's, and a seeded sampled request equals the single-device engine's (slot placement and
+    """One engine over n devices' slots (parallel.dp_engine), its draft with a cut vocabulary and
+    a context vocabulary (`spec.context_vocab`): greedy outputs equal the single device's, and a seeded sampled request equals the single-device engine's (slot placement and
     the device it lands on change nothing); nothing compiles after warm-up."""
     from jaxspec.engine import Engine, PlainBackend, SpecBackend
     from jaxspec.parallel.dp_engine import data_parallel_backend
+    from jaxspec.spec.draft_vocab import restrict
     p, d = pair()
+    # the draft cut to half the vocabulary plus a context of 8 ids a slot, sharded with the slots
+    d = restrict(p, d, np.random.default_rng(0).permutation(CFG.vocab_size)[:48], context=8)
 
     def engine(devices):
         be = (SpecBackend(CFG, p, d, SPEC, 2 * n, MAX_LEN + 2 * SPEC.max_emit) if kind == "spec"

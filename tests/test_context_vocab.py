@@ -104,6 +104,11 @@ def test_restrict_with_a_context_and_bad_sizes():
     for bad in (-1, 2.5, True):
         with pytest.raises(ConfigError, match="context vocabulary"):
             dv.restrict(params, head, ids, context=bad)
+    # the state's context: [B, E], and never a zero-size array without one (jax drops the
+    # sharding of those: a data-parallel engine's state would not match its programs)
+    from jaxspec.spec.cycle import init_state
+    assert init_state(CFG, SpecConfig(3, 1, 4), 2, 16, jnp.float32, h).seed.ctx.shape == (2, 7)
+    assert init_state(CFG, SpecConfig(3, 1, 4), 2, 16, jnp.float32, head).seed.ctx.shape == (2, 1)
 
 
 def _accepted(results):

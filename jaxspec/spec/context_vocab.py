@@ -15,7 +15,9 @@ tau 4.321 -> 4.600 against 4.654 uncut) but adds ~25 small kernels to a batch-1 
 Layout: ctx [B, E] int32 target ids, -1 for an empty entry, right-aligned (oldest first, the
 newest last). A head with a context vocabulary carries `draft_in_vocab` [V] bool (the K ids)
 and `draft_context` [E] int32 (an empty row, -1s: its shape is E); `draft_vocab.restrict` adds
-both. A head without them has E = 0 and ctx [B, 0].
+both. A head without them has E = 0 and an unused ctx [B, 1] of -1: never a zero-size array,
+whose sharding jax drops (a data-parallel engine then finds its state sharded otherwise than
+its programs were compiled for).
 """
 from __future__ import annotations
 
@@ -34,12 +36,14 @@ def size(draft_params) -> int:
     return int(draft_params["draft_context"].shape[0])
 
 
+def empty(batch: int, e: int):
+    """An empty context: [batch, max(E, 1)] of -1 (see the module notes)."""
+    return jnp.full((batch, max(e, 1)), -1, jnp.int32)
+
+
 def fresh(draft_params, batch: int):
-    """An empty context for `batch` slots: [batch, E] of -1 ([batch, 0] without one)."""
-    if size(draft_params) == 0:
-        return jnp.zeros((batch, 0), jnp.int32)
-    row = draft_params["draft_context"].astype(jnp.int32)
-    return jnp.broadcast_to(row[None], (batch, row.shape[0]))
+    """An empty context for `batch` slots of this head (`empty`)."""
+    return empty(batch, size(draft_params))
 
 
 def _first_occurrences(tokens, new):

@@ -84,7 +84,7 @@ def init_state(cfg: ModelConfig, spec: SpecConfig, slots: int, max_len: int, dty
         context = context_vocab.size(draft_params)
     seed = draft_lib.DraftSeed(jnp.zeros((slots, k), jnp.int32), jnp.zeros((slots, k), jnp.float32),
                                jnp.zeros((slots, dcfg.hidden_size), dtype),
-                               jnp.full((slots, context), -1, jnp.int32))
+                               context_vocab.empty(slots, context))
     return SpecState(target, jnp.zeros(dshape, dtype), jnp.zeros(dshape, dtype),
                      jnp.zeros((slots,), jnp.int32), seed, SlotSampling.greedy(slots),
                      jnp.zeros((slots, 2), jnp.uint32), TokenCounts.zeros(slots, cfg.vocab_size))

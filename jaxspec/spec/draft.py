@@ -44,7 +44,8 @@ class DraftSeed(NamedTuple):
     tokens: jax.Array  # [B, K] the root's top-k children
     logp: jax.Array    # [B, K] their log-probabilities (zeros on the argmax path)
     hidden: jax.Array  # [B, H] draft hidden of the root's row: the children's input feature
-    ctx: jax.Array     # [B, E] the slot's context vocabulary (`context_vocab`; E = 0: none)
+    ctx: jax.Array     # [B, E] the slot's context vocabulary (`context_vocab`; [B, 1] unused
+                       # without one)
 
 
 def top_children(logits, spec: SpecConfig):
@@ -124,7 +125,7 @@ def _children(params, draft_params, hidden, spec: SpecConfig, ctx=None):
     logits = jnp.dot(hidden, draft_params["draft_lm_head"].astype(hidden.dtype),
                      preferred_element_type=jnp.float32)
     ids = draft_params["draft_ids"]
-    if ctx is None or ctx.shape[-1] == 0:
+    if ctx is None or context_vocab.size(draft_params) == 0:
         tok, logp = top_children(logits, spec)
         return ids[tok], logp
     return _with_context(logits, ids, context_vocab.logits(params, hidden, ctx), ctx, spec)
@@ -161,7 +162,7 @@ def _context(draft_params, ctx, tokens, live):
     b = tokens.shape[0]
     if ctx is None:
         ctx = context_vocab.fresh(draft_params, b)
-    if ctx.shape[-1] == 0:
+    if context_vocab.size(draft_params) == 0:
         return ctx
     return context_vocab.update(ctx, tokens, live, draft_params["draft_in_vocab"])
 
