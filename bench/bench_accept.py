@@ -248,6 +248,8 @@ def main(argv=None) -> int:
         ap.error(f"--draft-vocab must be >= 0 (0: the whole vocabulary), got {a.draft_vocab}")
     if a.context_vocab is not None and a.context_vocab < 0:
         ap.error(f"--context-vocab must be >= 0 (0: none), got {a.context_vocab}")
+    if a.context_vocab and not a.draft_vocab:
+        ap.error("--context-vocab needs --draft-vocab K: the context adds to a cut vocabulary")
     if a.draft_vocab and a.agreement:
         ap.error("--agreement simulates the head's full-vocabulary passes; drop --draft-vocab")
     if a.max_slots < 0:

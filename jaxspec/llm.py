@@ -265,15 +265,21 @@ class LLM:
         from jaxspec.models.eagle3 import is_eagle3
         from jaxspec.spec import draft_vocab as dv
         k = self.draft_vocab
+        context = getattr(self, "draft_context_vocab", DEFAULT_CONTEXT_VOCAB)
         if k is None:
             k = DEFAULT_DRAFT_VOCAB if shipped and not is_eagle3(draft) else 0
-        if k == 0 or k >= self.config.vocab_size:
+        path = None
+        if 0 < k < self.config.vocab_size:
+            path = dv.ranking_path(self.config, self.draft_vocab_ranking)
+            if self.draft_vocab is None and self.draft_vocab_ranking is None and not path.is_file():
+                path = None   # a head shipped without its ranking: the whole vocabulary
+        if path is None:
+            if context:
+                raise ConfigError(f"draft_context_vocab={context} needs a draft that scores a "
+                                  "cut vocabulary (draft_vocab > 0, an EAGLE-1 head and its "
+                                  "ranking); this one scores every token")
             return draft
-        path = dv.ranking_path(self.config, self.draft_vocab_ranking)
-        if self.draft_vocab is None and self.draft_vocab_ranking is None and not path.is_file():
-            return draft     # a head shipped without its ranking: the whole vocabulary
-        return dv.restrict_top(self.params, draft, self.config, k, path,
-                               context=getattr(self, "draft_context_vocab", DEFAULT_CONTEXT_VOCAB))
+        return dv.restrict_top(self.params, draft, self.config, k, path, context=context)
 
     def _init_data_parallel(self, draft, spec):
         """Replicas over local devices with jax.pmap, max_batch slots each; generate() spreads

@@ -174,8 +174,16 @@ def test_engine_chunks_packs_and_retracts_keep_the_context_exact():
     assert accepted[8] > accepted[0], accepted
 
 
-def test_llm_rejects_a_bad_context_size_before_loading_anything():
+def test_llm_rejects_a_bad_context_size_and_a_context_without_a_cut():
     from jaxspec import LLM
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError, match="draft_context_vocab"):
             LLM("/no/such/model.gguf", draft_context_vocab=bad)
+    llm = LLM.__new__(LLM)        # the vocabulary step alone, on the test target
+    params, head = agreeing_pair()
+    llm.config, llm.params, llm.draft_vocab_ranking = CFG, params, None
+    llm.draft_vocab, llm.draft_context_vocab = 0, 16
+    with pytest.raises(ConfigError, match="cut vocabulary"):
+        llm._restrict_vocab(head, shipped=False)
+    llm.draft_context_vocab = 0
+    assert llm._restrict_vocab(head, shipped=False) is head
