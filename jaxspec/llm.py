@@ -37,6 +37,12 @@ DEFAULT_DRAFT_VOCAB = 16384
 DEFAULT_CONTEXT_VOCAB = 0
 
 
+def _check_size(name: str, value, zero: str) -> None:
+    """ConfigError unless value is None or an int >= 0 (bools refused); zero: what 0 means."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ConfigError(f"{name} must be an int >= 0 (0: {zero}), got {value!r}")
+
+
 @dataclasses.dataclass
 class RequestOutput:
     request_id: int
@@ -156,15 +162,8 @@ class LLM:
         if prefill_pack_rows not in PACK_ROWS:
             raise ConfigError(f"prefill_pack_rows must be one of {PACK_ROWS}, got "
                               f"{prefill_pack_rows!r}")
-        if draft_vocab is not None and (isinstance(draft_vocab, bool)
-                                        or not isinstance(draft_vocab, int) or draft_vocab < 0):
-            raise ConfigError(f"draft_vocab must be an int >= 0 (0: the whole vocabulary), got "
-                              f"{draft_vocab!r}")
-        if draft_context_vocab is not None and (
-                isinstance(draft_context_vocab, bool) or not isinstance(draft_context_vocab, int)
-                or draft_context_vocab < 0):
-            raise ConfigError(f"draft_context_vocab must be an int >= 0 (0: none), got "
-                              f"{draft_context_vocab!r}")
+        _check_size("draft_vocab", draft_vocab, "the whole vocabulary")
+        _check_size("draft_context_vocab", draft_context_vocab, "none")
         self.draft_vocab, self.draft_vocab_ranking = draft_vocab, draft_vocab_ranking
         self.draft_context_vocab = (DEFAULT_CONTEXT_VOCAB if draft_context_vocab is None
                                     else draft_context_vocab)
@@ -265,7 +264,7 @@ class LLM:
         from jaxspec.models.eagle3 import is_eagle3
         from jaxspec.spec import draft_vocab as dv
         k = self.draft_vocab
-        context = getattr(self, "draft_context_vocab", DEFAULT_CONTEXT_VOCAB)
+        context = self.draft_context_vocab
         if k is None:
             k = DEFAULT_DRAFT_VOCAB if shipped and not is_eagle3(draft) else 0
         path = None

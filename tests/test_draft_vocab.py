@@ -112,7 +112,7 @@ def test_llm_default_falls_back_to_the_whole_vocabulary_without_a_ranking(tmp_pa
     llm = LLM.__new__(LLM)
     llm.config = dataclasses.replace(CFG, **DEFAULT_TARGET_SHAPE)
     assert isinstance(llm.config, ModelConfig)
-    llm.params, llm.draft_vocab_ranking = {}, None
+    llm.params, llm.draft_vocab_ranking, llm.draft_context_vocab = {}, None, 0
     head = {"fc": np.zeros(2)}
     llm.draft_vocab = None
     assert llm._restrict_vocab(head, shipped=True) is head

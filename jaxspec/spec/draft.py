@@ -134,9 +134,10 @@ def _children(params, draft_params, hidden, spec: SpecConfig, ctx=None):
 def _with_context(logits, ids, extra, ctx, spec: SpecConfig):
     """top_children over the draft vocabulary's logits [.., K] (target ids `ids`) and the
     context's [.., E] (target ids ctx [B, E]) as one row: the vocabulary's top-k as without a
-    context, the context's by pairwise ranks, then the best k of the 2k. Not one selection
-    over a [.., K + E] row: its copy and the top-k of a width off the chunk layout (sort
-    kernels) cost a batch-1 4x8x32 cycle 68 us on the H200 (6%). Ties go to the vocabulary."""
+    context, the context's by pairwise ranks, then the best k of the 2k. (One selection over a
+    [.., K + E] row copies the row and takes its top-k at a width off the chunk layout, which
+    made the top-k's sort kernels 4x slower; both forms cost a batch-1 4x8x32 cycle the same
+    68 us on the H200, RESULTS thirty-third set.) Ties go to the vocabulary."""
     cids = context_vocab.ids_like(ctx, extra.shape)
     if spec.uses_argmax:
         ib = jnp.argmax(logits, axis=-1)[..., None]
