@@ -8,9 +8,9 @@ MT-bench questions (first turn, chat template, greedy), per speculation preset.
 target (greedy, static shapes), not on the batch: all questions run as one batch.
 --draft-vocab K (EAGLE-1 heads) drafts only the ranking's K most frequent tokens, as
 `LLM(draft_vocab=K)` does (the ranking shipped beside the default head, or --ranking); the
-default 0 drafts the whole vocabulary. With it, --context-vocab E lets each slot also draft the
-last E distinct tokens outside the K of its own prompt and output (`spec.context_vocab`; the
-LLM's default unless given, 0: none). A head's tau under the cut can rank heads differently
+default 0 drafts the whole vocabulary. With it, --context-vocab E makes the last E of the K each
+slot's own: the last E distinct tokens of its prompt and output outside the other K - E
+(`spec.context_vocab`; the LLM's default unless given, 0: none). A head's tau under the cut can rank heads differently
 from its tau over the whole vocabulary.
 
 --turns 2 runs MT-bench as EAGLE's evaluation does: each question's second turn follows its
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ranking", default=None,
                     help="token ranking for --draft-vocab (default: the shipped head's)")
     ap.add_argument("--context-vocab", type=int, default=None,
-                    help="with --draft-vocab: context tokens a slot also drafts "
+                    help="with --draft-vocab: how many of the K are each slot's context tokens "
                          "(`LLM(draft_context_vocab=)`; default: the LLM's, 0: none)")
     ap.add_argument("--turns", type=int, choices=(1, 2), default=1,
                     help="2: also each question's second turn, after its first turn's answer "

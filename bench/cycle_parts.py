@@ -36,7 +36,7 @@ def _programs(cfg, spec_name: str, batch: int, prefix: int, draft_vocab: int = 0
               context: int = 0):
     """[(backend, step, state)] for the spec and the plain backend: back-to-back callables.
     draft_vocab: the head drafts only that many target ids (as the shipped head's 16,384);
-    context: with a context vocabulary of that many ids a slot, all of them held."""
+    context: that many of the draft_vocab ids a slot's context, all held by ids outside them."""
     from jaxspec.engine.backends import PlainBackend, SpecBackend
     gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if gpu else jnp.float32
@@ -105,7 +105,7 @@ def main():
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="the head drafts this many target ids (0: all; the shipped head 16384)")
     ap.add_argument("--context-vocab", type=int, default=0,
-                    help="with --draft-vocab: a context vocabulary of this many ids a slot")
+                    help="with --draft-vocab: this many of its ids a slot's context")
     a = ap.parse_args()
     full = SMOLLM2_135M.num_layers
     gpu = jax.default_backend() == "gpu"

@@ -113,9 +113,9 @@ class LLM:
     the shipped head's measured default (`DEFAULT_DRAFT_VOCAB`), else the whole vocabulary.
     draft_vocab_ranking: the ranking file (`spec.draft_vocab.save_ranking`); None: the one
     shipped beside the default head (needed for a draft_vocab > 0 with another head).
-    draft_context_vocab: with a cut draft vocabulary, each request may also draft the last E
-    distinct tokens of its own prompt and output that lie outside it (`spec.context_vocab`:
-    the topic's rare words, which a frequency cut misses; 256 measured). None:
+    draft_context_vocab: with a cut draft vocabulary, the last E of its K are each request's
+    own: the last E distinct tokens of its prompt and output outside the other K - E
+    (`spec.context_vocab`: the topic's rare words, which a frequency cut misses). None:
     `DEFAULT_CONTEXT_VOCAB` (0: off).
     submit_slice: `generate` encodes, checks and submits its prompts this many at a time, the
     device running the slices before while the next one encodes. None: max(64, max_batch)

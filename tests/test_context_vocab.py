@@ -77,7 +77,7 @@ def test_children_are_the_best_of_the_vocabulary_and_the_context(topk, rows):
     spec = SpecConfig(3, topk, 4 if topk == 1 else 8)
     tok, logp = draft_lib._children(params, h, hidden, spec, jnp.asarray(ctx))
     allowed = np.zeros((b, CFG.vocab_size), bool)
-    allowed[:, ids] = True
+    allowed[:, ids[:-5]] = True                          # the last 5 of the 40 are the context's
     for s in range(b):
         allowed[s, ctx[s][ctx[s] >= 0]] = True
     allowed = allowed.reshape((b,) + (1,) * len(rows) + (CFG.vocab_size,))
@@ -90,6 +90,14 @@ def test_children_are_the_best_of_the_vocabulary_and_the_context(topk, rows):
         np.testing.assert_allclose(np.asarray(logp), np.asarray(ref), rtol=1e-5, atol=1e-5)
     # The context's ids do win picks (else this test would not test them).
     assert np.isin(np.asarray(tok), outside).any()
+    # A fresh slot's context is the ranking's last 5 of the 40: it drafts exactly what the
+    # head cut to the 40 without a context drafts.
+    fresh = cv.fresh(h, b)
+    np.testing.assert_array_equal(np.asarray(fresh[0]), ids[35:][::-1])
+    tok, logp = draft_lib._children(params, h, hidden, spec, fresh)
+    tok0, logp0 = draft_lib._children(params, dv.restrict(params, head, ids), hidden, spec)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(tok0))
+    np.testing.assert_allclose(np.asarray(logp), np.asarray(logp0), rtol=1e-6, atol=1e-6)
 
 
 def test_restrict_with_a_context_and_bad_sizes():
@@ -97,11 +105,11 @@ def test_restrict_with_a_context_and_bad_sizes():
     ids = np.arange(10)
     h = dv.restrict(params, head, ids, context=7)
     assert cv.size(h) == 7 and h["draft_in_vocab"].shape == (CFG.vocab_size,)
-    assert int(h["draft_in_vocab"].sum()) == 10
+    assert int(h["draft_in_vocab"].sum()) == 3 and h["draft_lm_head"].shape[1] == 10
     assert cv.size(dv.restrict(params, head, ids)) == 0 and cv.size(head) == 0
     # every token already drafted: nothing for a context to add
     assert cv.size(dv.restrict(params, head, np.arange(CFG.vocab_size), context=7)) == 0
-    for bad in (-1, 2.5, True):
+    for bad in (-1, 2.5, True, 10, 11):            # 10, 11: not smaller than the 10 drafted
         with pytest.raises(ConfigError, match="context vocabulary"):
             dv.restrict(params, head, ids, context=bad)
     # the state's context: [B, E], and never a zero-size array without one (jax drops the

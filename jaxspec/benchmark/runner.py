@@ -68,7 +68,7 @@ def parse_specs(text: str) -> List[Mode]:
     """'chain,tree,3x1x4,chain:4,default': presets, num_steps x topk x num_draft_tokens, or
     'default' (the shape `LLM()` picks at each batch size), each with an optional ':K' for K
     cycles per device call and an optional '@V' for a draft vocabulary of V tokens (0: all;
-    `LLM(draft_vocab=)`), itself with an optional '+E' for E context tokens a slot
+    `LLM(draft_vocab=)`), itself with an optional '+E' for E of those V a slot's context tokens
     (`LLM(draft_context_vocab=)`; 0: none), e.g. 'chain:4@16384', '4x8x32:2@16384+0'."""
     from jaxspec.spec.config import PRESETS, resolve_spec
     modes = []

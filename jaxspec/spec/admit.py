@@ -46,6 +46,7 @@ import numpy as np
 from jaxspec.config import ModelConfig
 from jaxspec.kv import KVCache
 from jaxspec.models import llama
+from jaxspec.spec import context_vocab
 from jaxspec.spec import draft as draft_lib
 from jaxspec.spec.config import SpecConfig
 from jaxspec.sampling import (FULL, MAX_LOGPROBS, VARIANTS, Emitted, Features, SlotSampling,
@@ -252,7 +253,7 @@ def spec_admit(params, draft_params, state, slot_idx, tokens, start, n_valid, ne
     shifted = jnp.where(cols == (n_valid - 1)[:, None],
                         jnp.where(is_last, root, next_tok)[:, None], shifted)
     # a first chunk starts the request's context vocabulary afresh
-    ctx = jnp.where((start == 0)[:, None], -1, sub.seed.ctx)
+    ctx = jnp.where((start == 0)[:, None], context_vocab.fresh(draft_params, a), sub.seed.ctx)
     dk, dv, seed = draft_lib.catch_up(params, draft_params, cfg, spec, state.draft_k,
                                       state.draft_v, start, feats, shifted, n_valid, slot_idx,
                                       ctx=ctx)

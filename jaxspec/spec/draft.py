@@ -111,11 +111,12 @@ def check_head(cfg: ModelConfig, spec: SpecConfig, draft_params) -> None:
                           f"three in [0, {cfg.num_layers})")
 
 
-def _children(params, draft_params, hidden, spec: SpecConfig, ctx=None):
+def _children(params, draft_params, hidden, spec: SpecConfig, ctx=None, ctx_rows=None):
     """Draft hidden [B, ..., H] -> top-k children (target ids [B, ..., K], log-probs [B, ..., K]).
     EAGLE-3, or an EAGLE-1 head with a smaller draft vocabulary (`draft_vocab`): top-k over the
     draft vocabulary, then mapped to target ids; with a context vocabulary ctx [B, E]
-    (`context_vocab`), over the draft vocabulary and the slot's context ids together."""
+    (`context_vocab`), the row's last E entries are the slot's context ids (their lm_head rows
+    ctx_rows [B, E, H]: gathered here when None)."""
     if eagle3.is_eagle3(draft_params):
         tok, logp = top_children(eagle3.logits(draft_params, hidden), spec)
         return eagle3.to_target(draft_params, tok), logp
@@ -128,33 +129,10 @@ def _children(params, draft_params, hidden, spec: SpecConfig, ctx=None):
     if ctx is None or context_vocab.size(draft_params) == 0:
         tok, logp = top_children(logits, spec)
         return ids[tok], logp
-    return _with_context(logits, ids, context_vocab.logits(params, hidden, ctx), ctx, spec)
-
-
-def _with_context(logits, ids, extra, ctx, spec: SpecConfig):
-    """top_children over the draft vocabulary's logits [.., K] (target ids `ids`) and the
-    context's [.., E] (target ids ctx [B, E]) as one row: the vocabulary's top-k as without a
-    context, the context's by pairwise ranks, then the best k of the 2k. (One selection over a
-    [.., K + E] row copies the row and takes its top-k at a width off the chunk layout, which
-    made the top-k's sort kernels 4x slower; both forms cost a batch-1 4x8x32 cycle the same
-    68 us on the H200, RESULTS thirty-third set.) Ties go to the vocabulary."""
-    cids = context_vocab.ids_like(ctx, extra.shape)
-    if spec.uses_argmax:
-        ib = jnp.argmax(logits, axis=-1)[..., None]
-        ie = jnp.argmax(extra, axis=-1)[..., None]
-        vb = jnp.take_along_axis(logits, ib, axis=-1)
-        ve = jnp.take_along_axis(extra, ie, axis=-1)
-        tok = jnp.where(ve > vb, jnp.take_along_axis(cids, ie, axis=-1), ids[ib])
-        return tok.astype(jnp.int32), jnp.zeros(tok.shape, jnp.float32)
-    k = spec.topk
-    vb, ib = topk_lib.vocab_top_k(logits, k)
-    ve, ie = topk_lib.small_top_k(extra, min(k, extra.shape[-1]))
-    vals, sel = topk_lib.small_top_k(jnp.concatenate([vb, ve], axis=-1), k)
-    cand = jnp.concatenate([ids[ib], jnp.take_along_axis(cids, ie, axis=-1)], axis=-1)
-    lse = jnp.logaddexp(_logsumexp_from_max(logits, vb[..., :1]),
-                        jax.nn.logsumexp(extra, axis=-1, keepdims=True))
-    tok = jnp.take_along_axis(cand, sel, axis=-1)
-    return tok.astype(jnp.int32), (vals - lse).astype(jnp.float32)
+    if ctx_rows is None:
+        ctx_rows = context_vocab.rows(params, ctx, hidden.dtype)
+    tok, logp = top_children(context_vocab.place(logits, hidden, ctx_rows, ctx), spec)
+    return context_vocab.to_target(tok, ids, ctx).astype(jnp.int32), logp
 
 
 def _context(draft_params, ctx, tokens, live):
@@ -182,7 +160,7 @@ def catch_up(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k, 
     with slots [B] naming the cache slot of each row).
     features [B, R, F] target features (`target_features`: F = H for EAGLE-1, 3H for EAGLE-3);
     tokens [B, R]; n_live [B] live rows (0 = slot idle).
-    ctx [B, E]: the rows' context vocabulary before these tokens (None: an empty one).
+    ctx [B, E]: the rows' context vocabulary before these tokens (None: a fresh one).
     Writes the draft KV of all live rows at base..base+n_live-1 and returns
     (draft_k, draft_v, DraftSeed from the last live row, its context updated with the tokens).
     """
@@ -282,6 +260,9 @@ def draft_tree(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k
     m = (s - 1) * kk
     ks, vs = [], []                              # the buffer rows' K/V, [B, Hkv, K, D] per step
     anc = jnp.zeros((b, kk, m), bool)            # buffer rows that are ancestors of the frontier
+    ctx_rows = None                              # the context's lm_head rows, once for all steps
+    if context_vocab.size(draft_params) and "draft_ids" in draft_params:
+        ctx_rows = context_vocab.rows(params, seed.ctx, seed.hidden.dtype)
     for i in range(1, s):
         lo, hi = (i - 1) * kk, i * kk
         x = head.fuse_input(params, draft_params, tok, feat)
@@ -301,7 +282,8 @@ def draft_tree(params, draft_params, cfg: ModelConfig, spec: SpecConfig, draft_k
         o = head.attend(cfg, q_sq, draft_k, draft_v, lens, jnp.concatenate(ks, axis=2),
                         jnp.concatenate(vs, axis=2), mask)[:, lo:hi]
         hid = head.finish_layer(cfg, draft_params, x, o)                    # [B, K, H]
-        ctok, clogp = _children(params, draft_params, hid, spec, seed.ctx)  # [B, K, K]
+        ctok, clogp = _children(params, draft_params, hid, spec, seed.ctx,     # [B, K, K]
+                                 ctx_rows)
         cum = score[:, :, None] + clogp
         base = kk + (i - 1) * kk * kk
         cand_tok.append(ctok.reshape(b, kk * kk))

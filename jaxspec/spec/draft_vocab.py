@@ -14,8 +14,9 @@ outside the K can no longer be drafted.
 
 `draft._children` projects through `draft_lm_head` and maps the picks back through
 `draft_ids` when the head has them. EAGLE-3 heads have their own draft vocabulary already.
-`restrict(..., context=E)` also lets each slot draft the last E distinct tokens of its own
-prompt and output that lie outside the K (`spec.context_vocab`): the topic's rare words.
+`restrict(..., context=E)` makes the last E of the K each slot's own: the last E distinct tokens
+of its own prompt and output outside the other K - E (`spec.context_vocab`): the topic's rare
+words.
 
 Rankings are built from a corpus's token counts (`rank_tokens`; `python -m
 jaxspec.spec.draft_vocab` counts the answers of ShareGPT first turns) and stored as a
@@ -83,9 +84,10 @@ def load_ranking(path, vocab_size: int) -> np.ndarray:
 
 def restrict(params, draft_params, ids, context: int = 0):
     """EAGLE-1 draft params that draft only the target ids `ids` [K] (distinct): the target
-    lm_head's K columns (`draft_lm_head` [H, K]) and the ids (`draft_ids` [K] int32). context > 0
-    adds a context vocabulary of that many ids a slot (`context_vocab`: `draft_in_vocab` [V] bool
-    and `draft_context` [E] int32)."""
+    lm_head's K columns (`draft_lm_head` [H, K]) and the ids (`draft_ids` [K] int32). context
+    = E > 0 makes the last E of the K each slot's own (`context_vocab`: `draft_in_vocab` [V]
+    bool marks the K - E fixed ids, `draft_context` [E] int32 holds a fresh slot's ids, the
+    ranking's last E)."""
     import jax.numpy as jnp
     from jaxspec.models.eagle3 import is_eagle3
     if is_eagle3(draft_params):
@@ -101,10 +103,15 @@ def restrict(params, draft_params, ids, context: int = 0):
     out = dict(draft_params, draft_lm_head=jnp.take(w, jnp.asarray(ids), axis=1),
                draft_ids=jnp.asarray(ids))
     if context and len(ids) < w.shape[1]:
+        if context >= len(ids):
+            raise ConfigError(f"the context vocabulary ({context}) must be smaller than the "
+                              f"draft vocabulary ({len(ids)}) it is part of")
+        fixed = len(ids) - int(context)
         in_vocab = np.zeros(w.shape[1], bool)
-        in_vocab[ids] = True
+        in_vocab[ids[:fixed]] = True
+        # a fresh slot's context: the ranking's last E of the K, the rarest oldest (first out)
         out.update(draft_in_vocab=jnp.asarray(in_vocab),
-                   draft_context=jnp.full((int(context),), -1, jnp.int32))
+                   draft_context=jnp.asarray(ids[fixed:][::-1].copy()))
     return out
 
 
