@@ -10,7 +10,7 @@ target (greedy, static shapes), not on the batch: all questions run as one batch
 `LLM(draft_vocab=K)` does (the ranking shipped beside the default head, or --ranking); the
 default 0 drafts the whole vocabulary. With it, --context-vocab E makes the last E of the K each
 slot's own: the last E distinct tokens of its prompt and output outside the other K - E
-(`spec.context_vocab`; the LLM's default unless given, 0: none). A head's tau under the cut can rank heads differently
+(`spec.context_vocab`; unless given, the LLM's default for one request on a GPU, 256; 0: none). A head's tau under the cut can rank heads differently
 from its tau over the whole vocabulary.
 
 --turns 2 runs MT-bench as EAGLE's evaluation does: each question's second turn follows its
@@ -232,7 +232,8 @@ def main(argv=None) -> int:
                     help="token ranking for --draft-vocab (default: the shipped head's)")
     ap.add_argument("--context-vocab", type=int, default=None,
                     help="with --draft-vocab: how many of the K are each slot's context tokens "
-                         "(`LLM(draft_context_vocab=)`; default: the LLM's, 0: none)")
+                         "(`LLM(draft_context_vocab=)`; default: the LLM's at "
+                         "max_batch 1 on a GPU, 0: none)")
     ap.add_argument("--turns", type=int, choices=(1, 2), default=1,
                     help="2: also each question's second turn, after its first turn's answer "
                          "(EAGLE's MT-bench evaluation); tau over both turns' cycles")
@@ -262,7 +263,9 @@ def main(argv=None) -> int:
     if 0 < a.draft_vocab < cfg.vocab_size:
         from jaxspec.spec.draft_vocab import restrict_top
         from jaxspec.llm import DEFAULT_CONTEXT_VOCAB
+        # default: the LLM's for one request (the measure here is a request's tau)
         ctx = DEFAULT_CONTEXT_VOCAB if a.context_vocab is None else a.context_vocab
+        ctx = ctx if a.context_vocab is not None or ctx < a.draft_vocab else 0
         draft = restrict_top(params, draft, cfg, a.draft_vocab, a.ranking, context=ctx)
     if jax.default_backend() == "gpu":
         params = llama.unstack_layers(params)

@@ -29,12 +29,20 @@ Prompt = Union[str, Chat, Sequence[int]]
 # batch 1 the tree 6x8x40 ran 3-5% faster (tau 3.46 against 3.62) and a forced
 # chain 2% slower; held-out ShareGPT at batch 64, dominated by prefill, did not change.
 DEFAULT_DRAFT_VOCAB = 16384
-# Context vocabulary a slot of a cut head drafts besides the K (`LLM(draft_context_vocab=)`,
-# `spec.context_vocab`). Off by default: on the H200 (bench/RESULTS.md, thirty-third set) 256
-# raised tau (MT-bench, both turns, 16,384 drafted: chain 2.500 -> 2.565, tree 4.321 -> 4.600;
-# batch-1 4x8x32 3.29 -> 3.40) but its ~25 small kernels cost the batch-1 cycle 68 us (6%):
-# 2.50-2.51x plain against 2.55-2.56x without it.
-DEFAULT_CONTEXT_VOCAB = 0
+# How many of a cut head's K drafted tokens are each request's context (`LLM(draft_context_vocab=)`,
+# `spec.context_vocab`) when none is asked for: 256 at max_batch 1 on a GPU, else none
+# (`default_context_vocab`). On the H200 (bench/RESULTS.md, thirty-fourth set), MT-bench, 16,384
+# drafted: batch-1 4x8x32:2 tau 3.27 -> 3.40 for 30 us more a cycle (1.136 -> 1.166 ms), 2.553x
+# / 2.567x plain against 2.548x / 2.549x without (both orders); both turns chain tau 2.500 ->
+# 2.565, tree 4.321 -> 4.544. At batch 64 (default 3x2x4:4) tau 2.24 -> 2.29 but 1.42x plain
+# against 1.45x: the slots' gathered rows cost more than the tau returns.
+DEFAULT_CONTEXT_VOCAB = 256
+
+
+def default_context_vocab(slots: int) -> int:
+    """The context vocabulary when none is asked for: DEFAULT_CONTEXT_VOCAB for one slot on a
+    GPU, else 0 (as `engine.default_spec`, which picks the batch-1 tree there)."""
+    return DEFAULT_CONTEXT_VOCAB if slots == 1 and jax.default_backend() == "gpu" else 0
 
 
 def _check_size(name: str, value, zero: str) -> None:
@@ -116,7 +124,8 @@ class LLM:
     draft_context_vocab: with a cut draft vocabulary, the last E of its K are each request's
     own: the last E distinct tokens of its prompt and output outside the other K - E
     (`spec.context_vocab`: the topic's rare words, which a frequency cut misses). None:
-    `DEFAULT_CONTEXT_VOCAB` (0: off).
+    `default_context_vocab(max_batch)` with a cut vocabulary (256 at max_batch 1 on a GPU, else
+    none).
     submit_slice: `generate` encodes, checks and submits its prompts this many at a time, the
     device running the slices before while the next one encodes. None: max(64, max_batch)
     (a slice of 64 chats encodes in about 7 ms on an H100's host, against a call of 6-17 ms at
@@ -165,8 +174,7 @@ class LLM:
         _check_size("draft_vocab", draft_vocab, "the whole vocabulary")
         _check_size("draft_context_vocab", draft_context_vocab, "none")
         self.draft_vocab, self.draft_vocab_ranking = draft_vocab, draft_vocab_ranking
-        self.draft_context_vocab = (DEFAULT_CONTEXT_VOCAB if draft_context_vocab is None
-                                    else draft_context_vocab)
+        self.draft_context_vocab = draft_context_vocab
         if cycles_per_call is not None and cycles_per_call < 1:
             raise ConfigError(f"cycles_per_call must be >= 1, got {cycles_per_call}")
         self.cycles_per_call = cycles_per_call or default_cycles_per_call(max_batch)
@@ -273,11 +281,14 @@ class LLM:
             if self.draft_vocab is None and self.draft_vocab_ranking is None and not path.is_file():
                 path = None   # a head shipped without its ranking: the whole vocabulary
         if path is None:
-            if context:
+            if context:         # asked for (the default is none without a cut)
                 raise ConfigError(f"draft_context_vocab={context} needs a draft that scores a "
                                   "cut vocabulary (draft_vocab > 0, an EAGLE-1 head and its "
                                   "ranking); this one scores every token")
             return draft
+        if context is None:         # the default, where the cut leaves room for it
+            context = default_context_vocab(self.max_batch)
+            context = context if context < k else 0
         return dv.restrict_top(self.params, draft, self.config, k, path, context=context)
 
     def _init_data_parallel(self, draft, spec):

@@ -195,3 +195,27 @@ def test_llm_rejects_a_bad_context_size_and_a_context_without_a_cut():
         llm._restrict_vocab(head, shipped=False)
     llm.draft_context_vocab = 0
     assert llm._restrict_vocab(head, shipped=False) is head
+
+
+def test_llm_default_context_is_for_one_slot_on_a_gpu(tmp_path, monkeypatch):
+    import jaxspec.llm as llm_mod
+    from jaxspec import LLM
+    params, head = agreeing_pair()
+    ranking = tmp_path / "ranking.safetensors"
+    dv.save_ranking(ranking, np.random.default_rng(0).permutation(CFG.vocab_size))
+    llm = LLM.__new__(LLM)
+    llm.config, llm.params, llm.draft_vocab_ranking = CFG, params, ranking
+    llm.draft_vocab, llm.draft_context_vocab = 40, None
+    monkeypatch.setattr(llm_mod, "DEFAULT_CONTEXT_VOCAB", 8)
+    sizes = {}
+    for backend in ("cpu", "gpu"):
+        monkeypatch.setattr(llm_mod.jax, "default_backend", lambda b=backend: b)
+        for slots in (1, 2):
+            llm.max_batch = slots
+            sizes[backend, slots] = cv.size(llm._restrict_vocab(head, shipped=False))
+    assert sizes == {("cpu", 1): 0, ("cpu", 2): 0, ("gpu", 1): 8, ("gpu", 2): 0}
+    llm.max_batch, llm.draft_vocab = 1, 8          # no room in a cut of 8: none, not an error
+    assert cv.size(llm._restrict_vocab(head, shipped=False)) == 0
+    llm.draft_context_vocab = 8                    # asked for: the error names it
+    with pytest.raises(ConfigError, match="must be smaller than the draft vocabulary"):
+        llm._restrict_vocab(head, shipped=False)

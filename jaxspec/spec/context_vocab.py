@@ -13,9 +13,10 @@ the target's; only what the draft can propose changes.
 Cost: the draft's logits stay one [.., K] row per draft forward, so its top-k is the same as
 without a context. The slot's E lm_head rows are gathered once per catch-up and once per draft
 tree (`rows`), scored by a small batched product and written over the row's last E entries
-(`place`); the picks then map back through the slot's ids (`to_target`). The first form (E
-scored beside the K, then merged) added ~25 small kernels and 68 us to a batch-1 cycle on the
-H200 (bench/RESULTS.md, thirty-third set).
+(`place`); the picks then map back through the slot's ids (`to_target`). On the H200 E = 256
+costs a batch-1 4x8x32 cycle 30 us (1.136 -> 1.166 ms) and raises its tau 3.27 -> 3.40 on
+MT-bench (bench/RESULTS.md, thirty-fourth set); the first form (E scored beside the K, then
+merged) cost 68 us (thirty-third set).
 
 Layout: ctx [B, E] int32 target ids, right-aligned (oldest first, the newest last), -1 for an
 empty entry (scored -inf; only a state built without the head's fillers has them). A head with
