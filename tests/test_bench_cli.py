@@ -58,8 +58,10 @@ def test_no_arguments_mean_default_model_head_mt_bench_batch_1():
     assert args.spec == "chain" and args.num_prompts == 4   # CPU defaults
 
 
+@pytest.mark.real_weights
 def test_default_run(smollm2_gguf, capsys):
-    """The default model and shipped head, cut to one question and a few tokens."""
+    """The default model and shipped head, cut to one question and a few tokens (the real
+    SmolLM2 weights: it runs with the other real_weights tests, at XLA's full CPU optimization)."""
     assert bench_cli.main(["--num-prompts", "1", "--max-tokens", "8", "--no-peers",
                            "--quiet"]) == 0
     out = capsys.readouterr().out
@@ -215,7 +217,9 @@ def test_results_are_written_after_every_run(tiny_chat_model, tmp_path, monkeypa
 
 def test_default_spec_runs_the_llm_default_at_each_batch_size(tiny_chat_model, tmp_path):
     """--spec default builds each batch size's LLM with the shape LLM() would pick there (here,
-    a GPU's rule), and the row reports that shape."""
+    a GPU's rule: the 4x8x32 tree at batch 1, the chain at 2), and the row reports that shape.
+    (The rule's 3x2x4 from 16 slots: test_parse_specs and test_engine_warmup's defaults test;
+    batches 1 and 2 here run the sweep fixture's plain and chain programs again.)"""
     from jaxspec.engine import backends
     path = tmp_path / "r.json"
     seen, build, rule = [], runner.Target.llm, backends.default_spec
@@ -232,14 +236,14 @@ def test_default_spec_runs_the_llm_default_at_each_batch_size(tiny_chat_model, t
     with mock.patch.object(runner.Target, "llm", llm), \
             mock.patch.object(backends, "default_spec", gpu_rule):
         assert bench_cli.main(["--model", str(tiny_chat_model), "--draft", "random", "--spec",
-                               "default:1", "--batch-sizes", "1,16", "--num-prompts", "2",
+                               "default:1", "--batch-sizes", "1,2", "--num-prompts", "2",
                                "--max-tokens", "6", "--max-model-len", "128", "--no-peers",
                                "--quiet", "--dtype", "float32", "--json", str(path)]) == 0
     assert [(b, label, spec) for b, label, spec in seen if label != "plain"] == [
-        (1, "default:1", SpecConfig(4, 8, 32)), (16, "default:1", SpecConfig(3, 2, 4))]
+        (1, "default:1", SpecConfig(4, 8, 32)), (2, "default:1", SpecConfig(3, 1, 4))]
     rows = [r for r in json.loads(path.read_text())["rows"] if r["mode"] == "default:1"]
     assert [(r["spec"]["num_steps"], r["spec"]["topk"], r["spec"]["num_draft_tokens"])
-            for r in rows] == [(4, 8, 32), (3, 2, 4)]
+            for r in rows] == [(4, 8, 32), (3, 1, 4)]
     assert [len(r["accept_hist"]) for r in rows] == [5, 4]
 
 
