@@ -19,22 +19,23 @@ CHUNK = 64
 
 @functools.lru_cache(maxsize=None)
 def _jitted(k, chunk):
-    """lax.top_k and the implementations under test at (k, chunk), jitted once: the random and
-    the tied inputs of one shape and dtype share their compilations."""
+    """lax.top_k and the implementations under test at (k, chunk), as one jitted program (one
+    compilation a shape and dtype, not one per implementation; each output still comes from its
+    own ops): the random and the tied inputs of one shape and dtype share it."""
     # chunk-max widths: chunk / 8 gives rows of several chunks at CHUNK; 1 and 3 are the edges.
     fns = (functools.partial(topk_lib.top_k, k=k, chunk=chunk),
            functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=max(1, chunk // 8)),
            functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=3, small="top_k"),
            functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=5, small="sort"))
     fns += (topk_lib.top2_by_reduce,) if k == 2 else ()
-    return jax.jit(functools.partial(jax.lax.top_k, k=k)), tuple(jax.jit(f) for f in fns)
+    return jax.jit(lambda x: (jax.lax.top_k(x, k), tuple(f(x) for f in fns)))
 
 
 def _check(x, k, chunk=CHUNK):
-    ref, fns = _jitted(k, chunk)
-    want = ref(x)
-    for fn in fns:
-        _assert_same(fn(x), want)
+    want, got = _jitted(k, chunk)(x)
+    assert len(got) == (5 if k == 2 else 4)
+    for g in got:
+        _assert_same(g, want)
 
 
 def _assert_same(got, want):
@@ -89,13 +90,16 @@ def _check_short(x, k):
     """The short-row selections: top_k_by_rank and small_top_k equal lax.top_k, and
     top_k_indices_in_order is its index set in ascending order."""
     want = jax.lax.top_k(x, k)
-    for fn in (topk_lib.top_k_by_rank, topk_lib.small_top_k):
-        got = jax.jit(functools.partial(fn, k=k))(x)
+    # one program for the three (one compilation a shape and dtype)
+    *got_both, in_order = jax.jit(lambda x: (topk_lib.top_k_by_rank(x, k=k),
+                                             topk_lib.small_top_k(x, k=k),
+                                             topk_lib.top_k_indices_in_order(x, k=k)))(x)
+    for got in got_both:
         assert got[1].dtype == jnp.int32
         np.testing.assert_array_equal(np.asarray(got[0], np.float64),
                                       np.asarray(want[0], np.float64))
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-    got = jax.jit(functools.partial(topk_lib.top_k_indices_in_order, k=k))(x)
+    got = in_order
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), np.sort(np.asarray(want[1]), axis=-1))
 
