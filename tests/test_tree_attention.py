@@ -54,15 +54,25 @@ def test_kernel_matches_reference(case, dtype, entry):
     scale = 1 / math.sqrt(d)
     layer = jnp.int32(1)
     ref = ta.tree_attention_reference(q, kc, vc, layer, sl, kn, vn, mask, sm_scale=scale)
+
     # One split (the kernel's own store), and small blocks with several splits so a handful of
-    # rows already cross block/split edges (the combine's store).
-    for splits in (1, 3):
-        tune = dict(sm_scale=scale, block_k=16, num_splits=splits, interpret=True)
-        if entry == "packed":
-            out = ta.tree_attention_packed_pallas(_pack(q, kn, vn), kc, vc, layer, sl, mask,
-                                                  num_heads=hq, **tune)
-        else:
-            out = ta.tree_attention_pallas(q, kc, vc, layer, sl, kn, vn, mask, **tune)
+    # rows already cross block/split edges (the combine's store): both kernel calls in one
+    # jitted program (one compilation a case).
+    @jax.jit
+    def both(q, kc, vc, sl, kn, vn, mask):
+        outs = []
+        for splits in (1, 3):
+            tune = dict(sm_scale=scale, block_k=16, num_splits=splits, interpret=True)
+            if entry == "packed":
+                outs.append(ta.tree_attention_packed_pallas(_pack(q, kn, vn), kc, vc, layer, sl,
+                                                            mask, num_heads=hq, **tune))
+            else:
+                outs.append(ta.tree_attention_pallas(q, kc, vc, layer, sl, kn, vn, mask, **tune))
+        return outs
+
+    outs = both(q, kc, vc, sl, kn, vn, mask)
+    assert len(outs) == 2
+    for out in outs:
         assert out.shape == q.shape and out.dtype == q.dtype
         assert np.isfinite(np.asarray(out, np.float32)).all()
         assert _rel_err(out, ref) < TOL[dtype]
