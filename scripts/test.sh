@@ -12,7 +12,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export JAX_PLATFORMS=cpu
 # XLA's older CPU runtime compiled and ran tests/test_spec_sampling.py 17% faster than the thunk
-# runtime (58 against 70 s); set only where this jaxlib still has it (an unknown flag aborts).
+# runtime (58 against 70 s) on jaxlibs that have it; set only where the flag is known (an
+# unknown flag aborts). jaxlib 0.10.2 still knows the flag but ignores it (a warning says so).
 legacy=--xla_cpu_use_thunk_runtime=false
 if XLA_FLAGS="${XLA_FLAGS:-} $legacy" .venv/bin/python -c 'import jax; jax.devices()' \
     >/dev/null 2>&1; then
