@@ -286,9 +286,10 @@ class LLM:
                                   "cut vocabulary (draft_vocab > 0, an EAGLE-1 head and its "
                                   "ranking); this one scores every token")
             return draft
-        if context is None:         # the default, where the cut leaves room for it
+        if context is None:         # the default, where the cut leaves room for it (and not
+            # under tensor parallelism, whose sharded draft vocabulary it was never measured on)
             context = default_context_vocab(self.max_batch)
-            context = context if context < k else 0
+            context = context if context < k and self.mesh is None else 0
         return dv.restrict_top(self.params, draft, self.config, k, path, context=context)
 
     def _init_data_parallel(self, draft, spec):

@@ -205,7 +205,7 @@ def test_llm_default_context_is_for_one_slot_on_a_gpu(tmp_path, monkeypatch):
     dv.save_ranking(ranking, np.random.default_rng(0).permutation(CFG.vocab_size))
     llm = LLM.__new__(LLM)
     llm.config, llm.params, llm.draft_vocab_ranking = CFG, params, ranking
-    llm.draft_vocab, llm.draft_context_vocab = 40, None
+    llm.draft_vocab, llm.draft_context_vocab, llm.mesh = 40, None, None
     monkeypatch.setattr(llm_mod, "DEFAULT_CONTEXT_VOCAB", 8)
     sizes = {}
     for backend in ("cpu", "gpu"):
@@ -214,6 +214,9 @@ def test_llm_default_context_is_for_one_slot_on_a_gpu(tmp_path, monkeypatch):
             llm.max_batch = slots
             sizes[backend, slots] = cv.size(llm._restrict_vocab(head, shipped=False))
     assert sizes == {("cpu", 1): 0, ("cpu", 2): 0, ("gpu", 1): 8, ("gpu", 2): 0}
+    llm.mesh = "tensor parallel"                   # not under tensor parallelism
+    assert cv.size(llm._restrict_vocab(head, shipped=False)) == 0
+    llm.mesh = None
     llm.max_batch, llm.draft_vocab = 1, 8          # no room in a cut of 8: none, not an error
     assert cv.size(llm._restrict_vocab(head, shipped=False)) == 0
     llm.draft_context_vocab = 8                    # asked for: the error names it
