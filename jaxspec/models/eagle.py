@@ -102,8 +102,8 @@ def finish_layer(cfg: ModelConfig, draft_params, x, attn):
     """Residual + o-proj, then MLP: x [B, N, H], attn [B, N, Hq, D] -> draft hidden [B, N, H]."""
     lp = layer_params(draft_params)
     b, n, _ = x.shape
-    h = llama.out_proj_residual(attn.reshape(b, n, cfg.q_size), lp["wo"], x)
-    return llama.mlp_residual(cfg, lp, h)
+    h = x + attn.reshape(b, n, cfg.q_size) @ lp["wo"]
+    return h + llama.mlp_block(cfg, lp, h)
 
 
 def logits(params, hidden):

@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import ModelConfig
-from pallas_kernels import skinny_matmul
 from pallas_kernels.tree_attention import split_packed, tree_attention, tree_attention_packed
 
 
@@ -121,9 +120,8 @@ def qkv_packed(cfg, lp, x, positions, inv_freq, skip_norm=False, tables=None):
 
 def attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer, seq_lens, new_mask,
                     skip_norm=False, tables=None, slots=None):
-    """Returns (x + attention output [B, N, H], k_new, v_new [B, Hkv, N, D]): the residual is
-    added here so that the o projection can take it as its epilogue. slots [B]: the cache slot
-    of each row (None: row b is slot b)."""
+    """Returns (attention output [B, N, H], k_new, v_new [B, Hkv, N, D]). slots [B]: the cache
+    slot of each row (None: row b is slot b)."""
     b, n, _ = x.shape
     scale = cfg.head_dim ** -0.5
     if lp["wqkv"].ndim == 2:
@@ -138,15 +136,7 @@ def attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer, se
         o = tree_attention(q, cache_k, cache_v, layer, seq_lens, k, v, new_mask, sm_scale=scale,
                            causal=cfg.causal_chunks, skip_before=cfg.packed_chunks, slots=slots,
                            live_rows=cfg.live_rows)
-    return out_proj_residual(o.reshape(b, n, cfg.q_size), lp["wo"], x), k, v
-
-
-def out_proj_residual(o, wo, x):
-    """x + o @ wo for o [..., Q], x [..., H]. Few rows on the GPU: one fused kernel
-    (`skinny_matmul.matmul_add`); elsewhere the two XLA ops."""
-    if skinny_matmul.fused_gemms(o, wo):
-        return skinny_matmul.matmul_add(o, wo, x)
-    return x + o @ wo
+    return o.reshape(b, n, cfg.q_size) @ lp["wo"], k, v
 
 
 def _fused_matmul(x, w):
@@ -154,17 +144,6 @@ def _fused_matmul(x, w):
     if w.ndim == 2:
         return (x @ w)[..., None, :]
     return jnp.einsum("...h,hmc->...mc", x, w)
-
-
-def mlp_residual(cfg, lp, x):
-    """x + mlp_block(x). Few rows on the GPU with flat weights: the norm, gate/up and SiLU in
-    one kernel and the down projection with the residual in another, where XLA runs five
-    (bench/RESULTS.md, thirty-fifth set)."""
-    w = lp["w_gate_up"]
-    if skinny_matmul.fused_gemms(x, w) and skinny_matmul.fused_gemms(x, lp["w_down"]):
-        act = skinny_matmul.norm_gate_up(x, lp["mlp_norm"], w, cfg.rms_norm_eps)
-        return skinny_matmul.matmul_add(act, lp["w_down"], x)
-    return x + mlp_block(cfg, lp, x)
 
 
 def mlp_block(cfg, lp, x):
@@ -189,9 +168,10 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, seq_l
 
     def layer_fn(x, inp):
         lp, layer = inp
-        x, k, v = attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer,
+        a, k, v = attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer,
                                    seq_lens, new_mask, tables=tables, slots=slots)
-        x = mlp_residual(cfg, lp, x)
+        x = x + a
+        x = x + mlp_block(cfg, lp, x)
         return x, (k, v, x if capture_layers else None)
 
     if cfg.unroll_layers or isinstance(params["layers"], (list, tuple)):
