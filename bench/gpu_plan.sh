@@ -6,7 +6,8 @@
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
 #   bash bench/gpu_plan.sh h200owed    # issues 3/4: the (6,10,60) cycle again (the thirty-fifth
 #                                      #   set timed it once on the H200), then the issue 4 kernel
-#                                      #   table (no GGUF; about 450 s in one call)
+#                                      #   table and profile (the kernels part; no GGUF; at
+#                                      #   most 520 s in one call)
 #   bash bench/gpu_plan.sh lossweight  # issue 7: the shipped head fine-tuned twice from the same
 #                                      #   start, data (17.5K self-distilled ShareGPT answers,
 #                                      #   carry .gpu/train/ from `python -m bench.train_gpu
@@ -573,8 +574,8 @@ case "${1:-}" in
     run cycle_profile 200 python3 -m bench.profile_cycle --shapes "6,10,60" --variant lean
     ;;
   h200owed)
-    run cycle_6x10x60 120 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 3 --shapes "6,10,60;5,8,32" --variants lean
-    run kernels 300 python3 bench/bench_kernels.py --no-sweep --skip compact
+    run cycle_6x10x60 150 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 3 --shapes "6,10,60" --variants lean
+    bash "$0" kernels    # issue 4's table and kernel profile, as that part runs them
     ;;
   kernels)
     run kernels 280 python3 bench/bench_kernels.py --no-sweep --skip compact
