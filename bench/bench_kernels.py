@@ -271,17 +271,20 @@ SPLIT_GRID = {(1, 1, 1024): (4, 8, 16, 32), (1, 1, 8192): (16, 32, 64, 128),
               (1, 1, 32768): (33, 66, 132), (8, 1, 8192): (8, 16, 32, 64),
               (64, 1, 1024): (1, 2, 4), (1, 16, 8192): (8, 16, 32, 64),
               (8, 16, 8192): (4, 8, 16), (1, 64, 1024): (2, 4, 8, 16),
-              (64, 16, 1024): (1, 2)}
+              (64, 16, 1024): (1, 2), (1, 16, 32768): (16, 33, 66, 132)}
 
 
-def sweep(quick, grid: str = "blocks"):
+def sweep(quick, grid: str = "blocks", only: str = ""):
     """`blocks`: block sizes, warps and stages around the default on four shapes; `splits`:
-    num_splits x block_k (64, 128) x warps (4, 2) on SPLIT_GRID's shapes."""
+    num_splits x block_k (64, 128) x warps (4, 2) on SPLIT_GRID's shapes. only: "B,N,L;..."
+    keeps just those shapes."""
     shapes = [(1, 1, 8192), (8, 16, 8192), (64, 1, 8192), (8, 64, 8192)]
     configs = [dict(), dict(block_k=32), dict(block_k=128), dict(num_stages=2),
                dict(num_stages=4), dict(num_warps=8), dict(num_warps=2)]
     if grid == "splits":
         shapes = list(SPLIT_GRID)
+    if only:
+        shapes = [tuple(int(x) for x in p.split(",")) for p in only.split(";") if p]
     if quick:
         shapes, configs = shapes[:1], configs[:2]
     if SMOKE:
@@ -421,6 +424,7 @@ def main():
     p.add_argument("--skip", default="", help="comma list of: check,sweep,table,compact")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
     p.add_argument("--sweep-grid", choices=("blocks", "splits"), default="blocks")
+    p.add_argument("--sweep-shapes", default="", help='only these "B,N,L;..." in the sweep')
     p.add_argument("--table-shapes", default="", help='only these "B,N,L;..." in the table')
     p.add_argument("--kernel-only", action="store_true",
                    help="table: time the kernel alone (A/B runs of two trees)")
@@ -438,7 +442,7 @@ def main():
     print("copy", RESULTS["copy"], RESULTS["device"], flush=True)
     for name, f in (("check", checks),
                     ("table", lambda: table(a.quick, a.table_shapes, a.kernel_only)),
-                    ("sweep", lambda: sweep(a.quick, a.sweep_grid)), ("compact", bench_compact)):
+                    ("sweep", lambda: sweep(a.quick, a.sweep_grid, a.sweep_shapes)), ("compact", bench_compact)):
         if name in skip or (name == "sweep" and a.no_sweep):
             continue
         s = time.time()
