@@ -43,6 +43,10 @@ _MIN_PROGRAMS = 64
 _WIDE_TILE_PROGRAMS = 264
 # Small KV heads (kv heads x head dim) whose short prefixes one program reads alone (below).
 _SMALL_KV_WIDTH = 256
+# Decode tiles of at most this many programs before splitting (one slot of 8 wide KV heads)
+# take their split count from the wave, not from the keys per split.
+_ONE_SLOT_PROGRAMS = 8
+_LONG_PREFIX = 8192   # measured from here up; shorter caches keep the keys-per-split rule
 
 
 from pallas_kernels._compat import CompilerParams as _CompilerParams
@@ -287,7 +291,8 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
     """Static block sizes for a shape: (block_r, block_k, num_splits, num_warps, num_stages).
 
     Splits (measured on the H100, bench/RESULTS.md tenth set): about 512 keys of the cache per
-    split, at least 64 programs while a split keeps 4 key blocks (short prefixes at batch 1),
+    split, at least 64 programs while a split keeps 4 key blocks (short prefixes at batch 1);
+    one slot of wide heads at N = 1 fills one wave of 2 programs per SM (thirty-sixth set),
     and for tiles of more than 16 rows no more than 2 programs per SM, in one wave (each split's
     partials of 64+ rows, written then merged, cost more than the extra parallelism gives).
     """
@@ -302,6 +307,12 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
     num_splits = max(1, by_length, fill)
     if rows > 16:   # whole waves: 320 programs (5 splits, B = 8, N = 16) ran 1.28x 256's (2 calls)
         num_splits = max(1, min(num_splits, _WIDE_TILE_PROGRAMS // programs))
+    elif (programs <= _ONE_SLOT_PROGRAMS and num_kv_heads * head_dim > _SMALL_KV_WIDTH
+          and cache_len >= _LONG_PREFIX):
+        # One slot of wide heads decoding a long prefix: one wave of 2 programs per SM, while a
+        # split keeps 4 key blocks. H200: 32 splits over 8K keys 15.1 us against 16's 16.1;
+        # 33 over 32K 40.6-40.9 against 64's 45.6 (H100: 64.0 against 68-73).
+        num_splits = max(1, min(_WIDE_TILE_PROGRAMS // programs, cache_len // (4 * block_k)))
     num_warps = 4 if block_r <= 32 else 8
     if (rows <= 16 and programs < _MIN_PROGRAMS and cache_len <= _SPLIT_KEYS
             and num_kv_heads * head_dim <= _SMALL_KV_WIDTH):

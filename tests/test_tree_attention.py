@@ -262,3 +262,15 @@ def test_prefill_config_marks_chunks_causal():
     from jaxspec.config import ModelConfig
     cfg = ModelConfig("LlamaForCausalLM", 64, 32, 64, 2, 4, 2, 8)
     assert not cfg.causal_chunks and cfg.for_prefill().causal_chunks
+
+
+def test_one_slot_long_prefix_fills_one_wave_of_two_programs_per_sm():
+    """One slot of 8 KV heads of 128 at N = 1 over 8K+ keys: 2 programs per SM of a 132-SM
+    GPU in one wave (32 splits at 8K, 33 at 32K); shorter caches, more slots, wide tiles and
+    small heads keep the keys-per-split rule."""
+    assert ta.default_config(1, 1, 32, 8, 128, 8192)[2] == 32
+    assert ta.default_config(1, 1, 32, 8, 128, 32768)[2] == 33
+    assert ta.default_config(1, 1, 32, 8, 128, 4096)[2] == 8
+    assert ta.default_config(8, 1, 32, 8, 128, 8192)[2] == 16
+    assert ta.default_config(1, 16, 32, 8, 128, 32768)[2] == 33
+    assert ta.default_config(1, 1, 9, 3, 64, 8192)[2] == 22
