@@ -274,6 +274,11 @@ SPLIT_GRID = {(1, 1, 1024): (4, 8, 16, 32), (1, 1, 8192): (16, 32, 64, 128),
               (64, 16, 1024): (1, 2), (1, 16, 32768): (16, 33, 66, 132)}
 
 
+def parse_shapes(spec: str):
+    """"B,N,L;B,N,L" -> [(B, N, L), ...]"""
+    return [tuple(int(x) for x in p.split(",")) for p in spec.split(";") if p]
+
+
 def sweep(quick, grid: str = "blocks", only: str = ""):
     """`blocks`: block sizes, warps and stages around the default on four shapes; `splits`:
     num_splits x block_k (64, 128) x warps (4, 2) on SPLIT_GRID's shapes. only: "B,N,L;..."
@@ -284,7 +289,7 @@ def sweep(quick, grid: str = "blocks", only: str = ""):
     if grid == "splits":
         shapes = list(SPLIT_GRID)
     if only:
-        shapes = [tuple(int(x) for x in p.split(",")) for p in only.split(";") if p]
+        shapes = parse_shapes(only)
     if quick:
         shapes, configs = shapes[:1], configs[:2]
     if SMOKE:
@@ -323,7 +328,7 @@ def table(quick, shapes="", kernel_only=False):
         bs, lens, ns = (1, 2), (512,), (1, 16)
     grid = [(b, n, length) for length in lens for b in bs for n in ns]
     if shapes:
-        grid = [tuple(int(x) for x in s.split(",")) for s in shapes.split(";") if s]
+        grid = parse_shapes(shapes)
     for b, n, length in grid:
         key, k = jax.random.split(key)
         with_ref = not kernel_only and ref_fits(b, n, length)
@@ -442,7 +447,8 @@ def main():
     print("copy", RESULTS["copy"], RESULTS["device"], flush=True)
     for name, f in (("check", checks),
                     ("table", lambda: table(a.quick, a.table_shapes, a.kernel_only)),
-                    ("sweep", lambda: sweep(a.quick, a.sweep_grid, a.sweep_shapes)), ("compact", bench_compact)):
+                    ("sweep", lambda: sweep(a.quick, a.sweep_grid, a.sweep_shapes)),
+                    ("compact", bench_compact)):
         if name in skip or (name == "sweep" and a.no_sweep):
             continue
         s = time.time()

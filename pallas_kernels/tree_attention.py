@@ -312,7 +312,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
         # One slot of wide heads decoding a long prefix: one wave of 2 programs per SM, while a
         # split keeps 4 key blocks. H200: 32 splits over 8K keys 15.1 us against 16's 16.1;
         # 33 over 32K 40.6-40.9 against 64's 45.6 (H100: 64.0 against 68-73).
-        num_splits = max(1, min(_WIDE_TILE_PROGRAMS // programs, cache_len // (4 * block_k)))
+        num_splits = min(_WIDE_TILE_PROGRAMS // programs, cache_len // (4 * block_k))
     num_warps = 4 if block_r <= 32 else 8
     if (rows <= 16 and programs < _MIN_PROGRAMS and cache_len <= _SPLIT_KEYS
             and num_kv_heads * head_dim <= _SMALL_KV_WIDTH):
