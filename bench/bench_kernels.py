@@ -138,6 +138,7 @@ def checks():
         (2, 16, 16, 2, 64, 300, jnp.float32),
         (1, 300, 32, 8, 128, 1500, jnp.bfloat16),
         (4, 5, 8, 1, 128, 4096, jnp.float32),
+        (3, 16, 32, 8, 128, 1024, jnp.bfloat16),
     ]
     if SMOKE:
         cases = [(2, 7, 8, 2, 64, 100, jnp.bfloat16), (2, 3, 4, 4, 64, 50, jnp.float32)]
@@ -178,6 +179,24 @@ def checks():
         row = dict(row, op="tree_attention_packed", rel_err=err, ok=bool(finite and err < tol))
         RESULTS["check"].append(row)
         print("check", row, flush=True)
+        if (n * hq // hkv) % 64 or t % 128 or dtype == jnp.float32 or SMOKE:
+            continue
+        for packed in (False, True):   # the prefix by Mosaic GPU (Hopper only)
+            try:
+                out = (ta.tree_attention_packed_pallas(qkv, kc, vc, jnp.int32(2), sl, mask,
+                                                       num_heads=hq, sm_scale=scale,
+                                                       backend="mosaic") if packed else
+                       ta.tree_attention_pallas(q, kc, vc, jnp.int32(2), sl, kn, vn, mask,
+                                                sm_scale=scale, backend="mosaic"))
+                err = rel_err(out, ref)
+                finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
+            except Exception:
+                traceback.print_exc()
+                err, finite = float("nan"), False
+            row = dict(row, op="tree_attention_mosaic" + ("_packed" if packed else ""),
+                       rel_err=err, ok=bool(finite and err < tol))
+            RESULTS["check"].append(row)
+            print("check", row, flush=True)
 
     for (nl, b, hkv, t, d, n, m) in [(3, 4, 8, 64, 128, 16, 8), (2, 3, 2, 40, 64, 64, 64)]:
         key, *ks = jax.random.split(key, 7)
@@ -279,15 +298,24 @@ def parse_shapes(spec: str):
     return [tuple(int(x) for x in p.split(",")) for p in spec.split(";") if p]
 
 
+# The backend grid: the tree's wide tiles (N * G >= 64), where Mosaic GPU's prefix kernel runs.
+BACKEND_GRID = [(1, 16, 8192), (8, 16, 8192), (64, 16, 8192), (1, 64, 8192), (8, 64, 8192),
+                (64, 64, 8192), (1, 16, 32768), (8, 16, 32768), (1, 64, 32768),
+                (8, 64, 32768)]
+
+
 def sweep(quick, grid: str = "blocks", only: str = ""):
     """`blocks`: block sizes, warps and stages around the default on four shapes; `splits`:
-    num_splits x block_k (64, 128) x warps (4, 2) on SPLIT_GRID's shapes. only: "B,N,L;..."
-    keeps just those shapes."""
+    num_splits x block_k (64, 128) x warps (4, 2) on SPLIT_GRID's shapes; `backends`: Triton
+    against Mosaic GPU's prefix kernel at its default split count, half and twice it, on
+    BACKEND_GRID. only: "B,N,L;..." keeps just those shapes."""
     shapes = [(1, 1, 8192), (8, 16, 8192), (64, 1, 8192), (8, 64, 8192)]
     configs = [dict(), dict(block_k=32), dict(block_k=128), dict(num_stages=2),
                dict(num_stages=4), dict(num_warps=8), dict(num_warps=2)]
     if grid == "splits":
         shapes = list(SPLIT_GRID)
+    if grid == "backends":
+        shapes = BACKEND_GRID
     if only:
         shapes = parse_shapes(only)
     if quick:
@@ -298,7 +326,12 @@ def sweep(quick, grid: str = "blocks", only: str = ""):
     for b, n, length in shapes:
         key, k = jax.random.split(key)
         base = ta.default_config(b, n, HQ, HKV, D, length)
-        if grid == "splits":
+        if grid == "backends":
+            from pallas_kernels import prefix_attention_mgpu as pm
+            sp = pm.default_splits(b, HKV, n * HQ // HKV, length, pm.BLOCK_KV)
+            cfgs = [dict(backend="triton")] + [
+                dict(backend="mosaic", num_splits=x) for x in sorted({max(1, sp // 2), sp, 2 * sp})]
+        elif grid == "splits":
             splits = sorted(set(SPLIT_GRID.get((b, n, length), (2, 4))) | {base[2]})
             cfgs = [dict(num_splits=sp, block_k=bk, num_warps=w) for sp in splits
                     for bk in (64, 128) for w in ((4, 2) if b == n == 1 else (base[3],))
@@ -395,7 +428,8 @@ def print_sweep_row(r):
     times = sorted((v, k[:-3]) for k, v in r.items() if k.endswith("_us") and v)
     print(f"sweep B={r['b']} N={r['n']} L={r['L']}: default {r['default']} "
           f"{r.get('{}_us') or float('nan'):.1f} us (again {r.get('again_us') or float('nan'):.1f});"
-          " best " + ", ".join(f"{k} {v:.1f}" for v, k in times[:3]), flush=True)
+          " best " + ", ".join(f"{k} {v:.1f}" for v, k in
+                            (times if r.get("grid") == "backends" else times[:3])), flush=True)
 
 
 def print_tables():
@@ -428,7 +462,7 @@ def main():
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--skip", default="", help="comma list of: check,sweep,table,compact")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
-    p.add_argument("--sweep-grid", choices=("blocks", "splits"), default="blocks")
+    p.add_argument("--sweep-grid", choices=("blocks", "splits", "backends"), default="blocks")
     p.add_argument("--sweep-shapes", default="", help='only these "B,N,L;..." in the sweep')
     p.add_argument("--table-shapes", default="", help='only these "B,N,L;..." in the table')
     p.add_argument("--kernel-only", action="store_true",

@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import prefix_attention_mgpu as pm
 from pallas_kernels.head_sharding import MODEL_AXIS, model_axis_size, per_head_shard
 
 # Large finite negative rather than -inf: a fully masked row must not produce NaN.
@@ -47,6 +48,9 @@ _SMALL_KV_WIDTH = 256
 # take their split count from the wave, not from the keys per split.
 _ONE_SLOT_PROGRAMS = 8
 _LONG_PREFIX = 8192   # measured from here up; shorter caches keep the keys-per-split rule
+# Tiles of at least this many rows per KV head take Mosaic GPU's prefix kernel on Hopper
+# (None: never unless asked for).
+_MOSAIC_MIN_ROWS = None
 
 
 from pallas_kernels._compat import CompilerParams as _CompilerParams
@@ -133,6 +137,7 @@ def _tree_attention_kernel(
     causal: bool = False,
     skip_before: bool = False,
     indirect: bool = False,
+    new_only: bool = False,
 ):
     # No slot map unless asked for: even a constant one costs an iota kernel per call.
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
@@ -177,7 +182,8 @@ def _tree_attention_kernel(
                   other=0.0)
         return _flash_step(q, k, v, live[None, :], carry, scale_log2)
 
-    carry = lax.fori_loop(0, num_blocks, prefix_body, carry)
+    if not new_only:   # new_only: the prefix's partials come from another kernel
+        carry = lax.fori_loop(0, num_blocks, prefix_body, carry)
 
     # Rows past the last query read the last query's mask row; they are never stored.
     query = jnp.minimum(r // group, num_new - 1)
@@ -217,7 +223,7 @@ def _tree_attention_kernel(
         first_block = jnp.minimum(first_block, jnp.maximum(num_new_blocks - 1, 0))
     o, m, l = lax.fori_loop(first_block, num_new_blocks, new_body, carry)
 
-    if num_splits == 1:  # No combine pass: normalise and write the final layout here.
+    if num_splits == 1 and not new_only:  # No combine: normalise, write the final layout.
         _store_rows(out_refs[0], o / l[:, None], b, h, r, row_live, group)
     else:
         o_ref, m_ref, l_ref = out_refs
@@ -230,8 +236,9 @@ def _combine_kernel(
     o_ref,     # [BH, S, R, D] f32, unnormalised partials
     m_ref,     # [BH, S, R] f32
     l_ref,     # [BH, S, R] f32
-    out_ref,   # [B, N, Hq, D]
-    *,
+    *refs,     # with `extra`: the tree part's o2 [BH, 1, R, D], m2, l2 [BH, 1, R]; then
+               # out [B, N, Hq, D]
+    extra: bool = False,
     num_kv_heads: int,
     group: int,
     block_r: int,
@@ -244,7 +251,9 @@ def _combine_kernel(
     (b, h) alone left 8 programs to do all the loads, a few us of latency per call. The splits
     are read `block_s` at a time as one [block_s, block_r, block_d] gather, merged with a running
     max in one pass, so with block_s >= num_splits every load of the program is in flight at once.
+    With `extra` the merge starts from the tree part's partial (a prefix split by Mosaic GPU).
     """
+    out_ref = refs[-1]
     bh, rb, db = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = bh // num_kv_heads, bh % num_kv_heads
     num_splits, num_rows = m_ref.shape[1], m_ref.shape[2]
@@ -270,6 +279,13 @@ def _combine_kernel(
 
     carry = (jnp.zeros((block_r, block_d), jnp.float32), jnp.zeros((block_r,), jnp.float32),
              jnp.full((block_r,), MASK_VALUE, jnp.float32))
+    if extra:
+        o2_ref, m2_ref, l2_ref = refs[:3]
+        r2 = rr[0]
+        carry = (_load(o2_ref.at[bh, 0, r2[:, None], col[0]], mask=row_live[:, None],
+                       other=0.0),
+                 _load(l2_ref.at[bh, 0, r2], mask=row_live, other=0.0),
+                 _load(m2_ref.at[bh, 0, r2], mask=row_live, other=MASK_VALUE))
     acc, den, _ = lax.fori_loop(0, pl.cdiv(num_splits, block_s), body, carry)
     den = jnp.where(row_live, den, 1.0)
     _store_rows(out_ref, acc / den[:, None], b, h, r, row_live, group, db * block_d)
@@ -324,7 +340,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
-           "interpret", "causal", "skip_before", "live_rows")
+           "interpret", "causal", "skip_before", "live_rows", "backend")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -372,7 +388,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             slots, *,
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
-            skip_before=False, live_rows=0):
+            skip_before=False, live_rows=0, backend=None):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -380,17 +396,19 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     of prompts laid end to end): each row block starts at the key block its first query first
     sees (one mask row read per program) instead of at key 0.
     live_rows: no slot's prefix is longer while this program runs (0: the cache's length); the
-    default split count is sized for it. Only speed depends on it."""
+    default split count is sized for it. Only speed depends on it.
+    backend: "triton", "mosaic" (the prefix by `prefix_attention_mgpu`, the tree part and the
+    merge by the Triton kernels), or None: `mosaic_serves` decides."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
     assert d == _next_pow2(d) and d >= 16, f"head dim {d=} must be a power of 2 >= 16"
     g = hq // hkv
     rows = n * g
-    cfg = default_config(b, n, hq, hkv, d, min(t, live_rows) if live_rows else t)
+    live_len = min(t, live_rows) if live_rows else t
+    cfg = default_config(b, n, hq, hkv, d, live_len)
     block_r = block_r or cfg[0]
     block_k = block_k or cfg[1]
-    num_splits = num_splits or cfg[2]
     num_warps = num_warps or cfg[3]
     num_stages = num_stages or cfg[4]
     # Causal chunks take 128-key blocks: half the loop trips, 8-9% faster on packs (H100).
@@ -398,41 +416,84 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     assert block_r == _next_pow2(block_r) and block_k == _next_pow2(block_k), (
         f"{block_r=} and {block_k=} must be powers of 2")
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
-    out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
+    mosaic = backend == "mosaic" or (backend is None and mosaic_serves(rows, t, d, dtype))
+    kernel = functools.partial(
+        _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv, group=g,
+        num_new=n, block_r=block_r, block_k=block_k, block_n=block_n, packed=packed,
+        causal=causal, skip_before=skip_before, indirect=slots is not None, new_only=mosaic)
+    slot_map = () if slots is None else (slots.astype(jnp.int32),)
+    operands = (layer, seq_lens.astype(jnp.int32), *slot_map, q_in, k_cache, v_cache, kn_in,
+                vn_in, tree_mask.astype(jnp.int8))
     f32 = jnp.float32
+    if mosaic:
+        # The prefix's splits by Mosaic GPU; this kernel, with one "split", does the tree part.
+        q_rows = q_in
+        if packed:
+            q_rows = (q_in[:, :, :hq].reshape(b, n, hkv, g, d).transpose(0, 2, 1, 3, 4)
+                      .reshape(b, hkv, rows, d))
+        splits = num_splits or pm.default_splits(b, hkv, rows, live_len, pm.BLOCK_KV)
+        prefix = pm.prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots,
+                                         scale_log2=sm_scale * _LOG2E, num_splits=splits,
+                                         interpret=interpret)
+        tree = pl.pallas_call(
+            functools.partial(kernel, num_splits=1),
+            grid=(pl.cdiv(rows, block_r), 1, b * hkv),
+            out_shape=[jax.ShapeDtypeStruct((b * hkv, 1, rows, d), f32),
+                       jax.ShapeDtypeStruct((b * hkv, 1, rows), f32),
+                       jax.ShapeDtypeStruct((b * hkv, 1, rows), f32)],
+            compiler_params=_CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            interpret=interpret,
+            name="tree_attention_new",
+        )(*operands)
+        return _combine(prefix, tree, q_shape, dtype, hkv, interpret)
+
+    num_splits = num_splits or cfg[2]
+    out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
     if num_splits > 1:
         out_shape = [jax.ShapeDtypeStruct((b * hkv, num_splits, rows, d), f32),
                      jax.ShapeDtypeStruct((b * hkv, num_splits, rows), f32),
                      jax.ShapeDtypeStruct((b * hkv, num_splits, rows), f32)]
-    kernel = functools.partial(
-        _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv,
-        num_splits=num_splits, group=g, num_new=n, block_r=block_r, block_k=block_k,
-        block_n=block_n, packed=packed, causal=causal, skip_before=skip_before,
-        indirect=slots is not None)
-    slot_map = () if slots is None else (slots.astype(jnp.int32),)
     out = pl.pallas_call(
-        kernel,
+        functools.partial(kernel, num_splits=num_splits),
         grid=(pl.cdiv(rows, block_r), num_splits, b * hkv),
         out_shape=out_shape,
         compiler_params=_CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_attention",
-    )(layer, seq_lens.astype(jnp.int32), *slot_map, q_in, k_cache, v_cache, kn_in, vn_in,
-      tree_mask.astype(jnp.int8))
+    )(*operands)
     if num_splits == 1:
         return out
+    return _combine(out, (), q_shape, dtype, hkv, interpret)
 
-    combine_r, combine_d, block_s = combine_config(rows, d, num_splits, b * hkv)
-    combine = functools.partial(_combine_kernel, num_kv_heads=hkv, group=g, block_r=combine_r,
-                                block_s=block_s, block_d=combine_d)
+
+def _combine(partials, extra, q_shape, dtype, num_kv_heads, interpret):
+    """Merge the splits' partials [BH, S, R, D], [BH, S, R] x 2 (and `extra`, one more split of
+    the same kind: the tree part when Mosaic GPU did the prefix) into q_shape's layout."""
+    b, n, hq, d = q_shape
+    g = hq // num_kv_heads
+    num_splits = partials[1].shape[1]
+    combine_r, combine_d, block_s = combine_config(n * g, d, num_splits, b * num_kv_heads)
+    combine = functools.partial(_combine_kernel, num_kv_heads=num_kv_heads, group=g,
+                                block_r=combine_r, block_s=block_s, block_d=combine_d,
+                                extra=bool(extra))
     return pl.pallas_call(
         combine,
-        grid=(b * hkv, pl.cdiv(rows, combine_r), d // combine_d),
+        grid=(b * num_kv_heads, pl.cdiv(n * g, combine_r), d // combine_d),
         out_shape=jax.ShapeDtypeStruct(q_shape, dtype),
         compiler_params=_CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="tree_attention_combine",
-    )(*out)
+    )(*partials, *extra)
+
+
+def mosaic_serves(rows, cache_len, head_dim, dtype) -> bool:
+    """Whether `backend=None` takes Mosaic GPU's prefix kernel: on Hopper, for tiles of
+    `_MOSAIC_MIN_ROWS`+ rows (64-row warpgroups) over a cache of whole key blocks, in 16-bit
+    floats (bench/RESULTS.md, thirty-seventh set)."""
+    return (_MOSAIC_MIN_ROWS is not None and rows >= _MOSAIC_MIN_ROWS and rows % pm.ROWS == 0
+            and cache_len % pm.BLOCK_KV == 0 and head_dim in (64, 128)
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and pm.on_hopper())
 
 
 def kernel_supported(q, k_cache) -> bool:

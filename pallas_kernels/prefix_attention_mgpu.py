@@ -1,0 +1,294 @@
+"""Split-K attention of wide query tiles over a slot's cached prefix, for Hopper (Mosaic GPU).
+
+The tree-attention kernel's prefix part for tiles of 64+ query rows per KV head (N * G >= 64:
+N >= 16 tree queries at G = 4). Those tiles are bound by arithmetic more than by bytes (at
+N * G = 256 a KV byte feeds 256 FLOPs), and Triton's dots reached 330-390 TFLOP/s on them where
+jax's Mosaic GPU FlashAttention-3 example reached 470-570 (bench/RESULTS.md, thirty-seventh
+set). This kernel is that design cut to the tree's job:
+
+  * one CTA per (row tile, prefix split, slot * KV head); `wgs` compute warpgroups of 64 query
+    rows each, plus one warpgroup that only issues TMA copies of K and V blocks into a ring of
+    `steps` shared-memory slots (warp specialisation);
+  * QK^T and PV are wgmma from shared memory, the online softmax in base 2 in registers; with
+    two compute warpgroups a shared barrier staggers them so that one's softmax overlaps the
+    other's matmuls;
+  * the live prefix of slot b (rows < seq_lens[b]) is cut into `num_splits` chunks of whole
+    key blocks at run time, as in the Triton kernel; only the last block of a chunk is masked;
+  * the output is the Triton kernel's split partials, unnormalised o [BH, S, R, D] and the
+    base-2 running max m and sum l [BH, S, R], merged by its combine pass with the tree part.
+
+A key block is copied whole, so a chunk's last block may read rows past seq_lens[b] (still
+inside the cache: the caller keeps T a multiple of the block); their scores are masked to
+zero weight, which assumes, as a KV cache always holds, finite values there.
+
+Semantics: `prefix_partials_reference`. Runs on Hopper through Mosaic GPU, and on a CPU in
+Mosaic GPU's interpret mode (the tests).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # Mosaic GPU's Pallas API (Hopper); absent from some jaxlib builds
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
+
+ROWS = 64         # query rows of one compute warpgroup: wgmma's M
+BLOCK_KV = 128    # keys per TMA copy (the example's best on the tree's shapes)
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def prefix_partials_reference(q_rows, k_cache, v_cache, layer, seq_lens, *, scale_log2,
+                              num_splits, block_kv, slots=None):
+    """The kernel's outputs in jnp: q_rows [B, Hkv, R, D]; cache [L, Bc, Hkv, T, D].
+    -> o [B * Hkv, S, R, D], m, l [B * Hkv, S, R] (f32; m in base-2 units of the scores)."""
+    b, hkv, r, d = q_rows.shape
+    t = k_cache.shape[3]
+    kc = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)
+    vc = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
+    if slots is not None:
+        kc, vc = jnp.take(kc, slots, 0, mode="clip"), jnp.take(vc, slots, 0, mode="clip")
+    f32 = jnp.float32
+    s = jnp.einsum("bhrd,bhtd->bhrt", q_rows.astype(f32), kc.astype(f32)) * scale_log2
+    seq = jnp.clip(seq_lens, 0, t)
+    per_split = (seq + num_splits - 1) // num_splits
+    chunk = (per_split + block_kv - 1) // block_kv * block_kv                     # [B]
+    start = jnp.arange(num_splits)[None, :] * chunk[:, None]                     # [B, S]
+    end = jnp.minimum(start + chunk[:, None], seq[:, None])
+    pos = jnp.arange(t)
+    live = (pos >= start[..., None]) & (pos < end[..., None])                    # [B, S, T]
+    s = jnp.where(live[:, None, :, None, :], s[:, :, None], MASK_VALUE)          # [B,H,S,R,T]
+    m = s.max(-1)
+    p = jnp.where(live[:, None, :, None, :], jnp.exp2(s - m[..., None]), 0.0)
+    o = jnp.einsum("bhsrt,bhtd->bhsrd", p, vc.astype(f32))
+    return (o.reshape(b * hkv, num_splits, r, d), m.reshape(b * hkv, num_splits, r),
+            p.sum(-1).reshape(b * hkv, num_splits, r))
+
+
+def _bounds(seq_len, split, num_splits, block_kv):
+    """[start, end) of this split's share of the live prefix, and its full and total blocks."""
+    per_split = lax.div(seq_len + num_splits - 1, num_splits)
+    chunk = lax.div(per_split + block_kv - 1, block_kv) * block_kv
+    start = split * chunk
+    end = jnp.minimum(start + chunk, seq_len)
+    span = jnp.maximum(end - start, 0)
+    return start, end, lax.div(span, block_kv), lax.div(span + block_kv - 1, block_kv)
+
+
+def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, wgs,
+            indirect, interpret):
+    slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
+    q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, scoped = refs
+    (q_smem, k_smem, v_smem, o_smem, ml_smem), ready, consumed, sched = scoped
+    k_ready, v_ready, q_ready = ready
+    k_free, v_free = consumed
+    num_kv_heads, t_max = k_ref.shape[2], k_ref.shape[3]
+    rt, split, bh = lax.axis_index("rt"), lax.axis_index("split"), lax.axis_index("bh")
+    b, h = lax.div(bh, num_kv_heads), lax.rem(bh, num_kv_heads)
+    slot = slots_ref[b] if indirect else b
+    layer = layer_ref[0]
+    seq_len = jnp.minimum(jnp.maximum(seq_ref[b], 0), t_max)
+    start, end, full_blocks, blocks = _bounds(seq_len, split, num_splits, block_kv)
+    wg = lax.axis_index("wg")
+    dtype = q_smem.dtype
+
+    def staggered():   # two compute warpgroups take turns on the tensor cores
+        if wgs == 2:
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+    @pl.when(wg < wgs)
+    def _compute():
+        plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+        row0 = (rt * wgs + wg) * ROWS
+        q_tile = q_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row0, ROWS)], q_tile, q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+        head_dim = q_tile.shape[-1]
+        # Register layouts are the device's business; the interpreter has none.
+        cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
+        carry = (cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+                 cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+                 cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+
+        @pl.when(blocks > 0)
+        def _():
+            plgpu.barrier_wait(k_ready.at[0])
+
+        if wgs == 2:
+            pl.when(wg == 1)(staggered)
+
+        def step(i, carry, masked=False):
+            acc, m_i, l_i = carry
+            ring = lax.rem(i, steps)
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(k_smem.at[ring], (1, 0)))
+                staggered()
+                return acc_ref[...]
+            if interpret:   # the interpreter's wgmma takes no transposed operand
+                s = jnp.dot(q_tile[...], k_smem.at[ring][...].T,
+                            preferred_element_type=jnp.float32)
+                staggered()
+            else:
+                s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[ring])
+            s = s * scale_log2
+            if masked:   # keys at or past the split's end weigh nothing
+                key = (lax.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1) if interpret else
+                       plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
+                                              layout=plgpu.Layout.WGMMA))
+                s = jnp.where(key + (start + i * block_kv) < end, s, MASK_VALUE)
+            m_next = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_next)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(dtype)
+            acc, l_i, m_next, p16 = lax.optimization_barrier((acc, l_i, m_next, p16))
+            if wgs == 2:
+                plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(v_ready.at[ring])
+            if wgs == 2:
+                plgpu.barrier_wait(sched)
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[ring])
+                nxt = i + 1
+
+                @pl.when(nxt < blocks)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, steps)])
+
+            if interpret:   # the same product by jnp (see qk above)
+                acc = acc + jnp.dot(p16, v_smem.at[ring][...],
+                                    preferred_element_type=jnp.float32)
+                nxt = i + 1
+
+                @pl.when(nxt < blocks)
+                def _():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, steps)])
+            else:           # wgmma accumulates into acc's registers in place
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[ring])
+            return acc, m_next, l_i
+
+        carry = lax.fori_loop(0, full_blocks, step, carry)
+        acc, m_i, l_i = lax.fori_loop(full_blocks, blocks,
+                                      functools.partial(step, masked=True), carry)
+        if wgs == 2:
+            pl.when(wg == 0)(staggered)
+        o_smem.at[wg][...] = acc
+        ml_smem.at[0, wg][...] = m_i
+        ml_smem.at[1, wg][...] = l_i
+        plgpu.commit_smem()
+        rows = pl.ds(row0, ROWS)
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[bh, split, rows])
+        plgpu.copy_smem_to_gmem(ml_smem.at[0, wg], m_ref.at[bh, split, rows])
+        plgpu.copy_smem_to_gmem(ml_smem.at[1, wg], l_ref.at[bh, split, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def fetch(i, ring):
+            keys = (layer, slot, h, pl.ds(start + i * block_kv, block_kv))
+            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[ring], k_ready.at[ring])
+            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[ring], v_ready.at[ring])
+
+        for i in range(steps):
+            pl.when(i < blocks)(functools.partial(fetch, i, i))
+
+        @pl.loop(0, jnp.maximum(blocks - steps, 0))
+        def _(i):
+            ring = lax.rem(i, steps)
+            plgpu.barrier_wait(k_free.at[ring])
+            plgpu.barrier_wait(v_free.at[ring])
+            fetch(i + steps, ring)
+
+        # Observe each used slot's last release too: nothing is in flight when the CTA ends
+        # (and the interpreter checks that every barrier phase was seen).
+        for ring in range(steps):
+            @pl.when(ring < blocks)
+            def _():
+                plgpu.barrier_wait(k_free.at[ring])
+                plgpu.barrier_wait(v_free.at[ring])
+
+
+def on_hopper() -> bool:
+    """Mosaic GPU's wgmma kernels need compute capability 9.x."""
+    if plgpu is None or jax.default_backend() != "gpu":
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
+def _interpret_params():
+    """Mosaic GPU's interpret mode (a CPU simulation of its threads, TMA and barriers)."""
+    params = getattr(plgpu, "InterpretParams", None)
+    if params is None:   # jax 0.10 keeps it private
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params()
+
+
+def default_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms=132):
+    """One CTA per SM (the ring and tiles take most of its shared memory): enough splits for
+    one wave, while a split keeps 4 key blocks."""
+    ctas = batch * num_kv_heads * max(1, rows // (2 * ROWS))
+    return max(1, min(-(-num_sms // ctas), cache_len // (4 * block_kv)))
+
+
+@functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
+                                             "interpret"))
+def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, *,
+                         scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
+                         steps: int = 2, interpret: bool = False):
+    """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
+    each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
+    m, l [B * Hkv, S, R], f32. slots [B]: the cache slot of each row (None: row b is slot b)."""
+    b, hkv, r, d = q_rows.shape
+    t = k_cache.shape[3]
+    if r % ROWS or t % block_kv or d % 64:
+        raise ValueError(f"rows {r} must be a multiple of {ROWS}, cache length {t} of "
+                         f"{block_kv=}, head dim {d} of 64")
+    wgs = 2 if r % (2 * ROWS) == 0 else 1
+    dtype = k_cache.dtype
+    swizzle = plgpu.SwizzleTransform(128)
+    tiles = (plgpu.TilingTransform((8, 64)), swizzle)
+    f32_tiles = (plgpu.TilingTransform((8, 32)), swizzle)
+    smem = (plgpu.SMEM((wgs, ROWS, d), dtype, transforms=tiles),
+            plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles),
+            plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles),
+            plgpu.SMEM((wgs, ROWS, d), jnp.float32, transforms=f32_tiles),
+            plgpu.SMEM((2, wgs, ROWS), jnp.float32))
+    barriers = ((plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
+                 plgpu.Barrier(num_barriers=wgs)),
+                (plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),) * 2,
+                plgpu.Barrier(num_arrivals=wgs))
+    indirect = slots is not None
+    body = functools.partial(_kernel, scale_log2=scale_log2, num_splits=num_splits,
+                             block_kv=block_kv, steps=steps, wgs=wgs, indirect=indirect,
+                             interpret=interpret)
+
+    def entry(*refs):
+        pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, *barriers[:2],
+                      barriers[2], collective_axes="wg")
+
+    f32 = jnp.float32
+    out_type = (jax.ShapeDtypeStruct((b * hkv, num_splits, r, d), f32),
+                jax.ShapeDtypeStruct((b * hkv, num_splits, r), f32),
+                jax.ShapeDtypeStruct((b * hkv, num_splits, r), f32))
+    params = dict(interpret=_interpret_params()) if interpret else {}
+    call = plgpu.kernel(entry, out_type=out_type,
+                        grid=(r // (wgs * ROWS), num_splits, b * hkv),
+                        grid_names=("rt", "split", "bh"), num_threads=wgs + 1,
+                        thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(approx_math=True), **params)
+    slot_map = () if slots is None else (slots.astype(jnp.int32),)
+    return call(jnp.reshape(layer, (1,)).astype(jnp.int32), seq_lens.astype(jnp.int32),
+                *slot_map, q_rows.astype(dtype), k_cache, v_cache)
