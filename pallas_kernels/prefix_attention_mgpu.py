@@ -84,7 +84,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             indirect, interpret):
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, scoped = refs
-    (q_smem, k_smem, v_smem, o_smem, ml_smem), ready, consumed, sched = scoped
+    (q_smem, k_smem, v_smem, o_smem, ml_smem), ready, consumed, sched, o_free = scoped
     k_ready, v_ready, q_ready = ready
     k_free, v_free = consumed
     num_kv_heads, t_max = k_ref.shape[2], k_ref.shape[3]
@@ -138,15 +138,15 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             else:
                 s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[ring])
-            s = s * scale_log2
+            # The scale is folded into the exponent (one FMA a score) rather than applied to s.
             if masked:   # keys at or past the split's end weigh nothing
                 key = (lax.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1) if interpret else
                        plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
                                               layout=plgpu.Layout.WGMMA))
                 s = jnp.where(key + (start + i * block_kv) < end, s, MASK_VALUE)
-            m_next = jnp.maximum(m_i, s.max(axis=1))
+            m_next = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
             alpha = jnp.exp2(m_i - m_next)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
+            p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_next, s.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha + p.sum(axis=1)
             p16 = p.astype(dtype)
@@ -183,14 +183,23 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
                                       functools.partial(step, masked=True), carry)
         if wgs == 2:
             pl.when(wg == 0)(staggered)
-        o_smem.at[wg][...] = acc
+        # One f32 staging tile for o: two would overflow shared memory next to the ring. The
+        # trailing warpgroup (1) waits until the leading one's copy has read it.
+        if wgs == 2:
+            pl.when(wg == 1)(lambda: plgpu.barrier_wait(o_free))
+        o_smem[...] = acc
         ml_smem.at[0, wg][...] = m_i
         ml_smem.at[1, wg][...] = l_i
         plgpu.commit_smem()
         rows = pl.ds(row0, ROWS)
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[bh, split, rows])
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[bh, split, rows])
         plgpu.copy_smem_to_gmem(ml_smem.at[0, wg], m_ref.at[bh, split, rows])
         plgpu.copy_smem_to_gmem(ml_smem.at[1, wg], l_ref.at[bh, split, rows])
+        if wgs == 2:
+            @pl.when(wg == 0)
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.barrier_arrive(o_free)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == wgs)
@@ -237,10 +246,18 @@ def _interpret_params():
 
 
 def default_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms=132):
-    """One CTA per SM (the ring and tiles take most of its shared memory): enough splits for
-    one wave, while a split keeps 4 key blocks."""
+    """One CTA per SM (the ring and tiles take most of its shared memory): the fewest splits
+    that fill at least 90% of the SMs and leave the last wave no more than 10% short, while a
+    split keeps 4 key blocks. H200, N = 16, B = 8, 32K: 3 splits (192 CTAs, 1.45 waves) took
+    311 us where 6 (384, 2.9 waves) took 278 (bench/RESULTS.md, thirty-seventh set)."""
     ctas = batch * num_kv_heads * max(1, rows // (2 * ROWS))
-    return max(1, min(-(-num_sms // ctas), cache_len // (4 * block_kv)))
+    cap = max(1, cache_len // (4 * block_kv))
+    for splits in range(1, cap + 1):
+        total = ctas * splits
+        waves = -(-total // num_sms)
+        if total >= 0.9 * num_sms and total >= 0.9 * waves * num_sms:
+            return splits
+    return cap
 
 
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
@@ -253,6 +270,8 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     m, l [B * Hkv, S, R], f32. slots [B]: the cache slot of each row (None: row b is slot b)."""
     b, hkv, r, d = q_rows.shape
     t = k_cache.shape[3]
+    if not scale_log2 > 0:   # the running max is taken before scaling
+        raise ValueError(f"{scale_log2=} must be positive")
     if r % ROWS or t % block_kv or d % 64:
         raise ValueError(f"rows {r} must be a multiple of {ROWS}, cache length {t} of "
                          f"{block_kv=}, head dim {d} of 64")
@@ -264,20 +283,20 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     smem = (plgpu.SMEM((wgs, ROWS, d), dtype, transforms=tiles),
             plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles),
             plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles),
-            plgpu.SMEM((wgs, ROWS, d), jnp.float32, transforms=f32_tiles),
+            plgpu.SMEM((ROWS, d), jnp.float32, transforms=f32_tiles),
             plgpu.SMEM((2, wgs, ROWS), jnp.float32))
     barriers = ((plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
                  plgpu.Barrier(num_barriers=wgs)),
                 (plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),) * 2,
-                plgpu.Barrier(num_arrivals=wgs))
+                plgpu.Barrier(num_arrivals=wgs), plgpu.Barrier(num_arrivals=1))
     indirect = slots is not None
     body = functools.partial(_kernel, scale_log2=scale_log2, num_splits=num_splits,
                              block_kv=block_kv, steps=steps, wgs=wgs, indirect=indirect,
                              interpret=interpret)
 
     def entry(*refs):
-        pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, *barriers[:2],
-                      barriers[2], collective_axes="wg")
+        pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, *barriers,
+                      collective_axes="wg")
 
     f32 = jnp.float32
     out_type = (jax.ShapeDtypeStruct((b * hkv, num_splits, r, d), f32),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -48,9 +49,10 @@ _SMALL_KV_WIDTH = 256
 # take their split count from the wave, not from the keys per split.
 _ONE_SLOT_PROGRAMS = 8
 _LONG_PREFIX = 8192   # measured from here up; shorter caches keep the keys-per-split rule
-# Tiles of at least this many rows per KV head take Mosaic GPU's prefix kernel on Hopper
-# (None: never unless asked for).
-_MOSAIC_MIN_ROWS = None
+# Tiles of this many rows per KV head take Mosaic GPU's prefix kernel on Hopper: from one
+# warpgroup's 64 (N >= 16 at G = 4) up to tree sizes; prompt chunks keep the Triton kernel,
+# which was measured for them (causal bounds, packs).
+_MOSAIC_ROWS = (64, 1024)
 
 
 from pallas_kernels._compat import CompilerParams as _CompilerParams
@@ -123,8 +125,9 @@ def _tree_attention_kernel(
     *refs,         # with `indirect`: slots [B] int32, the cache slot of each query row; then
                    # q [B, Hkv, R, D] (rows r = n * G + g; packed: qkv [B, N, Hq + 2 Hkv, D]),
                    # k, v [L, Bc, Hkv, T, D], kn, vn [B, Hkv, N, D] (packed: the same qkv),
-                   # mask [B, N, N] int8; then the outputs: S == 1: out [B, N, Hq, D]; else
-                   # o [BH, S, R, D], m, l [BH, S, R] (f32)
+                   # mask [B, N, N] int8; with `merge_in`: the prefix's split partials
+                   # po [BH, S', R', D], pm, pl [BH, S', R'] (R' >= R); then the outputs:
+                   # S == 1: out [B, N, Hq, D]; else o [BH, S, R, D], m, l [BH, S, R] (f32)
     scale_log2: float,
     num_kv_heads: int,
     num_splits: int,
@@ -137,12 +140,12 @@ def _tree_attention_kernel(
     causal: bool = False,
     skip_before: bool = False,
     indirect: bool = False,
-    new_only: bool = False,
+    merge_in: bool = False,
 ):
     # No slot map unless asked for: even a constant one costs an iota kernel per call.
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref = refs[:6]
-    out_refs = refs[6:]
+    out_refs = refs[9:] if merge_in else refs[6:]
     rb, split, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = bh // num_kv_heads, bh % num_kv_heads
     t_max = k_ref.shape[3]
@@ -182,7 +185,9 @@ def _tree_attention_kernel(
                   other=0.0)
         return _flash_step(q, k, v, live[None, :], carry, scale_log2)
 
-    if not new_only:   # new_only: the prefix's partials come from another kernel
+    if merge_in:   # the prefix was done by another kernel: start from its merged splits
+        carry = _merge_partials(*refs[6:9], bh, r, row_live, head_dim)
+    else:
         carry = lax.fori_loop(0, num_blocks, prefix_body, carry)
 
     # Rows past the last query read the last query's mask row; they are never stored.
@@ -223,7 +228,7 @@ def _tree_attention_kernel(
         first_block = jnp.minimum(first_block, jnp.maximum(num_new_blocks - 1, 0))
     o, m, l = lax.fori_loop(first_block, num_new_blocks, new_body, carry)
 
-    if num_splits == 1 and not new_only:  # No combine: normalise, write the final layout.
+    if num_splits == 1:  # No combine pass: normalise and write the final layout here.
         _store_rows(out_refs[0], o / l[:, None], b, h, r, row_live, group)
     else:
         o_ref, m_ref, l_ref = out_refs
@@ -232,13 +237,33 @@ def _tree_attention_kernel(
         _store(l_ref.at[bh, split, rows], l, mask=row_live)
 
 
+def _merge_partials(po_ref, pm_ref, pl_ref, bh, r, row_live, head_dim):
+    """(o, m, l) of rows r [block_r] of KV head bh merged over the splits of partials
+    po [BH, S, R', D], pm, pl [BH, S, R'], one split at a time (the running max as in
+    `_flash_step`); the carry `_tree_attention_kernel` continues from."""
+    rr = jnp.minimum(r, pm_ref.shape[2] - 1)
+    col = jnp.arange(head_dim)[None, :]
+
+    def body(sp, carry):
+        o, m, l = carry
+        m_s = _load(pm_ref.at[bh, sp, rr], mask=row_live, other=MASK_VALUE)
+        l_s = _load(pl_ref.at[bh, sp, rr], mask=row_live, other=0.0)
+        o_s = _load(po_ref.at[bh, sp, rr[:, None], col], mask=row_live[:, None], other=0.0)
+        m_next = jnp.maximum(m, m_s)
+        a, w = jnp.exp2(m - m_next), jnp.exp2(m_s - m_next)
+        return a[:, None] * o + w[:, None] * o_s, m_next, a * l + w * l_s
+
+    carry = (jnp.zeros((r.shape[0], head_dim), jnp.float32),
+             jnp.full(r.shape, MASK_VALUE, jnp.float32), jnp.zeros(r.shape, jnp.float32))
+    return lax.fori_loop(0, pm_ref.shape[1], body, carry)
+
+
 def _combine_kernel(
     o_ref,     # [BH, S, R, D] f32, unnormalised partials
     m_ref,     # [BH, S, R] f32
     l_ref,     # [BH, S, R] f32
-    *refs,     # with `extra`: the tree part's o2 [BH, 1, R, D], m2, l2 [BH, 1, R]; then
-               # out [B, N, Hq, D]
-    extra: bool = False,
+    out_ref,   # [B, N, Hq, D]
+    *,
     num_kv_heads: int,
     group: int,
     block_r: int,
@@ -251,9 +276,7 @@ def _combine_kernel(
     (b, h) alone left 8 programs to do all the loads, a few us of latency per call. The splits
     are read `block_s` at a time as one [block_s, block_r, block_d] gather, merged with a running
     max in one pass, so with block_s >= num_splits every load of the program is in flight at once.
-    With `extra` the merge starts from the tree part's partial (a prefix split by Mosaic GPU).
     """
-    out_ref = refs[-1]
     bh, rb, db = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = bh // num_kv_heads, bh % num_kv_heads
     num_splits, num_rows = m_ref.shape[1], m_ref.shape[2]
@@ -279,13 +302,6 @@ def _combine_kernel(
 
     carry = (jnp.zeros((block_r, block_d), jnp.float32), jnp.zeros((block_r,), jnp.float32),
              jnp.full((block_r,), MASK_VALUE, jnp.float32))
-    if extra:
-        o2_ref, m2_ref, l2_ref = refs[:3]
-        r2 = rr[0]
-        carry = (_load(o2_ref.at[bh, 0, r2[:, None], col[0]], mask=row_live[:, None],
-                       other=0.0),
-                 _load(l2_ref.at[bh, 0, r2], mask=row_live, other=0.0),
-                 _load(m2_ref.at[bh, 0, r2], mask=row_live, other=MASK_VALUE))
     acc, den, _ = lax.fori_loop(0, pl.cdiv(num_splits, block_s), body, carry)
     den = jnp.where(row_live, den, 1.0)
     _store_rows(out_ref, acc / den[:, None], b, h, r, row_live, group, db * block_d)
@@ -420,32 +436,32 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     kernel = functools.partial(
         _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv, group=g,
         num_new=n, block_r=block_r, block_k=block_k, block_n=block_n, packed=packed,
-        causal=causal, skip_before=skip_before, indirect=slots is not None, new_only=mosaic)
+        causal=causal, skip_before=skip_before, indirect=slots is not None, merge_in=mosaic)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
     operands = (layer, seq_lens.astype(jnp.int32), *slot_map, q_in, k_cache, v_cache, kn_in,
                 vn_in, tree_mask.astype(jnp.int8))
     f32 = jnp.float32
     if mosaic:
-        # The prefix's splits by Mosaic GPU; this kernel, with one "split", does the tree part.
+        # The prefix's splits by Mosaic GPU; then this kernel merges them, adds the tree part
+        # and writes the final layout (no combine pass).
         q_rows = q_in
         if packed:
             q_rows = (q_in[:, :, :hq].reshape(b, n, hkv, g, d).transpose(0, 2, 1, 3, 4)
                       .reshape(b, hkv, rows, d))
-        splits = num_splits or pm.default_splits(b, hkv, rows, live_len, pm.BLOCK_KV)
+        pad = -rows % pm.ROWS    # whole warpgroup tiles; the padding rows are never read
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else q_rows
+        splits = num_splits or pm.default_splits(b, hkv, rows + pad, live_len, pm.BLOCK_KV)
         prefix = pm.prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots,
                                          scale_log2=sm_scale * _LOG2E, num_splits=splits,
                                          interpret=interpret)
-        tree = pl.pallas_call(
+        return pl.pallas_call(
             functools.partial(kernel, num_splits=1),
             grid=(pl.cdiv(rows, block_r), 1, b * hkv),
-            out_shape=[jax.ShapeDtypeStruct((b * hkv, 1, rows, d), f32),
-                       jax.ShapeDtypeStruct((b * hkv, 1, rows), f32),
-                       jax.ShapeDtypeStruct((b * hkv, 1, rows), f32)],
+            out_shape=jax.ShapeDtypeStruct(q_shape, dtype),
             compiler_params=_CompilerParams(num_warps=num_warps, num_stages=num_stages),
             interpret=interpret,
-            name="tree_attention_new",
-        )(*operands)
-        return _combine(prefix, tree, q_shape, dtype, hkv, interpret)
+            name="tree_attention_merge",
+        )(*operands, *prefix)
 
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
@@ -463,34 +479,26 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     )(*operands)
     if num_splits == 1:
         return out
-    return _combine(out, (), q_shape, dtype, hkv, interpret)
-
-
-def _combine(partials, extra, q_shape, dtype, num_kv_heads, interpret):
-    """Merge the splits' partials [BH, S, R, D], [BH, S, R] x 2 (and `extra`, one more split of
-    the same kind: the tree part when Mosaic GPU did the prefix) into q_shape's layout."""
-    b, n, hq, d = q_shape
-    g = hq // num_kv_heads
-    num_splits = partials[1].shape[1]
-    combine_r, combine_d, block_s = combine_config(n * g, d, num_splits, b * num_kv_heads)
-    combine = functools.partial(_combine_kernel, num_kv_heads=num_kv_heads, group=g,
-                                block_r=combine_r, block_s=block_s, block_d=combine_d,
-                                extra=bool(extra))
+    combine_r, combine_d, block_s = combine_config(rows, d, num_splits, b * hkv)
+    combine = functools.partial(_combine_kernel, num_kv_heads=hkv, group=g, block_r=combine_r,
+                                block_s=block_s, block_d=combine_d)
     return pl.pallas_call(
         combine,
-        grid=(b * num_kv_heads, pl.cdiv(n * g, combine_r), d // combine_d),
+        grid=(b * hkv, pl.cdiv(rows, combine_r), d // combine_d),
         out_shape=jax.ShapeDtypeStruct(q_shape, dtype),
         compiler_params=_CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="tree_attention_combine",
-    )(*partials, *extra)
+    )(*out)
 
 
 def mosaic_serves(rows, cache_len, head_dim, dtype) -> bool:
     """Whether `backend=None` takes Mosaic GPU's prefix kernel: on Hopper, for tiles of
-    `_MOSAIC_MIN_ROWS`+ rows (64-row warpgroups) over a cache of whole key blocks, in 16-bit
-    floats (bench/RESULTS.md, thirty-seventh set)."""
-    return (_MOSAIC_MIN_ROWS is not None and rows >= _MOSAIC_MIN_ROWS and rows % pm.ROWS == 0
+    `_MOSAIC_ROWS` rows over a cache of whole key blocks, in 16-bit floats
+    (bench/RESULTS.md, thirty-seventh set)."""
+    if os.environ.get("JAXSPEC_MOSAIC", "1") == "0":   # A/B runs: Triton's prefix everywhere
+        return False
+    return (_MOSAIC_ROWS[0] <= rows <= _MOSAIC_ROWS[1]
             and cache_len % pm.BLOCK_KV == 0 and head_dim in (64, 128)
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and pm.on_hopper())

@@ -1,0 +1,107 @@
+"""The Mosaic GPU prefix kernel (Mosaic GPU's interpret mode on CPU: its warpgroups, TMA copies
+and barriers simulated; the two matmuls by jnp there, wgmma on the device) against the jnp
+references, alone and inside tree attention."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import prefix_attention_mgpu as pm
+from pallas_kernels import tree_attention as ta
+
+pytestmark = pytest.mark.skipif(pm.plgpu is None, reason="no Mosaic GPU in this jaxlib")
+
+
+def _max_rel(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)
+
+
+# b, hkv, t, rows, seq_lens, splits, block_kv, steps, slots: one warpgroup (64 rows) and two
+# (128); a ring of 2 and 3 slots wrapping several times; a slot with no prefix, one ending at the
+# cache's last row, one with a single row; splits that end inside a block or get nothing; rows
+# reading other slots of a larger cache.
+CASES = [
+    (1, 1, 512, 128, [512], 1, 64, 2, None),
+    (2, 1, 512, 128, [0, 300], 3, 64, 3, None),
+    (2, 2, 256, 64, [256, 1], 2, 64, 2, [2, 0]),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c[3]}s{c[5]}k{c[7]}")
+def test_partials_match_reference(case):
+    b, hkv, t, rows, seq_lens, splits, block_kv, steps, slots = case
+    ks = jax.random.split(jax.random.key(rows + t), 3)
+    cache_slots = b if slots is None else 3
+    q = jax.random.normal(ks[0], (b, hkv, rows, 64), jnp.bfloat16)
+    kc = jax.random.normal(ks[1], (2, cache_slots, hkv, t, 64), jnp.bfloat16)
+    vc = jax.random.normal(ks[2], (2, cache_slots, hkv, t, 64), jnp.bfloat16)
+    sl = jnp.asarray(seq_lens, jnp.int32)
+    slots = None if slots is None else jnp.asarray(slots, jnp.int32)
+    kw = dict(scale_log2=0.18, num_splits=splits, block_kv=block_kv)
+    ref = pm.prefix_partials_reference(q, kc, vc, 1, sl, slots=slots, **kw)
+    out = pm.prefix_partials_mgpu(q, kc, vc, jnp.int32(1), sl, slots, steps=steps,
+                                  interpret=True, **kw)
+    o, m, l = (np.asarray(x) for x in out)
+    # m exact (the same max of the same f32 scores), l to f32 rounding, o to the bf16 rounding
+    # of the probabilities fed to the second matmul.
+    assert _max_rel(m, ref[1]) == 0.0
+    assert _max_rel(l, ref[2]) < 1e-5
+    assert _max_rel(o, ref[0]) < 5e-3
+    # A split with no live keys contributes nothing to the merge: l = 0, o = 0.
+    empty = np.asarray(ref[2]) == 0
+    assert (l[empty] == 0).all() and (o[empty] == 0).all()
+
+
+@pytest.mark.parametrize("entry", ["separate", "packed"])
+def test_tree_attention_by_mosaic_matches_reference(entry):
+    """The whole backend="mosaic" path: the prefix's splits by the Mosaic kernel, merged by the
+    Triton kernel that adds the tree part; 7 tree tokens x 4 heads (28 rows) are padded to a
+    warpgroup's 64."""
+    b, n, hq, hkv, d, t = 2, 7, 8, 2, 64, 256
+    ks = jax.random.split(jax.random.key(5), 6)
+    q = jax.random.normal(ks[0], (b, n, hq, d), jnp.bfloat16)
+    kc = jax.random.normal(ks[1], (2, b, hkv, t, d), jnp.bfloat16)
+    vc = jax.random.normal(ks[2], (2, b, hkv, t, d), jnp.bfloat16)
+    kn = jax.random.normal(ks[3], (b, hkv, n, d), jnp.bfloat16)
+    vn = jax.random.normal(ks[4], (b, hkv, n, d), jnp.bfloat16)
+    mask = jax.random.bernoulli(ks[5], 0.5, (b, n, n)) | jnp.eye(n, dtype=bool)
+    sl = jnp.asarray([t, 70], jnp.int32)
+    scale = 1 / math.sqrt(d)
+    ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, sm_scale=scale)
+    kw = dict(sm_scale=scale, interpret=True, backend="mosaic", num_splits=3)
+    if entry == "packed":
+        qkv = jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], 2)
+        out = ta.tree_attention_packed_pallas(qkv, kc, vc, jnp.int32(1), sl, mask,
+                                              num_heads=hq, **kw)
+    else:
+        out = ta.tree_attention_pallas(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, **kw)
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_bad_shapes_and_scale_are_refused():
+    q = jnp.zeros((1, 1, 64, 64), jnp.bfloat16)
+    kc = jnp.zeros((1, 1, 1, 100, 64), jnp.bfloat16)   # 100 rows: not whole 64-key blocks
+    with pytest.raises(ValueError, match="cache length 100"):
+        pm.prefix_partials_mgpu(q, kc, kc, jnp.int32(0), jnp.ones((1,), jnp.int32),
+                                scale_log2=0.1, num_splits=1, block_kv=64, interpret=True)
+    kc = jnp.zeros((1, 1, 1, 128, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="must be positive"):
+        pm.prefix_partials_mgpu(q, kc, kc, jnp.int32(0), jnp.ones((1,), jnp.int32),
+                                scale_log2=-0.1, num_splits=1, block_kv=64, interpret=True)
+
+
+@pytest.mark.parametrize("b, rows, length, splits", [
+    (1, 64, 8192, 15), (8, 64, 8192, 2), (64, 64, 8192, 1), (1, 256, 8192, 8),
+    (8, 256, 32768, 1), (1, 64, 512, 1)])
+def test_default_splits_fill_whole_waves(b, rows, length, splits):
+    """The fewest splits whose CTAs fill 90% of 132 SMs and 90% of their last wave, each
+    keeping 4 key blocks (the H200's measured best at these shapes, thirty-seventh set)."""
+    assert pm.default_splits(b, 8, rows, length, 128) == splits
+
+
+def test_mosaic_is_not_chosen_off_hopper():
+    assert not ta.mosaic_serves(256, 8192, 128, jnp.bfloat16)
