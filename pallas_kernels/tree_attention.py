@@ -53,6 +53,13 @@ _LONG_PREFIX = 8192   # measured from here up; shorter caches keep the keys-per-
 # warpgroup's 64 (N >= 16 at G = 4) up to tree sizes; prompt chunks keep the Triton kernel,
 # which was measured for them (causal bounds, packs).
 _MOSAIC_ROWS = (64, 1024)
+# ... over prefixes of up to this many rows (live_rows, else the cache's length): from 8K on it
+# won or tied at every batch (H200: 1.0-1.26x at batch 1, 1.13-1.41x at 8 and 64); on 1-2K
+# prefixes it lost at batch 1 and 64 (Triton's 16.8 against 24.6 us at B 1, N 64, 1K).
+_MOSAIC_MIN_LIVE = 8192
+# Up to this many Mosaic splits the tree kernel merges them itself (B >= 8: one launch fewer);
+# more (batch 1) go to the combine pass, whose programs have all the splits' loads in flight.
+_FUSED_MERGE_SPLITS = 2
 
 
 from pallas_kernels._compat import CompilerParams as _CompilerParams
@@ -141,6 +148,7 @@ def _tree_attention_kernel(
     skip_before: bool = False,
     indirect: bool = False,
     merge_in: bool = False,
+    new_only: bool = False,
 ):
     # No slot map unless asked for: even a constant one costs an iota kernel per call.
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
@@ -187,7 +195,7 @@ def _tree_attention_kernel(
 
     if merge_in:   # the prefix was done by another kernel: start from its merged splits
         carry = _merge_partials(*refs[6:9], bh, r, row_live, head_dim)
-    else:
+    elif not new_only:   # (new_only: the prefix's partials are merged by the combine pass)
         carry = lax.fori_loop(0, num_blocks, prefix_body, carry)
 
     # Rows past the last query read the last query's mask row; they are never stored.
@@ -228,7 +236,7 @@ def _tree_attention_kernel(
         first_block = jnp.minimum(first_block, jnp.maximum(num_new_blocks - 1, 0))
     o, m, l = lax.fori_loop(first_block, num_new_blocks, new_body, carry)
 
-    if num_splits == 1:  # No combine pass: normalise and write the final layout here.
+    if num_splits == 1 and not new_only:  # No combine: normalise, write the final layout.
         _store_rows(out_refs[0], o / l[:, None], b, h, r, row_live, group)
     else:
         o_ref, m_ref, l_ref = out_refs
@@ -262,8 +270,9 @@ def _combine_kernel(
     o_ref,     # [BH, S, R, D] f32, unnormalised partials
     m_ref,     # [BH, S, R] f32
     l_ref,     # [BH, S, R] f32
-    out_ref,   # [B, N, Hq, D]
-    *,
+    *refs,     # with `extra`: the tree part's o2 [BH, 1, R, D], m2, l2 [BH, 1, R]; then
+               # out [B, N, Hq, D]
+    extra: bool = False,
     num_kv_heads: int,
     group: int,
     block_r: int,
@@ -276,10 +285,13 @@ def _combine_kernel(
     (b, h) alone left 8 programs to do all the loads, a few us of latency per call. The splits
     are read `block_s` at a time as one [block_s, block_r, block_d] gather, merged with a running
     max in one pass, so with block_s >= num_splits every load of the program is in flight at once.
+    With `extra` the merge starts from the tree part's partial (the prefix's splits by Mosaic
+    GPU may have more rows, padding, than R: only rows < R are read).
     """
+    out_ref = refs[-1]
     bh, rb, db = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = bh // num_kv_heads, bh % num_kv_heads
-    num_splits, num_rows = m_ref.shape[1], m_ref.shape[2]
+    num_splits, num_rows = m_ref.shape[1], out_ref.shape[1] * group   # N * G
     r = rb * block_r + jnp.arange(block_r)
     row_live = r < num_rows
     rr = jnp.minimum(r, num_rows - 1)[None, :]
@@ -302,6 +314,13 @@ def _combine_kernel(
 
     carry = (jnp.zeros((block_r, block_d), jnp.float32), jnp.zeros((block_r,), jnp.float32),
              jnp.full((block_r,), MASK_VALUE, jnp.float32))
+    if extra:
+        o2_ref, m2_ref, l2_ref = refs[:3]
+        r2 = rr[0]
+        carry = (_load(o2_ref.at[bh, 0, r2[:, None], col[0]], mask=row_live[:, None],
+                       other=0.0),
+                 _load(l2_ref.at[bh, 0, r2], mask=row_live, other=0.0),
+                 _load(m2_ref.at[bh, 0, r2], mask=row_live, other=MASK_VALUE))
     acc, den, _ = lax.fori_loop(0, pl.cdiv(num_splits, block_s), body, carry)
     den = jnp.where(row_live, den, 1.0)
     _store_rows(out_ref, acc / den[:, None], b, h, r, row_live, group, db * block_d)
@@ -432,18 +451,18 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     assert block_r == _next_pow2(block_r) and block_k == _next_pow2(block_k), (
         f"{block_r=} and {block_k=} must be powers of 2")
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
-    mosaic = backend == "mosaic" or (backend is None and mosaic_serves(rows, t, d, dtype))
+    mosaic = backend == "mosaic" or (backend is None
+                                     and mosaic_serves(rows, live_len, t, d, dtype))
     kernel = functools.partial(
         _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv, group=g,
         num_new=n, block_r=block_r, block_k=block_k, block_n=block_n, packed=packed,
-        causal=causal, skip_before=skip_before, indirect=slots is not None, merge_in=mosaic)
+        causal=causal, skip_before=skip_before, indirect=slots is not None)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
     operands = (layer, seq_lens.astype(jnp.int32), *slot_map, q_in, k_cache, v_cache, kn_in,
                 vn_in, tree_mask.astype(jnp.int8))
     f32 = jnp.float32
     if mosaic:
-        # The prefix's splits by Mosaic GPU; then this kernel merges them, adds the tree part
-        # and writes the final layout (no combine pass).
+        # The prefix's splits by Mosaic GPU; the tree part and the merge by the Triton kernels.
         q_rows = q_in
         if packed:
             q_rows = (q_in[:, :, :hq].reshape(b, n, hkv, g, d).transpose(0, 2, 1, 3, 4)
@@ -454,14 +473,24 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
         prefix = pm.prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots,
                                          scale_log2=sm_scale * _LOG2E, num_splits=splits,
                                          interpret=interpret)
-        return pl.pallas_call(
-            functools.partial(kernel, num_splits=1),
+        params = _CompilerParams(num_warps=num_warps, num_stages=num_stages)
+        if splits <= _FUSED_MERGE_SPLITS:   # this kernel merges them before the tree part
+            return pl.pallas_call(
+                functools.partial(kernel, num_splits=1, merge_in=True),
+                grid=(pl.cdiv(rows, block_r), 1, b * hkv),
+                out_shape=jax.ShapeDtypeStruct(q_shape, dtype), compiler_params=params,
+                interpret=interpret, name="tree_attention_merge",
+            )(*operands, *prefix)
+        # Many splits (small batches): the tree part alone, then the combine's wide merge.
+        tree = pl.pallas_call(
+            functools.partial(kernel, num_splits=1, new_only=True),
             grid=(pl.cdiv(rows, block_r), 1, b * hkv),
-            out_shape=jax.ShapeDtypeStruct(q_shape, dtype),
-            compiler_params=_CompilerParams(num_warps=num_warps, num_stages=num_stages),
-            interpret=interpret,
-            name="tree_attention_merge",
-        )(*operands, *prefix)
+            out_shape=[jax.ShapeDtypeStruct((b * hkv, 1, rows, d), f32),
+                       jax.ShapeDtypeStruct((b * hkv, 1, rows), f32),
+                       jax.ShapeDtypeStruct((b * hkv, 1, rows), f32)],
+            compiler_params=params, interpret=interpret, name="tree_attention_new",
+        )(*operands)
+        return _combine(prefix, tree, q_shape, dtype, hkv, interpret)
 
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
@@ -479,26 +508,36 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     )(*operands)
     if num_splits == 1:
         return out
-    combine_r, combine_d, block_s = combine_config(rows, d, num_splits, b * hkv)
-    combine = functools.partial(_combine_kernel, num_kv_heads=hkv, group=g, block_r=combine_r,
-                                block_s=block_s, block_d=combine_d)
+    return _combine(out, (), q_shape, dtype, hkv, interpret)
+
+
+def _combine(partials, extra, q_shape, dtype, num_kv_heads, interpret):
+    """Merge the splits' partials [BH, S, R', D], [BH, S, R'] x 2 (and `extra`, the tree part's
+    [BH, 1, R, D], [BH, 1, R] x 2) into q_shape's layout [B, N, Hq, D] (R = N * G <= R')."""
+    b, n, hq, d = q_shape
+    g = hq // num_kv_heads
+    num_splits = partials[1].shape[1]
+    combine_r, combine_d, block_s = combine_config(n * g, d, num_splits, b * num_kv_heads)
+    combine = functools.partial(_combine_kernel, num_kv_heads=num_kv_heads, group=g,
+                                block_r=combine_r, block_s=block_s, block_d=combine_d,
+                                extra=bool(extra))
     return pl.pallas_call(
         combine,
-        grid=(b * hkv, pl.cdiv(rows, combine_r), d // combine_d),
+        grid=(b * num_kv_heads, pl.cdiv(n * g, combine_r), d // combine_d),
         out_shape=jax.ShapeDtypeStruct(q_shape, dtype),
         compiler_params=_CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="tree_attention_combine",
-    )(*out)
+    )(*partials, *extra)
 
 
-def mosaic_serves(rows, cache_len, head_dim, dtype) -> bool:
+def mosaic_serves(rows, live_len, cache_len, head_dim, dtype) -> bool:
     """Whether `backend=None` takes Mosaic GPU's prefix kernel: on Hopper, for tiles of
     `_MOSAIC_ROWS` rows over a cache of whole key blocks, in 16-bit floats
     (bench/RESULTS.md, thirty-seventh set)."""
     if os.environ.get("JAXSPEC_MOSAIC", "1") == "0":   # A/B runs: Triton's prefix everywhere
         return False
-    return (_MOSAIC_ROWS[0] <= rows <= _MOSAIC_ROWS[1]
+    return (_MOSAIC_ROWS[0] <= rows <= _MOSAIC_ROWS[1] and live_len >= _MOSAIC_MIN_LIVE
             and cache_len % pm.BLOCK_KV == 0 and head_dim in (64, 128)
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and pm.on_hopper())

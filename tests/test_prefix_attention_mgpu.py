@@ -55,11 +55,11 @@ def test_partials_match_reference(case):
     assert (l[empty] == 0).all() and (o[empty] == 0).all()
 
 
-@pytest.mark.parametrize("entry", ["separate", "packed"])
-def test_tree_attention_by_mosaic_matches_reference(entry):
+@pytest.mark.parametrize("entry, splits", [("separate", 2), ("packed", 2), ("separate", 3)])
+def test_tree_attention_by_mosaic_matches_reference(entry, splits):
     """The whole backend="mosaic" path: the prefix's splits by the Mosaic kernel, merged by the
-    Triton kernel that adds the tree part; 7 tree tokens x 4 heads (28 rows) are padded to a
-    warpgroup's 64."""
+    Triton kernel that adds the tree part (2 splits) or by the combine pass after the tree part
+    alone (3); 7 tree tokens x 4 heads (28 rows) are padded to a warpgroup's 64."""
     b, n, hq, hkv, d, t = 2, 7, 8, 2, 64, 256
     ks = jax.random.split(jax.random.key(5), 6)
     q = jax.random.normal(ks[0], (b, n, hq, d), jnp.bfloat16)
@@ -71,7 +71,7 @@ def test_tree_attention_by_mosaic_matches_reference(entry):
     sl = jnp.asarray([t, 70], jnp.int32)
     scale = 1 / math.sqrt(d)
     ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, sm_scale=scale)
-    kw = dict(sm_scale=scale, interpret=True, backend="mosaic", num_splits=3)
+    kw = dict(sm_scale=scale, interpret=True, backend="mosaic", num_splits=splits)
     if entry == "packed":
         qkv = jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], 2)
         out = ta.tree_attention_packed_pallas(qkv, kc, vc, jnp.int32(1), sl, mask,
@@ -103,5 +103,19 @@ def test_default_splits_fill_whole_waves(b, rows, length, splits):
     assert pm.default_splits(b, 8, rows, length, 128) == splits
 
 
-def test_mosaic_is_not_chosen_off_hopper():
-    assert not ta.mosaic_serves(256, 8192, 128, jnp.bfloat16)
+def test_mosaic_serves_the_measured_shapes_on_hopper_only(monkeypatch):
+    """Wide tiles over 8K+ live rows of a cache of whole key blocks in bf16/f16, on Hopper: the
+    shapes where it measured faster. Short prefixes, narrow tiles, f32, other GPUs and
+    JAXSPEC_MOSAIC=0 keep the Triton kernel."""
+    bf16 = jnp.bfloat16
+    assert not ta.mosaic_serves(256, 8192, 8192, 128, bf16)   # this CPU
+    monkeypatch.setattr(pm, "on_hopper", lambda: True)
+    assert ta.mosaic_serves(256, 8192, 8192, 128, bf16)
+    assert ta.mosaic_serves(64, 32768, 32768, 64, jnp.float16)
+    assert not ta.mosaic_serves(256, 1024, 8192, 128, bf16)   # live_rows says short
+    assert not ta.mosaic_serves(40, 8192, 8192, 128, bf16)    # under one warpgroup's rows
+    assert not ta.mosaic_serves(8192, 8192, 8192, 128, bf16)  # a prompt chunk
+    assert not ta.mosaic_serves(256, 8192, 8200, 128, bf16)   # not whole 128-key blocks
+    assert not ta.mosaic_serves(256, 8192, 8192, 128, jnp.float32)
+    monkeypatch.setenv("JAXSPEC_MOSAIC", "0")
+    assert not ta.mosaic_serves(256, 8192, 8192, 128, bf16)
