@@ -123,27 +123,47 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
         if wgs == 2:
             pl.when(wg == 1)(staggered)
 
-        def step(i, carry, masked=False):
-            acc, m_i, l_i = carry
-            ring = lax.rem(i, steps)
+        def wait_next_k(i):   # the next block's keys, before the tensor cores need them
+            @pl.when(i + 1 < blocks)
+            def _():
+                plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, steps)])
+
+        def scores(ring):   # q k^T [ROWS, block_kv], f32
+            if interpret:   # the interpreter's wgmma takes no transposed operand: jnp's dot
+                s = jnp.dot(q_tile[...], k_smem.at[ring][...].T,
+                            preferred_element_type=jnp.float32)
+                staggered()
+                return s
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(k_smem.at[ring], (1, 0)))
                 staggered()
                 return acc_ref[...]
-            if interpret:   # the interpreter's wgmma takes no transposed operand
-                s = jnp.dot(q_tile[...], k_smem.at[ring][...].T,
-                            preferred_element_type=jnp.float32)
-                staggered()
-            else:
-                s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+            return pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+
+        def add_pv(acc, p16, ring, i):   # acc + p v
+            if interpret:
+                acc = acc + jnp.dot(p16, v_smem.at[ring][...],
+                                    preferred_element_type=jnp.float32)
+                wait_next_k(i)
+                return acc
+
+            def pv(acc_ref):   # wgmma accumulates into acc's registers in place
+                plgpu.wgmma(acc_ref, p16, v_smem.at[ring])
+                wait_next_k(i)
+            return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+        def step(i, carry, masked=False):
+            acc, m_i, l_i = carry
+            ring = lax.rem(i, steps)
+            s = scores(ring)
             plgpu.barrier_arrive(k_free.at[ring])
-            # The scale is folded into the exponent (one FMA a score) rather than applied to s.
             if masked:   # keys at or past the split's end weigh nothing
                 key = (lax.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1) if interpret else
                        plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
                                               layout=plgpu.Layout.WGMMA))
                 s = jnp.where(key + (start + i * block_kv) < end, s, MASK_VALUE)
+            # The scale goes into the exponent (one FMA a score), not onto s first.
             m_next = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
             alpha = jnp.exp2(m_i - m_next)
             p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_next, s.shape, [0]))
@@ -156,25 +176,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             plgpu.barrier_wait(v_ready.at[ring])
             if wgs == 2:
                 plgpu.barrier_wait(sched)
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[ring])
-                nxt = i + 1
-
-                @pl.when(nxt < blocks)
-                def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, steps)])
-
-            if interpret:   # the same product by jnp (see qk above)
-                acc = acc + jnp.dot(p16, v_smem.at[ring][...],
-                                    preferred_element_type=jnp.float32)
-                nxt = i + 1
-
-                @pl.when(nxt < blocks)
-                def _():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(nxt, steps)])
-            else:           # wgmma accumulates into acc's registers in place
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            acc = add_pv(acc, p16, ring, i)
             plgpu.barrier_arrive(v_free.at[ring])
             return acc, m_next, l_i
 
