@@ -15,6 +15,10 @@ Kernel (Pallas, Triton lowering), flash-decoding style:
   * split 0 also attends to the N new keys under the tree mask;
   * each program writes an unnormalised partial (o, running max m, sum l); a second Pallas
     kernel merges the splits in one pass (log-sum-exp in base 2) and writes the final layout.
+On Hopper, tiles of 64-1024 rows over 8K+ live rows (`mosaic_serves`) take their prefix from
+`prefix_attention_mgpu` (Mosaic GPU, wgmma): this kernel then skips the prefix and either merges
+that kernel's split partials itself before the tree part (2 splits or fewer) or leaves them with
+its tree part to the combine pass.
 The cache is passed whole and the layer is indexed inside the kernel: slicing it outside would
 materialise a copy of the layer. For the same reason the queries' slots may be a subset of the
 cache's: `slots` [B] names the cache slot of each query row (a prompt chunk of a few requests
