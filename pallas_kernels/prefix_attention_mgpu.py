@@ -90,7 +90,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     num_kv_heads, t_max = k_ref.shape[2], k_ref.shape[3]
     rt, split, bh = lax.axis_index("rt"), lax.axis_index("split"), lax.axis_index("bh")
     b, h = lax.div(bh, num_kv_heads), lax.rem(bh, num_kv_heads)
-    slot = slots_ref[b] if indirect else b
+    slot = jnp.minimum(jnp.maximum(slots_ref[b], 0), k_ref.shape[1] - 1) if indirect else b
     layer = layer_ref[0]
     seq_len = jnp.minimum(jnp.maximum(seq_ref[b], 0), t_max)
     start, end, full_blocks, blocks = _bounds(seq_len, split, num_splits, block_kv)
