@@ -57,8 +57,8 @@ _LONG_PREFIX = 8192   # measured from here up; shorter caches keep the keys-per-
 # warpgroup's 64 (N >= 16 at G = 4) up to tree sizes; prompt chunks keep the Triton kernel,
 # which was measured for them (causal bounds, packs).
 _MOSAIC_ROWS = (64, 1024)
-# ... over prefixes of up to this many rows (live_rows, else the cache's length): from 8K on it
-# won or tied at every batch (H200: 1.0-1.26x at batch 1, 1.13-1.41x at 8 and 64); on 1-2K
+# ... over prefixes of at least this many rows (live_rows, else the cache's length): from 8K on
+# it won or tied at every batch (H200: 1.01-1.31x at batch 1, 1.19-1.45x at 8 and 64); on 1-2K
 # prefixes it lost at batch 1 and 64 (Triton's 16.8 against 24.6 us at B 1, N 64, 1K).
 _MOSAIC_MIN_LIVE = 8192
 # Up to this many Mosaic splits the tree kernel merges them itself (B >= 8: one launch fewer);
@@ -464,38 +464,13 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
     operands = (layer, seq_lens.astype(jnp.int32), *slot_map, q_in, k_cache, v_cache, kn_in,
                 vn_in, tree_mask.astype(jnp.int8))
-    f32 = jnp.float32
+    params = _CompilerParams(num_warps=num_warps, num_stages=num_stages)
     if mosaic:
-        # The prefix's splits by Mosaic GPU; the tree part and the merge by the Triton kernels.
-        q_rows = q_in
-        if packed:
-            q_rows = (q_in[:, :, :hq].reshape(b, n, hkv, g, d).transpose(0, 2, 1, 3, 4)
-                      .reshape(b, hkv, rows, d))
-        pad = -rows % pm.ROWS    # whole warpgroup tiles; the padding rows are never read
-        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else q_rows
-        splits = num_splits or pm.default_splits(b, hkv, rows + pad, live_len, pm.BLOCK_KV)
-        prefix = pm.prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots,
-                                         scale_log2=sm_scale * _LOG2E, num_splits=splits,
-                                         interpret=interpret)
-        params = _CompilerParams(num_warps=num_warps, num_stages=num_stages)
-        if splits <= _FUSED_MERGE_SPLITS:   # this kernel merges them before the tree part
-            return pl.pallas_call(
-                functools.partial(kernel, num_splits=1, merge_in=True),
-                grid=(pl.cdiv(rows, block_r), 1, b * hkv),
-                out_shape=jax.ShapeDtypeStruct(q_shape, dtype), compiler_params=params,
-                interpret=interpret, name="tree_attention_merge",
-            )(*operands, *prefix)
-        # Many splits (small batches): the tree part alone, then the combine's wide merge.
-        tree = pl.pallas_call(
-            functools.partial(kernel, num_splits=1, new_only=True),
-            grid=(pl.cdiv(rows, block_r), 1, b * hkv),
-            out_shape=[jax.ShapeDtypeStruct((b * hkv, 1, rows, d), f32),
-                       jax.ShapeDtypeStruct((b * hkv, 1, rows), f32),
-                       jax.ShapeDtypeStruct((b * hkv, 1, rows), f32)],
-            compiler_params=params, interpret=interpret, name="tree_attention_new",
-        )(*operands)
-        return _combine(prefix, tree, q_shape, dtype, hkv, interpret)
-
+        return _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots,
+                              q_shape, dtype, packed=packed, block_r=block_r, params=params,
+                              num_splits=num_splits, live_len=live_len, sm_scale=sm_scale,
+                              interpret=interpret)
+    f32 = jnp.float32
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
     if num_splits > 1:
@@ -506,13 +481,50 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
         functools.partial(kernel, num_splits=num_splits),
         grid=(pl.cdiv(rows, block_r), num_splits, b * hkv),
         out_shape=out_shape,
-        compiler_params=_CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=params,
         interpret=interpret,
         name="tree_attention",
     )(*operands)
     if num_splits == 1:
         return out
     return _combine(out, (), q_shape, dtype, hkv, interpret)
+
+
+def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
+                   dtype, *, packed, block_r, params, num_splits, live_len, sm_scale,
+                   interpret):
+    """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`); `kernel`
+    (the Triton kernel, configured) adds the tree part, and with few splits merges them too."""
+    b, n, hq, d = q_shape
+    hkv = k_cache.shape[2]
+    g, rows = hq // hkv, n * (hq // hkv)
+    q_rows = q_in
+    if packed:
+        q_rows = (q_in[:, :, :hq].reshape(b, n, hkv, g, d).transpose(0, 2, 1, 3, 4)
+                  .reshape(b, hkv, rows, d))
+    pad = -rows % pm.ROWS    # whole warpgroup tiles; the padding rows are never read
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else q_rows
+    splits = num_splits or pm.default_splits(b, hkv, rows + pad, live_len, pm.BLOCK_KV)
+    prefix = pm.prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots,
+                                     scale_log2=sm_scale * _LOG2E, num_splits=splits,
+                                     interpret=interpret)
+    grid = (pl.cdiv(rows, block_r), 1, b * hkv)
+    if splits <= _FUSED_MERGE_SPLITS:   # the Triton kernel merges them before the tree part
+        return pl.pallas_call(
+            functools.partial(kernel, num_splits=1, merge_in=True), grid=grid,
+            out_shape=jax.ShapeDtypeStruct(q_shape, dtype), compiler_params=params,
+            interpret=interpret, name="tree_attention_merge",
+        )(*operands, *prefix)
+    # Many splits (small batches): the tree part alone, then the combine's wide merge.
+    f32 = jnp.float32
+    tree = pl.pallas_call(
+        functools.partial(kernel, num_splits=1, new_only=True), grid=grid,
+        out_shape=[jax.ShapeDtypeStruct((b * hkv, 1, rows, d), f32),
+                   jax.ShapeDtypeStruct((b * hkv, 1, rows), f32),
+                   jax.ShapeDtypeStruct((b * hkv, 1, rows), f32)],
+        compiler_params=params, interpret=interpret, name="tree_attention_new",
+    )(*operands)
+    return _combine(prefix, tree, q_shape, dtype, hkv, interpret)
 
 
 def _combine(partials, extra, q_shape, dtype, num_kv_heads, interpret):
