@@ -69,6 +69,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels import kv_compact as kvc  # noqa: E402
+from pallas_kernels import prefix_attention_mgpu as pm  # noqa: E402
 from pallas_kernels import tree_attention as ta  # noqa: E402
 
 
@@ -127,6 +128,21 @@ def multi_call(fn, reps):
     return jax.jit(f)
 
 
+def check_attention(op, run, ref, tol, shape):
+    """One check row: `run()`'s output against the reference, recorded and printed; an error
+    is recorded as a failed row (the rest of the run is still worth having)."""
+    try:
+        out = run()
+        err = rel_err(out, ref)
+        finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
+    except Exception:
+        traceback.print_exc()
+        err, finite = float("nan"), False
+    row = dict(op=op, **shape, rel_err=err, ok=bool(finite and err < tol))
+    RESULTS["check"].append(row)
+    print("check", row, flush=True)
+
+
 def checks():
     """Compiled kernels vs the references on fresh random inputs (GPU)."""
     key = jax.random.key(1)
@@ -153,51 +169,22 @@ def checks():
         with jax.default_matmul_precision("highest"):
             ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(2), sl, kn, vn, mask,
                                               sm_scale=scale)
-        try:
-            out = ta.tree_attention_pallas(q, kc, vc, jnp.int32(2), sl, kn, vn, mask,
-                                           sm_scale=scale, interpret=SMOKE)
-            err = rel_err(out, ref)
-            finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
-        except Exception as e:  # keep going: the rest of the run is still worth having
-            traceback.print_exc()
-            err, finite = float("nan"), False
         tol = 1e-4 if dtype == jnp.float32 else 2e-2
-        row = dict(op="tree_attention", b=b, n=n, hq=hq, hkv=hkv, d=d, t=t,
-                   dtype=jnp.dtype(dtype).name, rel_err=err, ok=bool(finite and err < tol))
-        RESULTS["check"].append(row)
-        print("check", row, flush=True)
+        shape = dict(b=b, n=n, hq=hq, hkv=hkv, d=d, t=t, dtype=jnp.dtype(dtype).name)
         # The packed entry: q, k_new, v_new read out of one [B, N, Hq + 2 Hkv, D] array.
         qkv = jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], axis=2)
-        try:
-            out = ta.tree_attention_packed_pallas(qkv, kc, vc, jnp.int32(2), sl, mask,
-                                                  num_heads=hq, sm_scale=scale,
-                                                  interpret=SMOKE)
-            err = rel_err(out, ref)
-            finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
-        except Exception:
-            traceback.print_exc()
-            err, finite = float("nan"), False
-        row = dict(row, op="tree_attention_packed", rel_err=err, ok=bool(finite and err < tol))
-        RESULTS["check"].append(row)
-        print("check", row, flush=True)
+        entries = {
+            "tree_attention": lambda **kw: ta.tree_attention_pallas(
+                q, kc, vc, jnp.int32(2), sl, kn, vn, mask, sm_scale=scale, **kw),
+            "tree_attention_packed": lambda **kw: ta.tree_attention_packed_pallas(
+                qkv, kc, vc, jnp.int32(2), sl, mask, num_heads=hq, sm_scale=scale, **kw)}
+        for op, entry in entries.items():
+            check_attention(op, lambda: entry(interpret=SMOKE), ref, tol, shape)
         if n * hq // hkv < 64 or t % 128 or dtype == jnp.float32 or SMOKE:
             continue
-        for packed in (False, True):   # the prefix by Mosaic GPU (Hopper only)
-            try:
-                out = (ta.tree_attention_packed_pallas(qkv, kc, vc, jnp.int32(2), sl, mask,
-                                                       num_heads=hq, sm_scale=scale,
-                                                       backend="mosaic") if packed else
-                       ta.tree_attention_pallas(q, kc, vc, jnp.int32(2), sl, kn, vn, mask,
-                                                sm_scale=scale, backend="mosaic"))
-                err = rel_err(out, ref)
-                finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
-            except Exception:
-                traceback.print_exc()
-                err, finite = float("nan"), False
-            row = dict(row, op="tree_attention_mosaic" + ("_packed" if packed else ""),
-                       rel_err=err, ok=bool(finite and err < tol))
-            RESULTS["check"].append(row)
-            print("check", row, flush=True)
+        for op, entry in entries.items():   # the prefix by Mosaic GPU (Hopper only)
+            check_attention(op.replace("attention", "attention_mosaic", 1),
+                            lambda: entry(backend="mosaic"), ref, tol, shape)
 
     for (nl, b, hkv, t, d, n, m) in [(3, 4, 8, 64, 128, 16, 8), (2, 3, 2, 40, 64, 64, 64)]:
         key, *ks = jax.random.split(key, 7)
@@ -328,7 +315,6 @@ def sweep(quick, grid: str = "blocks", only: str = ""):
         key, k = jax.random.split(key)
         base = ta.default_config(b, n, HQ, HKV, D, length)
         if grid == "backends":
-            from pallas_kernels import prefix_attention_mgpu as pm
             sp = pm.default_splits(b, HKV, n * HQ // HKV, length, pm.BLOCK_KV)
             cfgs = [dict(backend="triton")] + [
                 dict(backend="mosaic", num_splits=x) for x in sorted({max(1, sp // 2), sp, 2 * sp})]

@@ -2,6 +2,7 @@
 import os
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -11,6 +12,11 @@ load = getattr(plgpu, "load", None) or getattr(pl, "load")
 store = getattr(plgpu, "store", None) or getattr(pl, "store")
 CompilerParams = (getattr(plgpu, "CompilerParams", None)
                   or getattr(plgpu, "TritonCompilerParams"))
+
+
+# Large finite negative rather than -inf: a fully masked row must not produce NaN. One value for
+# both attention kernels: the Mosaic prefix's empty splits carry it into the Triton merge.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def next_pow2(x: int) -> int:

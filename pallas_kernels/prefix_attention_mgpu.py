@@ -33,6 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels._compat import MASK_VALUE
+
 try:  # Mosaic GPU's Pallas API (Hopper); absent from some jaxlib builds
     from jax.experimental.pallas import mosaic_gpu as plgpu
 except ImportError:  # pragma: no cover
@@ -40,7 +42,6 @@ except ImportError:  # pragma: no cover
 
 ROWS = 64         # query rows of one compute warpgroup: wgmma's M
 BLOCK_KV = 128    # keys per TMA copy (the example's best on the tree's shapes)
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def prefix_partials_reference(q_rows, k_cache, v_cache, layer, seq_lens, *, scale_log2,

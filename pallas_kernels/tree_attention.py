@@ -39,8 +39,6 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import prefix_attention_mgpu as pm
 from pallas_kernels.head_sharding import MODEL_AXIS, model_axis_size, per_head_shard
 
-# Large finite negative rather than -inf: a fully masked row must not produce NaN.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = 1.4426950408889634
 # Split-K sizing (default_config): keys per split, programs wanted for short prefixes, and the
 # cap for wide row tiles (2 per SM on the H100's 132).
@@ -66,6 +64,7 @@ _MOSAIC_MIN_LIVE = 8192
 _FUSED_MERGE_SPLITS = 2
 
 
+from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
 from pallas_kernels._compat import CompilerParams as _CompilerParams
 from pallas_kernels._compat import load as _load
 from pallas_kernels._compat import next_pow2 as _next_pow2
@@ -400,12 +399,9 @@ def tree_attention_pallas(
     b, n, hq, d = q.shape
     hkv = k_cache.shape[2]
     assert hq % hkv == 0, f"{hq=} must be a multiple of {hkv=}"
-    g = hq // hkv
-    # Rows r = n * G + g of KV head h (a bitcast when N == 1; q is small next to the cache).
-    q_rows = q.reshape(b, n, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, n * g, d)
-    return _launch(q_rows, k_cache, v_cache, layer, seq_lens, k_new.astype(k_cache.dtype),
-                   v_new.astype(v_cache.dtype), tree_mask, (b, n, hq, d), q.dtype, slots,
-                   sm_scale=sm_scale, packed=False, **tuning)
+    return _launch(_query_rows(q, hkv), k_cache, v_cache, layer, seq_lens,
+                   k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype), tree_mask,
+                   (b, n, hq, d), q.dtype, slots, sm_scale=sm_scale, packed=False, **tuning)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "sm_scale") + _TUNING)
@@ -421,6 +417,15 @@ def tree_attention_packed_pallas(qkv, k_cache, v_cache, layer, seq_lens, tree_ma
     return _launch(qkv, k_cache, v_cache, layer, seq_lens, qkv, qkv, tree_mask,
                    (b, n, num_heads, d), k_cache.dtype, slots, sm_scale=sm_scale, packed=True,
                    **tuning)
+
+
+def _query_rows(q, num_kv_heads):
+    """q [B, N, Hq, D] -> [B, Hkv, N * G, D], rows r = n * G + g of each KV head (a bitcast when
+    N == 1; q is small next to the cache)."""
+    b, n, hq, d = q.shape
+    g = hq // num_kv_heads
+    return q.reshape(b, n, num_kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(
+        b, num_kv_heads, n * g, d)
 
 
 def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_shape, dtype,
@@ -497,11 +502,8 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
     (the Triton kernel, configured) adds the tree part, and with few splits merges them too."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
-    g, rows = hq // hkv, n * (hq // hkv)
-    q_rows = q_in
-    if packed:
-        q_rows = (q_in[:, :, :hq].reshape(b, n, hkv, g, d).transpose(0, 2, 1, 3, 4)
-                  .reshape(b, hkv, rows, d))
+    rows = n * (hq // hkv)
+    q_rows = _query_rows(q_in[:, :, :hq], hkv) if packed else q_in
     pad = -rows % pm.ROWS    # whole warpgroup tiles; the padding rows are never read
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else q_rows
     splits = num_splits or pm.default_splits(b, hkv, rows + pad, live_len, pm.BLOCK_KV)
