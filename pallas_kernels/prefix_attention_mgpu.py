@@ -248,12 +248,18 @@ def _interpret_params():
     return params()
 
 
+def warpgroups(rows) -> int:
+    """Compute warpgroups a CTA: two (softmax and matmuls overlapped) where they split the
+    rows evenly, else one; the grid has rows // (warpgroups * ROWS) row tiles."""
+    return 2 if rows % (2 * ROWS) == 0 else 1
+
+
 def default_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms=132):
     """One CTA per SM (the ring and tiles take most of its shared memory): the fewest splits
     that fill at least 90% of the SMs and leave the last wave no more than 10% short, while a
     split keeps 4 key blocks. H200, N = 16, B = 8, 32K: 3 splits (192 CTAs, 1.45 waves) took
     311 us where 6 (384, 2.9 waves) took 278 (bench/RESULTS.md, thirty-seventh set)."""
-    ctas = batch * num_kv_heads * max(1, rows // (2 * ROWS))
+    ctas = batch * num_kv_heads * (rows // (warpgroups(rows) * ROWS))
     cap = max(1, cache_len // (4 * block_kv))
     for splits in range(1, cap + 1):
         total = ctas * splits
@@ -278,7 +284,7 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     if r % ROWS or t % block_kv or d % 64:
         raise ValueError(f"rows {r} must be a multiple of {ROWS}, cache length {t} of "
                          f"{block_kv=}, head dim {d} of 64")
-    wgs = 2 if r % (2 * ROWS) == 0 else 1
+    wgs = warpgroups(r)
     dtype = k_cache.dtype
     swizzle = plgpu.SwizzleTransform(128)
     tiles = (plgpu.TilingTransform((8, 64)), swizzle)

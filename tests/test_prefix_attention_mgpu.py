@@ -96,10 +96,11 @@ def test_bad_shapes_and_scale_are_refused():
 
 @pytest.mark.parametrize("b, rows, length, splits", [
     (1, 64, 8192, 15), (8, 64, 8192, 2), (64, 64, 8192, 1), (1, 256, 8192, 8),
-    (8, 256, 32768, 1), (1, 64, 512, 1)])
+    (8, 256, 32768, 1), (1, 64, 512, 1), (1, 192, 8192, 5)])
 def test_default_splits_fill_whole_waves(b, rows, length, splits):
     """The fewest splits whose CTAs fill 90% of 132 SMs and 90% of their last wave, each
-    keeping 4 key blocks (the H200's measured best at these shapes, thirty-seventh set)."""
+    keeping 4 key blocks (the H200's measured best at these shapes, thirty-seventh set); 192
+    rows run in 3 one-warpgroup row tiles, 24 CTAs a split at 8 KV heads."""
     assert pm.default_splits(b, 8, rows, length, 128) == splits
 
 
