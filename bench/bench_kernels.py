@@ -99,8 +99,9 @@ def jax_copy_bandwidth():
     return 2 * x.nbytes / t
 
 
-def make_inputs(key, b, n, t, num_layers, dtype=jnp.bfloat16, hq=HQ, hkv=HKV, d=D,
+def make_inputs(key, b, n, t, num_layers, dtype=jnp.bfloat16, hq=None, hkv=None, d=None,
                 seq_lens=None):
+    hq, hkv, d = hq or HQ, hkv or HKV, d or D   # the globals as --heads left them
     ks = jax.random.split(key, 8)
     q = jax.random.normal(ks[0], (b, n, hq, d), dtype)
     kc = jax.random.normal(ks[1], (num_layers, b, hkv, t, d), dtype)
@@ -296,13 +297,14 @@ def sweep(quick, grid: str = "blocks", only: str = ""):
     """`blocks`: block sizes, warps and stages around the default on four shapes; `splits`:
     num_splits x block_k (64, 128) x warps (4, 2) on SPLIT_GRID's shapes; `backends`: Triton
     against Mosaic GPU's prefix kernel at its default split count, half and twice it, on
-    BACKEND_GRID. only: "B,N,L;..." keeps just those shapes."""
+    BACKEND_GRID; `merge`: the Mosaic path's Triton merge (row tile, warps, stages) at the default
+    split count, on BACKEND_GRID. only: "B,N,L;..." keeps just those shapes."""
     shapes = [(1, 1, 8192), (8, 16, 8192), (64, 1, 8192), (8, 64, 8192)]
     configs = [dict(), dict(block_k=32), dict(block_k=128), dict(num_stages=2),
                dict(num_stages=4), dict(num_warps=8), dict(num_warps=2)]
     if grid == "splits":
         shapes = list(SPLIT_GRID)
-    if grid == "backends":
+    if grid in ("backends", "merge"):
         shapes = BACKEND_GRID
     if only:
         shapes = parse_shapes(only)
@@ -315,9 +317,15 @@ def sweep(quick, grid: str = "blocks", only: str = ""):
         key, k = jax.random.split(key)
         base = ta.default_config(b, n, HQ, HKV, D, length)
         if grid == "backends":
-            sp = pm.default_splits(b, HKV, n * HQ // HKV, length, pm.BLOCK_KV)
+            rows = -(-n * HQ // HKV // pm.ROWS) * pm.ROWS   # padded as the launch pads them
+            sp = pm.default_splits(b, HKV, rows, length, pm.BLOCK_KV)
             cfgs = [dict(backend="triton")] + [
                 dict(backend="mosaic", num_splits=x) for x in sorted({max(1, sp // 2), sp, 2 * sp})]
+        elif grid == "merge":
+            cfgs = [dict(backend="triton"), dict(backend="mosaic")] + [
+                dict(backend="mosaic", block_r=r, num_warps=w, num_stages=st)
+                for r, w, st in ((64, 4, 3), (64, 8, 3), (128, 4, 3), (128, 8, 1), (32, 4, 3))
+                if (r, w) != (base[0], base[3]) or st != base[4]]
         elif grid == "splits":
             splits = sorted(set(SPLIT_GRID.get((b, n, length), (2, 4))) | {base[2]})
             cfgs = [dict(num_splits=sp, block_k=bk, num_warps=w) for sp in splits
@@ -452,13 +460,20 @@ def main():
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--skip", default="", help="comma list of: check,sweep,table,compact")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
-    p.add_argument("--sweep-grid", choices=("blocks", "splits", "backends"), default="blocks")
+    p.add_argument("--sweep-grid", choices=("blocks", "splits", "backends", "merge"),
+                   default="blocks")
     p.add_argument("--sweep-shapes", default="", help='only these "B,N,L;..." in the sweep')
     p.add_argument("--table-shapes", default="", help='only these "B,N,L;..." in the table')
     p.add_argument("--kernel-only", action="store_true",
                    help="table: time the kernel alone (A/B runs of two trees)")
+    p.add_argument("--heads", default="",
+                   help='"Hq,Hkv,D" in place of 32,8,128 (SmolLM2: "9,3,64")')
     a = p.parse_args()
-    global SMOKE, HQ, HKV, D
+    global SMOKE, HQ, HKV, D, SM_SCALE
+    if a.heads:
+        HQ, HKV, D = (int(x) for x in a.heads.split(","))
+        SM_SCALE = 1.0 / math.sqrt(D)
+        RESULTS["heads"] = [HQ, HKV, D]
     if a.smoke:
         SMOKE, HQ, HKV = True, 8, 2
     skip = set(a.skip.split(","))

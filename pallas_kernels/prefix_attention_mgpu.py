@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover
 
 ROWS = 64         # query rows of one compute warpgroup: wgmma's M
 BLOCK_KV = 128    # keys per TMA copy (the example's best on the tree's shapes)
+NUM_SMS = 132     # the H100's and the H200's
 
 
 def prefix_partials_reference(q_rows, k_cache, v_cache, layer, seq_lens, *, scale_log2,
@@ -254,15 +255,19 @@ def warpgroups(rows) -> int:
     return 2 if rows % (2 * ROWS) == 0 else 1
 
 
-def default_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms=132):
+def grid_ctas(batch, num_kv_heads, rows, splits) -> int:
+    """CTAs of the launch: row tiles x splits x (slot, KV head)."""
+    return batch * num_kv_heads * (rows // (warpgroups(rows) * ROWS)) * splits
+
+
+def default_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms=NUM_SMS):
     """One CTA per SM (the ring and tiles take most of its shared memory): the fewest splits
     that fill at least 90% of the SMs and leave the last wave no more than 10% short, while a
     split keeps 4 key blocks. H200, N = 16, B = 8, 32K: 3 splits (192 CTAs, 1.45 waves) took
     311 us where 6 (384, 2.9 waves) took 278 (bench/RESULTS.md, thirty-seventh set)."""
-    ctas = batch * num_kv_heads * (rows // (warpgroups(rows) * ROWS))
     cap = max(1, cache_len // (4 * block_kv))
     for splits in range(1, cap + 1):
-        total = ctas * splits
+        total = grid_ctas(batch, num_kv_heads, rows, splits)
         waves = -(-total // num_sms)
         if total >= 0.9 * num_sms and total >= 0.9 * waves * num_sms:
             return splits

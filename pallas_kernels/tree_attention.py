@@ -15,7 +15,7 @@ Kernel (Pallas, Triton lowering), flash-decoding style:
   * split 0 also attends to the N new keys under the tree mask;
   * each program writes an unnormalised partial (o, running max m, sum l); a second Pallas
     kernel merges the splits in one pass (log-sum-exp in base 2) and writes the final layout.
-On Hopper, tiles of 64-1024 rows over 8K+ live rows (`mosaic_serves`) take their prefix from
+On Hopper, tiles of 64-1024 rows over long prefixes (`mosaic_serves`) take their prefix from
 `prefix_attention_mgpu` (Mosaic GPU, wgmma): this kernel then skips the prefix and either merges
 that kernel's split partials itself before the tree part (2 splits or fewer) or leaves them with
 its tree part to the combine pass.
@@ -56,9 +56,19 @@ _LONG_PREFIX = 8192   # measured from here up; shorter caches keep the keys-per-
 # which was measured for them (causal bounds, packs).
 _MOSAIC_ROWS = (64, 1024)
 # ... over prefixes of at least this many rows (live_rows, else the cache's length): from 8K on
-# it won or tied at every batch (H200: 1.01-1.31x at batch 1, 1.19-1.45x at 8 and 64); on 1-2K
-# prefixes it lost at batch 1 and 64 (Triton's 16.8 against 24.6 us at B 1, N 64, 1K).
+# it won or tied at every batch (H200: 1.01-1.31x at batch 1, 1.19-1.45x at 8 and 64). Below
+# that, only from batch 2 on (batch 1 lost over 1-4K: Triton's 16.8 against 24.6 us at N 64,
+# 1K) and for head dim 128 (the measured one): over 2K+ rows it won at every batch 2-64
+# (1.04-1.36x), over 1-2K rows only while its grid fits one wave of CTAs (B 8, N 64, 1K: 1.31x;
+# in more waves it lost by 5-7%: B 16-64, N 64, 1K) (bench/RESULTS.md, thirty-eighth set).
 _MOSAIC_MIN_LIVE = 8192
+_MOSAIC_MIN_LIVE_BATCHED = 2048
+_MOSAIC_MIN_LIVE_ONE_WAVE = 1024
+_MOSAIC_SHORT_HEAD_DIMS = (128,)
+# The Triton kernel beside Mosaic's prefix (the merge and tree part, or the tree part alone):
+# 64-row tiles of 4 warps, 1-5% faster than the Triton prefix's 128-row, 8-warp tiles (thirty-
+# eighth set: B 64, N 64, 8K 1171 against 1209-1218 us; B 1, N 64, 8K 32.0 against 33.7).
+_MOSAIC_TREE_TILE = (64, 4)
 # Up to this many Mosaic splits the tree kernel merges them itself (B >= 8: one launch fewer);
 # more (batch 1) go to the combine pass, whose programs have all the splits' loads in flight.
 _FUSED_MERGE_SPLITS = 2
@@ -451,6 +461,10 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     rows = n * g
     live_len = min(t, live_rows) if live_rows else t
     cfg = default_config(b, n, hq, hkv, d, live_len)
+    mosaic = backend == "mosaic" or (backend is None and mosaic_serves(
+        rows, live_len, t, d, dtype, batch=b, num_kv_heads=hkv))
+    if mosaic:   # the Triton kernel's own tile (its prefix loop is not the Triton kernel's job)
+        cfg = (_MOSAIC_TREE_TILE[0], cfg[1], cfg[2], _MOSAIC_TREE_TILE[1], cfg[4])
     block_r = block_r or cfg[0]
     block_k = block_k or cfg[1]
     num_warps = num_warps or cfg[3]
@@ -460,8 +474,6 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     assert block_r == _next_pow2(block_r) and block_k == _next_pow2(block_k), (
         f"{block_r=} and {block_k=} must be powers of 2")
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
-    mosaic = backend == "mosaic" or (backend is None
-                                     and mosaic_serves(rows, live_len, t, d, dtype))
     kernel = functools.partial(
         _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv, group=g,
         num_new=n, block_r=block_r, block_k=block_k, block_n=block_n, packed=packed,
@@ -549,16 +561,34 @@ def _combine(partials, extra, q_shape, dtype, num_kv_heads, interpret):
     )(*partials, *extra)
 
 
-def mosaic_serves(rows, live_len, cache_len, head_dim, dtype) -> bool:
+def mosaic_serves(rows, live_len, cache_len, head_dim, dtype, *, batch=1,
+                  num_kv_heads=8) -> bool:
     """Whether `backend=None` takes Mosaic GPU's prefix kernel: on Hopper, for tiles of
-    `_MOSAIC_ROWS` rows over a cache of whole key blocks, in 16-bit floats
-    (bench/RESULTS.md, thirty-seventh set)."""
+    `_MOSAIC_ROWS` rows over a cache of whole key blocks, in 16-bit floats, over prefixes long
+    enough for the batch (`_MOSAIC_MIN_LIVE*`; bench/RESULTS.md, thirty-seventh and thirty-
+    eighth sets)."""
     if os.environ.get("JAXSPEC_MOSAIC", "1") == "0":   # A/B runs: Triton's prefix everywhere
         return False
-    return (_MOSAIC_ROWS[0] <= rows <= _MOSAIC_ROWS[1] and live_len >= _MOSAIC_MIN_LIVE
+    return (_MOSAIC_ROWS[0] <= rows <= _MOSAIC_ROWS[1]
+            and _mosaic_prefix_long_enough(rows, live_len, head_dim, batch, num_kv_heads)
             and cache_len % pm.BLOCK_KV == 0 and head_dim in (64, 128)
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and pm.on_hopper())
+
+
+def _mosaic_prefix_long_enough(rows, live_len, head_dim, batch, num_kv_heads) -> bool:
+    """8K+ live rows at any batch; from batch 2 on with head dim 128, 2K+, or 1K+ while the
+    Mosaic grid (at its default split count) fits one wave of CTAs."""
+    if live_len >= _MOSAIC_MIN_LIVE:
+        return True
+    if batch < 2 or head_dim not in _MOSAIC_SHORT_HEAD_DIMS:
+        return False
+    if live_len >= _MOSAIC_MIN_LIVE_BATCHED:
+        return True
+    padded = -(-rows // pm.ROWS) * pm.ROWS
+    splits = pm.default_splits(batch, num_kv_heads, padded, live_len, pm.BLOCK_KV)
+    return (live_len >= _MOSAIC_MIN_LIVE_ONE_WAVE
+            and pm.grid_ctas(batch, num_kv_heads, padded, splits) <= pm.NUM_SMS)
 
 
 def kernel_supported(q, k_cache) -> bool:

@@ -106,17 +106,41 @@ def test_default_splits_fill_whole_waves(b, rows, length, splits):
 
 def test_mosaic_serves_the_measured_shapes_on_hopper_only(monkeypatch):
     """Wide tiles over 8K+ live rows of a cache of whole key blocks in bf16/f16, on Hopper: the
-    shapes where it measured faster. Short prefixes, narrow tiles, f32, other GPUs and
-    JAXSPEC_MOSAIC=0 keep the Triton kernel."""
+    shapes where it measured faster. Short prefixes at batch 1, narrow tiles, f32, other GPUs
+    and JAXSPEC_MOSAIC=0 keep the Triton kernel."""
     bf16 = jnp.bfloat16
     assert not ta.mosaic_serves(256, 8192, 8192, 128, bf16)   # this CPU
     monkeypatch.setattr(pm, "on_hopper", lambda: True)
     assert ta.mosaic_serves(256, 8192, 8192, 128, bf16)
     assert ta.mosaic_serves(64, 32768, 32768, 64, jnp.float16)
-    assert not ta.mosaic_serves(256, 1024, 8192, 128, bf16)   # live_rows says short
+    assert not ta.mosaic_serves(256, 1024, 8192, 128, bf16)   # live_rows says short (batch 1)
+    assert not ta.mosaic_serves(256, 4096, 4096, 128, bf16)   # batch 1 lost over 1-4K
     assert not ta.mosaic_serves(40, 8192, 8192, 128, bf16)    # under one warpgroup's rows
     assert not ta.mosaic_serves(8192, 8192, 8192, 128, bf16)  # a prompt chunk
     assert not ta.mosaic_serves(256, 8192, 8200, 128, bf16)   # not whole 128-key blocks
     assert not ta.mosaic_serves(256, 8192, 8192, 128, jnp.float32)
     monkeypatch.setenv("JAXSPEC_MOSAIC", "0")
     assert not ta.mosaic_serves(256, 8192, 8192, 128, bf16)
+
+
+# (batch, N, live rows, Mosaic measured faster): H200, G = 4, 8 KV heads, head dim 128
+# (bench/RESULTS.md, thirty-seventh and thirty-eighth sets).
+_MEASURED = [(8, 16, 1024, True), (8, 64, 1024, True), (16, 16, 1024, True),
+             (16, 64, 1024, False), (32, 64, 1024, False), (64, 16, 1024, False),
+             (64, 64, 1024, False), (1, 64, 1024, False), (1, 64, 2048, False),
+             (1, 64, 4096, False), (8, 64, 2048, True), (4, 64, 2048, True),
+             (64, 16, 2048, True), (64, 64, 2048, True), (16, 16, 2048, True),
+             (2, 64, 4096, True), (16, 64, 4096, True), (32, 64, 4096, True),
+             (64, 64, 4096, True), (2, 64, 8192, True)]
+
+
+@pytest.mark.parametrize("b,n,live,won", _MEASURED)
+def test_mosaic_serves_short_prefixes_where_it_measured_faster(monkeypatch, b, n, live, won):
+    """Below 8K live rows: from batch 2 on, over 2K+ rows, or over 1-2K while the Mosaic grid
+    fits one wave of 132 CTAs (B 8, N 64, 1K: 128 CTAs won; B 16: 256 lost)."""
+    monkeypatch.setattr(pm, "on_hopper", lambda: True)
+    assert ta.mosaic_serves(4 * n, live, live, 128, jnp.bfloat16, batch=b,
+                            num_kv_heads=8) == won
+    # Head dim 64 (SmolLM2's) was not measured under 8K: Triton keeps it there.
+    assert ta.mosaic_serves(4 * n, live, live, 64, jnp.bfloat16, batch=b,
+                            num_kv_heads=8) == (live >= 8192)
