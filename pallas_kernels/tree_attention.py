@@ -56,15 +56,17 @@ _LONG_PREFIX = 8192   # measured from here up; shorter caches keep the keys-per-
 # which was measured for them (causal bounds, packs).
 _MOSAIC_ROWS = (64, 1024)
 # ... over prefixes of at least this many rows (live_rows, else the cache's length): from 8K on
-# it won or tied at every batch (H200: 1.01-1.31x at batch 1, 1.19-1.45x at 8 and 64). Below
-# that, only from batch 2 on (batch 1 lost over 1-4K: Triton's 16.8 against 24.6 us at N 64,
-# 1K) and for head dim 128 (the measured one): over 2K+ rows it won at every batch 2-64
-# (1.04-1.36x), over 1-2K rows only while its grid fits one wave of CTAs (B 8, N 64, 1K: 1.31x;
-# in more waves it lost by 5-7%: B 16-64, N 64, 1K) (bench/RESULTS.md, thirty-eighth set).
+# it won or tied at every batch (H200: 1.01-1.31x at batch 1, 1.19-1.45x at 8 and 64).
 _MOSAIC_MIN_LIVE = 8192
-_MOSAIC_MIN_LIVE_BATCHED = 2048
-_MOSAIC_MIN_LIVE_ONE_WAVE = 1024
-_MOSAIC_SHORT_HEAD_DIMS = (128,)
+# Under 8K, (head dim, fewest slots, fewest live rows) where it won (bench/RESULTS.md, thirty-
+# eighth set): head dim 128 over 4K+ rows from batch 2 (B 2, N 64, 4K: 34.4 against 41.2 us),
+# 2K+ from batch 4 (1.18-1.36x; at batch 2 it lost: 25.6 against 22.9), 1-2K from batch 8 while
+# its grid fits one wave of CTAs (B 8, N 64, 1K: 1.31-1.36x; in two waves, B 16-64, it lost by
+# 5-7%, though B 12 in 1.45 waves won); head dim 64 (SmolLM2's) over 2K+ rows from batch 16
+# (1.05-1.17x; at batch 4 and 8 it lost by 13-40%). Batch 1 lost over 1-4K (Triton's 16.8
+# against 24.6 us at N 64, 1K).
+_MOSAIC_SHORT = ((128, 2, 4096), (128, 4, 2048), (128, 8, 1024), (64, 16, 2048))
+_MOSAIC_ONE_WAVE_UNDER = 2048   # under this many rows the grid must fit one wave
 # The Triton kernel beside Mosaic's prefix (the merge and tree part, or the tree part alone):
 # 64-row tiles of 4 warps, 1-5% faster than the Triton prefix's 128-row, 8-warp tiles (thirty-
 # eighth set: B 64, N 64, 8K 1171 against 1209-1218 us; B 1, N 64, 8K 32.0 against 33.7).
@@ -207,7 +209,7 @@ def _tree_attention_kernel(
         return _flash_step(q, k, v, live[None, :], carry, scale_log2)
 
     if merge_in:   # the prefix was done by another kernel: start from its merged splits
-        carry = _merge_partials(*refs[6:9], bh, r, row_live, head_dim)
+        carry = _merge_partials(*refs[6:9], bh, rows, row_live)
     elif not new_only:   # (new_only: the prefix's partials are merged by the combine pass)
         carry = lax.fori_loop(0, num_blocks, prefix_body, carry)
 
@@ -258,24 +260,23 @@ def _tree_attention_kernel(
         _store(l_ref.at[bh, split, rows], l, mask=row_live)
 
 
-def _merge_partials(po_ref, pm_ref, pl_ref, bh, r, row_live, head_dim):
-    """(o, m, l) of rows r [block_r] of KV head bh merged over the splits of partials
-    po [BH, S, R', D], pm, pl [BH, S, R'], one split at a time (the running max as in
-    `_flash_step`); the carry `_tree_attention_kernel` continues from."""
-    rr = jnp.minimum(r, pm_ref.shape[2] - 1)
-    col = jnp.arange(head_dim)[None, :]
-
+def _merge_partials(po_ref, pm_ref, pl_ref, bh, rows, row_live):
+    """(o, m, l) of the row block `rows` (a pl.ds of block_r rows; row_live [block_r]) of KV
+    head bh merged over the splits of partials po [BH, S, R', D], pm, pl [BH, S, R'], one split
+    at a time (the running max as in `_flash_step`); the carry `_tree_attention_kernel`
+    continues from. Whole-block loads: an index-array gather of the same rows cost more."""
     def body(sp, carry):
         o, m, l = carry
-        m_s = _load(pm_ref.at[bh, sp, rr], mask=row_live, other=MASK_VALUE)
-        l_s = _load(pl_ref.at[bh, sp, rr], mask=row_live, other=0.0)
-        o_s = _load(po_ref.at[bh, sp, rr[:, None], col], mask=row_live[:, None], other=0.0)
+        m_s = _load(pm_ref.at[bh, sp, rows], mask=row_live, other=MASK_VALUE)
+        l_s = _load(pl_ref.at[bh, sp, rows], mask=row_live, other=0.0)
+        o_s = _load(po_ref.at[bh, sp, rows, :], mask=row_live[:, None], other=0.0)
         m_next = jnp.maximum(m, m_s)
         a, w = jnp.exp2(m - m_next), jnp.exp2(m_s - m_next)
         return a[:, None] * o + w[:, None] * o_s, m_next, a * l + w * l_s
 
-    carry = (jnp.zeros((r.shape[0], head_dim), jnp.float32),
-             jnp.full(r.shape, MASK_VALUE, jnp.float32), jnp.zeros(r.shape, jnp.float32))
+    block_r, head_dim = row_live.shape[0], po_ref.shape[-1]
+    carry = (jnp.zeros((block_r, head_dim), jnp.float32),
+             jnp.full((block_r,), MASK_VALUE, jnp.float32), jnp.zeros((block_r,), jnp.float32))
     return lax.fori_loop(0, pm_ref.shape[1], body, carry)
 
 
@@ -577,18 +578,16 @@ def mosaic_serves(rows, live_len, cache_len, head_dim, dtype, *, batch=1,
 
 
 def _mosaic_prefix_long_enough(rows, live_len, head_dim, batch, num_kv_heads) -> bool:
-    """8K+ live rows at any batch; from batch 2 on with head dim 128, 2K+, or 1K+ while the
-    Mosaic grid (at its default split count) fits one wave of CTAs."""
+    """8K+ live rows at any batch; shorter prefixes where `_MOSAIC_SHORT` measured a win."""
     if live_len >= _MOSAIC_MIN_LIVE:
         return True
-    if batch < 2 or head_dim not in _MOSAIC_SHORT_HEAD_DIMS:
+    if not any(head_dim == d and batch >= b and live_len >= lv for d, b, lv in _MOSAIC_SHORT):
         return False
-    if live_len >= _MOSAIC_MIN_LIVE_BATCHED:
+    if live_len >= _MOSAIC_ONE_WAVE_UNDER:
         return True
     padded = -(-rows // pm.ROWS) * pm.ROWS
     splits = pm.default_splits(batch, num_kv_heads, padded, live_len, pm.BLOCK_KV)
-    return (live_len >= _MOSAIC_MIN_LIVE_ONE_WAVE
-            and pm.grid_ctas(batch, num_kv_heads, padded, splits) <= pm.NUM_SMS)
+    return pm.grid_ctas(batch, num_kv_heads, padded, splits) <= pm.NUM_SMS
 
 
 def kernel_supported(q, k_cache) -> bool:
