@@ -58,18 +58,27 @@ _MOSAIC_ROWS = (64, 1024)
 # ... over prefixes of at least this many rows (live_rows, else the cache's length): from 8K on
 # it won or tied at every batch (H200: 1.01-1.31x at batch 1, 1.19-1.45x at 8 and 64).
 _MOSAIC_MIN_LIVE = 8192
-# Under 8K, (head dim, fewest slots, fewest live rows) where it won (bench/RESULTS.md, thirty-
-# eighth set): head dim 128 over 4K+ rows from batch 2 (B 2, N 64, 4K: 34.4 against 41.2 us),
-# 2K+ from batch 4 (1.18-1.36x; at batch 2 it lost: 25.6 against 22.9), 1-2K from batch 8 while
-# its grid fits one wave of CTAs (B 8, N 64, 1K: 1.31-1.36x; in two waves, B 16-64, it lost by
-# 5-7%, though B 12 in 1.45 waves won); head dim 64 (SmolLM2's) over 2K+ rows from batch 16
-# (1.05-1.17x; at batch 4 and 8 it lost by 13-40%). Batch 1 lost over 1-4K (Triton's 16.8
-# against 24.6 us at N 64, 1K).
-_MOSAIC_SHORT = ((128, 2, 4096), (128, 4, 2048), (128, 8, 1024), (64, 16, 2048))
-_MOSAIC_ONE_WAVE_UNDER = 2048   # under this many rows the grid must fit one wave
+# Under 8K only for head dim 128, from batch 4 (bench/RESULTS.md, thirty-eighth set). The bound
+# is the one the program is built for, and a slot's prefix may run well under it, so a bound is
+# taken only where Mosaic also won at half of it:
+#   * batch 4-15 over 2K+ rows (1.12-1.36x at 2K and 4K; at 1K, batch 4 tied, 8 and 12 won);
+#   * batch 16+ over 4K+ rows (1.14-1.25x at 4K, 1.06-1.10x at 2K; at 1K batch 16-64 lost 5-7%
+#     at N 64);
+#   * batch 8+ over 1-2K rows while its grid fits one wave of CTAs (B 8, N 64, 1K: 1.31x; B 16,
+#     N 16, 1K: 1.15x).
+# Batch 1 lost over 1-4K (Triton's 16.8 against 24.6 us at N 64, 1K), batch 2 over 2K (22.9
+# against 25.6), and head dim 64 (SmolLM2's) at batch 4 and 8 over 1-2K (by 13-40%).
+_MOSAIC_SHORT_HEAD_DIM = 128
+_MOSAIC_SHORT_BATCH = 4
+_MOSAIC_WIDE_BATCH = 16
+_MOSAIC_MIN_LIVE_SHORT = 2048   # batch 4-15
+_MOSAIC_MIN_LIVE_WIDE = 4096    # batch 16+
+_MOSAIC_ONE_WAVE = (8, 1024)    # from this batch, over this many rows, in one wave of CTAs
 # The Triton kernel beside Mosaic's prefix (the merge and tree part, or the tree part alone):
-# 64-row tiles of 4 warps, 1-5% faster than the Triton prefix's 128-row, 8-warp tiles (thirty-
-# eighth set: B 64, N 64, 8K 1171 against 1209-1218 us; B 1, N 64, 8K 32.0 against 33.7).
+# 64-row tiles of 4 warps, 1-5% faster than the Triton prefix's 128-row, 8-warp tiles after one
+# split or beside the combine (thirty-eighth set: B 64, N 64, 8K 1171 against 1209-1218 us;
+# B 8, N 64, 2K 47.7 against 48.5; B 1, N 64, 8K 32.0 against 33.7), but 4% slower merging two
+# (B 8, N 64, 8K 139.2 against 133.4-135.3), which keeps the prefix's tile.
 _MOSAIC_TREE_TILE = (64, 4)
 # Up to this many Mosaic splits the tree kernel merges them itself (B >= 8: one launch fewer);
 # more (batch 1) go to the combine pass, whose programs have all the splits' loads in flight.
@@ -464,8 +473,10 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     cfg = default_config(b, n, hq, hkv, d, live_len)
     mosaic = backend == "mosaic" or (backend is None and mosaic_serves(
         rows, live_len, t, d, dtype, batch=b, num_kv_heads=hkv))
-    if mosaic:   # the Triton kernel's own tile (its prefix loop is not the Triton kernel's job)
-        cfg = (_MOSAIC_TREE_TILE[0], cfg[1], cfg[2], _MOSAIC_TREE_TILE[1], cfg[4])
+    if mosaic:
+        num_splits = num_splits or _mosaic_splits(b, hkv, rows, live_len)
+        if num_splits == 1 or num_splits > _FUSED_MERGE_SPLITS:   # (see _MOSAIC_TREE_TILE)
+            cfg = (_MOSAIC_TREE_TILE[0], cfg[1], cfg[2], _MOSAIC_TREE_TILE[1], cfg[4])
     block_r = block_r or cfg[0]
     block_k = block_k or cfg[1]
     num_warps = num_warps or cfg[3]
@@ -486,8 +497,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     if mosaic:
         return _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots,
                               q_shape, dtype, packed=packed, block_r=block_r, params=params,
-                              num_splits=num_splits, live_len=live_len, sm_scale=sm_scale,
-                              interpret=interpret)
+                              num_splits=num_splits, sm_scale=sm_scale, interpret=interpret)
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
@@ -509,8 +519,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 
 
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
-                   dtype, *, packed, block_r, params, num_splits, live_len, sm_scale,
-                   interpret):
+                   dtype, *, packed, block_r, params, num_splits, sm_scale, interpret):
     """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`); `kernel`
     (the Triton kernel, configured) adds the tree part, and with few splits merges them too."""
     b, n, hq, d = q_shape
@@ -519,12 +528,11 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
     q_rows = _query_rows(q_in[:, :, :hq], hkv) if packed else q_in
     pad = -rows % pm.ROWS    # whole warpgroup tiles; the padding rows are never read
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else q_rows
-    splits = num_splits or pm.default_splits(b, hkv, rows + pad, live_len, pm.BLOCK_KV)
     prefix = pm.prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots,
-                                     scale_log2=sm_scale * _LOG2E, num_splits=splits,
+                                     scale_log2=sm_scale * _LOG2E, num_splits=num_splits,
                                      interpret=interpret)
     grid = (pl.cdiv(rows, block_r), 1, b * hkv)
-    if splits <= _FUSED_MERGE_SPLITS:   # the Triton kernel merges them before the tree part
+    if num_splits <= _FUSED_MERGE_SPLITS:   # the Triton kernel merges them before the tree part
         return pl.pallas_call(
             functools.partial(kernel, num_splits=1, merge_in=True), grid=grid,
             out_shape=jax.ShapeDtypeStruct(q_shape, dtype), compiler_params=params,
@@ -566,8 +574,8 @@ def mosaic_serves(rows, live_len, cache_len, head_dim, dtype, *, batch=1,
                   num_kv_heads=8) -> bool:
     """Whether `backend=None` takes Mosaic GPU's prefix kernel: on Hopper, for tiles of
     `_MOSAIC_ROWS` rows over a cache of whole key blocks, in 16-bit floats, over prefixes long
-    enough for the batch (`_MOSAIC_MIN_LIVE*`; bench/RESULTS.md, thirty-seventh and thirty-
-    eighth sets)."""
+    enough for the batch (`_mosaic_prefix_long_enough`; bench/RESULTS.md, thirty-seventh and
+    thirty-eighth sets)."""
     if os.environ.get("JAXSPEC_MOSAIC", "1") == "0":   # A/B runs: Triton's prefix everywhere
         return False
     return (_MOSAIC_ROWS[0] <= rows <= _MOSAIC_ROWS[1]
@@ -578,16 +586,25 @@ def mosaic_serves(rows, live_len, cache_len, head_dim, dtype, *, batch=1,
 
 
 def _mosaic_prefix_long_enough(rows, live_len, head_dim, batch, num_kv_heads) -> bool:
-    """8K+ live rows at any batch; shorter prefixes where `_MOSAIC_SHORT` measured a win."""
+    """8K+ live rows at any batch; shorter bounds by batch (`_MOSAIC_SHORT_*` above)."""
     if live_len >= _MOSAIC_MIN_LIVE:
         return True
-    if not any(head_dim == d and batch >= b and live_len >= lv for d, b, lv in _MOSAIC_SHORT):
+    if head_dim != _MOSAIC_SHORT_HEAD_DIM or batch < _MOSAIC_SHORT_BATCH:
         return False
-    if live_len >= _MOSAIC_ONE_WAVE_UNDER:
+    wide = batch >= _MOSAIC_WIDE_BATCH
+    if live_len >= (_MOSAIC_MIN_LIVE_WIDE if wide else _MOSAIC_MIN_LIVE_SHORT):
         return True
+    if batch < _MOSAIC_ONE_WAVE[0] or live_len < _MOSAIC_ONE_WAVE[1]:
+        return False
+    splits = _mosaic_splits(batch, num_kv_heads, rows, live_len)
+    return pm.grid_ctas(batch, num_kv_heads, -(-rows // pm.ROWS) * pm.ROWS,
+                        splits) <= pm.NUM_SMS
+
+
+def _mosaic_splits(batch, num_kv_heads, rows, live_len) -> int:
+    """Mosaic's default split count for `rows` query rows, padded to whole warpgroups."""
     padded = -(-rows // pm.ROWS) * pm.ROWS
-    splits = pm.default_splits(batch, num_kv_heads, padded, live_len, pm.BLOCK_KV)
-    return pm.grid_ctas(batch, num_kv_heads, padded, splits) <= pm.NUM_SMS
+    return pm.default_splits(batch, num_kv_heads, padded, live_len, pm.BLOCK_KV)
 
 
 def kernel_supported(q, k_cache) -> bool:
