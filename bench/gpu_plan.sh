@@ -11,7 +11,9 @@
 #   bash bench/gpu_plan.sh mosaic      # issue 4: the Mosaic GPU prefix kernel against Triton on the
 #                                      #   wide tiles (backend sweep, then the 8K/32K table rows);
 #                                      #   mosaic_short, batch 8/16/32 over 1-4K prefixes, where a
-#                                      #   rule beyond "8K+ live rows" would come from
+#                                      #   rule beyond "8K+ live rows" would come from (the
+#                                      #   thirty-eighth set); mosaic_tree, the tree part inside
+#                                      #   the Mosaic kernel against beside it, checks first
 #   bash bench/gpu_plan.sh lossweight  # issue 7: the shipped head fine-tuned twice from the same
 #                                      #   start, data (17.5K self-distilled ShareGPT answers,
 #                                      #   carry .gpu/train/ from `python -m bench.train_gpu
@@ -584,6 +586,9 @@ case "${1:-}" in
   mosaic)
     run mosaic_sweep 300 python3 bench/bench_kernels.py --skip check,table,compact --sweep-grid backends
     run mosaic_table 280 python3 bench/bench_kernels.py --no-sweep --skip compact --table-shapes "1,16,8192;1,64,8192;8,16,8192;8,64,8192;64,16,8192;64,64,8192;1,16,32768;1,64,32768;8,16,32768;8,64,32768;64,16,32768;64,64,32768"
+    ;;
+  mosaic_tree)
+    run mosaic_tree 200 python3 bench/mosaic_tree_ab.py
     ;;
   mosaic_short)
     run mosaic_short 400 python3 bench/bench_kernels.py --skip check,table,compact --sweep-grid backends --sweep-shapes "8,16,1024;8,64,1024;16,16,1024;16,64,1024;32,64,1024;8,64,2048;16,64,4096;32,64,4096;1,64,4096"

@@ -14,8 +14,12 @@ set). This kernel is that design cut to the tree's job:
     other's matmuls;
   * the live prefix of slot b (rows < seq_lens[b]) is cut into `num_splits` chunks of whole
     key blocks at run time, as in the Triton kernel; only the last block of a chunk is masked;
+  * with the tree (up to 64 new keys): split 0 takes one more key block, the tree's keys and
+    values in the same ring, under the tree mask as an additive bias tile;
   * the output is the Triton kernel's split partials, unnormalised o [BH, S, R, D] and the
-    base-2 running max m and sum l [BH, S, R], merged by its combine pass with the tree part.
+    base-2 running max m and sum l [BH, S, R], merged by its combine pass (with the Triton
+    kernel's tree part where the tree is not here); with the tree and one split, the rows
+    normalised.
 
 A key block is copied whole, so a chunk's last block may read rows past seq_lens[b] (still
 inside the cache: the caller keeps T a multiple of the block); their scores are masked to
@@ -83,10 +87,12 @@ def _bounds(seq_len, split, num_splits, block_kv):
 
 
 def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, wgs,
-            indirect, interpret):
+            indirect, tree, interpret):
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
-    q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, scoped = refs
-    (q_smem, k_smem, v_smem, o_smem, ml_smem), ready, consumed, sched, o_free = scoped
+    q_ref, k_ref, v_ref = refs[:3]
+    kn_ref, vn_ref, bias_ref = refs[3:6] if tree else (None, None, None)
+    outs, scoped = refs[6 if tree else 3:-1], refs[-1]
+    (q_smem, k_smem, v_smem, o_smem, ml_smem, bias_smem), ready, consumed, sched, o_free = scoped
     k_ready, v_ready, q_ready = ready
     k_free, v_free = consumed
     num_kv_heads, t_max = k_ref.shape[2], k_ref.shape[3]
@@ -96,6 +102,10 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     layer = layer_ref[0]
     seq_len = jnp.minimum(jnp.maximum(seq_ref[b], 0), t_max)
     start, end, full_blocks, blocks = _bounds(seq_len, split, num_splits, block_kv)
+    # With the tree, split 0 takes one block more: the new keys (kn [B, Hkv, NT, D], NT <= the
+    # ring's rows) under the additive mask `bias` [B, R, NT], after its prefix blocks.
+    total = blocks + (split == 0).astype(jnp.int32) if tree else blocks
+    tree_keys = kn_ref.shape[2] if tree else 0
     wg = lax.axis_index("wg")
     dtype = q_smem.dtype
 
@@ -110,6 +120,10 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
         row0 = (rt * wgs + wg) * ROWS
         q_tile = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row0, ROWS)], q_tile, q_ready.at[wg])
+        if tree:   # every split loads it (8 KB): no barrier phase to keep apart by split
+            plgpu.copy_gmem_to_smem(bias_ref.at[b, pl.ds(row0, ROWS)], bias_smem.at[wg],
+                                    q_ready.at[wgs + wg])
+            plgpu.barrier_wait(q_ready.at[wgs + wg])
         plgpu.barrier_wait(q_ready.at[wg])
         head_dim = q_tile.shape[-1]
         # Register layouts are the device's business; the interpreter has none.
@@ -118,7 +132,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
                  cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
                  cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
 
-        @pl.when(blocks > 0)
+        @pl.when(total > 0)
         def _():
             plgpu.barrier_wait(k_ready.at[0])
 
@@ -126,40 +140,41 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             pl.when(wg == 1)(staggered)
 
         def wait_next_k(i):   # the next block's keys, before the tensor cores need them
-            @pl.when(i + 1 < blocks)
+            @pl.when(i + 1 < total)
             def _():
                 plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, steps)])
 
-        def scores(ring):   # q k^T [ROWS, block_kv], f32
+        def scores(keys):   # q k^T [ROWS, keys rows], f32
             if interpret:   # the interpreter's wgmma takes no transposed operand: jnp's dot
-                s = jnp.dot(q_tile[...], k_smem.at[ring][...].T,
-                            preferred_element_type=jnp.float32)
+                s = jnp.dot(q_tile[...], keys[...].T, preferred_element_type=jnp.float32)
                 staggered()
                 return s
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(k_smem.at[ring], (1, 0)))
+                plgpu.wgmma(acc_ref, q_tile, plgpu.transpose_ref(keys, (1, 0)))
                 staggered()
                 return acc_ref[...]
-            return pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+            return pl.run_scoped(qk, plgpu.ACC((ROWS, keys.shape[0]), jnp.float32))
 
-        def add_pv(acc, p16, ring, i):   # acc + p v
+        def add_pv(acc, p16, values, i):   # acc + p v
             if interpret:
-                acc = acc + jnp.dot(p16, v_smem.at[ring][...],
-                                    preferred_element_type=jnp.float32)
+                acc = acc + jnp.dot(p16, values[...], preferred_element_type=jnp.float32)
                 wait_next_k(i)
                 return acc
 
             def pv(acc_ref):   # wgmma accumulates into acc's registers in place
-                plgpu.wgmma(acc_ref, p16, v_smem.at[ring])
+                plgpu.wgmma(acc_ref, p16, values)
                 wait_next_k(i)
             return pl.run_state(pv)(plgpu.ACC.init(acc))
 
-        def step(i, carry, masked=False):
+        def step(i, carry, masked=False, new_keys=False):
             acc, m_i, l_i = carry
             ring = lax.rem(i, steps)
-            s = scores(ring)
+            new = pl.ds(0, tree_keys)
+            s = scores(k_smem.at[ring, new] if new_keys else k_smem.at[ring])
             plgpu.barrier_arrive(k_free.at[ring])
+            if new_keys:   # the tree mask, as 0 or MASK_VALUE a score
+                s = s + bias_smem.at[wg][...].astype(jnp.float32)
             if masked:   # keys at or past the split's end weigh nothing
                 key = (lax.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1) if interpret else
                        plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
@@ -178,15 +193,25 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             plgpu.barrier_wait(v_ready.at[ring])
             if wgs == 2:
                 plgpu.barrier_wait(sched)
-            acc = add_pv(acc, p16, ring, i)
+            acc = add_pv(acc, p16, v_smem.at[ring, new] if new_keys else v_smem.at[ring], i)
             plgpu.barrier_arrive(v_free.at[ring])
             return acc, m_next, l_i
 
         carry = lax.fori_loop(0, full_blocks, step, carry)
-        acc, m_i, l_i = lax.fori_loop(full_blocks, blocks,
-                                      functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(full_blocks, blocks, functools.partial(step, masked=True), carry)
+        if tree:   # (a loop of 0 or 1 trips: split 0 only)
+            carry = lax.fori_loop(blocks, total, functools.partial(step, new_keys=True), carry)
+        acc, m_i, l_i = carry
         if wgs == 2:
             pl.when(wg == 0)(staggered)
+        rows = pl.ds(row0, ROWS)
+        if len(outs) == 1:   # one split: normalised, in the q tile the matmuls are done with
+            q_tile[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_tile, outs[0].at[bh, rows])
+            plgpu.wait_smem_to_gmem(0)
+            return
+        o_ref, m_ref, l_ref = outs
         # One f32 staging tile for o: two would overflow shared memory next to the ring. The
         # trailing warpgroup (1) waits until the leading one's copy has read it.
         if wgs == 2:
@@ -195,7 +220,6 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
         ml_smem.at[0, wg][...] = m_i
         ml_smem.at[1, wg][...] = l_i
         plgpu.commit_smem()
-        rows = pl.ds(row0, ROWS)
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[bh, split, rows])
         plgpu.copy_smem_to_gmem(ml_smem.at[0, wg], m_ref.at[bh, split, rows])
         plgpu.copy_smem_to_gmem(ml_smem.at[1, wg], l_ref.at[bh, split, rows])
@@ -211,14 +235,25 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
         plgpu.set_max_registers(40, action="decrease")
 
         def fetch(i, ring):
-            keys = (layer, slot, h, pl.ds(start + i * block_kv, block_kv))
-            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[ring], k_ready.at[ring])
-            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[ring], v_ready.at[ring])
+            @pl.when(i < blocks)
+            def _():
+                keys = (layer, slot, h, pl.ds(start + i * block_kv, block_kv))
+                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[ring], k_ready.at[ring])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[ring], v_ready.at[ring])
+
+            if tree:
+                @pl.when(i == blocks)
+                def _():
+                    new = pl.ds(0, tree_keys)
+                    plgpu.copy_gmem_to_smem(kn_ref.at[b, h], k_smem.at[ring, new],
+                                            k_ready.at[ring])
+                    plgpu.copy_gmem_to_smem(vn_ref.at[b, h], v_smem.at[ring, new],
+                                            v_ready.at[ring])
 
         for i in range(steps):
-            pl.when(i < blocks)(functools.partial(fetch, i, i))
+            pl.when(i < total)(functools.partial(fetch, i, i))
 
-        @pl.loop(0, jnp.maximum(blocks - steps, 0))
+        @pl.loop(0, jnp.maximum(total - steps, 0))
         def _(i):
             ring = lax.rem(i, steps)
             plgpu.barrier_wait(k_free.at[ring])
@@ -228,7 +263,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
         # Observe each used slot's last release too: nothing is in flight when the CTA ends
         # (and the interpreter checks that every barrier phase was seen).
         for ring in range(steps):
-            @pl.when(ring < blocks)
+            @pl.when(ring < total)
             def _():
                 plgpu.barrier_wait(k_free.at[ring])
                 plgpu.barrier_wait(v_free.at[ring])
@@ -276,12 +311,15 @@ def default_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms=NUM_S
 
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
                                              "interpret"))
-def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, *,
+def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree=None, *,
                          scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
                          steps: int = 2, interpret: bool = False):
     """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
     each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
-    m, l [B * Hkv, S, R], f32. slots [B]: the cache slot of each row (None: row b is slot b)."""
+    m, l [B * Hkv, S, R], f32. slots [B]: the cache slot of each row (None: row b is slot b).
+    tree: (k_new, v_new [B, Hkv, NT, D], bias [B, R, NT] in q's dtype, 0 where row r sees new
+    key j, else MASK_VALUE; NT a multiple of 64 up to block_kv): split 0 attends to those keys
+    too, and with one split the output is o normalised, [B * Hkv, R, D] in q's dtype."""
     b, hkv, r, d = q_rows.shape
     t = k_cache.shape[3]
     if not scale_log2 > 0:   # the running max is taken before scaling
@@ -289,6 +327,11 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     if r % ROWS or t % block_kv or d % 64:
         raise ValueError(f"rows {r} must be a multiple of {ROWS}, cache length {t} of "
                          f"{block_kv=}, head dim {d} of 64")
+    tree_keys = 0 if tree is None else tree[0].shape[2]
+    if tree is not None and (tree_keys % 64 or tree_keys > block_kv
+                             or tree[2].shape != (b, r, tree_keys)):
+        raise ValueError(f"tree keys {tree_keys} must be a multiple of 64 up to {block_kv=}, "
+                         f"and the bias {tree[2].shape} must be {(b, r, tree_keys)}")
     wgs = warpgroups(r)
     dtype = k_cache.dtype
     swizzle = plgpu.SwizzleTransform(128)
@@ -298,24 +341,29 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
             plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles),
             plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles),
             plgpu.SMEM((ROWS, d), jnp.float32, transforms=f32_tiles),
-            plgpu.SMEM((2, wgs, ROWS), jnp.float32))
+            plgpu.SMEM((2, wgs, ROWS), jnp.float32),
+            plgpu.SMEM((wgs, ROWS, max(tree_keys, 64)), dtype, transforms=tiles)
+            if tree is not None else None)
     barriers = ((plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
-                 plgpu.Barrier(num_barriers=wgs)),
+                 plgpu.Barrier(num_barriers=2 * wgs)),
                 (plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),) * 2,
                 plgpu.Barrier(num_arrivals=wgs), plgpu.Barrier(num_arrivals=1))
     indirect = slots is not None
     body = functools.partial(_kernel, scale_log2=scale_log2, num_splits=num_splits,
                              block_kv=block_kv, steps=steps, wgs=wgs, indirect=indirect,
-                             interpret=interpret)
+                             tree=tree is not None, interpret=interpret)
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, *barriers,
                       collective_axes="wg")
 
     f32 = jnp.float32
-    out_type = (jax.ShapeDtypeStruct((b * hkv, num_splits, r, d), f32),
-                jax.ShapeDtypeStruct((b * hkv, num_splits, r), f32),
-                jax.ShapeDtypeStruct((b * hkv, num_splits, r), f32))
+    if tree is not None and num_splits == 1:
+        out_type = (jax.ShapeDtypeStruct((b * hkv, r, d), dtype),)
+    else:
+        out_type = (jax.ShapeDtypeStruct((b * hkv, num_splits, r, d), f32),
+                    jax.ShapeDtypeStruct((b * hkv, num_splits, r), f32),
+                    jax.ShapeDtypeStruct((b * hkv, num_splits, r), f32))
     params = dict(interpret=_interpret_params()) if interpret else {}
     call = plgpu.kernel(entry, out_type=out_type,
                         grid=(r // (wgs * ROWS), num_splits, b * hkv),
@@ -323,5 +371,7 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                         thread_name="wg",
                         compiler_params=plgpu.CompilerParams(approx_math=True), **params)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
-    return call(jnp.reshape(layer, (1,)).astype(jnp.int32), seq_lens.astype(jnp.int32),
-                *slot_map, q_rows.astype(dtype), k_cache, v_cache)
+    extra = () if tree is None else tuple(x.astype(dtype) for x in tree)
+    out = call(jnp.reshape(layer, (1,)).astype(jnp.int32), seq_lens.astype(jnp.int32),
+               *slot_map, q_rows.astype(dtype), k_cache, v_cache, *extra)
+    return out[0] if len(out) == 1 else out

@@ -16,9 +16,10 @@ Kernel (Pallas, Triton lowering), flash-decoding style:
   * each program writes an unnormalised partial (o, running max m, sum l); a second Pallas
     kernel merges the splits in one pass (log-sum-exp in base 2) and writes the final layout.
 On Hopper, tiles of 64-1024 rows over long prefixes (`mosaic_serves`) take their prefix from
-`prefix_attention_mgpu` (Mosaic GPU, wgmma): this kernel then skips the prefix and either merges
-that kernel's split partials itself before the tree part (2 splits or fewer) or leaves them with
-its tree part to the combine pass.
+`prefix_attention_mgpu` (Mosaic GPU, wgmma), and with trees of up to 64 tokens their tree part
+too (one launch, or two with the combine). For larger trees this kernel skips the prefix and
+either merges that kernel's split partials itself before the tree part (2 splits or fewer) or
+leaves them with its tree part to the combine pass.
 The cache is passed whole and the layer is indexed inside the kernel: slicing it outside would
 materialise a copy of the layer. For the same reason the queries' slots may be a subset of the
 cache's: `slots` [B] names the cache slot of each query row (a prompt chunk of a few requests
@@ -83,6 +84,10 @@ _MOSAIC_TREE_TILE = (64, 4)
 # Up to this many Mosaic splits the tree kernel merges them itself (B >= 8: one launch fewer);
 # more (batch 1) go to the combine pass, whose programs have all the splits' loads in flight.
 _FUSED_MERGE_SPLITS = 2
+# Trees of up to this many tokens go into the Mosaic kernel as one more key block of split 0,
+# under their mask as an additive bias tile (8 KB a warpgroup: a 128-key tile would overflow
+# shared memory with two warpgroups); larger ones keep the Triton kernel's tree part.
+_MOSAIC_TREE_KEYS = 64
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -398,7 +403,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
-           "interpret", "causal", "skip_before", "live_rows", "backend")
+           "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -452,7 +457,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             slots, *,
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
-            skip_before=False, live_rows=0, backend=None):
+            skip_before=False, live_rows=0, backend=None, mosaic_tree=None):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -461,8 +466,9 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     sees (one mask row read per program) instead of at key 0.
     live_rows: no slot's prefix is longer while this program runs (0: the cache's length); the
     default split count is sized for it. Only speed depends on it.
-    backend: "triton", "mosaic" (the prefix by `prefix_attention_mgpu`, the tree part and the
-    merge by the Triton kernels), or None: `mosaic_serves` decides."""
+    backend: "triton", "mosaic" (the prefix by `prefix_attention_mgpu`, and the tree part too up
+    to `_MOSAIC_TREE_KEYS` tokens), or None: `mosaic_serves` decides. mosaic_tree=False: the
+    Triton kernel's tree part (and merge) beside Mosaic's prefix at any tree size (A/B runs)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -497,7 +503,9 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     if mosaic:
         return _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots,
                               q_shape, dtype, packed=packed, block_r=block_r, params=params,
-                              num_splits=num_splits, sm_scale=sm_scale, interpret=interpret)
+                              num_splits=num_splits, sm_scale=sm_scale, interpret=interpret,
+                              kn_in=kn_in, vn_in=vn_in, tree_mask=tree_mask,
+                              mosaic_tree=mosaic_tree)
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
@@ -519,18 +527,30 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 
 
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
-                   dtype, *, packed, block_r, params, num_splits, sm_scale, interpret):
-    """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`); `kernel`
-    (the Triton kernel, configured) adds the tree part, and with few splits merges them too."""
+                   dtype, *, packed, block_r, params, num_splits, sm_scale, interpret,
+                   kn_in=None, vn_in=None, tree_mask=None, mosaic_tree=None):
+    """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`). Trees of up
+    to `_MOSAIC_TREE_KEYS` tokens go into that kernel too (then one launch, or two with the
+    combine over several splits); larger ones take `kernel` (the Triton kernel, configured) for
+    the tree part, which with few splits merges the prefix's splits too."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     rows = n * (hq // hkv)
     q_rows = _query_rows(q_in[:, :, :hq], hkv) if packed else q_in
     pad = -rows % pm.ROWS    # whole warpgroup tiles; the padding rows are never read
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else q_rows
-    prefix = pm.prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots,
+    tree = None
+    if n <= _MOSAIC_TREE_KEYS and mosaic_tree is not False:
+        tree = _mosaic_tree_operands(kn_in, vn_in, tree_mask, q_shape, hkv, rows + pad, packed,
+                                     k_cache.dtype)
+    prefix = pm.prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots, tree,
                                      scale_log2=sm_scale * _LOG2E, num_splits=num_splits,
                                      interpret=interpret)
+    if tree is not None and num_splits == 1:   # normalised rows [B * Hkv, R', D]
+        o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)
+        return o.transpose(0, 2, 1, 3, 4).reshape(q_shape).astype(dtype)
+    if tree is not None:
+        return _combine(prefix, (), q_shape, dtype, hkv, interpret)
     grid = (pl.cdiv(rows, block_r), 1, b * hkv)
     if num_splits <= _FUSED_MERGE_SPLITS:   # the Triton kernel merges them before the tree part
         return pl.pallas_call(
@@ -540,14 +560,32 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
         )(*operands, *prefix)
     # Many splits (small batches): the tree part alone, then the combine's wide merge.
     f32 = jnp.float32
-    tree = pl.pallas_call(
+    tree_part = pl.pallas_call(
         functools.partial(kernel, num_splits=1, new_only=True), grid=grid,
         out_shape=[jax.ShapeDtypeStruct((b * hkv, 1, rows, d), f32),
                    jax.ShapeDtypeStruct((b * hkv, 1, rows), f32),
                    jax.ShapeDtypeStruct((b * hkv, 1, rows), f32)],
         compiler_params=params, interpret=interpret, name="tree_attention_new",
     )(*operands)
-    return _combine(prefix, tree, q_shape, dtype, hkv, interpret)
+    return _combine(prefix, tree_part, q_shape, dtype, hkv, interpret)
+
+
+def _mosaic_tree_operands(kn_in, vn_in, tree_mask, q_shape, num_kv_heads, padded_rows, packed,
+                          dtype):
+    """The tree's keys and values [B, Hkv, NT, D] (NT = `_MOSAIC_TREE_KEYS`, zero rows past N)
+    and its mask as an additive bias [B, R', NT] (row r = n * G + g reads mask row n; 0 where
+    seen, MASK_VALUE elsewhere and on the padding rows), for `prefix_partials_mgpu`'s tree."""
+    b, n, hq, d = q_shape
+    if packed:   # qkv [B, N, Hq + 2 Hkv, D]
+        kn_in = kn_in[:, :, hq:hq + num_kv_heads].transpose(0, 2, 1, 3)
+        vn_in = vn_in[:, :, hq + num_kv_heads:].transpose(0, 2, 1, 3)
+    keys = ((0, 0), (0, 0), (0, _MOSAIC_TREE_KEYS - n), (0, 0))
+    kn, vn = jnp.pad(kn_in, keys).astype(dtype), jnp.pad(vn_in, keys).astype(dtype)
+    seen = jnp.repeat(tree_mask.astype(bool), hq // num_kv_heads, axis=1)        # [B, R, N]
+    bias = jnp.where(seen, 0.0, MASK_VALUE).astype(dtype)
+    bias = jnp.pad(bias, ((0, 0), (0, padded_rows - n * (hq // num_kv_heads)),
+                          (0, _MOSAIC_TREE_KEYS - n)), constant_values=MASK_VALUE)
+    return kn, vn, bias
 
 
 def _combine(partials, extra, q_shape, dtype, num_kv_heads, interpret):

@@ -55,15 +55,19 @@ def test_partials_match_reference(case):
     assert (l[empty] == 0).all() and (o[empty] == 0).all()
 
 
-@pytest.mark.parametrize("entry, splits, block_r", [
-    ("separate", 2, None), ("packed", 2, None), ("separate", 3, None), ("separate", 2, 16),
-    ("separate", 1, 128)])
-def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r):
-    """The whole backend="mosaic" path: the prefix's splits by the Mosaic kernel, merged by the
-    Triton kernel that adds the tree part (1-2 splits) or by the combine pass after the tree
-    part alone (3); 7 tree tokens x 4 heads (28 rows) are padded to a warpgroup's 64. Triton
-    row tiles of 16 (two blocks of the partials) and 128 (past their 64 rows, masked)."""
-    b, n, hq, hkv, d, t = 2, 7, 8, 2, 64, 256
+@pytest.mark.parametrize("entry, splits, block_r, n, inside", [
+    ("separate", 2, None, 7, True), ("packed", 2, None, 7, True), ("separate", 3, None, 7, True),
+    ("separate", 1, None, 7, True), ("packed", 1, None, 32, True), ("separate", 2, None, 32, True),
+    ("separate", 2, None, 7, False), ("packed", 2, 16, 7, False), ("separate", 1, 128, 7, False),
+    ("separate", 3, None, 7, False)])
+def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, inside):
+    """The whole backend="mosaic" path. Up to 64 tree tokens (inside) the Mosaic kernel attends
+    to them too, as one more key block of split 0 under the mask as a bias: with 1 split it
+    writes the output itself, with more the combine merges its partials (7 tokens x 4 heads: 28
+    rows padded to a warpgroup's 64; 32 x 4: two warpgroups). Beside it (mosaic_tree=False, as
+    for trees past 64 tokens) the Triton kernel adds the tree part: merging 1-2 splits itself
+    (row tiles of 16, and of 128 past the partials' rows, masked) or before the combine (3)."""
+    b, hq, hkv, d, t = 2, 8, 2, 64, 256
     ks = jax.random.split(jax.random.key(5), 6)
     q = jax.random.normal(ks[0], (b, n, hq, d), jnp.bfloat16)
     kc = jax.random.normal(ks[1], (2, b, hkv, t, d), jnp.bfloat16)
@@ -75,7 +79,7 @@ def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r):
     scale = 1 / math.sqrt(d)
     ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, sm_scale=scale)
     kw = dict(sm_scale=scale, interpret=True, backend="mosaic", num_splits=splits,
-              block_r=block_r)
+              block_r=block_r, mosaic_tree=None if inside else False)
     if entry == "packed":
         qkv = jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], 2)
         out = ta.tree_attention_packed_pallas(qkv, kc, vc, jnp.int32(1), sl, mask,
@@ -83,6 +87,44 @@ def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r):
     else:
         out = ta.tree_attention_pallas(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, **kw)
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+    # The mask is what the tree part reads: every row seeing every key is another answer.
+    full = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn,
+                                       jnp.ones_like(mask), sm_scale=scale)
+    assert np.linalg.norm(out - np.asarray(full, np.float64)) / np.linalg.norm(ref) > 5e-2
+
+
+@pytest.mark.parametrize("n, inside", [(64, True), (65, False)])
+def test_trees_past_64_tokens_keep_the_triton_tree_part(n, inside):
+    """Which kernels the Mosaic path launches (traced, not run): up to 64 tree tokens the
+    Mosaic kernel alone; past that, beside it the Triton kernel's tree part and merge."""
+    q = jax.ShapeDtypeStruct((8, n, 32, 128), jnp.bfloat16)
+    kc = jax.ShapeDtypeStruct((1, 8, 8, 1024, 128), jnp.bfloat16)
+    kn = jax.ShapeDtypeStruct((8, 8, n, 128), jnp.bfloat16)
+    jaxpr = str(jax.make_jaxpr(lambda q, kc, kn, sl, m: ta.tree_attention_pallas(
+        q, kc, kc, jnp.int32(0), sl, kn, kn, m, sm_scale=0.1, backend="mosaic", num_splits=1))(
+        q, kc, kn, jax.ShapeDtypeStruct((8,), jnp.int32),
+        jax.ShapeDtypeStruct((8, n, n), jnp.bool_)))
+    assert ("tree_attention_merge" in jaxpr) != inside
+
+
+def test_tree_of_mosaic_rows_with_an_empty_prefix():
+    """A slot with no prefix at all (seq_len 0): its rows see only tree keys, through the bias;
+    one split writes the normalised rows."""
+    b, n, hq, hkv, d, t = 2, 5, 8, 2, 64, 128
+    ks = jax.random.split(jax.random.key(9), 6)
+    q = jax.random.normal(ks[0], (b, n, hq, d), jnp.bfloat16)
+    kc = jax.random.normal(ks[1], (1, b, hkv, t, d), jnp.bfloat16)
+    kn = jax.random.normal(ks[3], (b, hkv, n, d), jnp.bfloat16)
+    vn = jax.random.normal(ks[4], (b, hkv, n, d), jnp.bfloat16)
+    mask = jnp.tril(jnp.ones((n, n), bool))[None].repeat(b, 0)
+    sl = jnp.asarray([0, 3], jnp.int32)
+    scale = 1 / math.sqrt(d)
+    ref = ta.tree_attention_reference(q, kc, kc, jnp.int32(0), sl, kn, vn, mask, sm_scale=scale)
+    out = ta.tree_attention_pallas(q, kc, kc, jnp.int32(0), sl, kn, vn, mask, sm_scale=scale,
+                                   interpret=True, backend="mosaic", num_splits=1)
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all()
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
 
 
