@@ -317,8 +317,7 @@ def sweep(quick, grid: str = "blocks", only: str = ""):
         key, k = jax.random.split(key)
         base = ta.default_config(b, n, HQ, HKV, D, length)
         if grid == "backends":
-            rows = -(-n * HQ // HKV // pm.ROWS) * pm.ROWS   # padded as the launch pads them
-            sp = pm.default_splits(b, HKV, rows, length, pm.BLOCK_KV)
+            sp = pm.default_splits(b, HKV, pm.padded_rows(n * HQ // HKV), length, pm.BLOCK_KV)
             cfgs = [dict(backend="triton")] + [
                 dict(backend="mosaic", num_splits=x) for x in sorted({max(1, sp // 2), sp, 2 * sp})]
         elif grid == "merge":

@@ -24,6 +24,7 @@ VARIANTS = {"inside": dict(backend="mosaic"), "beside": dict(backend="mosaic", m
 
 
 def check(b, n, t, hq, hkv, d, splits, packed):
+    """`bench_kernels.check_attention` on uneven prefixes, at a given split count."""
     key = jax.random.key(b * 131 + n)
     q, kc, vc, sl, kn, vn, mask = bk.make_inputs(key, b, n, t, 2, hq=hq, hkv=hkv, d=d,
                                                  seq_lens=jnp.arange(b, dtype=jnp.int32) * 37
@@ -33,15 +34,13 @@ def check(b, n, t, hq, hkv, d, splits, packed):
     kw = dict(sm_scale=scale, backend="mosaic", num_splits=splits)
     if packed:
         qkv = jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], 2)
-        out = ta.tree_attention_packed_pallas(qkv, kc, vc, jnp.int32(1), sl, mask,
-                                              num_heads=hq, **kw)
+        run = lambda: ta.tree_attention_packed_pallas(  # noqa: E731
+            qkv, kc, vc, jnp.int32(1), sl, mask, num_heads=hq, **kw)
     else:
-        out = ta.tree_attention_pallas(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, **kw)
-    err = bk.rel_err(out, ref)
-    row = dict(b=b, n=n, t=t, hq=hq, hkv=hkv, d=d, splits=splits, packed=packed, rel_err=err,
-               ok=err < 1e-2)
-    print("check", row, flush=True)
-    return row
+        run = lambda: ta.tree_attention_pallas(  # noqa: E731
+            q, kc, vc, jnp.int32(1), sl, kn, vn, mask, **kw)
+    bk.check_attention("tree_attention_mosaic_packed" if packed else "tree_attention_mosaic",
+                       run, ref, 1e-2, dict(b=b, n=n, t=t, hq=hq, hkv=hkv, d=d, splits=splits))
 
 
 def main():
@@ -49,12 +48,12 @@ def main():
     ap.add_argument("--shapes", default="8,64,1024;8,64,2048;1,16,8192;1,16,32768;1,64,8192;"
                                          "8,64,8192;64,64,8192")
     a = ap.parse_args()
-    out = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, checks=[],
-               times=[])
+    out = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+               checks=bk.RESULTS["check"], times=[])
     for args in [(8, 64, 1024, 32, 8, 128, 1, False), (3, 16, 1024, 32, 8, 128, 3, True),
                  (2, 60, 2048, 32, 8, 128, 2, True), (3, 30, 1024, 9, 3, 64, 1, True),
                  (1, 7, 512, 32, 8, 128, 4, False)]:
-        out["checks"].append(check(*args))
+        check(*args)
     for b, n, length in bk.parse_shapes(a.shapes):
         fns = {name: bk.kernel_fn(**cfg) for name, cfg in VARIANTS.items()}
         fns["inside again"] = bk.kernel_fn(backend="mosaic", block_n=64)  # same program, re-traced

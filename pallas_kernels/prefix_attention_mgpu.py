@@ -290,6 +290,11 @@ def warpgroups(rows) -> int:
     return 2 if rows % (2 * ROWS) == 0 else 1
 
 
+def padded_rows(rows) -> int:
+    """Query rows rounded up to whole warpgroups (the kernel's rows are a multiple of ROWS)."""
+    return -(-rows // ROWS) * ROWS
+
+
 def grid_ctas(batch, num_kv_heads, rows, splits) -> int:
     """CTAs of the launch: row tiles x splits x (slot, KV head)."""
     return batch * num_kv_heads * (rows // (warpgroups(rows) * ROWS)) * splits
@@ -328,7 +333,7 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
         raise ValueError(f"rows {r} must be a multiple of {ROWS}, cache length {t} of "
                          f"{block_kv=}, head dim {d} of 64")
     tree_keys = 0 if tree is None else tree[0].shape[2]
-    if tree is not None and (tree_keys % 64 or tree_keys > block_kv
+    if tree is not None and (tree_keys % 64 or not 0 < tree_keys <= block_kv
                              or tree[2].shape != (b, r, tree_keys)):
         raise ValueError(f"tree keys {tree_keys} must be a multiple of 64 up to {block_kv=}, "
                          f"and the bias {tree[2].shape} must be {(b, r, tree_keys)}")
@@ -342,7 +347,7 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
             plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles),
             plgpu.SMEM((ROWS, d), jnp.float32, transforms=f32_tiles),
             plgpu.SMEM((2, wgs, ROWS), jnp.float32),
-            plgpu.SMEM((wgs, ROWS, max(tree_keys, 64)), dtype, transforms=tiles)
+            plgpu.SMEM((wgs, ROWS, tree_keys), dtype, transforms=tiles)
             if tree is not None else None)
     barriers = ((plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
                  plgpu.Barrier(num_barriers=2 * wgs)),

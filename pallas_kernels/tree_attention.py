@@ -537,7 +537,7 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
     hkv = k_cache.shape[2]
     rows = n * (hq // hkv)
     q_rows = _query_rows(q_in[:, :, :hq], hkv) if packed else q_in
-    pad = -rows % pm.ROWS    # whole warpgroup tiles; the padding rows are never read
+    pad = pm.padded_rows(rows) - rows   # whole warpgroup tiles; padding rows are never read
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else q_rows
     tree = None
     if n <= _MOSAIC_TREE_KEYS and mosaic_tree is not False:
@@ -576,9 +576,8 @@ def _mosaic_tree_operands(kn_in, vn_in, tree_mask, q_shape, num_kv_heads, padded
     and its mask as an additive bias [B, R', NT] (row r = n * G + g reads mask row n; 0 where
     seen, MASK_VALUE elsewhere and on the padding rows), for `prefix_partials_mgpu`'s tree."""
     b, n, hq, d = q_shape
-    if packed:   # qkv [B, N, Hq + 2 Hkv, D]
-        kn_in = kn_in[:, :, hq:hq + num_kv_heads].transpose(0, 2, 1, 3)
-        vn_in = vn_in[:, :, hq + num_kv_heads:].transpose(0, 2, 1, 3)
+    if packed:   # both are the same qkv [B, N, Hq + 2 Hkv, D]
+        _, kn_in, vn_in = split_packed(kn_in, hq, num_kv_heads)
     keys = ((0, 0), (0, 0), (0, _MOSAIC_TREE_KEYS - n), (0, 0))
     kn, vn = jnp.pad(kn_in, keys).astype(dtype), jnp.pad(vn_in, keys).astype(dtype)
     seen = jnp.repeat(tree_mask.astype(bool), hq // num_kv_heads, axis=1)        # [B, R, N]
@@ -635,14 +634,12 @@ def _mosaic_prefix_long_enough(rows, live_len, head_dim, batch, num_kv_heads) ->
     if batch < _MOSAIC_ONE_WAVE[0] or live_len < _MOSAIC_ONE_WAVE[1]:
         return False
     splits = _mosaic_splits(batch, num_kv_heads, rows, live_len)
-    return pm.grid_ctas(batch, num_kv_heads, -(-rows // pm.ROWS) * pm.ROWS,
-                        splits) <= pm.NUM_SMS
+    return pm.grid_ctas(batch, num_kv_heads, pm.padded_rows(rows), splits) <= pm.NUM_SMS
 
 
 def _mosaic_splits(batch, num_kv_heads, rows, live_len) -> int:
     """Mosaic's default split count for `rows` query rows, padded to whole warpgroups."""
-    padded = -(-rows // pm.ROWS) * pm.ROWS
-    return pm.default_splits(batch, num_kv_heads, padded, live_len, pm.BLOCK_KV)
+    return pm.default_splits(batch, num_kv_heads, pm.padded_rows(rows), live_len, pm.BLOCK_KV)
 
 
 def kernel_supported(q, k_cache) -> bool:
