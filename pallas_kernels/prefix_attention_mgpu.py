@@ -304,14 +304,25 @@ def default_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms=NUM_S
     """One CTA per SM (the ring and tiles take most of its shared memory): the fewest splits
     that fill at least 90% of the SMs and leave the last wave no more than 10% short, while a
     split keeps 4 key blocks. H200, N = 16, B = 8, 32K: 3 splits (192 CTAs, 1.45 waves) took
-    311 us where 6 (384, 2.9 waves) took 278 (bench/RESULTS.md, thirty-seventh set)."""
+    311 us where 6 (384, 2.9 waves) took 278 (bench/RESULTS.md, thirty-seventh set).
+    Splits are whole key blocks, so only `active_splits` of them hold keys: at batch 1, N 16,
+    8K, 15 splits of 5 blocks left 2 of the 15 empty (104 busy CTAs, 18.3-18.7 us) where 16
+    of 4 kept 128 busy (17.6 us; thirty-ninth set). The rule counts the busy ones."""
     cap = max(1, cache_len // (4 * block_kv))
     for splits in range(1, cap + 1):
-        total = grid_ctas(batch, num_kv_heads, rows, splits)
+        busy = active_splits(cache_len, splits, block_kv)
+        total = grid_ctas(batch, num_kv_heads, rows, busy)
         waves = -(-total // num_sms)
         if total >= 0.9 * num_sms and total >= 0.9 * waves * num_sms:
             return splits
     return cap
+
+
+def active_splits(length, num_splits, block_kv) -> int:
+    """Splits that hold keys when `length` keys are cut as `_bounds` cuts them (whole blocks)."""
+    blocks = -(-length // block_kv)
+    per_split = -(-blocks // num_splits) if blocks else 1
+    return -(-blocks // per_split)
 
 
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",

@@ -143,13 +143,23 @@ def test_bad_shapes_and_scale_are_refused():
 
 
 @pytest.mark.parametrize("b, rows, length, splits", [
-    (1, 64, 8192, 15), (8, 64, 8192, 2), (64, 64, 8192, 1), (1, 256, 8192, 8),
+    (1, 64, 8192, 16), (8, 64, 8192, 2), (64, 64, 8192, 1), (1, 256, 8192, 8),
     (8, 256, 32768, 1), (1, 64, 512, 1), (1, 192, 8192, 5)])
 def test_default_splits_fill_whole_waves(b, rows, length, splits):
     """The fewest splits whose CTAs fill 90% of 132 SMs and 90% of their last wave, each
     keeping 4 key blocks (the H200's measured best at these shapes, thirty-seventh set); 192
-    rows run in 3 one-warpgroup row tiles, 24 CTAs a split at 8 KV heads."""
+    rows run in 3 one-warpgroup row tiles, 24 CTAs a split at 8 KV heads. Only splits that
+    hold keys count: at batch 1 over 8K, 15 splits of 5 blocks leave 2 empty."""
     assert pm.default_splits(b, 8, rows, length, 128) == splits
+
+
+@pytest.mark.parametrize("length, splits, block", [(8192, 15, 128), (8192, 16, 128),
+                                                   (1000, 3, 128), (0, 4, 128), (300, 8, 64)])
+def test_active_splits_match_the_kernels_cut(length, splits, block):
+    """`active_splits` counts the splits `_bounds` gives keys to, for every split index."""
+    busy = sum(int(pm._bounds(jnp.int32(length), s, splits, block)[3]) > 0
+               for s in range(splits))
+    assert pm.active_splits(length, splits, block) == busy
 
 
 def test_mosaic_serves_the_measured_shapes_on_hopper_only(monkeypatch):
