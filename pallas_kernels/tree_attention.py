@@ -162,11 +162,8 @@ def _tree_attention_kernel(
                    # q [B, Hkv, R, D] (rows r = n * G + g; packed: qkv [B, N, Hq + 2 Hkv, D]),
                    # k, v [L, Bc, Hkv, T, D], kn, vn [B, Hkv, N, D] (packed: the same qkv),
                    # mask [B, N, N] int8; with `merge_in`: the prefix's split partials
-                   # po [BH, S', R', D], pm, pl [BH, S', R'] (R' >= R); with `merge_last`:
-                   # arrivals [BH * row blocks] int32, zeros; then the outputs: S == 1:
-                   # out [B, N, Hq, D]; else o [BH, S, R, D], m, l [BH, S, R] (f32), and
-                   # with `merge_last` out before them and the arrivals (aliased) after
-
+                   # po [BH, S', R', D], pm, pl [BH, S', R'] (R' >= R); then the outputs:
+                   # S == 1: out [B, N, Hq, D]; else o [BH, S, R, D], m, l [BH, S, R] (f32)
     scale_log2: float,
     num_kv_heads: int,
     num_splits: int,
@@ -181,13 +178,11 @@ def _tree_attention_kernel(
     indirect: bool = False,
     merge_in: bool = False,
     new_only: bool = False,
-    merge_last: bool = False,
-    interpret: bool = False,
 ):
     # No slot map unless asked for: even a constant one costs an iota kernel per call.
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref = refs[:6]
-    out_refs = refs[9:] if merge_in else refs[7:] if merge_last else refs[6:]
+    out_refs = refs[9:] if merge_in else refs[6:]
     rb, split, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     b, h = bh // num_kv_heads, bh % num_kv_heads
     t_max = k_ref.shape[3]
@@ -273,44 +268,10 @@ def _tree_attention_kernel(
     if num_splits == 1 and not new_only:  # No combine: normalise, write the final layout.
         _store_rows(out_refs[0], o / l[:, None], b, h, r, row_live, group)
     else:
-        o_ref, m_ref, l_ref = out_refs[1:4] if merge_last else out_refs
+        o_ref, m_ref, l_ref = out_refs
         _store(o_ref.at[bh, split, rows, :], o, mask=row_live[:, None])
         _store(m_ref.at[bh, split, rows], m, mask=row_live)
         _store(l_ref.at[bh, split, rows], l, mask=row_live)
-        if merge_last:
-            _merge_if_last(out_refs[0], o_ref, m_ref, l_ref, out_refs[4], b, h, bh, rb,
-                           group=group, block_r=block_r, interpret=interpret)
-
-
-def _merge_if_last(out_ref, o_ref, m_ref, l_ref, arrivals_ref, b, h, bh, rb, *, group, block_r,
-                   interpret):
-    """After this program's partial is stored: the last of the row block's splits to arrive
-    (an acq_rel atomic count, `arrivals` zero at launch) merges them all into the final
-    layout, in place of a combine launch. Ordering: the CTA barrier puts every thread's partial
-    stores before the arrival, whose release (gpu scope) publishes them; the last program's
-    acquire, then a second barrier, put all its threads' loads after every other program's
-    release, so plain loads see the partials."""
-    num_splits = m_ref.shape[1]
-    if not interpret:   # every thread's stores come before the arrival (no-op interpreted)
-        plgpu.debug_barrier()
-    num_rb = arrivals_ref.shape[0] // m_ref.shape[0]
-    ticket = plgpu.atomic_add(arrivals_ref, (bh * num_rb + rb,), jnp.int32(1))
-    if not interpret:   # the ticket's acquire before any thread's loads
-        plgpu.debug_barrier()
-
-    @pl.when(ticket == num_splits - 1)
-    def _():
-        num_rows = out_ref.shape[1] * group
-        merge_r = min(block_r, _next_pow2(num_rows))   # rows < R only: N = 1 has G of 16
-        head_dim = o_ref.shape[-1]
-        r = rb * block_r + jnp.arange(merge_r)
-        row_live = r < num_rows
-        block_s = max(1, min(_next_pow2(num_splits), 8192 // (merge_r * head_dim)))
-        acc, den, _ = _merge_splits(o_ref, m_ref, l_ref, bh, r, row_live,
-                                    jnp.arange(head_dim)[None, None, :], block_s,
-                                    _empty_merge(merge_r, head_dim))
-        den = jnp.where(row_live, den, 1.0)
-        _store_rows(out_ref, acc / den[:, None], b, h, r, row_live, group)
 
 
 def _merge_partials(po_ref, pm_ref, pl_ref, bh, rows, row_live):
@@ -361,33 +322,8 @@ def _combine_kernel(
     num_splits, num_rows = m_ref.shape[1], out_ref.shape[1] * group   # N * G
     r = rb * block_r + jnp.arange(block_r)
     row_live = r < num_rows
-    col = db * block_d + jnp.arange(block_d)[None, None, :]
-    carry = _empty_merge(block_r, block_d)
-    if extra:
-        o2_ref, m2_ref, l2_ref = refs[:3]
-        r2 = jnp.minimum(r, num_rows - 1)
-        carry = (_load(o2_ref.at[bh, 0, r2[:, None], col[0]], mask=row_live[:, None],
-                       other=0.0),
-                 _load(l2_ref.at[bh, 0, r2], mask=row_live, other=0.0),
-                 _load(m2_ref.at[bh, 0, r2], mask=row_live, other=MASK_VALUE))
-    acc, den, _ = _merge_splits(o_ref, m_ref, l_ref, bh, r, row_live, col, block_s, carry)
-    den = jnp.where(row_live, den, 1.0)
-    _store_rows(out_ref, acc / den[:, None], b, h, r, row_live, group, db * block_d)
-
-
-def _empty_merge(rows, cols):
-    """The (acc, den, running max) a merge starts from: nothing seen yet."""
-    return (jnp.zeros((rows, cols), jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.full((rows,), MASK_VALUE, jnp.float32))
-
-
-def _merge_splits(o_ref, m_ref, l_ref, bh, r, row_live, col, block_s, carry):
-    """Merge rows r (row_live [rows]) and columns col [1, 1, cols] of KV head bh's split
-    partials o [BH, S, R, D], m, l [BH, S, R] into carry (acc [rows, cols], den, running max),
-    `block_s` splits a step as one [block_s, rows, cols] load, so that with block_s >= S every
-    load is in flight at once. Base-2 log-sum-exp with a running max."""
-    num_splits, num_rows = m_ref.shape[1], m_ref.shape[2]
     rr = jnp.minimum(r, num_rows - 1)[None, :]
+    col = db * block_d + jnp.arange(block_d)[None, None, :]
 
     def body(c, carry):
         acc, den, m_run = carry
@@ -404,7 +340,18 @@ def _merge_splits(o_ref, m_ref, l_ref, bh, r, row_live, col, block_s, carry):
         return (corr[:, None] * acc + (w[:, :, None] * o).sum(axis=0),
                 corr * den + (w * l).sum(axis=0), m_next)
 
-    return lax.fori_loop(0, pl.cdiv(num_splits, block_s), body, carry)
+    carry = (jnp.zeros((block_r, block_d), jnp.float32), jnp.zeros((block_r,), jnp.float32),
+             jnp.full((block_r,), MASK_VALUE, jnp.float32))
+    if extra:
+        o2_ref, m2_ref, l2_ref = refs[:3]
+        r2 = rr[0]
+        carry = (_load(o2_ref.at[bh, 0, r2[:, None], col[0]], mask=row_live[:, None],
+                       other=0.0),
+                 _load(l2_ref.at[bh, 0, r2], mask=row_live, other=0.0),
+                 _load(m2_ref.at[bh, 0, r2], mask=row_live, other=MASK_VALUE))
+    acc, den, _ = lax.fori_loop(0, pl.cdiv(num_splits, block_s), body, carry)
+    den = jnp.where(row_live, den, 1.0)
+    _store_rows(out_ref, acc / den[:, None], b, h, r, row_live, group, db * block_d)
 
 
 def combine_config(rows, head_dim, num_splits, num_heads_total=1):
@@ -456,8 +403,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
-           "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
-           "merge_last")
+           "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -511,7 +457,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             slots, *,
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
-            skip_before=False, live_rows=0, backend=None, mosaic_tree=None, merge_last=None):
+            skip_before=False, live_rows=0, backend=None, mosaic_tree=None):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -522,9 +468,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     default split count is sized for it. Only speed depends on it.
     backend: "triton", "mosaic" (the prefix by `prefix_attention_mgpu`, and the tree part too up
     to `_MOSAIC_TREE_KEYS` tokens), or None: `mosaic_serves` decides. mosaic_tree=False: the
-    Triton kernel's tree part (and merge) beside Mosaic's prefix at any tree size (A/B runs).
-    merge_last: the Triton kernel's splits merged by the last of them to finish, in the same
-    launch, instead of by the combine pass (None: `_merges_last` decides)."""
+    Triton kernel's tree part (and merge) beside Mosaic's prefix at any tree size (A/B runs)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -564,40 +508,22 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                               mosaic_tree=mosaic_tree)
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
-    grid = (pl.cdiv(rows, block_r), num_splits, b * hkv)
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
     if num_splits > 1:
         out_shape = [jax.ShapeDtypeStruct((b * hkv, num_splits, rows, d), f32),
                      jax.ShapeDtypeStruct((b * hkv, num_splits, rows), f32),
                      jax.ShapeDtypeStruct((b * hkv, num_splits, rows), f32)]
-    last = num_splits > 1 and (_merges_last(b, rows) if merge_last is None else merge_last)
-    aliases = {}
-    if last:   # out first, the arrival counts last (zeros in, aliased: updated in place)
-        arrivals = jnp.zeros((b * hkv * grid[0],), jnp.int32)
-        out_shape = [jax.ShapeDtypeStruct(q_shape, dtype), *out_shape,
-                     jax.ShapeDtypeStruct(arrivals.shape, jnp.int32)]
-        aliases = {len(operands): 4}
-        operands = (*operands, arrivals)
     out = pl.pallas_call(
-        functools.partial(kernel, num_splits=num_splits, merge_last=last, interpret=interpret),
-        grid=grid,
+        functools.partial(kernel, num_splits=num_splits),
+        grid=(pl.cdiv(rows, block_r), num_splits, b * hkv),
         out_shape=out_shape,
-        input_output_aliases=aliases,
         compiler_params=params,
         interpret=interpret,
         name="tree_attention",
     )(*operands)
     if num_splits == 1:
         return out
-    if last:
-        return out[0]
     return _combine(out, (), q_shape, dtype, hkv, interpret)
-
-
-def _merges_last(batch, rows) -> bool:
-    """Whether the Triton kernel's splits are merged by their last program (no combine
-    launch) by default."""
-    return False
 
 
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
