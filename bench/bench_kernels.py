@@ -297,7 +297,8 @@ def sweep(quick, grid: str = "blocks", only: str = ""):
     """`blocks`: block sizes, warps and stages around the default on four shapes; `splits`:
     num_splits x block_k (64, 128) x warps (4, 2) on SPLIT_GRID's shapes; `backends`: Triton
     against Mosaic GPU's prefix kernel at its default split count, half and twice it, on
-    BACKEND_GRID (`mosaic_splits`: also at 2 splits either side of the default); `merge`: the
+    BACKEND_GRID (`mosaic_splits`: also at 2 splits either side of the default; `mosaic_ring`:
+    Mosaic's key block and ring slots, at the block's default splits); `merge`: the
     Mosaic path's Triton merge (row tile, warps, stages) at the default split count, on
     BACKEND_GRID. only: "B,N,L;..." keeps just those shapes."""
     shapes = [(1, 1, 8192), (8, 16, 8192), (64, 1, 8192), (8, 64, 8192)]
@@ -305,7 +306,7 @@ def sweep(quick, grid: str = "blocks", only: str = ""):
                dict(num_stages=4), dict(num_warps=8), dict(num_warps=2)]
     if grid == "splits":
         shapes = list(SPLIT_GRID)
-    if grid in ("backends", "mosaic_splits", "merge"):
+    if grid in ("backends", "mosaic_splits", "mosaic_ring", "merge"):
         shapes = BACKEND_GRID
     if only:
         shapes = parse_shapes(only)
@@ -323,6 +324,10 @@ def sweep(quick, grid: str = "blocks", only: str = ""):
             cfgs = [dict(backend="triton")] + [
                 dict(backend="mosaic", num_splits=x)
                 for x in sorted({max(1, sp // 2), sp, 2 * sp, *near} - {0})]
+        elif grid == "mosaic_ring":
+            cfgs = [dict(backend="triton")] + [
+                dict(backend="mosaic", mosaic_ring=ring)
+                for ring in ((128, 2), (64, 2), (64, 3), (64, 4), (64, 5))]
         elif grid == "merge":
             cfgs = [dict(backend="triton"), dict(backend="mosaic")] + [
                 dict(backend="mosaic", block_r=r, num_warps=w, num_stages=st)
@@ -463,7 +468,8 @@ def main():
     p.add_argument("--skip", default="", help="comma list of: check,sweep,table,compact")
     p.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
     p.add_argument("--sweep-grid",
-                   choices=("blocks", "splits", "backends", "mosaic_splits", "merge"),
+                   choices=("blocks", "splits", "backends", "mosaic_splits", "mosaic_ring",
+                            "merge"),
                    default="blocks")
     p.add_argument("--sweep-shapes", default="", help='only these "B,N,L;..." in the sweep')
     p.add_argument("--table-shapes", default="", help='only these "B,N,L;..." in the table')

@@ -46,6 +46,7 @@ except ImportError:  # pragma: no cover
 
 ROWS = 64         # query rows of one compute warpgroup: wgmma's M
 BLOCK_KV = 128    # keys per TMA copy (the example's best on the tree's shapes)
+STEPS = 2         # ring slots: two of 128 keys fill shared memory next to the tiles
 NUM_SMS = 132     # the H100's and the H200's
 
 
@@ -329,7 +330,7 @@ def active_splits(length, num_splits, block_kv) -> int:
                                              "interpret"))
 def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree=None, *,
                          scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
-                         steps: int = 2, interpret: bool = False):
+                         steps: int = STEPS, interpret: bool = False):
     """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
     each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
     m, l [B * Hkv, S, R], f32. slots [B]: the cache slot of each row (None: row b is slot b).

@@ -403,7 +403,8 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
-           "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree")
+           "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
+           "mosaic_ring")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -457,7 +458,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             slots, *,
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
-            skip_before=False, live_rows=0, backend=None, mosaic_tree=None):
+            skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -468,7 +469,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     default split count is sized for it. Only speed depends on it.
     backend: "triton", "mosaic" (the prefix by `prefix_attention_mgpu`, and the tree part too up
     to `_MOSAIC_TREE_KEYS` tokens), or None: `mosaic_serves` decides. mosaic_tree=False: the
-    Triton kernel's tree part (and merge) beside Mosaic's prefix at any tree size (A/B runs)."""
+    Triton kernel's tree part (and merge) beside Mosaic's prefix at any tree size (A/B runs).
+    mosaic_ring: (keys a block, ring slots) of the Mosaic kernel (None: its defaults)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -480,7 +482,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     mosaic = backend == "mosaic" or (backend is None and mosaic_serves(
         rows, live_len, t, d, dtype, batch=b, num_kv_heads=hkv))
     if mosaic:
-        num_splits = num_splits or _mosaic_splits(b, hkv, rows, live_len)
+        ring = mosaic_ring or (pm.BLOCK_KV, pm.STEPS)
+        num_splits = num_splits or _mosaic_splits(b, hkv, rows, live_len, ring[0])
         if num_splits == 1 or num_splits > _FUSED_MERGE_SPLITS:   # (see _MOSAIC_TREE_TILE)
             cfg = (_MOSAIC_TREE_TILE[0], cfg[1], cfg[2], _MOSAIC_TREE_TILE[1], cfg[4])
     block_r = block_r or cfg[0]
@@ -505,7 +508,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                               q_shape, dtype, packed=packed, block_r=block_r, params=params,
                               num_splits=num_splits, sm_scale=sm_scale, interpret=interpret,
                               kn_in=kn_in, vn_in=vn_in, tree_mask=tree_mask,
-                              mosaic_tree=mosaic_tree)
+                              mosaic_tree=mosaic_tree, ring=ring)
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
@@ -528,7 +531,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
                    dtype, *, packed, block_r, params, num_splits, sm_scale, interpret,
-                   kn_in=None, vn_in=None, tree_mask=None, mosaic_tree=None):
+                   kn_in=None, vn_in=None, tree_mask=None, mosaic_tree=None, ring=None):
     """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`). Trees of up
     to `_MOSAIC_TREE_KEYS` tokens go into that kernel too (then one launch, or two with the
     combine over several splits); larger ones take `kernel` (the Triton kernel, configured) for
@@ -545,7 +548,7 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
                                      k_cache.dtype)
     prefix = pm.prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots, tree,
                                      scale_log2=sm_scale * _LOG2E, num_splits=num_splits,
-                                     interpret=interpret)
+                                     block_kv=ring[0], steps=ring[1], interpret=interpret)
     if tree is not None and num_splits == 1:   # normalised rows [B * Hkv, R', D]
         o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)
         return o.transpose(0, 2, 1, 3, 4).reshape(q_shape).astype(dtype)
@@ -637,9 +640,9 @@ def _mosaic_prefix_long_enough(rows, live_len, head_dim, batch, num_kv_heads) ->
     return pm.grid_ctas(batch, num_kv_heads, pm.padded_rows(rows), splits) <= pm.NUM_SMS
 
 
-def _mosaic_splits(batch, num_kv_heads, rows, live_len) -> int:
+def _mosaic_splits(batch, num_kv_heads, rows, live_len, block_kv=pm.BLOCK_KV) -> int:
     """Mosaic's default split count for `rows` query rows, padded to whole warpgroups."""
-    return pm.default_splits(batch, num_kv_heads, pm.padded_rows(rows), live_len, pm.BLOCK_KV)
+    return pm.default_splits(batch, num_kv_heads, pm.padded_rows(rows), live_len, block_kv)
 
 
 def kernel_supported(q, k_cache) -> bool:
