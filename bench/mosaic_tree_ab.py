@@ -23,15 +23,16 @@ VARIANTS = {"inside": dict(backend="mosaic"), "beside": dict(backend="mosaic", m
             "triton": dict(backend="triton")}
 
 
-def check(b, n, t, hq, hkv, d, splits, packed):
-    """`bench_kernels.check_attention` on uneven prefixes, at a given split count."""
+def check(b, n, t, hq, hkv, d, splits, packed, extra=None):
+    """`bench_kernels.check_attention` on uneven prefixes, at a given split count (and the
+    tuning in `extra`)."""
     key = jax.random.key(b * 131 + n)
     q, kc, vc, sl, kn, vn, mask = bk.make_inputs(key, b, n, t, 2, hq=hq, hkv=hkv, d=d,
                                                  seq_lens=jnp.arange(b, dtype=jnp.int32) * 37
                                                  % t + t // 2)
     scale = 1 / math.sqrt(d)
     ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, sm_scale=scale)
-    kw = dict(sm_scale=scale, backend="mosaic", num_splits=splits)
+    kw = dict(sm_scale=scale, backend="mosaic", num_splits=splits, **(extra or {}))
     if packed:
         qkv = jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], 2)
         run = lambda: ta.tree_attention_packed_pallas(  # noqa: E731
@@ -40,7 +41,8 @@ def check(b, n, t, hq, hkv, d, splits, packed):
         run = lambda: ta.tree_attention_pallas(  # noqa: E731
             q, kc, vc, jnp.int32(1), sl, kn, vn, mask, **kw)
     bk.check_attention("tree_attention_mosaic_packed" if packed else "tree_attention_mosaic",
-                       run, ref, 1e-2, dict(b=b, n=n, t=t, hq=hq, hkv=hkv, d=d, splits=splits))
+                       run, ref, 1e-2, dict(b=b, n=n, t=t, hq=hq, hkv=hkv, d=d, splits=splits,
+                                            **(extra or {})))
 
 
 def main():

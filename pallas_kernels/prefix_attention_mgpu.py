@@ -88,7 +88,7 @@ def _bounds(seq_len, split, num_splits, block_kv):
 
 
 def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, wgs,
-            indirect, tree, interpret):
+            indirect, tree, interpret, overlap):
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref = refs[:3]
     kn_ref, vn_ref, bias_ref = refs[3:6] if tree else (None, None, None)
@@ -168,14 +168,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
                 wait_next_k(i)
             return pl.run_state(pv)(plgpu.ACC.init(acc))
 
-        def step(i, carry, masked=False, new_keys=False):
-            acc, m_i, l_i = carry
-            ring = lax.rem(i, steps)
-            new = pl.ds(0, tree_keys)
-            s = scores(k_smem.at[ring, new] if new_keys else k_smem.at[ring])
-            plgpu.barrier_arrive(k_free.at[ring])
-            if new_keys:   # the tree mask, as 0 or MASK_VALUE a score
-                s = s + bias_smem.at[wg][...].astype(jnp.float32)
+        def softmax(s, i, m_i, l_i, masked):   # -> p (f32), the new max and sum, the rescale
             if masked:   # keys at or past the split's end weigh nothing
                 key = (lax.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1) if interpret else
                        plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
@@ -185,8 +178,18 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             m_next = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
             alpha = jnp.exp2(m_i - m_next)
             p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_next, s.shape, [0]))
+            return p, m_next, l_i * alpha + p.sum(axis=1), alpha
+
+        def step(i, carry, masked=False, new_keys=False):
+            acc, m_i, l_i = carry
+            ring = lax.rem(i, steps)
+            new = pl.ds(0, tree_keys)
+            s = scores(k_smem.at[ring, new] if new_keys else k_smem.at[ring])
+            plgpu.barrier_arrive(k_free.at[ring])
+            if new_keys:   # the tree mask, as 0 or MASK_VALUE a score
+                s = s + bias_smem.at[wg][...].astype(jnp.float32)
+            p, m_next, l_i, alpha = softmax(s, i, m_i, l_i, masked)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha + p.sum(axis=1)
             p16 = p.astype(dtype)
             acc, l_i, m_next, p16 = lax.optimization_barrier((acc, l_i, m_next, p16))
             if wgs == 2:
@@ -198,8 +201,63 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             plgpu.barrier_arrive(v_free.at[ring])
             return acc, m_next, l_i
 
-        carry = lax.fori_loop(0, full_blocks, step, carry)
-        carry = lax.fori_loop(full_blocks, blocks, functools.partial(step, masked=True), carry)
+        def overlapped(acc_ref):
+            """The prefix blocks with block i - 1's PV product issued right behind block i's
+            scores, so that it runs on the tensor cores while this warpgroup does block i's
+            softmax (FlashAttention-3's intra-warpgroup overlap). acc_ref: the output
+            accumulator, zero; -> (acc, m, l) after the prefix."""
+            def o_step(i, c, masked=False):
+                m_i, l_i, p_prev = c
+                ring, prev = lax.rem(i, steps), lax.rem(i + steps - 1, steps)
+
+                def qk(s_ref):
+                    plgpu.wgmma(s_ref, q_tile, plgpu.transpose_ref(k_smem.at[ring], (1, 0)))
+
+                    @pl.when(i > 0)
+                    def _():
+                        plgpu.barrier_wait(v_ready.at[prev])
+                        plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev])
+                    staggered()
+
+                    @pl.when(i == 0)   # no product behind the scores: wait for them alone
+                    def _():
+                        plgpu.wgmma_wait(0)
+                    return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+                s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[ring])
+                p, m_next, l_next, alpha = softmax(s, i, m_i, l_i, masked)
+                p16 = p.astype(dtype)
+                acc = acc_ref[...]   # waits for block i - 1's product
+
+                @pl.when(i > 0)
+                def _():
+                    plgpu.barrier_arrive(v_free.at[prev])
+                acc_ref[...] = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                wait_next_k(i)
+                return m_next, l_next, p16
+
+            _, m_i, l_i = carry
+            c = (m_i, l_i, plgpu.layout_cast(jnp.zeros((ROWS, block_kv), dtype),
+                                             plgpu.Layout.WGMMA))
+            c = lax.fori_loop(0, full_blocks, o_step, c)
+            m_i, l_i, p_last = lax.fori_loop(full_blocks, blocks,
+                                             functools.partial(o_step, masked=True), c)
+
+            @pl.when(blocks > 0)
+            def _():   # the last block's product
+                last = lax.rem(blocks - 1, steps)
+                plgpu.barrier_wait(v_ready.at[last])
+                plgpu.wgmma(acc_ref, p_last, v_smem.at[last])
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(v_free.at[last])
+            return acc_ref[...], m_i, l_i
+
+        if overlap and not interpret:
+            carry = pl.run_scoped(overlapped, plgpu.ACC((ROWS, head_dim), jnp.float32))
+        else:
+            carry = lax.fori_loop(0, full_blocks, step, carry)
+            carry = lax.fori_loop(full_blocks, blocks, functools.partial(step, masked=True),
+                                  carry)
         if tree:   # (a loop of 0 or 1 trips: split 0 only)
             carry = lax.fori_loop(blocks, total, functools.partial(step, new_keys=True), carry)
         acc, m_i, l_i = carry
@@ -327,10 +385,11 @@ def active_splits(length, num_splits, block_kv) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
-                                             "interpret"))
+                                             "overlap", "interpret"))
 def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree=None, *,
                          scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
-                         steps: int = STEPS, interpret: bool = False):
+                         steps: int = STEPS, overlap: bool = False,
+                         interpret: bool = False):
     """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
     each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
     m, l [B * Hkv, S, R], f32. slots [B]: the cache slot of each row (None: row b is slot b).
@@ -368,7 +427,7 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     indirect = slots is not None
     body = functools.partial(_kernel, scale_log2=scale_log2, num_splits=num_splits,
                              block_kv=block_kv, steps=steps, wgs=wgs, indirect=indirect,
-                             tree=tree is not None, interpret=interpret)
+                             tree=tree is not None, interpret=interpret, overlap=overlap)
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, *barriers,

@@ -88,6 +88,9 @@ _FUSED_MERGE_SPLITS = 2
 # under their mask as an additive bias tile (8 KB a warpgroup: a 128-key tile would overflow
 # shared memory with two warpgroups); larger ones keep the Triton kernel's tree part.
 _MOSAIC_TREE_KEYS = 64
+# The Mosaic kernel's PV product of block i - 1 issued behind block i's scores (overlapped with
+# its softmax), as FlashAttention-3 does.
+_MOSAIC_OVERLAP = False
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -404,7 +407,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
            "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
-           "mosaic_ring")
+           "mosaic_ring", "mosaic_overlap")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -458,7 +461,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             slots, *,
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
-            skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None):
+            skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
+            mosaic_overlap=None):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -470,7 +474,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     backend: "triton", "mosaic" (the prefix by `prefix_attention_mgpu`, and the tree part too up
     to `_MOSAIC_TREE_KEYS` tokens), or None: `mosaic_serves` decides. mosaic_tree=False: the
     Triton kernel's tree part (and merge) beside Mosaic's prefix at any tree size (A/B runs).
-    mosaic_ring: (keys a block, ring slots) of the Mosaic kernel (None: its defaults)."""
+    mosaic_ring: (keys a block, ring slots) of the Mosaic kernel (None: its defaults).
+    mosaic_overlap: its PV products behind the next block's scores (None: `_MOSAIC_OVERLAP`)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -508,7 +513,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                               q_shape, dtype, packed=packed, block_r=block_r, params=params,
                               num_splits=num_splits, sm_scale=sm_scale, interpret=interpret,
                               kn_in=kn_in, vn_in=vn_in, tree_mask=tree_mask,
-                              mosaic_tree=mosaic_tree, ring=ring)
+                              mosaic_tree=mosaic_tree, ring=ring,
+                              overlap=_MOSAIC_OVERLAP if mosaic_overlap is None else mosaic_overlap)
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
@@ -531,7 +537,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
                    dtype, *, packed, block_r, params, num_splits, sm_scale, interpret,
-                   kn_in=None, vn_in=None, tree_mask=None, mosaic_tree=None, ring=None):
+                   kn_in=None, vn_in=None, tree_mask=None, mosaic_tree=None, ring=None,
+                   overlap=False):
     """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`). Trees of up
     to `_MOSAIC_TREE_KEYS` tokens go into that kernel too (then one launch, or two with the
     combine over several splits); larger ones take `kernel` (the Triton kernel, configured) for
@@ -548,7 +555,8 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
                                      k_cache.dtype)
     prefix = pm.prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots, tree,
                                      scale_log2=sm_scale * _LOG2E, num_splits=num_splits,
-                                     block_kv=ring[0], steps=ring[1], interpret=interpret)
+                                     block_kv=ring[0], steps=ring[1], overlap=overlap,
+                                     interpret=interpret)
     if tree is not None and num_splits == 1:   # normalised rows [B * Hkv, R', D]
         o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)
         return o.transpose(0, 2, 1, 3, 4).reshape(q_shape).astype(dtype)

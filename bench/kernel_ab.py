@@ -1,0 +1,56 @@
+"""A/B of tree-attention tuning variants in one call: each variant checked against the jnp
+reference first (uneven prefixes, 1-4 splits, packed and separate inputs, SmolLM2's heads),
+then all timed with the bench_kernels harness (chained calls, 8 dispatched back to back).
+
+    python3 bench/kernel_ab.py --variants '{"overlap": {"mosaic_overlap": true}}' \\
+        [--base '{"backend": "mosaic"}'] [--shapes "B,N,L;..."]
+Every variant is `base` updated with its own settings; "default" (base alone) is always
+timed, twice. Writes $OUT/kernel_ab.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax  # noqa: E402
+
+from bench import bench_kernels as bk  # noqa: E402
+from bench import mosaic_tree_ab as mt  # noqa: E402
+
+CHECKS = [(8, 64, 1024, 32, 8, 128, 1, False), (3, 16, 1024, 32, 8, 128, 3, True),
+          (2, 60, 2048, 32, 8, 128, 2, True), (3, 30, 1024, 9, 3, 64, 1, True),
+          (1, 7, 512, 32, 8, 128, 4, False), (2, 64, 4096, 32, 8, 128, 3, False)]
+SHAPES = ("64,64,8192;8,64,8192;1,64,8192;8,64,2048;1,16,8192;8,16,8192;64,16,8192;"
+          "1,16,32768")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", required=True, help='{"name": {tuning...}, ...}')
+    ap.add_argument("--base", default='{"backend": "mosaic"}')
+    ap.add_argument("--shapes", default=SHAPES)
+    a = ap.parse_args()
+    base = json.loads(a.base)
+    variants = {name: {**base, **cfg} for name, cfg in json.loads(a.variants).items()}
+    out = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, base=base,
+               variants=variants, checks=bk.RESULTS["check"], times=[])
+    for name, cfg in variants.items():
+        for args in CHECKS:
+            mt.check(*args, extra={k: v for k, v in cfg.items() if k != "backend"})
+    for b, n, length in bk.parse_shapes(a.shapes):
+        fns = {"default": bk.kernel_fn(**base)}
+        fns.update({name: bk.kernel_fn(**cfg) for name, cfg in variants.items()})
+        fns["default again"] = bk.kernel_fn(**base, block_n=64)   # same program, re-traced
+        row = bk.bench_attention(b, n, length, fns, jax.random.key(7))
+        print("time", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()
+                       if k.endswith("_us") or k in ("b", "n", "L")}, flush=True)
+        out["times"].append(row)
+        with open(os.path.join(os.environ.get("OUT", "."), "kernel_ab.json"), "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
