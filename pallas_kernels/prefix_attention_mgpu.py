@@ -168,7 +168,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
                 wait_next_k(i)
             return pl.run_state(pv)(plgpu.ACC.init(acc))
 
-        def softmax(s, i, m_i, l_i, masked):   # -> p (f32), the new max and sum, the rescale
+        def softmax(s, i, m_i, masked):   # -> p (f32), the new running max, the rescale
             if masked:   # keys at or past the split's end weigh nothing
                 key = (lax.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1) if interpret else
                        plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
@@ -178,7 +178,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             m_next = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
             alpha = jnp.exp2(m_i - m_next)
             p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_next, s.shape, [0]))
-            return p, m_next, l_i * alpha + p.sum(axis=1), alpha
+            return p, m_next, alpha
 
         def step(i, carry, masked=False, new_keys=False):
             acc, m_i, l_i = carry
@@ -188,8 +188,9 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             plgpu.barrier_arrive(k_free.at[ring])
             if new_keys:   # the tree mask, as 0 or MASK_VALUE a score
                 s = s + bias_smem.at[wg][...].astype(jnp.float32)
-            p, m_next, l_i, alpha = softmax(s, i, m_i, l_i, masked)
+            p, m_next, alpha = softmax(s, i, m_i, masked)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
             p16 = p.astype(dtype)
             acc, l_i, m_next, p16 = lax.optimization_barrier((acc, l_i, m_next, p16))
             if wgs == 2:
@@ -201,14 +202,26 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             plgpu.barrier_arrive(v_free.at[ring])
             return acc, m_next, l_i
 
-        def overlapped(acc_ref):
+        def overlapped(carry, acc_ref=None):
             """The prefix blocks with block i - 1's PV product issued right behind block i's
             scores, so that it runs on the tensor cores while this warpgroup does block i's
             softmax (FlashAttention-3's intra-warpgroup overlap). acc_ref: the output
-            accumulator, zero; -> (acc, m, l) after the prefix."""
-            def o_step(i, c, masked=False):
-                m_i, l_i, p_prev = c
-                ring, prev = lax.rem(i, steps), lax.rem(i + steps - 1, steps)
+            accumulator on the device (zero); the interpreter carries it instead and takes
+            both products as jnp dots, with the same barrier sequence. -> (acc, m, l)."""
+            f32 = jnp.float32
+
+            def product(p16, i, slot):   # interpreter: p v of ring slot `slot` if i >= 0
+                return lax.cond(i >= 0, lambda: jnp.dot(p16, v_smem.at[slot][...],
+                                                        preferred_element_type=f32),
+                                lambda: jnp.zeros((ROWS, head_dim), f32))
+
+            def behind(i, ring, prev, p_prev):   # -> block i's scores, the interpreter's pv
+                if interpret:
+                    s = jnp.dot(q_tile[...], k_smem.at[ring][...].T, preferred_element_type=f32)
+                    pl.when(i > 0)(lambda: plgpu.barrier_wait(v_ready.at[prev]))
+                    pv = product(p_prev, i - 1, prev)
+                    staggered()
+                    return s, pv
 
                 def qk(s_ref):
                     plgpu.wgmma(s_ref, q_tile, plgpu.transpose_ref(k_smem.at[ring], (1, 0)))
@@ -223,37 +236,45 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
                     def _():
                         plgpu.wgmma_wait(0)
                     return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-                s = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+                return pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), f32)), None
+
+            def o_step(i, c, masked=False):
+                acc, m_i, l_i, p_prev = c   # acc: None on the device (it is in acc_ref)
+                ring, prev = lax.rem(i, steps), lax.rem(i + steps - 1, steps)
+                s, pv = behind(i, ring, prev, p_prev)
                 plgpu.barrier_arrive(k_free.at[ring])
-                p, m_next, l_next, alpha = softmax(s, i, m_i, l_i, masked)
-                p16 = p.astype(dtype)
-                acc = acc_ref[...]   # waits for block i - 1's product
-
-                @pl.when(i > 0)
-                def _():
-                    plgpu.barrier_arrive(v_free.at[prev])
-                acc_ref[...] = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p, m_next, alpha = softmax(s, i, m_i, masked)
+                l_next = l_i * alpha + p.sum(axis=1)
+                # Block i - 1's product is done (the device waits for it here).
+                acc_now = acc + pv if interpret else acc_ref[...]
+                pl.when(i > 0)(lambda: plgpu.barrier_arrive(v_free.at[prev]))
+                acc_now = acc_now * lax.broadcast_in_dim(alpha, acc_now.shape, [0])
+                if not interpret:
+                    acc_ref[...] = acc_now
                 wait_next_k(i)
-                return m_next, l_next, p16
+                return acc_now if interpret else None, m_next, l_next, p.astype(dtype)
 
-            _, m_i, l_i = carry
-            c = (m_i, l_i, plgpu.layout_cast(jnp.zeros((ROWS, block_kv), dtype),
-                                             plgpu.Layout.WGMMA))
+            acc, m_i, l_i = carry
+            c = (acc if interpret else None, m_i, l_i,
+                 cast(jnp.zeros((ROWS, block_kv), dtype), plgpu.Layout.WGMMA))
             c = lax.fori_loop(0, full_blocks, o_step, c)
-            m_i, l_i, p_last = lax.fori_loop(full_blocks, blocks,
-                                             functools.partial(o_step, masked=True), c)
+            acc, m_i, l_i, p_last = lax.fori_loop(full_blocks, blocks,
+                                                  functools.partial(o_step, masked=True), c)
+            last = lax.rem(jnp.maximum(blocks - 1, 0), steps)
+            pl.when(blocks > 0)(lambda: plgpu.barrier_wait(v_ready.at[last]))
+            if interpret:   # the last block's product
+                acc = acc + product(p_last, blocks - 1, last)
+            else:
+                pl.when(blocks > 0)(lambda: plgpu.wgmma(acc_ref, p_last, v_smem.at[last]))
+                acc = acc_ref[...]
+            pl.when(blocks > 0)(lambda: plgpu.barrier_arrive(v_free.at[last]))
+            return acc, m_i, l_i
 
-            @pl.when(blocks > 0)
-            def _():   # the last block's product
-                last = lax.rem(blocks - 1, steps)
-                plgpu.barrier_wait(v_ready.at[last])
-                plgpu.wgmma(acc_ref, p_last, v_smem.at[last])
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(v_free.at[last])
-            return acc_ref[...], m_i, l_i
-
-        if overlap and not interpret:
-            carry = pl.run_scoped(overlapped, plgpu.ACC((ROWS, head_dim), jnp.float32))
+        if overlap and interpret:
+            carry = overlapped(carry)
+        elif overlap:
+            carry = pl.run_scoped(functools.partial(overlapped, carry),
+                                  plgpu.ACC((ROWS, head_dim), jnp.float32))
         else:
             carry = lax.fori_loop(0, full_blocks, step, carry)
             carry = lax.fori_loop(full_blocks, blocks, functools.partial(step, masked=True),
@@ -293,31 +314,39 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
-        def fetch(i, ring):
+        def fetch(i, ring, which=(0, 1)):   # block i's keys (0) and/or values (1) into `ring`
+            copies = [(k_ref, kn_ref, k_smem, k_ready), (v_ref, vn_ref, v_smem, v_ready)]
+            copies = [copies[w] for w in which]
+
             @pl.when(i < blocks)
             def _():
                 keys = (layer, slot, h, pl.ds(start + i * block_kv, block_kv))
-                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[ring], k_ready.at[ring])
-                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[ring], v_ready.at[ring])
+                for src, _, dst, ready in copies:
+                    plgpu.copy_gmem_to_smem(src.at[keys], dst.at[ring], ready.at[ring])
 
             if tree:
                 @pl.when(i == blocks)
                 def _():
-                    new = pl.ds(0, tree_keys)
-                    plgpu.copy_gmem_to_smem(kn_ref.at[b, h], k_smem.at[ring, new],
-                                            k_ready.at[ring])
-                    plgpu.copy_gmem_to_smem(vn_ref.at[b, h], v_smem.at[ring, new],
-                                            v_ready.at[ring])
+                    for _, src, dst, ready in copies:
+                        plgpu.copy_gmem_to_smem(src.at[b, h], dst.at[ring, pl.ds(0, tree_keys)],
+                                                ready.at[ring])
 
         for i in range(steps):
             pl.when(i < total)(functools.partial(fetch, i, i))
 
+        # With `overlap` keys and values refill their slots each as soon as it is free: a
+        # slot's values are released one block after its keys there, and a fetch waiting for
+        # both held back the keys one warpgroup waited for while the other waited for it at
+        # the schedule barrier (a deadlock at two warpgroups, in the interpreter as on the
+        # device). Without it, the order measured so far: both waits, then both copies.
         @pl.loop(0, jnp.maximum(total - steps, 0))
         def _(i):
             ring = lax.rem(i, steps)
             plgpu.barrier_wait(k_free.at[ring])
+            if overlap:
+                fetch(i + steps, ring, (0,))
             plgpu.barrier_wait(v_free.at[ring])
-            fetch(i + steps, ring)
+            fetch(i + steps, ring, (1,) if overlap else (0, 1))
 
         # Observe each used slot's last release too: nothing is in flight when the CTA ends
         # (and the interpreter checks that every barrier phase was seen).

@@ -30,8 +30,12 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c[3]}s{c[5]}k{c[7]}")
-def test_partials_match_reference(case):
+def test_partials_match_reference(case, overlap):
+    """overlap: block i - 1's PV product behind block i's scores, the values' slots released a
+    block after the keys' (its barrier sequence is what the interpreter checks: with the
+    producer waiting for both, two warpgroups deadlocked)."""
     b, hkv, t, rows, seq_lens, splits, block_kv, steps, slots = case
     ks = jax.random.split(jax.random.key(rows + t), 3)
     cache_slots = b if slots is None else 3
@@ -43,7 +47,7 @@ def test_partials_match_reference(case):
     kw = dict(scale_log2=0.18, num_splits=splits, block_kv=block_kv)
     ref = pm.prefix_partials_reference(q, kc, vc, 1, sl, slots=slots, **kw)
     out = pm.prefix_partials_mgpu(q, kc, vc, jnp.int32(1), sl, slots, steps=steps,
-                                  interpret=True, **kw)
+                                  overlap=overlap, interpret=True, **kw)
     o, m, l = (np.asarray(x) for x in out)
     # m exact (the same max of the same f32 scores), l to f32 rounding, o to the bf16 rounding
     # of the probabilities fed to the second matmul.
@@ -55,12 +59,13 @@ def test_partials_match_reference(case):
     assert (l[empty] == 0).all() and (o[empty] == 0).all()
 
 
-@pytest.mark.parametrize("entry, splits, block_r, n, inside", [
-    ("separate", 2, None, 7, True), ("packed", 2, None, 7, True), ("separate", 3, None, 7, True),
-    ("separate", 1, None, 7, True),
-    ("separate", 2, None, 7, False), ("packed", 2, 16, 7, False), ("separate", 1, 128, 7, False),
-    ("separate", 3, None, 7, False)])
-def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, inside):
+@pytest.mark.parametrize("entry, splits, block_r, n, inside, overlap", [
+    ("separate", 2, None, 7, True, False), ("packed", 2, None, 7, True, False),
+    ("separate", 3, None, 7, True, False), ("separate", 1, None, 7, True, False),
+    ("separate", 2, None, 7, True, True), ("separate", 1, None, 16, True, True),
+    ("separate", 2, None, 7, False, False), ("packed", 2, 16, 7, False, False),
+    ("separate", 1, 128, 7, False, False), ("separate", 3, None, 7, False, False)])
+def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, inside, overlap):
     """The whole backend="mosaic" path. Up to 64 tree tokens (inside) the Mosaic kernel attends
     to them too, as one more key block of split 0 under the mask as a bias: with 1 split it
     writes the output itself, with more the combine merges its partials (7 tokens x 4 heads: 28
@@ -68,7 +73,8 @@ def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, i
     RESULTS.md, thirty-eighth set, call 7): through this entry Mosaic GPU's interpreter hangs now
     and then on them on a 2-core CPU, in a barrier wait. Beside it (mosaic_tree=False, as
     for trees past 64 tokens) the Triton kernel adds the tree part: merging 1-2 splits itself
-    (row tiles of 16, and of 128 past the partials' rows, masked) or before the combine (3)."""
+    (row tiles of 16, and of 128 past the partials' rows, masked) or before the combine (3).
+    overlap: the prefix with PV products behind the next block's scores (mosaic_overlap)."""
     b, hq, hkv, d, t = 2, 8, 2, 64, 256
     ks = jax.random.split(jax.random.key(5), 6)
     q = jax.random.normal(ks[0], (b, n, hq, d), jnp.bfloat16)
@@ -81,7 +87,7 @@ def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, i
     scale = 1 / math.sqrt(d)
     ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, sm_scale=scale)
     kw = dict(sm_scale=scale, interpret=True, backend="mosaic", num_splits=splits,
-              block_r=block_r, mosaic_tree=None if inside else False)
+              block_r=block_r, mosaic_tree=None if inside else False, mosaic_overlap=overlap)
     if entry == "packed":
         qkv = jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], 2)
         out = ta.tree_attention_packed_pallas(qkv, kc, vc, jnp.int32(1), sl, mask,
