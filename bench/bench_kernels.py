@@ -323,7 +323,7 @@ def sweep(quick, grid: str = "blocks", only: str = ""):
             near = range(sp - 2, sp + 3) if grid == "mosaic_splits" else ()
             cfgs = [dict(backend="triton")] + [
                 dict(backend="mosaic", num_splits=x)
-                for x in sorted({max(1, sp // 2), sp, 2 * sp, *near} - {0})]
+                for x in sorted({max(1, sp // 2), sp, 2 * sp, *near}) if x >= 1]
         elif grid == "mosaic_ring":
             cfgs = [dict(backend="triton")] + [
                 dict(backend="mosaic", mosaic_ring=ring)
