@@ -14,6 +14,9 @@
 #                                      #   rule beyond "8K+ live rows" would come from (the
 #                                      #   thirty-eighth set); mosaic_tree, the tree part inside
 #                                      #   the Mosaic kernel against beside it, checks first
+#   bash bench/gpu_plan.sh overlap     # issue 4: the Mosaic kernel's intra-warpgroup overlap
+#                                      #   (mosaic_overlap) checked, then timed against the
+#                                      #   default and cuDNN (thirty-ninth set)
 #   bash bench/gpu_plan.sh lossweight  # issue 7: the shipped head fine-tuned twice from the same
 #                                      #   start, data (17.5K self-distilled ShareGPT answers,
 #                                      #   carry .gpu/train/ from `python -m bench.train_gpu
@@ -589,6 +592,18 @@ case "${1:-}" in
     ;;
   mosaic_tree)
     run mosaic_tree 200 python3 bench/mosaic_tree_ab.py
+    ;;
+  overlap)
+    # The Mosaic kernel's PV product behind the next block's scores (thirty-ninth set: its first
+    # run hung on a producer deadlock, fixed since in the interpreter); checks first, then the
+    # N 16 and 64 rows against the default, and PyTorch's fused attention for the yardstick.
+    # The checks alone first, under a short limit: a hang costs 150 s, not the call.
+    V='{"overlap": {"mosaic_overlap": true}}'
+    run overlap_checks 150 python3 bench/kernel_ab.py --variants "$V" --shapes ""
+    if grep -q "'ok': True" "$OUT/overlap_checks.log" && ! grep -q "'ok': False" "$OUT/overlap_checks.log"; then
+      run overlap 400 python3 bench/kernel_ab.py --variants "$V" --no-checks
+    fi
+    run overlap_peers 120 python3 bench/peers/torch_attention.py --shapes "8,64,8192;64,64,8192;1,64,8192;64,16,8192"
     ;;
   mosaic_short)
     run mosaic_short 400 python3 bench/bench_kernels.py --skip check,table,compact --sweep-grid backends --sweep-shapes "8,16,1024;8,64,1024;16,16,1024;16,64,1024;32,64,1024;8,64,2048;16,64,4096;32,64,4096;1,64,4096"

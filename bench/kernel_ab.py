@@ -3,7 +3,7 @@ reference first (uneven prefixes, 1-4 splits, packed and separate inputs, SmolLM
 then all timed with the bench_kernels harness (chained calls, 8 dispatched back to back).
 
     python3 bench/kernel_ab.py --variants '{"overlap": {"mosaic_overlap": true}}' \\
-        [--base '{"backend": "mosaic"}'] [--shapes "B,N,L;..."]
+        [--base '{"backend": "mosaic"}'] [--shapes "B,N,L;..."] [--no-checks]
 Every variant is `base` updated with its own settings; "default" (base alone) is always
 timed, twice. Writes $OUT/kernel_ab.json.
 """
@@ -31,13 +31,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variants", required=True, help='{"name": {tuning...}, ...}')
     ap.add_argument("--base", default='{"backend": "mosaic"}')
-    ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--shapes", default=SHAPES, help='"" for the checks alone')
+    ap.add_argument("--no-checks", action="store_true", help="time only (checked before)")
     a = ap.parse_args()
     base = json.loads(a.base)
     variants = {name: {**base, **cfg} for name, cfg in json.loads(a.variants).items()}
     out = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, base=base,
                variants=variants, checks=bk.RESULTS["check"], times=[])
-    for name, cfg in variants.items():
+    for name, cfg in ({} if a.no_checks else variants).items():
         for args in CHECKS:
             mt.check(*args, extra={k: v for k, v in cfg.items() if k != "backend"})
     for b, n, length in bk.parse_shapes(a.shapes):
