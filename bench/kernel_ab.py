@@ -11,20 +11,56 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 from bench import bench_kernels as bk  # noqa: E402
-from bench import mosaic_tree_ab as mt  # noqa: E402
+from pallas_kernels import tree_attention as ta  # noqa: E402
 
 CHECKS = [(8, 64, 1024, 32, 8, 128, 1, False), (3, 16, 1024, 32, 8, 128, 3, True),
           (2, 60, 2048, 32, 8, 128, 2, True), (3, 30, 1024, 9, 3, 64, 1, True),
           (1, 7, 512, 32, 8, 128, 4, False), (2, 64, 4096, 32, 8, 128, 3, False)]
 SHAPES = ("64,64,8192;8,64,8192;1,64,8192;8,64,2048;1,16,8192;8,16,8192;64,16,8192;"
           "1,16,32768")
+
+
+def check(b, n, t, hq, hkv, d, splits, packed, extra=None):
+    """`bench_kernels.check_attention` on uneven prefixes, at a given split count (and the
+    tuning in `extra`)."""
+    key = jax.random.key(b * 131 + n)
+    q, kc, vc, sl, kn, vn, mask = bk.make_inputs(key, b, n, t, 2, hq=hq, hkv=hkv, d=d,
+                                                 seq_lens=jnp.arange(b, dtype=jnp.int32) * 37
+                                                 % t + t // 2)
+    scale = 1 / math.sqrt(d)
+    ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, sm_scale=scale)
+    kw = dict(sm_scale=scale, backend="mosaic", num_splits=splits, **(extra or {}))
+    if packed:
+        qkv = jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], 2)
+        run = lambda: ta.tree_attention_packed_pallas(  # noqa: E731
+            qkv, kc, vc, jnp.int32(1), sl, mask, num_heads=hq, **kw)
+    else:
+        run = lambda: ta.tree_attention_pallas(  # noqa: E731
+            q, kc, vc, jnp.int32(1), sl, kn, vn, mask, **kw)
+    bk.check_attention("tree_attention_mosaic_packed" if packed else "tree_attention_mosaic",
+                       run, ref, 1e-2, dict(b=b, n=n, t=t, hq=hq, hkv=hkv, d=d, splits=splits,
+                                            **(extra or {})))
+
+
+def time_rows(shapes, fns, out, filename):
+    """Time `fns` (name -> bench_kernels kernel fn) on each "B,N,L" shape; rows into out["times"],
+    saved to $OUT/filename after each."""
+    for b, n, length in bk.parse_shapes(shapes):
+        row = bk.bench_attention(b, n, length, fns, jax.random.key(7))
+        print("time", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()
+                       if k.endswith("_us") or k in ("b", "n", "L")}, flush=True)
+        out["times"].append(row)
+        with open(os.path.join(os.environ.get("OUT", "."), filename), "w") as f:
+            json.dump(out, f, indent=1)
 
 
 def main():
@@ -40,17 +76,11 @@ def main():
                variants=variants, checks=bk.RESULTS["check"], times=[])
     for name, cfg in ({} if a.no_checks else variants).items():
         for args in CHECKS:
-            mt.check(*args, extra={k: v for k, v in cfg.items() if k != "backend"})
-    for b, n, length in bk.parse_shapes(a.shapes):
-        fns = {"default": bk.kernel_fn(**base)}
-        fns.update({name: bk.kernel_fn(**cfg) for name, cfg in variants.items()})
-        fns["default again"] = bk.kernel_fn(**base, block_n=64)   # same program, re-traced
-        row = bk.bench_attention(b, n, length, fns, jax.random.key(7))
-        print("time", {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()
-                       if k.endswith("_us") or k in ("b", "n", "L")}, flush=True)
-        out["times"].append(row)
-        with open(os.path.join(os.environ.get("OUT", "."), "kernel_ab.json"), "w") as f:
-            json.dump(out, f, indent=1)
+            check(*args, extra={k: v for k, v in cfg.items() if k != "backend"})
+    fns = {"default": bk.kernel_fn(**base)}
+    fns.update({name: bk.kernel_fn(**cfg) for name, cfg in variants.items()})
+    fns["default again"] = bk.kernel_fn(**base, block_n=64)   # same program, re-traced
+    time_rows(a.shapes, fns, out, "kernel_ab.json")
 
 
 if __name__ == "__main__":
