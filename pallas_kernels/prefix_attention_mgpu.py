@@ -207,47 +207,38 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             scores, so that it runs on the tensor cores while this warpgroup does block i's
             softmax (FlashAttention-3's intra-warpgroup overlap). acc_ref: the output
             accumulator on the device (zero); the interpreter carries it instead and takes
-            both products as jnp dots, with the same barrier sequence. -> (acc, m, l)."""
+            both products as jnp dots, with the same barrier sequence. -> (acc, m, l).
+            Every step issues its product unconditionally (a wgmma under a branch would have
+            its registers waited for where the branches meet): step 0's multiplies zero
+            probabilities by block 0's values, whose arrival it waits for (step 1 then does not)."""
             f32 = jnp.float32
 
-            def product(p16, i, slot):   # interpreter: p v of ring slot `slot` if i >= 0
-                return lax.cond(i >= 0, lambda: jnp.dot(p16, v_smem.at[slot][...],
-                                                        preferred_element_type=f32),
-                                lambda: jnp.zeros((ROWS, head_dim), f32))
-
-            def behind(i, ring, prev, p_prev):   # -> block i's scores, the interpreter's pv
+            def behind(i, ring, pv_slot, p_prev):   # -> block i's scores, the interpreter's pv
+                pl.when(i != 1)(lambda: plgpu.barrier_wait(v_ready.at[pv_slot]))
                 if interpret:
                     s = jnp.dot(q_tile[...], k_smem.at[ring][...].T, preferred_element_type=f32)
-                    pl.when(i > 0)(lambda: plgpu.barrier_wait(v_ready.at[prev]))
-                    pv = product(p_prev, i - 1, prev)
+                    pv = jnp.dot(p_prev, v_smem.at[pv_slot][...], preferred_element_type=f32)
                     staggered()
                     return s, pv
 
                 def qk(s_ref):
                     plgpu.wgmma(s_ref, q_tile, plgpu.transpose_ref(k_smem.at[ring], (1, 0)))
-
-                    @pl.when(i > 0)
-                    def _():
-                        plgpu.barrier_wait(v_ready.at[prev])
-                        plgpu.wgmma(acc_ref, p_prev, v_smem.at[prev])
+                    plgpu.wgmma(acc_ref, p_prev, v_smem.at[pv_slot])
                     staggered()
-
-                    @pl.when(i == 0)   # no product behind the scores: wait for them alone
-                    def _():
-                        plgpu.wgmma_wait(0)
-                    return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+                    return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # the scores only
                 return pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), f32)), None
 
             def o_step(i, c, masked=False):
                 acc, m_i, l_i, p_prev = c   # acc: None on the device (it is in acc_ref)
-                ring, prev = lax.rem(i, steps), lax.rem(i + steps - 1, steps)
-                s, pv = behind(i, ring, prev, p_prev)
+                ring = lax.rem(i, steps)
+                pv_slot = lax.rem(jnp.maximum(i - 1, 0), steps)   # block i - 1's (0 at i = 0)
+                s, pv = behind(i, ring, pv_slot, p_prev)
                 plgpu.barrier_arrive(k_free.at[ring])
                 p, m_next, alpha = softmax(s, i, m_i, masked)
                 l_next = l_i * alpha + p.sum(axis=1)
                 # Block i - 1's product is done (the device waits for it here).
                 acc_now = acc + pv if interpret else acc_ref[...]
-                pl.when(i > 0)(lambda: plgpu.barrier_arrive(v_free.at[prev]))
+                pl.when(i > 0)(lambda: plgpu.barrier_arrive(v_free.at[pv_slot]))
                 acc_now = acc_now * lax.broadcast_in_dim(alpha, acc_now.shape, [0])
                 if not interpret:
                     acc_ref[...] = acc_now
@@ -261,9 +252,12 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             acc, m_i, l_i, p_last = lax.fori_loop(full_blocks, blocks,
                                                   functools.partial(o_step, masked=True), c)
             last = lax.rem(jnp.maximum(blocks - 1, 0), steps)
-            pl.when(blocks > 0)(lambda: plgpu.barrier_wait(v_ready.at[last]))
-            if interpret:   # the last block's product
-                acc = acc + product(p_last, blocks - 1, last)
+            # The last block's product (its values were waited for at step 0 if it was block 0).
+            pl.when(blocks > 1)(lambda: plgpu.barrier_wait(v_ready.at[last]))
+            if interpret:
+                acc = acc + lax.cond(blocks > 0, lambda: jnp.dot(
+                    p_last, v_smem.at[last][...], preferred_element_type=f32),
+                    lambda: jnp.zeros_like(acc))
             else:
                 pl.when(blocks > 0)(lambda: plgpu.wgmma(acc_ref, p_last, v_smem.at[last]))
                 acc = acc_ref[...]
