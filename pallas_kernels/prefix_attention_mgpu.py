@@ -215,11 +215,9 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
 
             def behind(i, ring, pv_slot, p_prev):   # -> block i's scores, the interpreter's pv
                 pl.when(i != 1)(lambda: plgpu.barrier_wait(v_ready.at[pv_slot]))
-                if interpret:
-                    s = jnp.dot(q_tile[...], k_smem.at[ring][...].T, preferred_element_type=f32)
+                if interpret:   # (scores' jnp dot, then its turn at the schedule barrier)
                     pv = jnp.dot(p_prev, v_smem.at[pv_slot][...], preferred_element_type=f32)
-                    staggered()
-                    return s, pv
+                    return scores(k_smem.at[ring]), pv
 
                 def qk(s_ref):
                     plgpu.wgmma(s_ref, q_tile, plgpu.transpose_ref(k_smem.at[ring], (1, 0)))
