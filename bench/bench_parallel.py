@@ -120,19 +120,23 @@ def engine_backend(cfg, p, d, preset, slots, max_len, cycles_per_call):
                        cycles_per_call=k)
 
 
-def _engine(cfg, p, d, preset, slots, max_len, chunk, cycles_per_call, devices=None):
+def _engine(cfg, p, d, preset, slots, max_len, chunk, cycles_per_call, devices=None,
+            packing=True):
     from jaxspec.engine import Engine
     from jaxspec.parallel.dp_engine import data_parallel_backend
     be = engine_backend(cfg, p, d, preset, slots, max_len, cycles_per_call)
     if devices:
         data_parallel_backend(be, devices)
     # every prompt has the same length: widths up to it, and greedy programs only, compile
-    eng = Engine(be, max_model_len=max_len, vocab_size=cfg.vocab_size, chunk=max(16, chunk))
+    eng = Engine(be, max_model_len=max_len, vocab_size=cfg.vocab_size, chunk=max(16, chunk),
+                 pack_first_chunks=packing)
     eng.warmup(variants=(LEAN,))
     return eng
 
 
 def _drain(eng, ps, max_tokens):
+    from jaxspec.engine import EngineStats
+    eng.stats = EngineStats()       # the last drain's own figures (`_engine_stats`)
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     ids = [eng.add_request(x, sp) for x in ps]
     list(eng.drain())
@@ -146,7 +150,8 @@ def dp_engine_end_to_end(cfg, p, d, args, replicas, preset):
     max_len = args.prompt_len + args.max_tokens + 64
     ps1 = prompts(b, args.prompt_len, cfg.vocab_size)
     psd = prompts(b * replicas, args.prompt_len, cfg.vocab_size)
-    kw = dict(chunk=args.prompt_len, cycles_per_call=args.cycles_per_call)
+    kw = dict(chunk=args.prompt_len, cycles_per_call=args.cycles_per_call,
+              packing=args.packing == "on")
     one = _engine(cfg, p, d, preset, b, max_len, **kw)
     dp = _engine(cfg, p, d, preset, b * replicas, max_len, devices=jax.local_devices()[:replicas],
                  **kw)
@@ -158,7 +163,18 @@ def dp_engine_end_to_end(cfg, p, d, args, replicas, preset):
     return [dict(part="dp", mode=preset, measure="engine end-to-end", replicas=replicas,
                  slots_per_replica=b, single_tok_s=n1 / t1, dp_tok_s=nd / td,
                  scaling=(nd / td) / (n1 / t1), first_replica_equals_single=od[:b] == o1,
-                 **misses)]
+                 equal_requests=sum(a == c for a, c in zip(od[:b], o1)), packing=args.packing,
+                 single=_engine_stats(one, t1), dp=_engine_stats(dp, td), **misses)]
+
+
+def _engine_stats(eng, wall_s):
+    """Where the last drain's time went (`EngineStats`): host, waiting on the device, in the
+    admission and cycle dispatches, and the calls made."""
+    st = eng.stats
+    return dict(wall_s=wall_s, host_s=st.host_s, wait_s=st.wait_s, dispatch_s=st.dispatch_s,
+                admit_dispatch_s=st.admit_dispatch_s, steps=len(st.step_s), cycles=st.cycles,
+                prefill_chunks=st.prefill_chunks,
+                admit_shapes={str(k): v for k, v in st.admit_shapes.items()})
 
 
 def dp_device_only(cfg, p, d, args, replicas, preset):
@@ -303,8 +319,11 @@ def main(argv=None):
     ap.add_argument("--dp-modes", default="plain,chain,tree")
     ap.add_argument("--cycles-per-call", type=int, default=4,
                     help="spec cycles per device call of the engine (LLM's default above batch 1)")
-    ap.add_argument("--dp-impl", default="pmap,engine",
-                    help="pmap (the lockstep runners) and/or engine (parallel.dp_engine)")
+    ap.add_argument("--dp-impl", default="pmap,engine,device",
+                    help="pmap (the lockstep runners), engine (parallel.dp_engine), device "
+                         "(back-to-back pmapped cycles, no host)")
+    ap.add_argument("--packing", default="on", choices=("on", "off"),
+                    help="the engine rows' first chunks packed (Engine(pack_first_chunks=))")
     ap.add_argument("--tp-spec", default="chain,tree")
     ap.add_argument("--tp-batches", default="1,64")
     args = ap.parse_args(argv)
@@ -332,7 +351,7 @@ def main(argv=None):
                 rows += dp_end_to_end(dp_cfg, p, d, args, 2, mode)
             if "engine" in args.dp_impl:
                 rows += dp_engine_end_to_end(dp_cfg, p, d, args, 2, mode)
-            if mode != "plain":
+            if mode != "plain" and "device" in args.dp_impl:
                 rows += dp_device_only(dp_cfg, p, d, args, 2, mode)
             print(rows[-1], flush=True)
             save()

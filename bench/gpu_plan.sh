@@ -620,7 +620,7 @@ case "${1:-}" in
     ;;
   parallel)
     # (bench/dp_compile_probe.py names the program if a two-device compile crashes again)
-    run parallel_dp 560 python3 bench/bench_parallel.py --part dp --dp-impl engine,pmap --reps 3
+    run parallel_dp 560 python3 bench/bench_parallel.py --part dp --dp-impl engine,pmap,device --reps 3
     ;;
   parallel_more)
     run parallel_dp8 200 python3 bench/bench_parallel.py --part dp --dp-impl engine \

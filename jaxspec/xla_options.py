@@ -55,7 +55,10 @@ def jit(fun=None, *, rows: Optional[int] = None, **kwargs):
     decorator: `@jit` or `@functools.partial(jit, static_argnums=...)`."""
     if fun is None:
         return lambda f: jit(f, rows=rows, **kwargs)
-    return jax.jit(fun, compiler_options=compiler_options(rows), **kwargs)
+    out = jax.jit(fun, compiler_options=compiler_options(rows), **kwargs)
+    # kept so a wrapper of the program (dp_engine's per-device form) applies the same rule
+    out.gemm_rows = rows
+    return out
 
 
 @contextlib.contextmanager

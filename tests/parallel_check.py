@@ -129,6 +129,10 @@ def check_dp_engine(n, kind):
     got = eng.add_request(PROMPTS[4], sampled)
     list(eng.drain())
     assert eng.backend.jit_calls == 0
+    # each device's share compiles under the GEMM rule (`xla_options`) of its own 2 slots, as a
+    # single-device engine of 2 slots does, not of all 2n
+    assert {x.gemm_rows for x in single.backend._cycles.values()} == {2 * n}
+    assert {x.gemm_rows for x in eng.backend._cycles.values()} == {2}
     assert all("data" in tuple(x.sharding.spec) for x in jax.tree_util.tree_leaves(eng.state))
     # the weights sit on every device already (else each call copies them there)
     assert all(x.sharding.device_set == set(jax.devices()[:n]) and x.sharding.is_fully_replicated
