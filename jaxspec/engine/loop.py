@@ -33,7 +33,6 @@ import collections
 import dataclasses
 import functools
 import gc
-import itertools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -580,17 +579,6 @@ class Engine:
                 self.backend.key_advances(len(out), len(req.accept_lens)))
 
     def _prefill(self, batch):
-        """Dispatches the prefill chunks of newly admitted runs: on a data-parallel backend
-        (`parallel.dp_engine`, `replica_slots` slots a device) one admission per device that
-        receives newcomers, so each device prefills only its own (the others skip the call)."""
-        per = getattr(self.backend, "replica_slots", None)
-        if not per or per >= self.slots:
-            return self._prefill_group(batch)
-        for _, group in itertools.groupby(sorted(batch, key=lambda r: r[1] // per),
-                                          key=lambda r: r[1] // per):
-            self._prefill_group(list(group))
-
-    def _prefill_group(self, batch):
         """Dispatches the prefill chunks of newly admitted runs, all requests' chunk k together
         (first chunks packed, `pack_first_chunks`), with the admission variant their sampling
         needs; then moves the keys of resumed requests that sample past their earlier draws."""

@@ -9,14 +9,11 @@ device runs exactly the single-device code (Pallas kernels included) on its own 
 programs hold no collective. The engine above it does not change: it sees N x S slots and admits
 requests into any free one as it does on one device.
 
-Admission: the engine admits by global slot index, one admission call per device that receives
-newcomers (`Engine._prefill`, which reads `replica_slots`), so a call holds at most S rows. Every device receives the call's rows and maps each global index to its
-own slots (another device's index becomes padding, which the admission drops); a device with no
-row of its own skips the call (`lax.cond`) and moves on to its next program, as nothing in these
-programs waits on another device. The first tokens come back from each device ([N, A]) and the
-owner's row is kept. (When every device prefilled every newcomer, an admission of 64 requests a
-GPU cost two H200s 9.6 ms more than one GPU's, and the chain scaled 1.87x: RESULTS.md, fortieth
-set.)
+Admission: the engine admits A requests by global slot index. Every device receives the A rows
+and maps each global index to its own slots (an index owned by another device becomes padding,
+which the admission drops), so each request is prefilled on its owner only in effect; the
+others compute and drop it, a cost paid at admission only. The first tokens come back from each
+device ([N, A]) and the owner's row is kept.
 """
 from __future__ import annotations
 
@@ -85,13 +82,8 @@ class _Sharded:
 
         def local(*args):       # weights..., state, slot_idx, rest...: slot_idx made local
             args = list(args)
-            idx = args[self.n_w + 1] = _local_slots(args[self.n_w + 1], per)
-            _, first = jax.eval_shape(inner, *args)
-
-            def skip(a):        # no row is this device's: its state as it was, no prefill
-                return a[self.n_w], jax.tree_util.tree_map(
-                    lambda x: jnp.zeros(x.shape, x.dtype), first)
-            return jax.lax.cond(jnp.any(idx < per), lambda a: inner(*a), skip, args)
+            args[self.n_w + 1] = _local_slots(args[self.n_w + 1], per)
+            return inner(*args)
 
         def call(*args):
             n_rest = len(args) - self.n_w - 1
@@ -137,6 +129,5 @@ def data_parallel_backend(backend, devices: Sequence[jax.Device]):
     split = NamedSharding(mesh, P(AXIS))
     backend.device_mask = MaskCache(lambda m: jax.device_put(m, split))
     backend.mesh = mesh
-    backend.replica_slots = backend.slots // n     # the engine admits per device (Engine._prefill)
     return backend
 
