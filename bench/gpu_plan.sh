@@ -16,7 +16,7 @@
 #                                      #   the Mosaic kernel against beside it, checks first
 #   bash bench/gpu_plan.sh overlap     # issue 4: the Mosaic kernel's intra-warpgroup overlap
 #                                      #   (mosaic_overlap) checked, then timed against the
-#                                      #   default and cuDNN (thirty-ninth set)
+#                                      #   default and cuDNN (fortieth set: correct, 5-33% slower)
 #   bash bench/gpu_plan.sh lossweight  # issue 7: the shipped head fine-tuned twice from the same
 #                                      #   start, data (17.5K self-distilled ShareGPT answers,
 #                                      #   carry .gpu/train/ from `python -m bench.train_gpu
@@ -112,6 +112,7 @@
 #                                      #   call of its own (bench/mtbench16.jsonl: two
 #                                      #   MT-bench questions per category; hf-compiled first)
 #   bash bench/gpu_plan.sh parallel    # issue 9 (nvidia-h200-x2): data parallel, engine and pmap
+#                                      #   (fortieth set: engine 1.86-1.97x, pmap 1.26-1.77x)
 #   bash bench/gpu_plan.sh parallel_more  # issue 9 (nvidia-h200-x2): the engine at 8 cycles per
 #                                      #   call, then tensor parallel
 #   bash bench/gpu_plan.sh wide        # issue 7: batch 1 end to end, the 2x-MLP head (carry

@@ -82,10 +82,14 @@ class LLM:
     max_batch: slots decoded together. max_model_len: per-slot context (prompt + output).
     kv_budget_gb: if given, max_model_len is derived from it (and capped by the model's limit).
     data_parallel: replicas over local devices, max_batch slots each. data_parallel_impl:
-    "pmap" (`parallel.data_parallel`: groups of requests decoded in lockstep per replica, with
-    jax.pmap) or "engine" (`parallel.dp_engine`: one continuous-batching engine over every
-    replica's slots, so stream, abort and retract work as on one device; on two H200s it
-    scaled 1.87-1.96x against pmap's 1.26-1.92x, bench/RESULTS.md, 2026-11-24 ninth set).
+    "engine" (the default; `parallel.dp_engine`: one continuous-batching engine over every
+    replica's slots, each device running the one-device programs on its own slots through a
+    jit of shard_map, which is what jax.pmap itself lowers to; stream, abort and retract work
+    as on one device) or "pmap" (`parallel.data_parallel`: groups of requests decoded in
+    lockstep per replica with jax.pmap, no streaming). On two H200s at 64 slots a GPU the
+    engine scaled 1.86-1.97x over one GPU, and in one call beside pmap it gave 1.3-3.1x pmap's
+    tokens/s; pmap scaled 1.26-1.77x, each group waiting for its longest request
+    (bench/RESULTS.md, fortieth set).
     admit_interval: the engine admits newcomers every this many device calls while others run
     (`Engine(admit_interval=)`; 1 admits at once). None: `engine.default_admit_interval` (on a
     GPU 3 for a speculative engine of 64+ slots, 2 for 32+, else 1).
@@ -136,7 +140,7 @@ class LLM:
                  max_model_len: Optional[int] = None, kv_budget_gb: Optional[float] = None,
                  decode_chunk: int = 16, seed: int = 0, layer_layout: Optional[str] = None,
                  draft: Any = None, spec: Any = None, data_parallel: int = 1,
-                 tensor_parallel: int = 1, data_parallel_impl: str = "pmap",
+                 tensor_parallel: int = 1, data_parallel_impl: str = "engine",
                  admit_interval: Optional[int] = None, cycles_per_call: Optional[int] = None,
                  prefill_width_growth: int = 4, prefill_chunk: Optional[int] = None,
                  prefill_slot_growth: int = 4, prefill_packing: bool = True,
@@ -494,8 +498,9 @@ class LLM:
         never sent; text is held back while it could still become a stop string). request_ids
         (unique, default: the engine's) may be passed to `abort` while iterating."""
         if self.dp_runner is not None:
-            raise ValueError("stream() runs on the continuous-batching engine; data_parallel "
-                             "> 1 uses batch runners: use generate()")
+            raise ValueError("stream() runs on the continuous-batching engine; "
+                             "data_parallel_impl='pmap' uses batch runners: use generate(), "
+                             "or data_parallel_impl='engine' (the default)")
         encoded, sps = self._normalize(prompts, sampling_params)
         if request_ids is not None and len(request_ids) != len(encoded):
             raise ValueError(f"{len(request_ids)} request ids for {len(encoded)} prompts")

@@ -115,7 +115,7 @@ class Target:
 
     def __init__(self, model: Optional[str], draft: Optional[str], max_model_len: int,
                  seed: int = 0, data_parallel: int = 1, tensor_parallel: int = 1,
-                 dtype: Optional[str] = None, data_parallel_impl: str = "pmap",
+                 dtype: Optional[str] = None, data_parallel_impl: str = "engine",
                  prefill_width_growth: int = 4, admit_interval: Optional[int] = None,
                  prefill_chunk: Optional[int] = None, prefill_slot_growth: int = 4,
                  prefill_packing: bool = True, prefill_pack_tokens: Optional[int] = None,

@@ -1,9 +1,11 @@
-"""Multi-device decoding: data parallel (`jax.pmap` replicas, each with its own slots) and tensor
-parallel (weights and KV caches sharded over a mesh axis, GSPMD), single- or multi-host.
+"""Multi-device decoding: data parallel (each device with its own slots: one continuous-batching
+engine over all of them, dp_engine.py, LLM's default; or lockstep `jax.pmap` runners,
+data_parallel.py) and tensor parallel (weights and KV caches sharded over a mesh axis, GSPMD),
+single- or multi-host.
 
     from jaxspec.parallel import DataParallelSpecRunner, TensorParallelSpecRunner, make_mesh
 
-See data_parallel.py, tensor_parallel.py and distributed.py (multi-host launch).
+See dp_engine.py, data_parallel.py, tensor_parallel.py and distributed.py (multi-host launch).
 """
 from jaxspec.parallel.data_parallel import (DataParallelPlainRunner, DataParallelSpecRunner,
                                             local_devices, replicate, spread)
