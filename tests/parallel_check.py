@@ -125,10 +125,19 @@ def check_dp_engine(n, kind):
     list(single.drain())
     eng = engine(jax.devices()[:n])
     eng.warmup()
+    stacked = []    # each stacked admission's slot indices [n, A]
+    admit_stacked = eng.backend.admit_packed_stacked
+    eng.backend.admit_packed_stacked = lambda state, slot_idx, *a, **k: (
+        stacked.append(np.asarray(slot_idx)), admit_stacked(state, slot_idx, *a, **k))[1]
     ids = [eng.add_request(x, SamplingParams(max_tokens=m)) for x, m in zip(PROMPTS, NEW)]
     got = eng.add_request(PROMPTS[4], sampled)
     list(eng.drain())
     assert eng.backend.jit_calls == 0
+    # first chunks come as one pack a device: device d's slice holds only its own slots
+    assert stacked and all(((s == 2 * n) | (s // 2 == np.arange(n)[:, None])).all()
+                           for s in stacked), stacked
+    assert all(form == "stacked" for _, _, _, form in eng.stats.admit_shapes
+               if form not in (False,)), eng.stats.admit_shapes
     # each device's share compiles under the GEMM rule (`xla_options`) of its own 2 slots, as a
     # single-device engine of 2 slots does, not of all 2n
     assert {x.gemm_rows for x in single.backend._cycles.values()} == {2 * n}

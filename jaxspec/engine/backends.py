@@ -172,6 +172,15 @@ class _Dispatch:
                           (*self.weights, state, slot_idx, tokens, lay, n_valid, next_tok, adm,
                            self.key), lower)
 
+    def admit_packed_stacked(self, state, slot_idx, tokens, lay, n_valid, next_tok, adm, *,
+                             features: Features = FULL, lower=False):
+        """Data parallel (`parallel.dp_engine`): admit_packed's arguments stacked per device
+        ([devices, ...]; each device's own newcomers, global slot indices), one pack a device."""
+        return self._call(("admit_stacked", slot_idx.shape[1], tokens[0].size, features),
+                          self._admits[features, "stacked"],
+                          (*self.weights, state, slot_idx, tokens, lay, n_valid, next_tok, adm,
+                           self.key), lower)
+
     def jitted(self) -> List:
         return [*self._cycles.values(), *self._admits.values(), self._advance]
 

@@ -122,6 +122,16 @@ def freeze_startup_heap():
     gc.freeze()
 
 
+def _run_ids(rows) -> List[int]:
+    """The run ids of admission rows (run id, slot, ..)."""
+    return [r[0] for r in rows]
+
+
+def _stack(parts):
+    """Per-device argument tuples (numpy leaves) -> one tuple with [devices, ...] leaves."""
+    return jax.tree_util.tree_map(lambda *x: np.stack(x), *parts)
+
+
 @dataclasses.dataclass
 class EngineStats:
     cycles: int = 0
@@ -444,11 +454,13 @@ class Engine:
 
     def admission_forms(self) -> List[tuple]:
         """(requests, tokens a row, form) of every admission program. First chunks: packed
-        (form "packed": one row of T tokens for pack_requests(T) requests) or padded (form
+        (form "packed": one row of T tokens for pack_requests(T) requests; "stacked" on a
+        data-parallel backend: one such pack a device, `_admit_packs_stacked`) or padded (form
         True: every (slot bucket, width) pair). Later chunks (prompts longer than a chunk) are
         always a whole chunk wide, so their general form (False) is compiled once per slot
         count."""
-        first = ([(self.pack_requests(t), t, "packed") for t in self.pack_sizes]
+        packed = "stacked" if self.replicas > 1 else "packed"
+        first = ([(self.pack_requests(t), t, packed) for t in self.pack_sizes]
                  if self.pack_first_chunks else
                  [(a, w, True) for a, w in self.admission_shapes()])
         return first + [(a, self.chunk, False) for a in self.slot_buckets]
@@ -461,6 +473,11 @@ class Engine:
             tokens, lay = build_pack([], [], *self.pack_shape(w), a)
             return functools.partial(be.admit_packed, slot_idx=pad, tokens=tokens, lay=lay,
                                      n_valid=z, next_tok=z - 1, features=features)
+        if form == "stacked":
+            args = _stack([self._pack_args(([], [], 0), w)] * self.replicas)
+            return functools.partial(be.admit_packed_stacked, slot_idx=args[0], tokens=args[1],
+                                     lay=args[2], n_valid=args[3], next_tok=args[4],
+                                     adm=args[5], features=features)
         return functools.partial(be.admit, slot_idx=pad, tokens=np.zeros((a, w), np.int32),
                                  start=z, n_valid=z, next_tok=z - 1, features=features,
                                  first=form)
@@ -516,7 +533,8 @@ class Engine:
         calls = [functools.partial(be.cycle, active=idle, features=f, size=k, short=s)
                  for f in variants for k in be.sizes for s in shorts]
         for a, w, form in sorted(self.admission_forms(),
-                                 key=lambda s: -s[1] * (1 if s[2] == "packed" else s[0])):
+                                 key=lambda s: -s[1] * (1 if s[2] in ("packed", "stacked")
+                                                        else s[0])):
             calls += [self.padding_admission(a, w, form, f) for f in variants]
         for a in self.slot_buckets if FULL in variants else ():
             calls.append(functools.partial(be.advance_keys, slot_idx=np.full(a, self.slots,
@@ -585,7 +603,10 @@ class Engine:
         rows_all = [(rid, slot) + self._admit_rows(req) for rid, slot, req in batch]
         features = Features.of([req.sp for _, _, req in batch])
         k = 0
-        if self.pack_first_chunks:
+        if self.pack_first_chunks and self.replicas > 1:
+            self._admit_packs_stacked(rows_all, features)
+            k = 1
+        elif self.pack_first_chunks:
             for pack in self._packs(rows_all):
                 self._admit_pack(pack, features)
             k = 1
@@ -604,7 +625,7 @@ class Engine:
             slot_idx, nv, nxt, adm = self._admit_args(a, rows, n_valid, start)
             for i, ((_, _, ids, _, _), n) in enumerate(zip(rows, n_valid)):
                 tokens[i, :n] = ids[start:start + n]
-            self._dispatch_admit(rows, (a, width, features, k == 0), lambda: self.backend.admit(
+            self._dispatch_admit(_run_ids(rows), (a, width, features, k == 0), lambda: self.backend.admit(
                 self.state, slot_idx, tokens, starts, nv, nxt, adm, features=features,
                 first=k == 0))
             k += 1
@@ -630,18 +651,55 @@ class Engine:
             row_of.append(i)
         return out + [(cur, row_of, len(fill))] if cur else out
 
-    def _admit_pack(self, group, features):
-        """One packed admission of a `_packs` group."""
-        rows, row_of, used = group
+    def _pack_size(self, group) -> int:
+        """The smallest pack size (of pack_sizes) that holds a `_packs` group."""
+        rows, _, used = group
+        need = (sum(min(self.chunk, len(r[2])) for r in rows) if used <= 1
+                else used * self.pack_tokens)
+        return next(s for s in self.pack_sizes
+                    if s >= need and self.pack_requests(s) >= len(rows))
+
+    def _pack_args(self, group, t: int):
+        """(slot_idx, tokens, lay, n_valid, next_tok, AdmitArgs) of a `_packs` group packed at
+        size t (>= its `_pack_size`)."""
+        rows, row_of, _ = group
         chunks = [ids[:self.chunk] for _, _, ids, _, _ in rows]
-        need = sum(map(len, chunks)) if used == 1 else used * self.pack_tokens
-        t = next(s for s in self.pack_sizes
-                 if s >= need and self.pack_requests(s) >= len(rows))
         a = self.pack_requests(t)
         tokens, lay = build_pack(chunks, row_of, *self.pack_shape(t), a)
         slot_idx, nv, nxt, adm = self._admit_args(a, rows, list(map(len, chunks)), 0)
-        self._dispatch_admit(rows, (a, t, features, "packed"), lambda: self.backend.admit_packed(
-            self.state, slot_idx, tokens, lay, nv, nxt, adm, features=features))
+        return slot_idx, tokens, lay, nv, nxt, adm
+
+    def _admit_pack(self, group, features):
+        """One packed admission of a `_packs` group."""
+        t = self._pack_size(group)
+        args = self._pack_args(group, t)
+        self._dispatch_admit(_run_ids(group[0]), (len(args[0]), t, features, "packed"),
+                             lambda: self.backend.admit_packed(self.state, *args,
+                                                               features=features))
+
+    @property
+    def replicas(self) -> int:
+        """Devices the backend's slots are split over (`parallel.dp_engine`), else 1."""
+        return self.slots // getattr(self.backend, "replica_slots", self.slots)
+
+    def _admit_packs_stacked(self, rows, features):
+        """Data parallel: each device's newcomers packed on their own (`_packs` of the rows of
+        its slots), and the devices' j-th packs stacked into one call at the size the largest
+        needs ([devices, ...] arguments, split over the devices): each device prefills only its
+        own newcomers, in one dispatch, with nothing to wait for. (A call with every device's
+        rows made each prefill all of them: two H200s spent 9.6 ms more than one on an
+        admission of 64 newcomers a GPU, bench/RESULTS.md, fortieth set.)"""
+        per = self.slots // self.replicas
+        packs = [self._packs([r for r in rows if r[1] // per == d]) for d in range(self.replicas)]
+        for j in range(max(map(len, packs))):
+            group = [p[j] if j < len(p) else ([], [], 0) for p in packs]
+            t = max(map(self._pack_size, group))
+            args = _stack([self._pack_args(g, t) for g in group])
+            a = args[0].shape[1]
+            ids = [rid for g in group for rid in _run_ids(g[0]) + [-1] * (a - len(g[0]))]
+            self._dispatch_admit(ids, (a, t, features, "stacked"),
+                                 lambda: self.backend.admit_packed_stacked(self.state, *args,
+                                                                           features=features))
 
     def _admit_args(self, a: int, rows, n_valid, start: int):
         """(slot_idx, n_valid, next_tok, AdmitArgs) of an admission of `a` request rows: the
@@ -658,8 +716,9 @@ class Engine:
                 getattr(adm, name)[i] = value
         return slot_idx, nv, nxt, adm
 
-    def _dispatch_admit(self, rows, shape: tuple, call):
-        """Runs one admission call (-> state, first tokens) and files its output."""
+    def _dispatch_admit(self, run_ids, shape: tuple, call):
+        """Runs one admission call (-> state, first tokens) and files its output: run_ids[i]
+        is the run of its i-th first token (-1 or a run gone: dropped when read)."""
         t = time.perf_counter()
         self.state, first = call()
         self._prefetch(first)
@@ -668,7 +727,7 @@ class Engine:
         self.stats.admit_dispatch_s += dt
         self.stats.prefill_chunks += 1
         self.stats.admit_shapes[shape] += 1
-        self.pending.append(("admit", first, [r[0] for r in rows], None))
+        self.pending.append(("admit", first, run_ids, None))
 
     def _advance_resumed(self, moved):
         """moved: (slot, key advance) of resumed requests that sample (greedy ones never read

@@ -9,11 +9,13 @@ device runs exactly the single-device code (Pallas kernels included) on its own 
 programs hold no collective. The engine above it does not change: it sees N x S slots and admits
 requests into any free one as it does on one device.
 
-Admission: the engine admits A requests by global slot index. Every device receives the A rows
-and maps each global index to its own slots (an index owned by another device becomes padding,
-which the admission drops), so each request is prefilled on its owner only in effect; the
-others compute and drop it, a cost paid at admission only. The first tokens come back from each
-device ([N, A]) and the owner's row is kept.
+Admission: the engine admits requests by global slot index. First chunks (packed, the default)
+come as one pack a device, stacked ([N, ...] arguments split over the mesh,
+`Engine._admit_packs_stacked`): each device prefills only its own newcomers, in one call. The
+other forms (later chunks of long prompts, the padded first-chunk form) send every device the
+call's A rows: each maps the global indices to its own slots (another device's index becomes
+padding, which the admission drops), so it computes and drops the others' rows, and the first
+tokens come back from each device ([N, A]), the owner's row kept.
 """
 from __future__ import annotations
 
@@ -94,6 +96,25 @@ class _Sharded:
                                                  first)
         return jit(call, rows=self._rows(jitted), donate_argnums=(self.n_w,))
 
+    def admit_stacked(self, jitted):
+        """A packed admission over arguments stacked per device (`Engine._admit_packs_stacked`:
+        weights..., state, then [N, ...] slot_idx, tokens, layout, n_valid, next_tok, AdmitArgs,
+        then the engine key): each device runs `jitted`'s program on its own slice, the pack
+        of its own newcomers, so no device prefills another's. -> (state, first tokens [N * A])
+        in device order."""
+        inner, per, n_w = jitted.__wrapped__, self.per, self.n_w
+
+        def local(*args):
+            stacked = jax.tree_util.tree_map(lambda x: x[0], args[n_w + 1:-1])
+            idx = _local_slots(stacked[0], per)
+            return inner(*args[:n_w + 1], idx, *stacked[1:], args[-1])
+
+        def call(*args):
+            n_stacked = len(args) - n_w - 2
+            specs = (P(),) * n_w + (self.state_spec,) + (P(AXIS),) * n_stacked + (P(),)
+            return self._smap(local, specs, (self.state_spec, P(AXIS)))(*args)
+        return jit(call, rows=self._rows(jitted), donate_argnums=(n_w,))
+
     def advance(self, jitted):
         inner, per = jitted.__wrapped__, self.per
 
@@ -124,7 +145,10 @@ def data_parallel_backend(backend, devices: Sequence[jax.Device]):
     backend.init_state = lambda: jax.device_put(
         init(), jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec))
     backend._cycles = {f: sh.cycle(j) for f, j in backend._cycles.items()}
+    packed = {f: j for f, j in backend._admits.items() if f[1] == "packed"}
     backend._admits = {f: sh.admit(j) for f, j in backend._admits.items()}
+    backend._admits.update({(f, "stacked"): sh.admit_stacked(j) for (f, _), j in packed.items()})
+    backend.replica_slots = backend.slots // n   # the engine stacks packs per device
     backend._advance = sh.advance(backend._advance)
     split = NamedSharding(mesh, P(AXIS))
     backend.device_mask = MaskCache(lambda m: jax.device_put(m, split))
