@@ -625,9 +625,10 @@ class Engine:
             slot_idx, nv, nxt, adm = self._admit_args(a, rows, n_valid, start)
             for i, ((_, _, ids, _, _), n) in enumerate(zip(rows, n_valid)):
                 tokens[i, :n] = ids[start:start + n]
-            self._dispatch_admit(_run_ids(rows), (a, width, features, k == 0), lambda: self.backend.admit(
-                self.state, slot_idx, tokens, starts, nv, nxt, adm, features=features,
-                first=k == 0))
+            self._dispatch_admit(
+                _run_ids(rows), (a, width, features, k == 0), lambda: self.backend.admit(
+                    self.state, slot_idx, tokens, starts, nv, nxt, adm, features=features,
+                    first=k == 0))
             k += 1
         self._advance_resumed([(slot, adv) for (_, slot, _, _, adv), (_, _, req)
                                in zip(rows_all, batch) if adv > 0 and req.sp.temperature > 0])
