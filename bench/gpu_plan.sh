@@ -113,7 +113,7 @@
 #                                      #   MT-bench questions per category; hf-compiled first)
 #   bash bench/gpu_plan.sh parallel    # issue 9 (nvidia-h200-x2): data parallel, engine and pmap
 #                                      #   (fortieth set: engine 1.86-1.97x, pmap 1.26-1.77x;
-#                                      #   since then each device's packs stacked, unmeasured)
+#                                      #   since then admissions stacked per device, unmeasured)
 #   bash bench/gpu_plan.sh parallel_more  # issue 9 (nvidia-h200-x2): the engine at 8 cycles per
 #                                      #   call, then tensor parallel
 #   bash bench/gpu_plan.sh wide        # issue 7: batch 1 end to end, the 2x-MLP head (carry

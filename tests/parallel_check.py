@@ -112,32 +112,40 @@ def check_dp_engine(n, kind):
     # the draft cut to half the vocabulary plus a context of 8 ids a slot, sharded with the slots
     d = restrict(p, d, np.random.default_rng(0).permutation(CFG.vocab_size)[:48], context=8)
 
-    def engine(devices):
+    def engine(devices, **kw):
         be = (SpecBackend(CFG, p, d, SPEC, 2 * n, MAX_LEN + 2 * SPEC.max_emit) if kind == "spec"
               else PlainBackend(CFG, p, 2 * n, MAX_LEN + 16, n_steps=8))
         if devices:
             data_parallel_backend(be, devices)
-        return Engine(be, max_model_len=MAX_LEN, vocab_size=CFG.vocab_size, chunk=64)
+        return Engine(be, max_model_len=MAX_LEN, vocab_size=CFG.vocab_size, **{"chunk": 64, **kw})
+
+    def recorded(eng):
+        """eng with each admission's slot indices [n, A] recorded in eng.stacked."""
+        call, eng.stacked = eng.backend.admit_stacked, []
+
+        def admit_stacked(form, state, slot_idx, *a, **k):
+            eng.stacked.append(np.asarray(slot_idx))
+            return call(form, state, slot_idx, *a, **k)
+        eng.backend.admit_stacked = admit_stacked
+        return eng
+
+    def own_slots_only(eng):
+        """Every admission gave device d only its own slots (2 a device) or padding (2n)."""
+        return eng.stacked and all(((s == 2 * n) | (s // 2 == np.arange(n)[:, None])).all()
+                                   for s in eng.stacked)
 
     sampled = SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
     single = engine(None)
     want = single.add_request(PROMPTS[4], sampled)
     list(single.drain())
-    eng = engine(jax.devices()[:n])
+    eng = recorded(engine(jax.devices()[:n]))
     eng.warmup()
-    stacked = []    # each stacked admission's slot indices [n, A]
-    admit_stacked = eng.backend.admit_packed_stacked
-    eng.backend.admit_packed_stacked = lambda state, slot_idx, *a, **k: (
-        stacked.append(np.asarray(slot_idx)), admit_stacked(state, slot_idx, *a, **k))[1]
+    eng.stacked.clear()
     ids = [eng.add_request(x, SamplingParams(max_tokens=m)) for x, m in zip(PROMPTS, NEW)]
     got = eng.add_request(PROMPTS[4], sampled)
     list(eng.drain())
     assert eng.backend.jit_calls == 0
-    # first chunks come as one pack a device: device d's slice holds only its own slots
-    assert stacked and all(((s == 2 * n) | (s // 2 == np.arange(n)[:, None])).all()
-                           for s in stacked), stacked
-    assert all(form == "stacked" for _, _, _, form in eng.stats.admit_shapes
-               if form not in (False,)), eng.stats.admit_shapes
+    assert own_slots_only(eng), eng.stacked
     # each device's share compiles under the GEMM rule (`xla_options`) of its own 2 slots, as a
     # single-device engine of 2 slots does, not of all 2n
     assert {x.gemm_rows for x in single.backend._cycles.values()} == {2 * n}
@@ -150,6 +158,18 @@ def check_dp_engine(n, kind):
     check(f"dp{n}-engine-{kind}", [eng.pop_finished(i).output for i in ids], ref)
     check(f"dp{n}-engine-{kind}-sampled", [eng.pop_finished(got).output],
           [single.pop_finished(want).output])
+    # 16-token chunks, padded first chunks: prompts over 16 tokens take later chunks, each form
+    # stacked per device; outputs equal one device's engine of the same chunking
+    kw = dict(chunk=16, pack_first_chunks=False)
+    one, eng = engine(None, **kw), recorded(engine(jax.devices()[:n], **kw))
+    outs = []
+    for e in (one, eng):
+        ids = [e.add_request(x, SamplingParams(max_tokens=m)) for x, m in zip(PROMPTS, NEW)]
+        list(e.drain())
+        outs.append([e.pop_finished(i).output for i in ids])
+    assert {form for _, _, _, form in eng.stats.admit_shapes} == {True, False}
+    assert own_slots_only(eng), eng.stacked
+    check(f"dp{n}-engine-{kind}-chunks", outs[1], outs[0])
 
 
 def check_tp(n):

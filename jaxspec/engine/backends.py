@@ -172,14 +172,15 @@ class _Dispatch:
                           (*self.weights, state, slot_idx, tokens, lay, n_valid, next_tok, adm,
                            self.key), lower)
 
-    def admit_packed_stacked(self, state, slot_idx, tokens, lay, n_valid, next_tok, adm, *,
-                             features: Features = FULL, lower=False):
-        """Data parallel (`parallel.dp_engine`): admit_packed's arguments stacked per device
-        ([devices, ...]; each device's own newcomers, global slot indices), one pack a device."""
-        return self._call(("admit_stacked", slot_idx.shape[1], tokens[0].size, features),
-                          self._admits[features, "stacked"],
-                          (*self.weights, state, slot_idx, tokens, lay, n_valid, next_tok, adm,
-                           self.key), lower)
+    def admit_stacked(self, form, state, slot_idx, tokens, *args, features: Features = FULL,
+                      lower=False):
+        """Data parallel (`parallel.dp_engine`): the admission of `form` (True / False: a padded
+        first / later chunk, as `admit`'s first; "packed": `admit_packed`) with its arguments
+        stacked per device ([devices, ...]: each device's own rows, global slot indices)."""
+        return self._call(("admit_stacked", form, slot_idx.shape[1], tokens[0].shape[-1],
+                           tokens[0].size, features),
+                          self._admits[features, ("stacked", form)],
+                          (*self.weights, state, slot_idx, tokens, *args, self.key), lower)
 
     def jitted(self) -> List:
         return [*self._cycles.values(), *self._admits.values(), self._advance]

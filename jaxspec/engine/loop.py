@@ -454,33 +454,31 @@ class Engine:
 
     def admission_forms(self) -> List[tuple]:
         """(requests, tokens a row, form) of every admission program. First chunks: packed
-        (form "packed": one row of T tokens for pack_requests(T) requests; "stacked" on a
-        data-parallel backend: one such pack a device, `_admit_packs_stacked`) or padded (form
+        (form "packed": one row of T tokens for pack_requests(T) requests) or padded (form
         True: every (slot bucket, width) pair). Later chunks (prompts longer than a chunk) are
         always a whole chunk wide, so their general form (False) is compiled once per slot
         count."""
-        packed = "stacked" if self.replicas > 1 else "packed"
-        first = ([(self.pack_requests(t), t, packed) for t in self.pack_sizes]
+        first = ([(self.pack_requests(t), t, "packed") for t in self.pack_sizes]
                  if self.pack_first_chunks else
                  [(a, w, True) for a, w in self.admission_shapes()])
         return first + [(a, self.chunk, False) for a in self.slot_buckets]
 
     def padding_admission(self, a: int, w: int, form, features: Features):
         """call(state, lower=False) of the admission program (a, w, form) on padding arguments
-        (every row dropped: the state stays as it was)."""
-        be, pad, z = self.backend, np.full(a, self.slots, np.int32), np.zeros(a, np.int32)
+        (every row dropped: the state stays as it was); stacked per device on a data-parallel
+        backend."""
+        be = self.backend
+        args = self._pack_args(([], [], 0), w) if form == "packed" else \
+            self._chunk_args([], 0 if form else 1, a, w)
+        if self.replicas > 1:
+            args = _stack([args] * self.replicas)
+            return lambda state, lower=False: be.admit_stacked(form, state, *args,
+                                                               features=features, lower=lower)
         if form == "packed":
-            tokens, lay = build_pack([], [], *self.pack_shape(w), a)
-            return functools.partial(be.admit_packed, slot_idx=pad, tokens=tokens, lay=lay,
-                                     n_valid=z, next_tok=z - 1, features=features)
-        if form == "stacked":
-            args = _stack([self._pack_args(([], [], 0), w)] * self.replicas)
-            return functools.partial(be.admit_packed_stacked, slot_idx=args[0], tokens=args[1],
-                                     lay=args[2], n_valid=args[3], next_tok=args[4],
-                                     adm=args[5], features=features)
-        return functools.partial(be.admit, slot_idx=pad, tokens=np.zeros((a, w), np.int32),
-                                 start=z, n_valid=z, next_tok=z - 1, features=features,
-                                 first=form)
+            return lambda state, lower=False: be.admit_packed(state, *args, features=features,
+                                                              lower=lower)
+        return lambda state, lower=False: be.admit(state, *args, features=features, first=form,
+                                                   lower=lower)
 
     def warmup(self, variants: Sequence[Features] = VARIANTS, execute: Optional[bool] = None,
                freeze_heap: Optional[bool] = None):
@@ -533,8 +531,7 @@ class Engine:
         calls = [functools.partial(be.cycle, active=idle, features=f, size=k, short=s)
                  for f in variants for k in be.sizes for s in shorts]
         for a, w, form in sorted(self.admission_forms(),
-                                 key=lambda s: -s[1] * (1 if s[2] in ("packed", "stacked")
-                                                        else s[0])):
+                                 key=lambda s: -s[1] * (1 if s[2] == "packed" else s[0])):
             calls += [self.padding_admission(a, w, form, f) for f in variants]
         for a in self.slot_buckets if FULL in variants else ():
             calls.append(functools.partial(be.advance_keys, slot_idx=np.full(a, self.slots,
@@ -599,37 +596,25 @@ class Engine:
     def _prefill(self, batch):
         """Dispatches the prefill chunks of newly admitted runs, all requests' chunk k together
         (first chunks packed, `pack_first_chunks`), with the admission variant their sampling
-        needs; then moves the keys of resumed requests that sample past their earlier draws."""
+        needs; then moves the keys of resumed requests that sample past their earlier draws.
+        On a data-parallel backend every call is stacked per device (`_admit_stacked`)."""
         rows_all = [(rid, slot) + self._admit_rows(req) for rid, slot, req in batch]
         features = Features.of([req.sp for _, _, req in batch])
-        k = 0
-        if self.pack_first_chunks and self.replicas > 1:
-            self._admit_packs_stacked(rows_all, features)
-            k = 1
-        elif self.pack_first_chunks:
-            for pack in self._packs(rows_all):
-                self._admit_pack(pack, features)
-            k = 1
-        while True:
-            rows = [r for r in rows_all if len(r[2]) > k * self.chunk]
-            if not rows:
-                break
-            a = _bucket(len(rows), self.slot_buckets)
-            start = k * self.chunk
-            n_valid = [min(self.chunk, len(ids) - start) for _, _, ids, _, _ in rows]
-            # a later chunk is a whole chunk wide (one general form per slot count)
-            width = _bucket(max(n_valid), self.widths) if k == 0 else self.chunk
-            tokens = np.zeros((a, width), np.int32)
-            starts = np.zeros(a, np.int32)
-            starts[:len(rows)] = start
-            slot_idx, nv, nxt, adm = self._admit_args(a, rows, n_valid, start)
-            for i, ((_, _, ids, _, _), n) in enumerate(zip(rows, n_valid)):
-                tokens[i, :n] = ids[start:start + n]
-            self._dispatch_admit(
-                _run_ids(rows), (a, width, features, k == 0), lambda: self.backend.admit(
-                    self.state, slot_idx, tokens, starts, nv, nxt, adm, features=features,
-                    first=k == 0))
-            k += 1
+        if self.replicas > 1:
+            self._admit_stacked(rows_all, features)
+        else:
+            k = 0
+            if self.pack_first_chunks:
+                for pack in self._packs(rows_all):
+                    self._admit_pack(pack, features)
+                k = 1
+            while rows := self._chunk_rows(rows_all, k):
+                a, width = self._chunk_shape(rows, k)
+                args = self._chunk_args(rows, k, a, width)
+                self._dispatch_admit(
+                    _run_ids(rows), (a, width, features, k == 0), lambda: self.backend.admit(
+                        self.state, *args, features=features, first=k == 0))
+                k += 1
         self._advance_resumed([(slot, adv) for (_, slot, _, _, adv), (_, _, req)
                                in zip(rows_all, batch) if adv > 0 and req.sp.temperature > 0])
 
@@ -651,6 +636,31 @@ class Engine:
             cur.append(r)
             row_of.append(i)
         return out + [(cur, row_of, len(fill))] if cur else out
+
+    def _chunk_rows(self, rows, k: int):
+        """The rows with a k-th prefill chunk."""
+        return [r for r in rows if len(r[2]) > k * self.chunk]
+
+    def _chunk_shape(self, rows, k: int) -> tuple:
+        """(slot bucket, width) of the k-th chunks of `rows`: a first chunk (padded form) as
+        wide as the width bucket of the longest; a later chunk a whole chunk wide (one general
+        form per slot count)."""
+        width = self.chunk if k else _bucket(max(min(self.chunk, len(r[2])) for r in rows),
+                                             self.widths)
+        return _bucket(len(rows), self.slot_buckets), width
+
+    def _chunk_args(self, rows, k: int, a: int, width: int):
+        """(slot_idx, tokens, start, n_valid, next_tok, AdmitArgs) of the k-th chunks of `rows`
+        at slot bucket a and `width` (padding rows after them)."""
+        start = k * self.chunk
+        n_valid = [min(self.chunk, len(ids) - start) for _, _, ids, _, _ in rows]
+        tokens = np.zeros((a, width), np.int32)
+        starts = np.zeros(a, np.int32)
+        starts[:len(rows)] = start
+        slot_idx, nv, nxt, adm = self._admit_args(a, rows, n_valid, start)
+        for i, ((_, _, ids, _, _), n) in enumerate(zip(rows, n_valid)):
+            tokens[i, :n] = ids[start:start + n]
+        return slot_idx, tokens, starts, nv, nxt, adm
 
     def _pack_size(self, group) -> int:
         """The smallest pack size (of pack_sizes) that holds a `_packs` group."""
@@ -683,24 +693,40 @@ class Engine:
         """Devices the backend's slots are split over (`parallel.dp_engine`), else 1."""
         return self.slots // getattr(self.backend, "replica_slots", self.slots)
 
-    def _admit_packs_stacked(self, rows, features):
-        """Data parallel: each device's newcomers packed on their own (`_packs` of the rows of
-        its slots), and the devices' j-th packs stacked into one call at the size the largest
-        needs ([devices, ...] arguments, split over the devices): each device prefills only its
-        own newcomers, in one dispatch, with nothing to wait for. (A call with every device's
-        rows made each prefill all of them: two H200s spent 9.6 ms more than one on an
-        admission of 64 newcomers a GPU, bench/RESULTS.md, fortieth set.)"""
+    def _admit_stacked(self, rows, features):
+        """Data parallel: each device's newcomers (the rows of its slots) admitted on their own,
+        and the devices' calls of one shape stacked into one ([devices, ...] arguments split
+        over the devices), each device's part at the largest's shape: every device prefills
+        only its own newcomers, one dispatch a chunk, with nothing to wait for. (A call with
+        every device's rows made each prefill all of them: two H200s spent 9.6 ms more than one
+        on an admission of 64 newcomers a GPU, bench/RESULTS.md, fortieth set.)"""
         per = self.slots // self.replicas
-        packs = [self._packs([r for r in rows if r[1] // per == d]) for d in range(self.replicas)]
-        for j in range(max(map(len, packs))):
-            group = [p[j] if j < len(p) else ([], [], 0) for p in packs]
-            t = max(map(self._pack_size, group))
-            args = _stack([self._pack_args(g, t) for g in group])
-            a = args[0].shape[1]
-            ids = [rid for g in group for rid in _run_ids(g[0]) + [-1] * (a - len(g[0]))]
-            self._dispatch_admit(ids, (a, t, features, "stacked"),
-                                 lambda: self.backend.admit_packed_stacked(self.state, *args,
-                                                                           features=features))
+        mine = [[r for r in rows if r[1] // per == d] for d in range(self.replicas)]
+        k = 0
+        if self.pack_first_chunks:
+            packs = [self._packs(m) for m in mine]
+            for j in range(max(map(len, packs))):
+                group = [p[j] if j < len(p) else ([], [], 0) for p in packs]
+                t = max(map(self._pack_size, group))
+                self._dispatch_stacked([g[0] for g in group], (t, features, "packed"),
+                                       [self._pack_args(g, t) for g in group])
+            k = 1
+        while any(self._chunk_rows(m, k) for m in mine):
+            groups = [self._chunk_rows(m, k) for m in mine]
+            shapes = [self._chunk_shape(g, k) for g in groups if g]
+            a, width = max(s[0] for s in shapes), max(s[1] for s in shapes)
+            self._dispatch_stacked(groups, (width, features, k == 0),
+                                   [self._chunk_args(g, k, a, width) for g in groups])
+            k += 1
+
+    def _dispatch_stacked(self, groups, shape: tuple, parts):
+        """One stacked admission: groups[d] device d's rows, parts[d] its arguments;
+        shape (width, features, form) as the one-device call's key, after the slot count."""
+        args = _stack(parts)
+        a = args[0].shape[1]
+        ids = [rid for g in groups for rid in _run_ids(g) + [-1] * (a - len(g))]
+        self._dispatch_admit(ids, (a,) + shape, lambda: self.backend.admit_stacked(
+            shape[2], self.state, *args, features=shape[1]))
 
     def _admit_args(self, a: int, rows, n_valid, start: int):
         """(slot_idx, n_valid, next_tok, AdmitArgs) of an admission of `a` request rows: the

@@ -9,13 +9,11 @@ device runs exactly the single-device code (Pallas kernels included) on its own 
 programs hold no collective. The engine above it does not change: it sees N x S slots and admits
 requests into any free one as it does on one device.
 
-Admission: the engine admits requests by global slot index. First chunks (packed, the default)
-come as one pack a device, stacked ([N, ...] arguments split over the mesh,
-`Engine._admit_packs_stacked`): each device prefills only its own newcomers, in one call. The
-other forms (later chunks of long prompts, the padded first-chunk form) send every device the
-call's A rows: each maps the global indices to its own slots (another device's index becomes
-padding, which the admission drops), so it computes and drops the others' rows, and the first
-tokens come back from each device ([N, A]), the owner's row kept.
+Admission: the engine admits requests by global slot index, each device's newcomers on their
+own, the devices' calls stacked into one ([N, ...] arguments split over the mesh,
+`Engine._admit_stacked`; every form: packed or padded first chunks, later chunks). Each device
+maps its rows' global indices to its own slots and prefills only its own newcomers; the first
+tokens come back [N * A], device by device.
 """
 from __future__ import annotations
 
@@ -46,14 +44,6 @@ def _local_slots(slot_idx, per_device: int):
     return jnp.where((local >= 0) & (local < per_device), local, per_device).astype(slot_idx.dtype)
 
 
-def _owner_rows(x, slot_idx, per_device: int, n: int):
-    """x [n * A, ...] stacked per device -> [A, ...]: each row from the device owning its slot."""
-    a = slot_idx.shape[0]
-    x = x.reshape((n, a) + x.shape[1:])
-    owner = jnp.clip(slot_idx // per_device, 0, n - 1)
-    return x[owner, jnp.arange(a)]
-
-
 class _Sharded:
     """The shard_map'ed, jitted forms of one backend's programs (n_w weight arguments first,
     then the donated state)."""
@@ -79,29 +69,11 @@ class _Sharded:
         return jit(self._smap(inner, specs, (self.state_spec, P(AXIS))),
                    rows=self._rows(jitted), donate_argnums=(self.n_w,))
 
-    def admit(self, jitted):
-        inner, per, n = jitted.__wrapped__, self.per, self.n
-
-        def local(*args):       # weights..., state, slot_idx, rest...: slot_idx made local
-            args = list(args)
-            args[self.n_w + 1] = _local_slots(args[self.n_w + 1], per)
-            return inner(*args)
-
-        def call(*args):
-            n_rest = len(args) - self.n_w - 1
-            specs = (P(),) * self.n_w + (self.state_spec,) + (P(),) * n_rest
-            state, first = self._smap(local, specs, (self.state_spec, P(AXIS)))(*args)
-            slot_idx = args[self.n_w + 1]
-            return state, jax.tree_util.tree_map(lambda x: _owner_rows(x, slot_idx, per, n),
-                                                 first)
-        return jit(call, rows=self._rows(jitted), donate_argnums=(self.n_w,))
-
     def admit_stacked(self, jitted):
-        """A packed admission over arguments stacked per device (`Engine._admit_packs_stacked`:
-        weights..., state, then [N, ...] slot_idx, tokens, layout, n_valid, next_tok, AdmitArgs,
-        then the engine key): each device runs `jitted`'s program on its own slice, the pack
-        of its own newcomers, so no device prefills another's. -> (state, first tokens [N * A])
-        in device order."""
+        """An admission over arguments stacked per device (`Engine._admit_stacked`: weights...,
+        state, then [N, ...] slot_idx and the rest of the form's arguments, then the engine
+        key): each device runs `jitted`'s program on its own slice, its own newcomers, so no
+        device prefills another's. -> (state, first tokens [N * A]) in device order."""
         inner, per, n_w = jitted.__wrapped__, self.per, self.n_w
 
         def local(*args):
@@ -145,10 +117,10 @@ def data_parallel_backend(backend, devices: Sequence[jax.Device]):
     backend.init_state = lambda: jax.device_put(
         init(), jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec))
     backend._cycles = {f: sh.cycle(j) for f, j in backend._cycles.items()}
-    packed = {f: j for f, j in backend._admits.items() if f[1] == "packed"}
-    backend._admits = {f: sh.admit(j) for f, j in backend._admits.items()}
-    backend._admits.update({(f, "stacked"): sh.admit_stacked(j) for (f, _), j in packed.items()})
-    backend.replica_slots = backend.slots // n   # the engine stacks packs per device
+    # (admissions come stacked per device, `Engine._admit_stacked`: no unstacked form runs)
+    backend._admits = {(f, ("stacked", form)): sh.admit_stacked(j)
+                       for (f, form), j in backend._admits.items()}
+    backend.replica_slots = backend.slots // n
     backend._advance = sh.advance(backend._advance)
     split = NamedSharding(mesh, P(AXIS))
     backend.device_mask = MaskCache(lambda m: jax.device_put(m, split))
