@@ -24,7 +24,7 @@ from jaxspec.models import eagle, llama
 from jaxspec.parallel import (DataParallelPlainRunner, DataParallelSpecRunner,
                               TensorParallelSpecRunner, make_mesh, shard_draft_params,
                               shard_params, shard_state)
-from jaxspec.sampling import SamplingParams
+from jaxspec.sampling import LEAN, SamplingParams
 from jaxspec.spec import SpecConfig, SpecRunner, init_state, jit_cycle, jit_prefill
 
 # 8 q heads over 4 kv heads (GQA 2), q/k/v biases: 4 devices hold one kv head and two q heads.
@@ -162,12 +162,15 @@ def check_dp_engine(n, kind):
     # stacked per device; outputs equal one device's engine of the same chunking
     kw = dict(chunk=16, pack_first_chunks=False)
     one, eng = engine(None, **kw), recorded(engine(jax.devices()[:n], **kw))
+    eng.warmup(variants=(LEAN,))
+    eng.stacked.clear()
     outs = []
     for e in (one, eng):
         ids = [e.add_request(x, SamplingParams(max_tokens=m)) for x, m in zip(PROMPTS, NEW)]
         list(e.drain())
         outs.append([e.pop_finished(i).output for i in ids])
     assert {form for _, _, _, form in eng.stats.admit_shapes} == {True, False}
+    assert eng.backend.jit_calls == 0     # the stacked padded and later-chunk forms warmed up
     assert own_slots_only(eng), eng.stacked
     check(f"dp{n}-engine-{kind}-chunks", outs[1], outs[0])
 
