@@ -177,8 +177,7 @@ class _Dispatch:
         """Data parallel (`parallel.dp_engine`): the admission of `form` (True / False: a padded
         first / later chunk, as `admit`'s first; "packed": `admit_packed`) with its arguments
         stacked per device ([devices, ...]: each device's own rows, global slot indices)."""
-        return self._call(("admit_stacked", form, slot_idx.shape[1], tokens[0].shape[-1],
-                           tokens[0].size, features),
+        return self._call(("admit_stacked", form, slot_idx.shape[1], tokens[0].size, features),
                           self._admits[features, ("stacked", form)],
                           (*self.weights, state, slot_idx, tokens, *args, self.key), lower)
 

@@ -122,11 +122,6 @@ def freeze_startup_heap():
     gc.freeze()
 
 
-def _run_ids(rows) -> List[int]:
-    """The run ids of admission rows (run id, slot, ..)."""
-    return [r[0] for r in rows]
-
-
 def _stack(parts):
     """Per-device argument tuples (numpy leaves) -> one tuple with [devices, ...] leaves."""
     return jax.tree_util.tree_map(lambda *x: np.stack(x), *parts)
@@ -467,13 +462,20 @@ class Engine:
         """call(state, lower=False) of the admission program (a, w, form) on padding arguments
         (every row dropped: the state stays as it was); stacked per device on a data-parallel
         backend."""
-        be = self.backend
         args = self._pack_args(([], [], 0), w) if form == "packed" else \
             self._chunk_args([], 0 if form else 1, a, w)
+        return self._admission(form, [args] * self.replicas, features)
+
+    def _admission(self, form, parts, features: Features):
+        """call(state, lower=False) of the admission program of `form` (True / False: a padded
+        first / later chunk; "packed") on parts[d], device d's arguments: the backend's own
+        call on one device, stacked per device on a data-parallel backend."""
+        be = self.backend
         if self.replicas > 1:
-            args = _stack([args] * self.replicas)
+            args = _stack(parts)
             return lambda state, lower=False: be.admit_stacked(form, state, *args,
                                                                features=features, lower=lower)
+        args, = parts
         if form == "packed":
             return lambda state, lower=False: be.admit_packed(state, *args, features=features,
                                                               lower=lower)
@@ -597,24 +599,31 @@ class Engine:
         """Dispatches the prefill chunks of newly admitted runs, all requests' chunk k together
         (first chunks packed, `pack_first_chunks`), with the admission variant their sampling
         needs; then moves the keys of resumed requests that sample past their earlier draws.
-        On a data-parallel backend every call is stacked per device (`_admit_stacked`)."""
+        On a data-parallel backend each device's newcomers (the rows of its slots) are admitted
+        on their own and the devices' calls of one shape stacked into one ([devices, ...]
+        arguments split over the devices), each device's part at the largest's shape: every
+        device prefills only its own newcomers, one dispatch a chunk, with nothing to wait for.
+        (A call with every device's rows made each prefill all of them: two H200s spent 9.6 ms
+        more than one on an admission of 64 newcomers a GPU, bench/RESULTS.md, fortieth set.)"""
         rows_all = [(rid, slot) + self._admit_rows(req) for rid, slot, req in batch]
         features = Features.of([req.sp for _, _, req in batch])
-        if self.replicas > 1:
-            self._admit_stacked(rows_all, features)
-        else:
-            k = 0
-            if self.pack_first_chunks:
-                for pack in self._packs(rows_all):
-                    self._admit_pack(pack, features)
-                k = 1
-            while rows := self._chunk_rows(rows_all, k):
-                a, width = self._chunk_shape(rows, k)
-                args = self._chunk_args(rows, k, a, width)
-                self._dispatch_admit(
-                    _run_ids(rows), (a, width, features, k == 0), lambda: self.backend.admit(
-                        self.state, *args, features=features, first=k == 0))
-                k += 1
+        per = self.slots // self.replicas
+        mine = [[r for r in rows_all if r[1] // per == d] for d in range(self.replicas)]
+        k = 0
+        if self.pack_first_chunks:
+            packs = [self._packs(m) for m in mine]
+            for j in range(max(map(len, packs))):
+                group = [p[j] if j < len(p) else ([], [], 0) for p in packs]
+                t = max(map(self._pack_size, group))
+                self._dispatch_groups([g[0] for g in group], t, "packed", features,
+                                      [self._pack_args(g, t) for g in group])
+            k = 1
+        while any(groups := [self._chunk_rows(m, k) for m in mine]):
+            shapes = [self._chunk_shape(g, k) for g in groups if g]
+            a, width = max(s[0] for s in shapes), max(s[1] for s in shapes)
+            self._dispatch_groups(groups, width, k == 0, features,
+                                  [self._chunk_args(g, k, a, width) for g in groups])
+            k += 1
         self._advance_resumed([(slot, adv) for (_, slot, _, _, adv), (_, _, req)
                                in zip(rows_all, batch) if adv > 0 and req.sp.temperature > 0])
 
@@ -680,53 +689,18 @@ class Engine:
         slot_idx, nv, nxt, adm = self._admit_args(a, rows, list(map(len, chunks)), 0)
         return slot_idx, tokens, lay, nv, nxt, adm
 
-    def _admit_pack(self, group, features):
-        """One packed admission of a `_packs` group."""
-        t = self._pack_size(group)
-        args = self._pack_args(group, t)
-        self._dispatch_admit(_run_ids(group[0]), (len(args[0]), t, features, "packed"),
-                             lambda: self.backend.admit_packed(self.state, *args,
-                                                               features=features))
-
     @property
     def replicas(self) -> int:
         """Devices the backend's slots are split over (`parallel.dp_engine`), else 1."""
         return self.slots // getattr(self.backend, "replica_slots", self.slots)
 
-    def _admit_stacked(self, rows, features):
-        """Data parallel: each device's newcomers (the rows of its slots) admitted on their own,
-        and the devices' calls of one shape stacked into one ([devices, ...] arguments split
-        over the devices), each device's part at the largest's shape: every device prefills
-        only its own newcomers, one dispatch a chunk, with nothing to wait for. (A call with
-        every device's rows made each prefill all of them: two H200s spent 9.6 ms more than one
-        on an admission of 64 newcomers a GPU, bench/RESULTS.md, fortieth set.)"""
-        per = self.slots // self.replicas
-        mine = [[r for r in rows if r[1] // per == d] for d in range(self.replicas)]
-        k = 0
-        if self.pack_first_chunks:
-            packs = [self._packs(m) for m in mine]
-            for j in range(max(map(len, packs))):
-                group = [p[j] if j < len(p) else ([], [], 0) for p in packs]
-                t = max(map(self._pack_size, group))
-                self._dispatch_stacked([g[0] for g in group], (t, features, "packed"),
-                                       [self._pack_args(g, t) for g in group])
-            k = 1
-        while any(self._chunk_rows(m, k) for m in mine):
-            groups = [self._chunk_rows(m, k) for m in mine]
-            shapes = [self._chunk_shape(g, k) for g in groups if g]
-            a, width = max(s[0] for s in shapes), max(s[1] for s in shapes)
-            self._dispatch_stacked(groups, (width, features, k == 0),
-                                   [self._chunk_args(g, k, a, width) for g in groups])
-            k += 1
-
-    def _dispatch_stacked(self, groups, shape: tuple, parts):
-        """One stacked admission: groups[d] device d's rows, parts[d] its arguments;
-        shape (width, features, form) as the one-device call's key, after the slot count."""
-        args = _stack(parts)
-        a = args[0].shape[1]
-        ids = [rid for g in groups for rid in _run_ids(g) + [-1] * (a - len(g))]
-        self._dispatch_admit(ids, (a,) + shape, lambda: self.backend.admit_stacked(
-            shape[2], self.state, *args, features=shape[1]))
+    def _dispatch_groups(self, groups, width: int, form, features, parts):
+        """One admission call: groups[d] device d's rows, parts[d] its arguments (`_admission`);
+        filed under (slot count, width, features, form)."""
+        a = len(parts[0][0])
+        ids = [rid for g in groups for rid in [r[0] for r in g] + [-1] * (a - len(g))]
+        call = self._admission(form, parts, features)
+        self._dispatch_admit(ids, (a, width, features, form), lambda: call(self.state))
 
     def _admit_args(self, a: int, rows, n_valid, start: int):
         """(slot_idx, n_valid, next_tok, AdmitArgs) of an admission of `a` request rows: the

@@ -11,7 +11,7 @@ requests into any free one as it does on one device.
 
 Admission: the engine admits requests by global slot index, each device's newcomers on their
 own, the devices' calls stacked into one ([N, ...] arguments split over the mesh,
-`Engine._admit_stacked`; every form: packed or padded first chunks, later chunks). Each device
+`Engine._prefill`; every form: packed or padded first chunks, later chunks). Each device
 maps its rows' global indices to its own slots and prefills only its own newcomers; the first
 tokens come back [N * A], device by device.
 """
@@ -70,7 +70,7 @@ class _Sharded:
                    rows=self._rows(jitted), donate_argnums=(self.n_w,))
 
     def admit_stacked(self, jitted):
-        """An admission over arguments stacked per device (`Engine._admit_stacked`: weights...,
+        """An admission over arguments stacked per device (`Engine._prefill`: weights...,
         state, then [N, ...] slot_idx and the rest of the form's arguments, then the engine
         key): each device runs `jitted`'s program on its own slice, its own newcomers, so no
         device prefills another's. -> (state, first tokens [N * A]) in device order."""
@@ -117,7 +117,7 @@ def data_parallel_backend(backend, devices: Sequence[jax.Device]):
     backend.init_state = lambda: jax.device_put(
         init(), jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec))
     backend._cycles = {f: sh.cycle(j) for f, j in backend._cycles.items()}
-    # (admissions come stacked per device, `Engine._admit_stacked`: no unstacked form runs)
+    # (admissions come stacked per device, `Engine._prefill`: no unstacked form runs)
     backend._admits = {(f, ("stacked", form)): sh.admit_stacked(j)
                        for (f, form), j in backend._admits.items()}
     backend.replica_slots = backend.slots // n
