@@ -148,8 +148,9 @@ def dp_engine_end_to_end(cfg, p, d, args, replicas, preset):
     (parallel.dp_engine, b slots per device), host loop included; equal outputs checked."""
     b = args.slots
     max_len = args.prompt_len + args.max_tokens + 64
-    ps1 = prompts(b, args.prompt_len, cfg.vocab_size)
-    psd = prompts(b * replicas, args.prompt_len, cfg.vocab_size)
+    # waves > 1: waves x the slots' requests, admitted as slots free up (continuous batching)
+    ps1 = prompts(b * args.waves, args.prompt_len, cfg.vocab_size)
+    psd = prompts(b * replicas * args.waves, args.prompt_len, cfg.vocab_size)
     kw = dict(chunk=args.prompt_len, cycles_per_call=args.cycles_per_call,
               packing=args.packing == "on")
     one = _engine(cfg, p, d, preset, b, max_len, **kw)
@@ -162,9 +163,52 @@ def dp_engine_end_to_end(cfg, p, d, args, replicas, preset):
     misses = dict(single_jit_calls=one.backend.jit_calls, dp_jit_calls=dp.backend.jit_calls)
     return [dict(part="dp", mode=preset, measure="engine end-to-end", replicas=replicas,
                  slots_per_replica=b, single_tok_s=n1 / t1, dp_tok_s=nd / td,
-                 scaling=(nd / td) / (n1 / t1), first_replica_equals_single=od[:b] == o1,
-                 equal_requests=sum(a == c for a, c in zip(od[:b], o1)), packing=args.packing,
+                 scaling=(nd / td) / (n1 / t1), first_replica_equals_single=od[:len(o1)] == o1,
+                 equal_requests=sum(a == c for a, c in zip(od, o1)), packing=args.packing,
+                 requests=len(ps1),
                  single=_engine_stats(one, t1), dp=_engine_stats(dp, td), **misses)]
+
+
+def dp_engine_calls(cfg, p, d, args, replicas, preset):
+    """The engine backend's cycle calls back to back with no host read, each sample synced once:
+    the device side of the engine rows, for one device (S slots), the data-parallel form over a
+    one-device mesh (S slots: what the shard_map'ed program itself costs) and over `replicas`
+    devices (replicas x S slots). Also the host's seconds per call dispatch."""
+    from jaxspec.parallel.dp_engine import data_parallel_backend
+    b = args.slots
+    max_len = args.prompt_len + args.max_tokens + 64
+    devs = jax.local_devices()
+    forms = (("single", b, None), ("mesh1", b, devs[:1]), ("dp", b * replicas, devs[:replicas]))
+    out = {}
+    for label, slots, devices in forms:
+        be = engine_backend(cfg, p, d, preset, slots, max_len, args.cycles_per_call)
+        if devices is not None:
+            data_parallel_backend(be, devices)
+        mask = be.device_mask(np.ones((slots,), bool))
+        size, state = be.call_size(slots), be.init_state()
+        for short in ((False, True) if be.short_rows else (False,)):
+            for _ in range(2):     # compiles
+                state, o = be.cycle(state, mask, LEAN, size=size, short=short)
+            jax.block_until_ready(o.tokens)
+            ts, ds = [], []
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                for _ in range(args.cycles):
+                    t = time.perf_counter()
+                    state, o = be.cycle(state, mask, LEAN, size=size, short=short)
+                    ds.append(time.perf_counter() - t)
+                jax.block_until_ready(o.tokens)
+                ts.append((time.perf_counter() - t0) / args.cycles)
+            out[(label, short)] = (1e3 * median(ts), 1e3 * median(ds))
+        del state, be
+    rows = []
+    for short in sorted({s for _, s in out}):
+        (t1, d1), (tm, dm), (td, dd) = (out[(x, short)] for x in ("single", "mesh1", "dp"))
+        rows.append(dict(part="dp", mode=preset, measure="engine calls", replicas=replicas,
+                         slots_per_replica=b, short=short, single_call_ms=t1,
+                         mesh1_call_ms=tm, dp_call_ms=td, single_dispatch_ms=d1,
+                         mesh1_dispatch_ms=dm, dp_dispatch_ms=dd, scaling=replicas * t1 / td))
+    return rows
 
 
 def _engine_stats(eng, wall_s):
@@ -320,8 +364,11 @@ def main(argv=None):
     ap.add_argument("--cycles-per-call", type=int, default=4,
                     help="spec cycles per device call of the engine (LLM's default above batch 1)")
     ap.add_argument("--dp-impl", default="pmap,engine,device",
-                    help="pmap (the lockstep runners), engine (parallel.dp_engine), device "
+                    help="pmap (the lockstep runners), engine (parallel.dp_engine), calls (the "
+                         "engine backends' calls back to back, no host read), device "
                          "(back-to-back pmapped cycles, no host)")
+    ap.add_argument("--waves", type=int, default=1,
+                    help="engine rows: waves x the slots' requests each (1: one batch drained)")
     ap.add_argument("--packing", default="on", choices=("on", "off"),
                     help="the engine rows' first chunks packed (Engine(pack_first_chunks=))")
     ap.add_argument("--tp-spec", default="chain,tree")
@@ -351,6 +398,8 @@ def main(argv=None):
                 rows += dp_end_to_end(dp_cfg, p, d, args, 2, mode)
             if "engine" in args.dp_impl:
                 rows += dp_engine_end_to_end(dp_cfg, p, d, args, 2, mode)
+            if "calls" in args.dp_impl:
+                rows += dp_engine_calls(dp_cfg, p, d, args, 2, mode)
             if mode != "plain" and "device" in args.dp_impl:
                 rows += dp_device_only(dp_cfg, p, d, args, 2, mode)
             print(rows[-1], flush=True)
@@ -364,6 +413,12 @@ def main(argv=None):
             print(f"dp {r['mode']:6s} {r['measure']:18s} 1 GPU {r['single_tok_s']:9.0f} tok/s  "
                   f"{r['replicas']} GPUs {r['dp_tok_s']:9.0f} tok/s  scaling "
                   f"{r['scaling']:.2f}x  equal {r['first_replica_equals_single']}")
+        elif r["part"] == "dp" and r["measure"] == "engine calls":
+            print(f"dp {r['mode']:6s} calls{' short' if r['short'] else '      '}  1 GPU "
+                  f"{r['single_call_ms']:6.2f} ms/call (dispatch {r['single_dispatch_ms']:.2f})  "
+                  f"1-device mesh {r['mesh1_call_ms']:6.2f} ({r['mesh1_dispatch_ms']:.2f})  "
+                  f"{r['replicas']} GPUs {r['dp_call_ms']:6.2f} ({r['dp_dispatch_ms']:.2f})  "
+                  f"scaling {r['scaling']:.2f}x")
         elif r["part"] == "dp":
             print(f"dp {r['mode']:6s} device      1 GPU {r['single_cycle_ms']:7.2f} ms/cycle  "
                   f"{r['replicas']} GPUs {r['dp_cycle_ms']:7.2f} ms/cycle  scaling "
