@@ -112,8 +112,11 @@
 #                                      #   call of its own (bench/mtbench16.jsonl: two
 #                                      #   MT-bench questions per category; hf-compiled first)
 #   bash bench/gpu_plan.sh parallel    # issue 9 (nvidia-h200-x2): data parallel, engine and pmap
-#                                      #   (fortieth set: engine 1.86-1.97x, pmap 1.26-1.77x;
-#                                      #   since then admissions stacked per device, unmeasured)
+#                                      #   (forty-first set: engine 1.87-1.99x draining one
+#                                      #   batch; fortieth: pmap 1.26-1.77x)
+#   bash bench/gpu_plan.sh parallel_calls  # issue 9 (nvidia-h200-x2): the engine's calls alone
+#                                      #   on 1 and 2 GPUs, then 4 batches of requests
+#                                      #   (forty-first set: 2.00x on the device; 1.92-1.94x)
 #   bash bench/gpu_plan.sh parallel_more  # issue 9 (nvidia-h200-x2): the engine at 8 cycles per
 #                                      #   call, then tensor parallel
 #   bash bench/gpu_plan.sh wide        # issue 7: batch 1 end to end, the 2x-MLP head (carry
@@ -623,6 +626,11 @@ case "${1:-}" in
   parallel)
     # (bench/dp_compile_probe.py names the program if a two-device compile crashes again)
     run parallel_dp 560 python3 bench/bench_parallel.py --part dp --dp-impl engine,pmap,device --reps 3
+    ;;
+  parallel_calls)
+    run parallel_calls 250 python3 bench/bench_parallel.py --part dp --dp-impl calls --reps 3
+    run parallel_waves 300 python3 bench/bench_parallel.py --part dp --dp-impl engine \
+      --dp-modes chain,plain --reps 3 --waves 4
     ;;
   parallel_more)
     run parallel_dp8 200 python3 bench/bench_parallel.py --part dp --dp-impl engine \
