@@ -241,6 +241,10 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
                 if not interpret:
                     acc_ref[...] = acc_now
                 wait_next_k(i)
+                # The other warpgroup issues its products while this one did its softmax: a
+                # second turn at the barrier a step keeps the two half a step apart, as the
+                # default path's two turns do (with one, both would issue, then both wait).
+                staggered()
                 return acc_now if interpret else None, m_next, l_next, p.astype(dtype)
 
             acc, m_i, l_i = carry
@@ -257,7 +261,13 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
                     p_last, v_smem.at[last][...], preferred_element_type=f32),
                     lambda: jnp.zeros_like(acc))
             else:
-                pl.when(blocks > 0)(lambda: plgpu.wgmma(acc_ref, p_last, v_smem.at[last]))
+                # The wait inside the branch: a wgmma still in flight where the branches meet
+                # has its accumulator's registers defined by the merge's moves, and ptxas then
+                # serialises every wgmma of the kernel (C7515: 25% slower, fortieth set).
+                @pl.when(blocks > 0)
+                def _():
+                    plgpu.wgmma(acc_ref, p_last, v_smem.at[last])
+                    plgpu.wgmma_wait(0)
                 acc = acc_ref[...]
             pl.when(blocks > 0)(lambda: plgpu.barrier_arrive(v_free.at[last]))
             return acc, m_i, l_i
