@@ -290,6 +290,10 @@ def test_defaults_by_backend_and_batch(monkeypatch):
     # short builds: from 64 slots, and plain decoding at 1 slot (none on a CPU)
     assert [backends.default_short_rows(s) for s in (1, 4, 63, 64)] == [0, 0, 0, 512]
     assert [backends.default_short_rows(s, plain=True) for s in (1, 4, 64)] == [512, 0, 512]
+    # none for a cache no longer than the bound: the full build is sized for it already
+    assert [backends.default_short_rows(64, max_len=t) for t in (352, 512, 513, 2048)] == \
+        [0, 0, 512, 512]
+    assert backends.default_short_rows(1, plain=True, max_len=320) == 0
     monkeypatch.setattr(backends.jax, "default_backend", lambda: "cpu")
     assert backends.default_short_rows(1, plain=True) == backends.default_short_rows(64) == 0
 

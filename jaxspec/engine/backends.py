@@ -253,7 +253,7 @@ SHORT_ROWS = 512
 SHORT_MIN_SLOTS = 64
 
 
-def default_short_rows(slots: int, plain: bool = False) -> int:
+def default_short_rows(slots: int, plain: bool = False, max_len: Optional[int] = None) -> int:
     """Rows per slot under which cycles run a second build of their program whose attention
     splits are sized for `ModelConfig.live_rows` = that many rows, not the cache's length (0:
     none). On the H100 with SmolLM2's heads at 64 slots in a 2,048-row cache (bench/RESULTS.md,
@@ -264,8 +264,11 @@ def default_short_rows(slots: int, plain: bool = False) -> int:
     rows took 1.5-3 us a layer less in one split (twenty-fifth set, `tree_attention.
     default_config`). A speculative engine below SHORT_MIN_SLOTS has none: its verify's wide
     tiles at 1 slot ran slower in fewer splits. Only on the GPU: elsewhere the attention is the
-    jnp reference, the same for both."""
-    if jax.default_backend() != "gpu":
+    jnp reference, the same for both. None for a cache (max_len rows) no longer than the bound:
+    the full build is sized for the cache, and the short one for more rows than it holds ran
+    chain:4 and (6,10,60) 5% and 4% slower at 64 slots of 352-368 rows (H200, bench/RESULTS.md,
+    forty-first set, `bench_parallel.py --dp-impl calls`; plain decoding equal)."""
+    if jax.default_backend() != "gpu" or (max_len is not None and max_len <= SHORT_ROWS):
         return 0
     return SHORT_ROWS if slots >= SHORT_MIN_SLOTS or (plain and slots == 1) else 0
 
@@ -333,7 +336,8 @@ class SpecBackend(_Dispatch):
         self.sizes = tuple(sorted({1, cycles_per_call}))
         self.emit, self.min_emit = self.emits(cycles_per_call)
         self.key = _engine_key(seed)
-        self.short_rows = default_short_rows(slots) if short_rows is None else short_rows
+        self.short_rows = (default_short_rows(slots, max_len=max_len) if short_rows is None
+                           else short_rows)
         builds = [()] + ([("short",)] if self.short_rows else [])
         self._cycles = {(f, k) + s: jit_cycle(cfg.with_live_rows(self.short_rows) if s else cfg,
                                               self.spec, features=f, n_cycles=k, slots=slots)
@@ -490,8 +494,8 @@ class PlainBackend(_Dispatch):
         self.key = _engine_key(seed)
         self._admits, self._cycles, self._advance = _jit_plain(cfg, slots, max_len, self.dtype,
                                                                n_steps)
-        self.short_rows = (default_short_rows(slots, plain=True) if short_rows is None
-                           else short_rows)
+        self.short_rows = (default_short_rows(slots, plain=True, max_len=max_len)
+                           if short_rows is None else short_rows)
         if self.short_rows:   # the decode programs again, sized for short prefixes
             short = _jit_plain_cycles(cfg.with_live_rows(self.short_rows), slots, n_steps,
                                       gemm_choice())
