@@ -16,7 +16,8 @@
 #                                      #   the Mosaic kernel against beside it, checks first
 #   bash bench/gpu_plan.sh overlap     # issue 4: the Mosaic kernel's intra-warpgroup overlap
 #                                      #   (mosaic_overlap) checked, then timed against the
-#                                      #   default and cuDNN (fortieth set: correct, 5-33% slower)
+#                                      #   default and cuDNN (fortieth set: correct, 5-33% slower,
+#                                      #   ptxas had serialised it; forty-first: fixed, ties)
 #   bash bench/gpu_plan.sh lossweight  # issue 7: the shipped head fine-tuned twice from the same
 #                                      #   start, data (17.5K self-distilled ShareGPT answers,
 #                                      #   carry .gpu/train/ from `python -m bench.train_gpu

@@ -89,7 +89,8 @@ _FUSED_MERGE_SPLITS = 2
 # shared memory with two warpgroups); larger ones keep the Triton kernel's tree part.
 _MOSAIC_TREE_KEYS = 64
 # The Mosaic kernel's PV product of block i - 1 issued behind block i's scores (overlapped with
-# its softmax), as FlashAttention-3 does.
+# its softmax), as FlashAttention-3 does. Off: since ptxas no longer serialises it, it ties the
+# default on every measured row (bench/RESULTS.md, forty-first set).
 _MOSAIC_OVERLAP = False
 
 
