@@ -171,6 +171,11 @@ def check_dp_engine(n, kind):
         outs.append([e.pop_finished(i).output for i in ids])
     assert {form for _, _, _, form in eng.stats.admit_shapes} == {True, False}
     assert eng.backend.jit_calls == 0     # the stacked padded and later-chunk forms warmed up
+    # warm-up compiled no admission wider than one device's 2 slots (each call's rows are one
+    # device's newcomers), while a single device's engine of 2n slots has forms up to 2n
+    admits = [k for k in eng.backend.executables if k[0] == "admit_stacked"]
+    assert admits and {k[2] for k in admits} <= {1, 2}, admits
+    assert max(one.admit_buckets) == 2 * n and eng.admit_buckets == [1, 2]
     assert own_slots_only(eng), eng.stacked
     check(f"dp{n}-engine-{kind}-chunks", outs[1], outs[0])
 

@@ -256,6 +256,10 @@ class Engine:
         self.chunk, self.min_chunk = chunk, min_chunk
         self.widths = _buckets(min_chunk, chunk, width_growth)
         self.slot_buckets = _buckets(1, self.slots, bucket_growth)
+        # An admission call's rows are one device's newcomers (`_prefill`): on a data-parallel
+        # backend at most its share of the slots, so no form wider than that is compiled.
+        self.admit_slots = getattr(backend, "replica_slots", self.slots)
+        self.admit_buckets = _buckets(1, self.admit_slots, bucket_growth)
         self.pack_first_chunks = pack_first_chunks
         pack_tokens = 2 * chunk if pack_tokens is None else pack_tokens
         if pack_tokens < chunk:
@@ -270,7 +274,7 @@ class Engine:
         # r_max rows (a power of 2) hold every slot's first chunk; at most pack_max_tokens in
         # all (more newcomers: more packs).
         per_row = max(1, pack_tokens // chunk)
-        r_max = 1 << (-(-self.slots // per_row) - 1).bit_length()
+        r_max = 1 << (-(-self.admit_slots // per_row) - 1).bit_length()
         r_max = min(r_max, 1 << ((pack_max_tokens // pack_tokens).bit_length() - 1))
         if pack_rows not in PACK_ROWS:
             raise ValueError(f"pack_rows must be one of {PACK_ROWS}, got {pack_rows!r}")
@@ -437,11 +441,11 @@ class Engine:
     def admission_shapes(self) -> List[tuple]:
         """(slot count, chunk width) of every padded bucket: the padded first-chunk form's
         shapes (`pack_first_chunks=False`); `admission_forms` lists what warm-up compiles."""
-        return [(a, w) for a in self.slot_buckets for w in self.widths]
+        return [(a, w) for a in self.admit_buckets for w in self.widths]
 
     def pack_requests(self, size: int) -> int:
         """The most requests a pack of `size` tokens holds (its per-request arrays' size)."""
-        return min(self.slots, max(1, size // self.min_chunk))
+        return min(self.admit_slots, max(1, size // self.min_chunk))
 
     def pack_shape(self, size: int) -> tuple:
         """(rows, width) of a pack of `size` tokens (one of pack_sizes)."""
@@ -456,7 +460,7 @@ class Engine:
         first = ([(self.pack_requests(t), t, "packed") for t in self.pack_sizes]
                  if self.pack_first_chunks else
                  [(a, w, True) for a, w in self.admission_shapes()])
-        return first + [(a, self.chunk, False) for a in self.slot_buckets]
+        return first + [(a, self.chunk, False) for a in self.admit_buckets]
 
     def padding_admission(self, a: int, w: int, form, features: Features):
         """call(state, lower=False) of the admission program (a, w, form) on padding arguments
@@ -656,7 +660,7 @@ class Engine:
         form per slot count)."""
         width = self.chunk if k else _bucket(max(min(self.chunk, len(r[2])) for r in rows),
                                              self.widths)
-        return _bucket(len(rows), self.slot_buckets), width
+        return _bucket(len(rows), self.admit_buckets), width
 
     def _chunk_args(self, rows, k: int, a: int, width: int):
         """(slot_idx, tokens, start, n_valid, next_tok, AdmitArgs) of the k-th chunks of `rows`
@@ -692,7 +696,7 @@ class Engine:
     @property
     def replicas(self) -> int:
         """Devices the backend's slots are split over (`parallel.dp_engine`), else 1."""
-        return self.slots // getattr(self.backend, "replica_slots", self.slots)
+        return self.slots // self.admit_slots
 
     def _dispatch_groups(self, groups, width: int, form, features, parts):
         """One admission call: groups[d] device d's rows, parts[d] its arguments (`_admission`);
