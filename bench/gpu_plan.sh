@@ -14,6 +14,10 @@
 #                                      #   rule beyond "8K+ live rows" would come from (the
 #                                      #   thirty-eighth set); mosaic_tree, the tree part inside
 #                                      #   the Mosaic kernel against beside it, checks first
+#   bash bench/gpu_plan.sh ncu         # issue 4: ncu's DRAM bytes and L2 hit rate of the Mosaic
+#                                      #   kernel at B 64, N 64 and N 16, 8K: does N 64 read each
+#                                      #   prefix twice (two 128-row CTAs a slot and KV head)?
+#                                      #   (forty-first set: sections on 3 shapes ran past 280 s)
 #   bash bench/gpu_plan.sh overlap     # issue 4: the Mosaic kernel's intra-warpgroup overlap
 #                                      #   (mosaic_overlap) checked, then timed against the
 #                                      #   default and cuDNN (fortieth set: correct, 5-33% slower,
@@ -627,6 +631,14 @@ case "${1:-}" in
   parallel)
     # (bench/dp_compile_probe.py names the program if a two-device compile crashes again)
     run parallel_dp 560 python3 bench/bench_parallel.py --part dp --dp-impl engine,pmap,device --reps 3
+    ;;
+  ncu)
+    # three metrics (few replay passes) on 4 launches: each shape's compile call and its second;
+    # ncu prints when the process exits, so the limit must cover the whole run
+    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    run ncu 580 "$NCU" --kernel-name regex:entry_mosaic -c 4 --metrics \
+      gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct \
+      python3 bench/ncu_attention.py --shapes "64,64,8192;64,16,8192"
     ;;
   parallel_calls)
     run parallel_calls 250 python3 bench/bench_parallel.py --part dp --dp-impl calls --reps 3
