@@ -173,13 +173,15 @@ def dp_engine_calls(cfg, p, d, args, replicas, preset):
     """The engine backend's cycle calls back to back with no host read, each sample synced once:
     the device side of the engine rows, for one device (S slots), the data-parallel form over a
     one-device mesh (S slots: what the shard_map'ed program itself costs) and over `replicas`
-    devices (replicas x S slots). Also the host's seconds per call dispatch."""
+    devices (replicas x S slots). Also the host's ms per call dispatch: through the jitted
+    program, then (one device and two) as the engine dispatches after warm-up, the compiled
+    executable, with and without starting the outputs' copies to the host (`Engine._prefetch`)."""
     from jaxspec.parallel.dp_engine import data_parallel_backend
     b = args.slots
     max_len = args.prompt_len + args.max_tokens + 64
     devs = jax.local_devices()
     forms = (("single", b, None), ("mesh1", b, devs[:1]), ("dp", b * replicas, devs[:replicas]))
-    out = {}
+    out, engine_like = {}, {}
     for label, slots, devices in forms:
         be = engine_backend(cfg, p, d, preset, slots, max_len, args.cycles_per_call)
         if devices is not None:
@@ -187,28 +189,48 @@ def dp_engine_calls(cfg, p, d, args, replicas, preset):
         mask = be.device_mask(np.ones((slots,), bool))
         size, state = be.call_size(slots), be.init_state()
         for short in ((False, True) if be.short_rows else (False,)):
-            for _ in range(2):     # compiles
-                state, o = be.cycle(state, mask, LEAN, size=size, short=short)
-            jax.block_until_ready(o.tokens)
-            ts, ds = [], []
-            for _ in range(args.reps):
-                t0 = time.perf_counter()
-                for _ in range(args.cycles):
-                    t = time.perf_counter()
-                    state, o = be.cycle(state, mask, LEAN, size=size, short=short)
-                    ds.append(time.perf_counter() - t)
-                jax.block_until_ready(o.tokens)
-                ts.append((time.perf_counter() - t0) / args.cycles)
-            out[(label, short)] = (1e3 * median(ts), 1e3 * median(ds))
+            state, out[(label, short)] = _time_calls(be, state, mask, size, short, args)
+            if label != "mesh1" and not short:   # as the engine calls it after warm-up
+                key, low = be.cycle(state, mask, LEAN, size=size, short=short, lower=True)
+                be.executables[key] = low.compile()
+                for prefetch in (False, True):
+                    state, got = _time_calls(be, state, mask, size, short, args, prefetch)
+                    engine_like[(label, prefetch)] = got[1]
         del state, be
     rows = []
     for short in sorted({s for _, s in out}):
         (t1, d1), (tm, dm), (td, dd) = (out[(x, short)] for x in ("single", "mesh1", "dp"))
+        more = {} if short else {f"{x}_compiled{'_prefetch' if pf else ''}_dispatch_ms": v
+                                 for (x, pf), v in engine_like.items()}
         rows.append(dict(part="dp", mode=preset, measure="engine calls", replicas=replicas,
                          slots_per_replica=b, short=short, single_call_ms=t1,
                          mesh1_call_ms=tm, dp_call_ms=td, single_dispatch_ms=d1,
-                         mesh1_dispatch_ms=dm, dp_dispatch_ms=dd, scaling=replicas * t1 / td))
+                         mesh1_dispatch_ms=dm, dp_dispatch_ms=dd, scaling=replicas * t1 / td,
+                         **more))
     return rows
+
+
+def _time_calls(be, state, mask, size, short, args, prefetch=False):
+    """-> (state, (ms a call, median dispatch ms)) of args.cycles cycle calls back to back,
+    synced once per sample (args.reps samples, after two untimed calls). prefetch: each call's
+    token and accept outputs start their copies to the host, as the engine does."""
+    for _ in range(2):     # compiles (through the jitted program)
+        state, o = be.cycle(state, mask, LEAN, size=size, short=short)
+    jax.block_until_ready(o.tokens)
+    ts, ds = [], []
+    for _ in range(args.reps):
+        t0 = time.perf_counter()
+        for _ in range(args.cycles):
+            t = time.perf_counter()
+            state, o = be.cycle(state, mask, LEAN, size=size, short=short)
+            if prefetch:
+                for x in (o.tokens, getattr(o, "accept", None)):
+                    if x is not None and hasattr(x, "copy_to_host_async"):
+                        x.copy_to_host_async()
+            ds.append(time.perf_counter() - t)
+        jax.block_until_ready(o.tokens)
+        ts.append((time.perf_counter() - t0) / args.cycles)
+    return state, (1e3 * median(ts), 1e3 * median(ds))
 
 
 def _engine_stats(eng, wall_s):
@@ -419,6 +441,12 @@ def main(argv=None):
                   f"1-device mesh {r['mesh1_call_ms']:6.2f} ({r['mesh1_dispatch_ms']:.2f})  "
                   f"{r['replicas']} GPUs {r['dp_call_ms']:6.2f} ({r['dp_dispatch_ms']:.2f})  "
                   f"scaling {r['scaling']:.2f}x")
+            if "single_compiled_dispatch_ms" in r:
+                print("   dispatch ms, compiled / + prefetch: 1 GPU "
+                      f"{r['single_compiled_dispatch_ms']:.2f} / "
+                      f"{r['single_compiled_prefetch_dispatch_ms']:.2f}  {r['replicas']} GPUs "
+                      f"{r['dp_compiled_dispatch_ms']:.2f} / "
+                      f"{r['dp_compiled_prefetch_dispatch_ms']:.2f}")
         elif r["part"] == "dp":
             print(f"dp {r['mode']:6s} device      1 GPU {r['single_cycle_ms']:7.2f} ms/cycle  "
                   f"{r['replicas']} GPUs {r['dp_cycle_ms']:7.2f} ms/cycle  scaling "
