@@ -416,17 +416,20 @@ def active_splits(length, num_splits, block_kv) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
-                                             "overlap", "interpret"))
+                                             "overlap", "rows_outer", "interpret"))
 def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree=None, *,
                          scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
-                         steps: int = STEPS, overlap: bool = False,
+                         steps: int = STEPS, overlap: bool = False, rows_outer: bool = False,
                          interpret: bool = False):
     """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
     each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
     m, l [B * Hkv, S, R], f32. slots [B]: the cache slot of each row (None: row b is slot b).
     tree: (k_new, v_new [B, Hkv, NT, D], bias [B, R, NT] in q's dtype, 0 where row r sees new
     key j, else MASK_VALUE; NT a multiple of 64 up to block_kv): split 0 attends to those keys
-    too, and with one split the output is o normalised, [B * Hkv, R, D] in q's dtype."""
+    too, and with one split the output is o normalised, [B * Hkv, R, D] in q's dtype.
+    rows_outer: the row tiles as the grid's slowest axis instead of its fastest (the kernel
+    finds its coordinates by name), so the row tiles of one (split, slot x KV head), which read
+    the same keys, are not launched side by side: a probe of how much they share through L2."""
     b, hkv, r, d = q_rows.shape
     t = k_cache.shape[3]
     if not scale_log2 > 0:   # the running max is taken before scaling
@@ -472,9 +475,11 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                     jax.ShapeDtypeStruct((b * hkv, num_splits, r), f32),
                     jax.ShapeDtypeStruct((b * hkv, num_splits, r), f32))
     params = dict(interpret=_interpret_params()) if interpret else {}
+    axes = (("rt", r // (wgs * ROWS)), ("split", num_splits), ("bh", b * hkv))
+    axes = axes[1:] + axes[:1] if rows_outer else axes
     call = plgpu.kernel(entry, out_type=out_type,
-                        grid=(r // (wgs * ROWS), num_splits, b * hkv),
-                        grid_names=("rt", "split", "bh"), num_threads=wgs + 1,
+                        grid=tuple(x for _, x in axes),
+                        grid_names=tuple(name for name, _ in axes), num_threads=wgs + 1,
                         thread_name="wg",
                         compiler_params=plgpu.CompilerParams(approx_math=True), **params)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)

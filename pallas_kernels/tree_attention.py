@@ -408,7 +408,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
            "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
-           "mosaic_ring", "mosaic_overlap")
+           "mosaic_ring", "mosaic_overlap", "mosaic_rows_outer")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -463,7 +463,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
             skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
-            mosaic_overlap=None):
+            mosaic_overlap=None, mosaic_rows_outer=False):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -476,7 +476,9 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     to `_MOSAIC_TREE_KEYS` tokens), or None: `mosaic_serves` decides. mosaic_tree=False: the
     Triton kernel's tree part (and merge) beside Mosaic's prefix at any tree size (A/B runs).
     mosaic_ring: (keys a block, ring slots) of the Mosaic kernel (None: its defaults).
-    mosaic_overlap: its PV products behind the next block's scores (None: `_MOSAIC_OVERLAP`)."""
+    mosaic_overlap: its PV products behind the next block's scores (None: `_MOSAIC_OVERLAP`).
+    mosaic_rows_outer: its row tiles as the grid's slowest axis, so the CTAs of one slot's rows
+    that read the same prefix no longer run side by side (a probe of their L2 sharing)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -515,7 +517,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                               num_splits=num_splits, sm_scale=sm_scale, interpret=interpret,
                               kn_in=kn_in, vn_in=vn_in, tree_mask=tree_mask,
                               mosaic_tree=mosaic_tree, ring=ring,
-                              overlap=_MOSAIC_OVERLAP if mosaic_overlap is None else mosaic_overlap)
+                              overlap=_MOSAIC_OVERLAP if mosaic_overlap is None else mosaic_overlap,
+                              rows_outer=mosaic_rows_outer)
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
@@ -538,7 +541,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
                    dtype, *, packed, block_r, params, num_splits, sm_scale, interpret,
-                   kn_in, vn_in, tree_mask, mosaic_tree, ring, overlap):
+                   kn_in, vn_in, tree_mask, mosaic_tree, ring, overlap, rows_outer=False):
     """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`). Trees of up
     to `_MOSAIC_TREE_KEYS` tokens go into that kernel too (then one launch, or two with the
     combine over several splits); larger ones take `kernel` (the Triton kernel, configured) for
@@ -556,7 +559,7 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
     prefix = pm.prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots, tree,
                                      scale_log2=sm_scale * _LOG2E, num_splits=num_splits,
                                      block_kv=ring[0], steps=ring[1], overlap=overlap,
-                                     interpret=interpret)
+                                     rows_outer=rows_outer, interpret=interpret)
     if tree is not None and num_splits == 1:   # normalised rows [B * Hkv, R', D]
         o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)
         return o.transpose(0, 2, 1, 3, 4).reshape(q_shape).astype(dtype)
