@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "replica")
     ap.add_argument("--data-parallel-impl", choices=["pmap", "engine"], default="engine",
                     help="engine: one continuous-batching engine over every replica's slots "
-                         "(scaled 1.86-1.97x on two H200s); pmap: lockstep groups per replica "
+                         "(scaled 1.87-1.99x on two H200s); pmap: lockstep groups per replica "
                          "(1.26-1.77x)")
     ap.add_argument("--tensor-parallel", type=int, default=1,
                     help="shard the model over this many local GPUs (a model axis)")

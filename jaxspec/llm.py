@@ -87,9 +87,10 @@ class LLM:
     jit of shard_map, which is what jax.pmap itself lowers to; stream, abort and retract work
     as on one device) or "pmap" (`parallel.data_parallel`: groups of requests decoded in
     lockstep per replica with jax.pmap, no streaming). On two H200s at 64 slots a GPU the
-    engine scaled 1.86-1.97x over one GPU, and in one call beside pmap it gave 1.3-3.1x pmap's
-    tokens/s; pmap scaled 1.26-1.77x, each group waiting for its longest request
-    (bench/RESULTS.md, fortieth set).
+    engine scaled 1.92-1.94x over one GPU with requests flowing and 1.87-1.99x draining one
+    batch (bench/RESULTS.md, forty-first set); in one call beside pmap it gave 1.3-3.1x pmap's
+    tokens/s, and pmap scaled 1.26-1.77x, each group waiting for its longest request (fortieth
+    set).
     admit_interval: the engine admits newcomers every this many device calls while others run
     (`Engine(admit_interval=)`; 1 admits at once). None: `engine.default_admit_interval` (on a
     GPU 3 for a speculative engine of 64+ slots, 2 for 32+, else 1).

@@ -611,7 +611,7 @@ class Engine:
         more than one on an admission of 64 newcomers a GPU, bench/RESULTS.md, fortieth set.)"""
         rows_all = [(rid, slot) + self._admit_rows(req) for rid, slot, req in batch]
         features = Features.of([req.sp for _, _, req in batch])
-        per = self.slots // self.replicas
+        per = self.admit_slots
         mine = [[r for r in rows_all if r[1] // per == d] for d in range(self.replicas)]
         k = 0
         if self.pack_first_chunks:
