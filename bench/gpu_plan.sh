@@ -19,10 +19,9 @@
 #                                      #   prefix twice (two 128-row CTAs a slot and KV head)?
 #                                      #   (forty-first set: sections on 3 shapes ran past 280 s)
 #   bash bench/gpu_plan.sh rows_outer  # issue 4: the Mosaic kernel's row tiles as the grid's
-#                                      #   slowest axis (partners no longer share keys through
-#                                      #   L2) against the default, N 64 rows: slower = the
-#                                      #   second read is served by L2 now; the same = it is not
-#                                      #   (then a cluster multicast of K/V halves the reads)
+#                                      #   fastest axis (partners side by side, the old order)
+#                                      #   against the default, slowest (forty-second set: the
+#                                      #   slowest axis 4-17% faster at N 64, so it is default)
 #   bash bench/gpu_plan.sh overlap     # issue 4: the Mosaic kernel's intra-warpgroup overlap
 #                                      #   (mosaic_overlap) checked, then timed against the
 #                                      #   default and cuDNN (fortieth set: correct, 5-33% slower,
@@ -638,7 +637,7 @@ case "${1:-}" in
     run parallel_dp 560 python3 bench/bench_parallel.py --part dp --dp-impl engine,pmap,device --reps 3
     ;;
   rows_outer)
-    run rows_outer 400 python3 bench/kernel_ab.py --variants '{"rows_outer": {"mosaic_rows_outer": true}}' \
+    run rows_outer 400 python3 bench/kernel_ab.py --variants '{"rows_inner": {"mosaic_rows_outer": false}}' \
       --shapes "64,64,8192;8,64,8192;64,64,32768;64,16,8192"
     ;;
   ncu)

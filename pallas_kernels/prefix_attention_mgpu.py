@@ -429,7 +429,8 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     too, and with one split the output is o normalised, [B * Hkv, R, D] in q's dtype.
     rows_outer: the row tiles as the grid's slowest axis instead of its fastest (the kernel
     finds its coordinates by name), so the row tiles of one (split, slot x KV head), which read
-    the same keys, are not launched side by side: a probe of how much they share through L2."""
+    the same keys, are not launched side by side. Each then reads its keys from DRAM alone, and
+    that ran up to 17% faster at N * G = 256 (bench/RESULTS.md, forty-second set)."""
     b, hkv, r, d = q_rows.shape
     t = k_cache.shape[3]
     if not scale_log2 > 0:   # the running max is taken before scaling

@@ -92,6 +92,11 @@ _MOSAIC_TREE_KEYS = 64
 # its softmax), as FlashAttention-3 does. Off: since ptxas no longer serialises it, it ties the
 # default on every measured row (bench/RESULTS.md, forty-first set).
 _MOSAIC_OVERLAP = False
+# The Mosaic kernel's row tiles as its grid's slowest axis: the two 128-row CTAs of one slot and
+# KV head (N * G > 128) no longer run side by side. Each then reads the prefix from DRAM on its
+# own, and that was faster on every row timed: B 64, N 64, 8K 1050-1087 us against 1156-1221,
+# B 16, N 64, 4K 133.7 against 155.9-156.7, batch 1 1-2% (bench/RESULTS.md, forty-second set).
+_MOSAIC_ROWS_OUTER = True
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -463,7 +468,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
             skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
-            mosaic_overlap=None, mosaic_rows_outer=False):
+            mosaic_overlap=None, mosaic_rows_outer=None):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -478,7 +483,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     mosaic_ring: (keys a block, ring slots) of the Mosaic kernel (None: its defaults).
     mosaic_overlap: its PV products behind the next block's scores (None: `_MOSAIC_OVERLAP`).
     mosaic_rows_outer: its row tiles as the grid's slowest axis, so the CTAs of one slot's rows
-    that read the same prefix no longer run side by side (a probe of their L2 sharing)."""
+    that read the same prefix no longer run side by side (None: `_MOSAIC_ROWS_OUTER`)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -518,7 +523,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                               kn_in=kn_in, vn_in=vn_in, tree_mask=tree_mask,
                               mosaic_tree=mosaic_tree, ring=ring,
                               overlap=_MOSAIC_OVERLAP if mosaic_overlap is None else mosaic_overlap,
-                              rows_outer=mosaic_rows_outer)
+                              rows_outer=(_MOSAIC_ROWS_OUTER if mosaic_rows_outer is None
+                                          else mosaic_rows_outer))
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)

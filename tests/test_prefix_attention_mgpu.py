@@ -60,8 +60,8 @@ def test_partials_match_reference(case, overlap):
 
 
 def test_rows_outer_grid_gives_the_same_partials():
-    """rows_outer (the row tiles as the grid's slowest axis, a probe of L2 sharing) changes only
-    the launch order: three row tiles of one warpgroup over two splits give bit for bit the
+    """rows_outer (the row tiles as the grid's slowest axis, tree_attention's default) changes
+    only the launch order: three row tiles of one warpgroup over two splits give bit for bit the
     partials of the default order, which match the reference."""
     ks = jax.random.split(jax.random.key(3), 3)
     q = jax.random.normal(ks[0], (1, 1, 192, 64), jnp.bfloat16)
