@@ -22,6 +22,12 @@
 #                                      #   fastest axis (partners side by side, the old order)
 #                                      #   against the default, slowest (forty-second set: the
 #                                      #   slowest axis 4-17% faster at N 64, so it is default)
+#   bash bench/gpu_plan.sh multicast   # issue 4: the Mosaic kernel's row tiles as a 2-CTA cluster
+#                                      #   reading each K/V block once (TMA multicast), with and
+#                                      #   without the overlap, against the default (row tiles
+#                                      #   apart, each reading the prefix); forty-second set on
+#                                      #   the H200: all tie. Worth a run on an H100 (less copy
+#                                      #   bandwidth for the default's two reads)
 #   bash bench/gpu_plan.sh overlap     # issue 4: the Mosaic kernel's intra-warpgroup overlap
 #                                      #   (mosaic_overlap) checked, then timed against the
 #                                      #   default and cuDNN (fortieth set: correct, 5-33% slower,
@@ -639,6 +645,10 @@ case "${1:-}" in
   rows_outer)
     run rows_outer 400 python3 bench/kernel_ab.py --variants '{"rows_inner": {"mosaic_rows_outer": false}}' \
       --shapes "64,64,8192;8,64,8192;64,64,32768;64,16,8192"
+    ;;
+  multicast)
+    run multicast 300 python3 bench/kernel_ab.py --variants '{"mc": {"mosaic_multicast": true}, "ov_mc": {"mosaic_multicast": true, "mosaic_overlap": true}, "inner": {"mosaic_rows_outer": false}}' \
+      --shapes "64,64,8192;8,64,32768;16,64,4096;64,64,2048;64,16,8192;1,64,8192"
     ;;
   ncu)
     # three metrics (few replay passes) on 4 launches: each shape's compile call and its second;

@@ -88,7 +88,7 @@ def _bounds(seq_len, split, num_splits, block_kv):
 
 
 def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, wgs,
-            indirect, tree, interpret, overlap):
+            indirect, tree, interpret, overlap, multicast):
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref = refs[:3]
     kn_ref, vn_ref, bias_ref = refs[3:6] if tree else (None, None, None)
@@ -316,6 +316,10 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
+        # With `multicast` the CTAs of a cluster (the row tiles of one split, slot and KV head)
+        # each copy part of a block and TMA writes it into all of their rings.
+        cast_to = dict(collective_axes="rt") if multicast else {}
+
         def fetch(i, ring, which=(0, 1)):   # block i's keys (0) and/or values (1) into `ring`
             copies = [(k_ref, kn_ref, k_smem, k_ready), (v_ref, vn_ref, v_smem, v_ready)]
             copies = [copies[w] for w in which]
@@ -324,14 +328,15 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             def _():
                 keys = (layer, slot, h, pl.ds(start + i * block_kv, block_kv))
                 for src, _, dst, ready in copies:
-                    plgpu.copy_gmem_to_smem(src.at[keys], dst.at[ring], ready.at[ring])
+                    plgpu.copy_gmem_to_smem(src.at[keys], dst.at[ring], ready.at[ring],
+                                            **cast_to)
 
             if tree:
                 @pl.when(i == blocks)
                 def _():
                     for _, src, dst, ready in copies:
                         plgpu.copy_gmem_to_smem(src.at[b, h], dst.at[ring, pl.ds(0, tree_keys)],
-                                                ready.at[ring])
+                                                ready.at[ring], **cast_to)
 
         for i in range(steps):
             pl.when(i < total)(functools.partial(fetch, i, i))
@@ -416,11 +421,12 @@ def active_splits(length, num_splits, block_kv) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
-                                             "overlap", "rows_outer", "interpret"))
+                                             "overlap", "rows_outer", "multicast",
+                                             "interpret"))
 def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree=None, *,
                          scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
                          steps: int = STEPS, overlap: bool = False, rows_outer: bool = False,
-                         interpret: bool = False):
+                         multicast: bool = False, interpret: bool = False):
     """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
     each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
     m, l [B * Hkv, S, R], f32. slots [B]: the cache slot of each row (None: row b is slot b).
@@ -430,7 +436,11 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     rows_outer: the row tiles as the grid's slowest axis instead of its fastest (the kernel
     finds its coordinates by name), so the row tiles of one (split, slot x KV head), which read
     the same keys, are not launched side by side. Each then reads its keys from DRAM alone, and
-    that ran up to 17% faster at N * G = 256 (bench/RESULTS.md, forty-second set)."""
+    that ran up to 17% faster at N * G = 256 (bench/RESULTS.md, forty-second set).
+    multicast: the row tiles of one (split, slot x KV head) as one cluster of CTAs that read
+    each key block once, by TMA multicast into every CTA's ring; a ring slot is refilled when
+    the consumers of all of them have released it. Device only: Mosaic GPU's interpreter has
+    no clusters."""
     b, hkv, r, d = q_rows.shape
     t = k_cache.shape[3]
     if not scale_log2 > 0:   # the running max is taken before scaling
@@ -444,6 +454,10 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
         raise ValueError(f"tree keys {tree_keys} must be a multiple of 64 up to {block_kv=}, "
                          f"and the bias {tree[2].shape} must be {(b, r, tree_keys)}")
     wgs = warpgroups(r)
+    row_tiles = r // (wgs * ROWS)
+    multicast = multicast and row_tiles > 1
+    if multicast and interpret:
+        raise ValueError("multicast needs thread-block clusters, which interpret mode lacks")
     dtype = k_cache.dtype
     swizzle = plgpu.SwizzleTransform(128)
     tiles = (plgpu.TilingTransform((8, 64)), swizzle)
@@ -455,14 +469,17 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
             plgpu.SMEM((2, wgs, ROWS), jnp.float32),
             plgpu.SMEM((wgs, ROWS, tree_keys), dtype, transforms=tiles)
             if tree is not None else None)
+    consumed = (functools.partial(plgpu.ClusterBarrier, collective_axes=("rt",)) if multicast
+                else plgpu.Barrier)
     barriers = ((plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
                  plgpu.Barrier(num_barriers=2 * wgs)),
-                (plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),) * 2,
+                (consumed(num_arrivals=wgs, num_barriers=steps),) * 2,
                 plgpu.Barrier(num_arrivals=wgs), plgpu.Barrier(num_arrivals=1))
     indirect = slots is not None
     body = functools.partial(_kernel, scale_log2=scale_log2, num_splits=num_splits,
                              block_kv=block_kv, steps=steps, wgs=wgs, indirect=indirect,
-                             tree=tree is not None, interpret=interpret, overlap=overlap)
+                             tree=tree is not None, interpret=interpret, overlap=overlap,
+                             multicast=multicast)
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, *barriers,
@@ -476,12 +493,16 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                     jax.ShapeDtypeStruct((b * hkv, num_splits, r), f32),
                     jax.ShapeDtypeStruct((b * hkv, num_splits, r), f32))
     params = dict(interpret=_interpret_params()) if interpret else {}
-    axes = (("rt", r // (wgs * ROWS)), ("split", num_splits), ("bh", b * hkv))
+    axes = (("rt", row_tiles), ("split", num_splits), ("bh", b * hkv))
     axes = axes[1:] + axes[:1] if rows_outer else axes
+    cluster = {}
+    if multicast:   # the row tiles are the cluster's axis, not the grid's
+        axes, cluster = axes[1:] if axes[0][0] == "rt" else axes[:-1], dict(
+            cluster=(row_tiles,), cluster_names=("rt",))
     call = plgpu.kernel(entry, out_type=out_type,
                         grid=tuple(x for _, x in axes),
                         grid_names=tuple(name for name, _ in axes), num_threads=wgs + 1,
-                        thread_name="wg",
+                        thread_name="wg", **cluster,
                         compiler_params=plgpu.CompilerParams(approx_math=True), **params)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
     extra = () if tree is None else tuple(x.astype(dtype) for x in tree)

@@ -77,6 +77,31 @@ def test_rows_outer_grid_gives_the_same_partials():
     assert _max_rel(outs[1][0], ref[0]) < 5e-3 and _max_rel(outs[1][2], ref[2]) < 1e-5
 
 
+def test_multicast_builds_a_cluster_program_for_the_device():
+    """multicast has no interpreter (no clusters there), so the CPU checks what it can: the
+    device program lowers, with the row tiles as a cluster (the kernel reads its index in the
+    cluster) and TMA copies to several CTAs; the default program has no cluster; interpret
+    mode refuses it by name. Its results were checked on an H200 (bench/kernel_ab.py)."""
+    b, n, t = 2, 64, 512
+    ks = jax.random.split(jax.random.key(5), 4)
+    q = jax.random.normal(ks[0], (b, n, 32, 128), jnp.bfloat16)
+    kc = jax.random.normal(ks[1], (1, b, 8, t, 128), jnp.bfloat16)
+    kn = jax.random.normal(ks[2], (b, 8, n, 128), jnp.bfloat16)
+    mask = jnp.tril(jnp.ones((b, n, n), bool))
+    args = (q, kc, kc, jnp.int32(0), jnp.full((b,), t, jnp.int32), kn, kn, mask)
+
+    def device_program(multicast):
+        run = jax.jit(lambda *a: ta.tree_attention_pallas(
+            *a, sm_scale=0.1, backend="mosaic", num_splits=2, mosaic_multicast=multicast))
+        return run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert "cluster_block_id" in device_program(True)
+    assert "cluster_block_id" not in device_program(False)
+    with pytest.raises(ValueError, match="multicast needs thread-block clusters"):
+        ta.tree_attention_pallas(*args, sm_scale=0.1, backend="mosaic", num_splits=2,
+                                 mosaic_multicast=True, interpret=True)
+
+
 @pytest.mark.parametrize("entry, splits, block_r, n, inside, overlap", [
     ("separate", 2, None, 7, True, False), ("packed", 2, None, 7, True, False),
     ("separate", 3, None, 7, True, False), ("separate", 1, None, 7, True, False),
