@@ -497,8 +497,8 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     axes = axes[1:] + axes[:1] if rows_outer else axes
     cluster = {}
     if multicast:   # the row tiles are the cluster's axis, not the grid's
-        axes, cluster = axes[1:] if axes[0][0] == "rt" else axes[:-1], dict(
-            cluster=(row_tiles,), cluster_names=("rt",))
+        axes = tuple(axis for axis in axes if axis[0] != "rt")
+        cluster = dict(cluster=(row_tiles,), cluster_names=("rt",))
     call = plgpu.kernel(entry, out_type=out_type,
                         grid=tuple(x for _, x in axes),
                         grid_names=tuple(name for name, _ in axes), num_threads=wgs + 1,
