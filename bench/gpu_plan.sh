@@ -14,20 +14,20 @@
 #                                      #   rule beyond "8K+ live rows" would come from (the
 #                                      #   thirty-eighth set); mosaic_tree, the tree part inside
 #                                      #   the Mosaic kernel against beside it, checks first
-#   bash bench/gpu_plan.sh ncu         # issue 4: ncu's DRAM bytes and L2 hit rate of the Mosaic
-#                                      #   kernel at B 64, N 64 and N 16, 8K: does N 64 read each
-#                                      #   prefix twice (two 128-row CTAs a slot and KV head)?
+#   bash bench/gpu_plan.sh ncu         # issue 4: ncu's DRAM bytes, L2 hit rate and tensor-pipe
+#                                      #   activity of the Mosaic kernel at B 64, N 64, 8K, row
+#                                      #   tiles apart, side by side (default) and multicast
 #                                      #   (forty-first set: sections on 3 shapes ran past 280 s)
-#   bash bench/gpu_plan.sh rows_outer  # issue 4: the Mosaic kernel's row tiles as the grid's
-#                                      #   fastest axis (partners side by side, the old order)
-#                                      #   against the default, slowest (forty-second set: the
-#                                      #   slowest axis 4-17% faster at N 64, so it is default)
+#   bash bench/gpu_plan.sh rows_adjacent  # issue 4: the Mosaic kernel's row tiles launched apart
+#                                      #   (the grid's first axis, the old order) against the
+#                                      #   default, side by side (its last: Mosaic GPU launches
+#                                      #   the last axis fastest); forty-second set: side by
+#                                      #   side 4-17% faster at N 64, L2 serving the second read
 #   bash bench/gpu_plan.sh multicast   # issue 4: the Mosaic kernel's row tiles as a 2-CTA cluster
 #                                      #   reading each K/V block once (TMA multicast), with and
-#                                      #   without the overlap, against the default (row tiles
-#                                      #   apart, each reading the prefix); forty-second set on
-#                                      #   the H200: all tie. Worth a run on an H100 (less copy
-#                                      #   bandwidth for the default's two reads)
+#                                      #   without the overlap, and launched apart, against the
+#                                      #   default (side by side, sharing reads through L2);
+#                                      #   forty-second set on the H200: multicast ties
 #   bash bench/gpu_plan.sh overlap     # issue 4: the Mosaic kernel's intra-warpgroup overlap
 #                                      #   (mosaic_overlap) checked, then timed against the
 #                                      #   default and cuDNN (fortieth set: correct, 5-33% slower,
@@ -642,21 +642,24 @@ case "${1:-}" in
     # (bench/dp_compile_probe.py names the program if a two-device compile crashes again)
     run parallel_dp 560 python3 bench/bench_parallel.py --part dp --dp-impl engine,pmap,device --reps 3
     ;;
-  rows_outer)
-    run rows_outer 400 python3 bench/kernel_ab.py --variants '{"rows_inner": {"mosaic_rows_outer": false}}' \
+  rows_adjacent)
+    run rows_adjacent 400 python3 bench/kernel_ab.py --variants '{"rows_apart": {"mosaic_rows_adjacent": false}}' \
       --shapes "64,64,8192;8,64,8192;64,64,32768;64,16,8192"
     ;;
   multicast)
-    run multicast 300 python3 bench/kernel_ab.py --variants '{"mc": {"mosaic_multicast": true}, "ov_mc": {"mosaic_multicast": true, "mosaic_overlap": true}, "inner": {"mosaic_rows_outer": false}}' \
+    run multicast 300 python3 bench/kernel_ab.py --variants '{"mc": {"mosaic_multicast": true}, "ov_mc": {"mosaic_multicast": true, "mosaic_overlap": true}, "apart": {"mosaic_rows_adjacent": false}}' \
       --shapes "64,64,8192;8,64,32768;16,64,4096;64,64,2048;64,16,8192;1,64,8192"
     ;;
   ncu)
-    # three metrics (few replay passes) on 4 launches: each shape's compile call and its second;
-    # ncu prints when the process exits, so the limit must cover the whole run
+    # four metrics (few replay passes) of the Mosaic kernel at B 64, N 64, 8K in three forms:
+    # row tiles apart, side by side (the default), and as a multicast cluster (which ncu failed
+    # to profile in the forty-second set), two launches each
+    # (compile, then the second); ncu prints when the process exits, so the limit must cover it
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-    run ncu 580 "$NCU" --kernel-name regex:entry_mosaic -c 4 --metrics \
-      gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct \
-      python3 bench/ncu_attention.py --shapes "64,64,8192;64,16,8192"
+    run ncu 450 "$NCU" --kernel-name regex:entry_mosaic -c 6 --metrics \
+      gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active \
+      python3 bench/ncu_attention.py --shapes "64,64,8192" \
+      --variants '[{"mosaic_rows_adjacent": false}, {}, {"mosaic_multicast": true}]'
     ;;
   parallel_calls)
     run parallel_calls 250 python3 bench/bench_parallel.py --part dp --dp-impl calls --reps 3

@@ -2,13 +2,16 @@
 bytes, L2 hit rate and tensor-pipe activity (Hq/Hkv 32/8, head dim 128, random bf16):
 
     ncu --kernel-name regex:mosaic --metrics dram__bytes_read.sum,... \\
-        python3 bench/ncu_attention.py --shapes "64,64,8192;64,16,8192"
+        python3 bench/ncu_attention.py --shapes "64,64,8192;64,16,8192" \\
+        [--variants '[{}, {"mosaic_multicast": true}]']
 
-Each shape runs twice (the first compiles); the profiler sees both launches.
+Each shape runs twice under each tuning of `--variants` (the first compiles); the profiler
+sees both launches, in that order.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -24,14 +27,17 @@ from pallas_kernels import tree_attention as ta  # noqa: E402
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="64,64,8192")
+    ap.add_argument("--variants", default="[{}]",
+                    help="JSON list of tree_attention tunings, each run on every shape")
     args = ap.parse_args(argv)
     for b, n, length in bk.parse_shapes(args.shapes):
         q, kc, vc, sl, kn, vn, mask = bk.make_inputs(jax.random.key(7), b, n, length, 1)
-        run = jax.jit(lambda *a: ta.tree_attention_pallas(
-            *a, sm_scale=1 / math.sqrt(q.shape[-1]), backend="mosaic"))
-        for _ in range(2):
-            jax.block_until_ready(run(q, kc, vc, jnp.int32(0), sl, kn, vn, mask))
-        print("ran", b, n, length, flush=True)
+        for tuning in json.loads(args.variants):
+            run = jax.jit(lambda *a, tuning=tuning: ta.tree_attention_pallas(
+                *a, sm_scale=1 / math.sqrt(q.shape[-1]), backend="mosaic", **tuning))
+            for _ in range(2):
+                jax.block_until_ready(run(q, kc, vc, jnp.int32(0), sl, kn, vn, mask))
+            print("ran", b, n, length, tuning, flush=True)
 
 
 if __name__ == "__main__":

@@ -92,13 +92,15 @@ _MOSAIC_TREE_KEYS = 64
 # its softmax), as FlashAttention-3 does. Off: since ptxas no longer serialises it, it ties the
 # default on every measured row (bench/RESULTS.md, forty-first set).
 _MOSAIC_OVERLAP = False
-# The Mosaic kernel's row tiles as its grid's slowest axis: the two 128-row CTAs of one slot and
-# KV head (N * G > 128) no longer run side by side. Each then reads the prefix from DRAM on its
-# own, and that was faster on every row timed: B 64, N 64, 8K 1050-1087 us against 1156-1221,
-# B 16, N 64, 4K 133.7 against 155.9-156.7, batch 1 1-2% (bench/RESULTS.md, forty-second set).
-_MOSAIC_ROWS_OUTER = True
+# The Mosaic kernel's row tiles launched next to each other: the two 128-row CTAs of one slot
+# and KV head (N * G > 128) run side by side, and the second reads the prefix the first brought
+# into L2 (ncu at B 64, N 64, 8K: 2.20 GB read from DRAM against 4.36 launched apart). Faster on
+# every N 64 row timed: B 64, 8K 1050-1087 us against 1156-1221, B 16, 4K 133.7 against
+# 155.9-156.7, batch 1 by 1-2% (bench/RESULTS.md, forty-second set).
+_MOSAIC_ROWS_ADJACENT = True
 # The Mosaic kernel's row tiles of one slot and KV head as a cluster that reads each key block
-# once and multicasts it into every row tile's ring (device only).
+# once and multicasts it into every row tile's ring (device only). It ties the adjacent row
+# tiles, which read the prefix once through L2 (forty-second set).
 _MOSAIC_MULTICAST = False
 
 
@@ -416,7 +418,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
            "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
-           "mosaic_ring", "mosaic_overlap", "mosaic_rows_outer", "mosaic_multicast")
+           "mosaic_ring", "mosaic_overlap", "mosaic_rows_adjacent", "mosaic_multicast")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -471,7 +473,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
             skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
-            mosaic_overlap=None, mosaic_rows_outer=None, mosaic_multicast=None):
+            mosaic_overlap=None, mosaic_rows_adjacent=None, mosaic_multicast=None):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -485,8 +487,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     Triton kernel's tree part (and merge) beside Mosaic's prefix at any tree size (A/B runs).
     mosaic_ring: (keys a block, ring slots) of the Mosaic kernel (None: its defaults).
     mosaic_overlap: its PV products behind the next block's scores (None: `_MOSAIC_OVERLAP`).
-    mosaic_rows_outer: its row tiles as the grid's slowest axis, so the CTAs of one slot's rows
-    that read the same prefix no longer run side by side (None: `_MOSAIC_ROWS_OUTER`).
+    mosaic_rows_adjacent: its row tiles launched next to each other, so the CTAs of one slot's
+    rows share their reads of its prefix through L2 (None: `_MOSAIC_ROWS_ADJACENT`).
     mosaic_multicast: those CTAs as one cluster that reads each key block once and multicasts
     it (None: `_MOSAIC_MULTICAST`, and never in interpret mode)."""
     b, n, hq, d = q_shape
@@ -528,8 +530,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                               kn_in=kn_in, vn_in=vn_in, tree_mask=tree_mask,
                               mosaic_tree=mosaic_tree, ring=ring,
                               overlap=_MOSAIC_OVERLAP if mosaic_overlap is None else mosaic_overlap,
-                              rows_outer=(_MOSAIC_ROWS_OUTER if mosaic_rows_outer is None
-                                          else mosaic_rows_outer),
+                              rows_adjacent=(_MOSAIC_ROWS_ADJACENT if mosaic_rows_adjacent is None
+                                          else mosaic_rows_adjacent),
                               multicast=(_MOSAIC_MULTICAST and not interpret
                                          if mosaic_multicast is None else mosaic_multicast))
     f32 = jnp.float32
@@ -554,7 +556,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
                    dtype, *, packed, block_r, params, num_splits, sm_scale, interpret,
-                   kn_in, vn_in, tree_mask, mosaic_tree, ring, overlap, rows_outer=False,
+                   kn_in, vn_in, tree_mask, mosaic_tree, ring, overlap, rows_adjacent=False,
                    multicast=False):
     """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`). Trees of up
     to `_MOSAIC_TREE_KEYS` tokens go into that kernel too (then one launch, or two with the
@@ -573,7 +575,7 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
     prefix = pm.prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots, tree,
                                      scale_log2=sm_scale * _LOG2E, num_splits=num_splits,
                                      block_kv=ring[0], steps=ring[1], overlap=overlap,
-                                     rows_outer=rows_outer, multicast=multicast,
+                                     rows_adjacent=rows_adjacent, multicast=multicast,
                                      interpret=interpret)
     if tree is not None and num_splits == 1:   # normalised rows [B * Hkv, R', D]
         o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)

@@ -59,8 +59,8 @@ def test_partials_match_reference(case, overlap):
     assert (l[empty] == 0).all() and (o[empty] == 0).all()
 
 
-def test_rows_outer_grid_gives_the_same_partials():
-    """rows_outer (the row tiles as the grid's slowest axis, tree_attention's default) changes
+def test_adjacent_row_tiles_give_the_same_partials():
+    """rows_adjacent (the row tiles as the grid's last axis, tree_attention's default) changes
     only the launch order: three row tiles of one warpgroup over two splits give bit for bit the
     partials of the default order, which match the reference."""
     ks = jax.random.split(jax.random.key(3), 3)
@@ -70,7 +70,7 @@ def test_rows_outer_grid_gives_the_same_partials():
     sl = jnp.asarray([200], jnp.int32)
     kw = dict(scale_log2=0.18, num_splits=2, block_kv=64)
     ref = pm.prefix_partials_reference(q, kc, vc, 0, sl, **kw)
-    outs = [pm.prefix_partials_mgpu(q, kc, vc, jnp.int32(0), sl, rows_outer=outer, steps=2,
+    outs = [pm.prefix_partials_mgpu(q, kc, vc, jnp.int32(0), sl, rows_adjacent=outer, steps=2,
                                     interpret=True, **kw) for outer in (False, True)]
     for a, b in zip(*outs):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
