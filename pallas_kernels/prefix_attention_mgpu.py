@@ -441,8 +441,8 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     (up to 17% at N * G = 256; bench/RESULTS.md, forty-second set).
     multicast: the row tiles of one (split, slot x KV head) as one cluster of CTAs that read
     each key block once, by TMA multicast into every CTA's ring, whatever L2 holds; a ring slot
-    is refilled when the consumers of all of them have released it. Device only: Mosaic GPU's
-    interpreter has no clusters."""
+    is refilled when the consumers of all of them have released it. With 2, 4 or 8 row tiles
+    (others keep the plain grid). Device only: Mosaic GPU's interpreter has no clusters."""
     b, hkv, r, d = q_rows.shape
     t = k_cache.shape[3]
     if not scale_log2 > 0:   # the running max is taken before scaling
@@ -457,7 +457,8 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                          f"and the bias {tree[2].shape} must be {(b, r, tree_keys)}")
     wgs = warpgroups(r)
     row_tiles = r // (wgs * ROWS)
-    multicast = multicast and row_tiles > 1
+    # A multicast copy is cut into one part a CTA along the block's 16 tiles of 8 keys.
+    multicast = multicast and row_tiles in (2, 4, 8)
     if multicast and interpret:
         raise ValueError("multicast needs thread-block clusters, which interpret mode lacks")
     dtype = k_cache.dtype
