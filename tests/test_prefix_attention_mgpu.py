@@ -97,12 +97,12 @@ def test_multicast_builds_a_cluster_program_for_the_device():
 
     assert "cluster_block_id" in device_program(True)
     assert "cluster_block_id" not in device_program(False)
-    # Three row tiles (a 48-token tree) cannot share a block's copy evenly: the plain grid.
-    args = (q[:, :48], *args[1:5], kn[:, :, :48], kn[:, :, :48], mask[:, :48, :48])
-    assert "cluster_block_id" not in device_program(True)
     with pytest.raises(ValueError, match="multicast needs thread-block clusters"):
         ta.tree_attention_pallas(*args, sm_scale=0.1, backend="mosaic", num_splits=2,
                                  mosaic_multicast=True, interpret=True)
+    # Three row tiles (a 48-token tree) cannot share a block's copy evenly: the plain grid.
+    args = (q[:, :48], *args[1:5], kn[:, :, :48], kn[:, :, :48], mask[:, :48, :48])
+    assert "cluster_block_id" not in device_program(True)
 
 
 @pytest.mark.parametrize("entry, splits, block_r, n, inside, overlap", [
