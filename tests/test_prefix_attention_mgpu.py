@@ -62,7 +62,7 @@ def test_partials_match_reference(case, overlap):
 def test_adjacent_row_tiles_give_the_same_partials():
     """rows_adjacent (the row tiles as the grid's last axis, tree_attention's default) changes
     only the launch order: three row tiles of one warpgroup over two splits give bit for bit the
-    partials of the default order, which match the reference."""
+    partials of the row tiles first, which match the reference."""
     ks = jax.random.split(jax.random.key(3), 3)
     q = jax.random.normal(ks[0], (1, 1, 192, 64), jnp.bfloat16)
     kc = jax.random.normal(ks[1], (1, 1, 1, 256, 64), jnp.bfloat16)
@@ -70,8 +70,8 @@ def test_adjacent_row_tiles_give_the_same_partials():
     sl = jnp.asarray([200], jnp.int32)
     kw = dict(scale_log2=0.18, num_splits=2, block_kv=64)
     ref = pm.prefix_partials_reference(q, kc, vc, 0, sl, **kw)
-    outs = [pm.prefix_partials_mgpu(q, kc, vc, jnp.int32(0), sl, rows_adjacent=outer, steps=2,
-                                    interpret=True, **kw) for outer in (False, True)]
+    outs = [pm.prefix_partials_mgpu(q, kc, vc, jnp.int32(0), sl, rows_adjacent=adjacent,
+                                    steps=2, interpret=True, **kw) for adjacent in (False, True)]
     for a, b in zip(*outs):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert _max_rel(outs[1][0], ref[0]) < 5e-3 and _max_rel(outs[1][2], ref[2]) < 1e-5
