@@ -143,8 +143,9 @@ def check_attention(op, run, ref, tol, shape):
     print("check", row, flush=True)
 
 
-def checks():
-    """Compiled kernels vs the references on fresh random inputs (GPU)."""
+def checks(only: str = ""):
+    """Compiled kernels vs the references on fresh random inputs (GPU). only: "B,N,Hq,Hkv,D,T;..."
+    keeps just those attention cases (and the compaction checks)."""
     key = jax.random.key(1)
     cases = [  # b, n, hq, hkv, d, t, dtype
         (3, 1, 32, 8, 128, 1024, jnp.bfloat16),
@@ -156,9 +157,14 @@ def checks():
         (4, 5, 8, 1, 128, 4096, jnp.float32),
         (3, 16, 32, 8, 128, 1024, jnp.bfloat16),
         (3, 30, 9, 3, 64, 1024, jnp.bfloat16),   # SmolLM2's heads, 90 rows padded to 128
+        (8, 64, 32, 8, 128, 512, jnp.bfloat16),   # Mosaic from batch 8 over 512 rows
+        (16, 32, 9, 3, 64, 2048, jnp.bfloat16),   # SmolLM2's heads on Mosaic (batch 16, 2K)
     ]
     if SMOKE:
         cases = [(2, 7, 8, 2, 64, 100, jnp.bfloat16), (2, 3, 4, 4, 64, 50, jnp.float32)]
+    if only:
+        keep = {tuple(int(x) for x in c.split(",")) for c in only.split(";")}
+        cases = [c for c in cases if c[:6] in keep]
     for b, n, hq, hkv, d, t, dtype in cases:
         key, k1, k2 = jax.random.split(key, 3)
         sl = jax.random.randint(k2, (b,), 0, t + 1).at[0].set(t).at[-1].set(0)
@@ -472,6 +478,8 @@ def main():
                    default="blocks")
     p.add_argument("--sweep-shapes", default="", help='only these "B,N,L;..." in the sweep')
     p.add_argument("--table-shapes", default="", help='only these "B,N,L;..." in the table')
+    p.add_argument("--check-cases", default="",
+                   help='only these "B,N,Hq,Hkv,D,T;..." attention checks')
     p.add_argument("--kernel-only", action="store_true",
                    help="table: time the kernel alone (A/B runs of two trees)")
     p.add_argument("--heads", default="",
@@ -492,7 +500,7 @@ def main():
     RESULTS["jax"] = jax.__version__
     RESULTS["copy"]["jax_TBs"] = jax_copy_bandwidth() / 1e12
     print("copy", RESULTS["copy"], RESULTS["device"], flush=True)
-    for name, f in (("check", checks),
+    for name, f in (("check", lambda: checks(a.check_cases)),
                     ("table", lambda: table(a.quick, a.table_shapes, a.kernel_only)),
                     ("sweep", lambda: sweep(a.quick, a.sweep_grid, a.sweep_shapes)),
                     ("compact", bench_compact)):

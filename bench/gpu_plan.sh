@@ -626,7 +626,7 @@ case "${1:-}" in
     run overlap_peers 120 python3 bench/peers/torch_attention.py --shapes "8,64,8192;64,64,8192;1,64,8192;64,16,8192"
     ;;
   mosaic_short)
-    run mosaic_short 400 python3 bench/bench_kernels.py --skip check,table,compact --sweep-grid backends --sweep-shapes "8,16,1024;8,64,1024;16,16,1024;16,64,1024;32,64,1024;8,64,2048;16,64,4096;32,64,4096;1,64,4096"
+    run mosaic_short 400 python3 bench/bench_kernels.py --skip check,table,compact --sweep-grid backends --sweep-shapes "${SHAPES:-8,16,1024;8,64,1024;16,16,1024;16,64,1024;32,64,1024;8,64,2048;16,64,4096;32,64,4096;1,64,4096}"
     ;;
   kernels)
     run kernels 280 python3 bench/bench_kernels.py --no-sweep --skip compact

@@ -59,22 +59,17 @@ _MOSAIC_ROWS = (64, 1024)
 # ... over prefixes of at least this many rows (live_rows, else the cache's length): from 8K on
 # it won or tied at every batch (H200: 1.01-1.31x at batch 1, 1.19-1.45x at 8 and 64).
 _MOSAIC_MIN_LIVE = 8192
-# Under 8K only for head dim 128, from batch 4 (bench/RESULTS.md, thirty-eighth set). The bound
-# is the one the program is built for, and a slot's prefix may run well under it, so a bound is
-# taken only where Mosaic also won at half of it:
-#   * batch 4-15 over 2K+ rows (1.12-1.36x at 2K and 4K; at 1K, batch 4 tied, 8 and 12 won);
-#   * batch 16+ over 4K+ rows (1.14-1.25x at 4K, 1.06-1.10x at 2K; at 1K batch 16-64 lost 5-7%
-#     at N 64);
-#   * batch 8+ over 1-2K rows while its grid fits one wave of CTAs (B 8, N 64, 1K: 1.31x; B 16,
-#     N 16, 1K: 1.15x).
-# Batch 1 lost over 1-4K (Triton's 16.8 against 24.6 us at N 64, 1K), batch 2 over 2K (22.9
-# against 25.6), and head dim 64 (SmolLM2's) at batch 4 and 8 over 1-2K (by 13-40%).
-_MOSAIC_SHORT_HEAD_DIM = 128
-_MOSAIC_SHORT_BATCH = 4
-_MOSAIC_WIDE_BATCH = 16
-_MOSAIC_MIN_LIVE_SHORT = 2048   # batch 4-15
-_MOSAIC_MIN_LIVE_WIDE = 4096    # batch 16+
-_MOSAIC_ONE_WAVE = (8, 1024)    # from this batch, over this many rows, in one wave of CTAs
+# Under 8K, (from this batch, over this many rows) by head dim (bench/RESULTS.md, forty-third
+# set: the tree inside the kernel and the row tiles side by side, which the thirty-eighth set's
+# narrower rule predates). The bound is the one the program is built for, and a slot's prefix
+# may run well under it, so a bound is taken only where Mosaic won or tied at half of it too:
+#   * head dim 128 from batch 8 over 512+ rows (B 8-64, N 16-64: 1.09-1.44x, 1.39x at B 64,
+#     N 64, 1K); from batch 2 over 1K+ (B 2, N 64: 1.22x at 1K, 1.51x at 4K; at 512 it tied or
+#     won); batch 1 over 2K+ (N 64: 1.17x at 2K, 1.21x at 4K, and 1.07-1.16x at 1K with 2K's
+#     splits; at its own 1K bound it tied or lost; N 16 tied throughout);
+#   * head dim 64 (SmolLM2's) from batch 16 over 2K+ (B 64: 1.16-1.23x at 2K, tied at 512;
+#     B 16 tied). Batch 1 lost over 1-4K (N 32, 4K: 17.0 against 12.2-14.1 us), batch 2-8 tied.
+_MOSAIC_SHORT = {128: ((8, 512), (2, 1024), (1, 2048)), 64: ((16, 2048),)}
 # The Triton kernel beside Mosaic's prefix (the merge and tree part, or the tree part alone):
 # 64-row tiles of 4 warps, 1-5% faster than the Triton prefix's 128-row, 8-warp tiles after one
 # split or beside the combine (thirty-eighth set: B 64, N 64, 8K 1171 against 1209-1218 us;
@@ -500,7 +495,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     live_len = min(t, live_rows) if live_rows else t
     cfg = default_config(b, n, hq, hkv, d, live_len)
     mosaic = backend == "mosaic" or (backend is None and mosaic_serves(
-        rows, live_len, t, d, dtype, batch=b, num_kv_heads=hkv))
+        rows, live_len, t, d, dtype, batch=b))
     if mosaic:
         ring = mosaic_ring or (pm.BLOCK_KV, pm.STEPS)
         num_splits = num_splits or _mosaic_splits(b, hkv, rows, live_len, ring[0])
@@ -638,34 +633,26 @@ def _combine(partials, extra, q_shape, dtype, num_kv_heads, interpret):
     )(*partials, *extra)
 
 
-def mosaic_serves(rows, live_len, cache_len, head_dim, dtype, *, batch=1,
-                  num_kv_heads=8) -> bool:
+def mosaic_serves(rows, live_len, cache_len, head_dim, dtype, *, batch=1) -> bool:
     """Whether `backend=None` takes Mosaic GPU's prefix kernel: on Hopper, for tiles of
     `_MOSAIC_ROWS` rows over a cache of whole key blocks, in 16-bit floats, over prefixes long
     enough for the batch (`_mosaic_prefix_long_enough`; bench/RESULTS.md, thirty-seventh and
-    thirty-eighth sets)."""
+    forty-third sets)."""
     if os.environ.get("JAXSPEC_MOSAIC", "1") == "0":   # A/B runs: Triton's prefix everywhere
         return False
     return (_MOSAIC_ROWS[0] <= rows <= _MOSAIC_ROWS[1]
-            and _mosaic_prefix_long_enough(rows, live_len, head_dim, batch, num_kv_heads)
+            and _mosaic_prefix_long_enough(live_len, head_dim, batch)
             and cache_len % pm.BLOCK_KV == 0 and head_dim in (64, 128)
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and pm.on_hopper())
 
 
-def _mosaic_prefix_long_enough(rows, live_len, head_dim, batch, num_kv_heads) -> bool:
-    """8K+ live rows at any batch; shorter bounds by batch (`_MOSAIC_SHORT_*` above)."""
+def _mosaic_prefix_long_enough(live_len, head_dim, batch) -> bool:
+    """8K+ live rows at any batch; shorter bounds by head dim and batch (`_MOSAIC_SHORT`)."""
     if live_len >= _MOSAIC_MIN_LIVE:
         return True
-    if head_dim != _MOSAIC_SHORT_HEAD_DIM or batch < _MOSAIC_SHORT_BATCH:
-        return False
-    wide = batch >= _MOSAIC_WIDE_BATCH
-    if live_len >= (_MOSAIC_MIN_LIVE_WIDE if wide else _MOSAIC_MIN_LIVE_SHORT):
-        return True
-    if batch < _MOSAIC_ONE_WAVE[0] or live_len < _MOSAIC_ONE_WAVE[1]:
-        return False
-    splits = _mosaic_splits(batch, num_kv_heads, rows, live_len)
-    return pm.grid_ctas(batch, num_kv_heads, pm.padded_rows(rows), splits) <= pm.NUM_SMS
+    return any(batch >= from_batch and live_len >= min_live
+               for from_batch, min_live in _MOSAIC_SHORT.get(head_dim, ()))
 
 
 def _mosaic_splits(batch, num_kv_heads, rows, live_len, block_kv=pm.BLOCK_KV) -> int:
