@@ -60,16 +60,17 @@ _MOSAIC_ROWS = (64, 1024)
 # it won or tied at every batch (H200: 1.01-1.31x at batch 1, 1.19-1.45x at 8 and 64).
 _MOSAIC_MIN_LIVE = 8192
 # Under 8K, (from this batch, over this many rows) by head dim (bench/RESULTS.md, forty-third
-# set: the tree inside the kernel and the row tiles side by side, which the thirty-eighth set's
-# narrower rule predates). The bound is the one the program is built for, and a slot's prefix
-# may run well under it, so a bound is taken only where Mosaic won or tied at half of it too:
-#   * head dim 128 from batch 8 over 512+ rows (B 8-64, N 16-64: 1.09-1.44x, 1.39x at B 64,
-#     N 64, 1K); from batch 2 over 1K+ (B 2, N 64: 1.22x at 1K, 1.51x at 4K; at 512 it tied or
-#     won); batch 1 over 2K+ (N 64: 1.17x at 2K, 1.21x at 4K, and 1.07-1.16x at 1K with 2K's
-#     splits; at its own 1K bound it tied or lost; N 16 tied throughout);
-#   * head dim 64 (SmolLM2's) from batch 16 over 2K+ (B 64: 1.16-1.23x at 2K, tied at 512;
-#     B 16 tied). Batch 1 lost over 1-4K (N 32, 4K: 17.0 against 12.2-14.1 us), batch 2-8 tied.
-_MOSAIC_SHORT = {128: ((8, 512), (2, 1024), (1, 2048)), 64: ((16, 2048),)}
+# set, with the tree inside the kernel and the row tiles side by side; the thirty-eighth set's
+# narrower rule predates both). The bound is the one the program is built for, and a slot's
+# prefix may run well under it, so a bound is taken only where Mosaic won or tied at half of it:
+#   * head dim 128 from batch 2 over 1K+ rows: 1.06-1.51x at 1-4K from batch 2 to 64 (1.38x at
+#     B 64, N 64, 1K), and at 512 it won or tied. Under 1K Triton stays: over 256 rows N 16 lost
+#     by 17-25% (B 8, 64), though N 64 won from batch 4 over 256-512;
+#   * head dim 128, batch 1, over 2K+: N 64 1.17x at 2K, 1.21x at 4K, N 16 tied; at a 1K bound
+#     N 64 lost (20.0 against 16.7-17.0 us), but won with 2K's split count;
+#   * head dim 64 (SmolLM2's) from batch 8 over 1K+: 1.04-1.22x at B 8-64 (B 64, N 32, 2K: 58.5
+#     against 71.5-72.1 us), tied or won at 512. Batch 1-4 tied, or lost (B 1, N 32, 2K).
+_MOSAIC_SHORT = {128: ((2, 1024), (1, 2048)), 64: ((8, 1024),)}
 # The Triton kernel beside Mosaic's prefix (the merge and tree part, or the tree part alone):
 # 64-row tiles of 4 warps, 1-5% faster than the Triton prefix's 128-row, 8-warp tiles after one
 # split or beside the combine (thirty-eighth set: B 64, N 64, 8K 1171 against 1209-1218 us;
