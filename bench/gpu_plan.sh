@@ -10,9 +10,9 @@
 #                                      #   most 520 s in one call)
 #   bash bench/gpu_plan.sh mosaic      # issue 4: the Mosaic GPU prefix kernel against Triton on the
 #                                      #   wide tiles (backend sweep, then the 8K/32K table rows);
-#                                      #   mosaic_short, batch 8/16/32 over 1-4K prefixes, where a
-#                                      #   rule beyond "8K+ live rows" would come from (the
-#                                      #   thirty-eighth set); mosaic_tree, the tree part inside
+#                                      #   mosaic_short, batch 1-32 over 1-4K prefixes, the rule
+#                                      #   under 8K (SHAPES="B,N,L;..." for others; forty-third
+#                                      #   set: 57 shapes, 256-4K); mosaic_tree, the tree part inside
 #                                      #   the Mosaic kernel against beside it, checks first
 #   bash bench/gpu_plan.sh ncu         # issue 4: ncu's DRAM bytes, L2 hit rate and tensor-pipe
 #                                      #   activity of the Mosaic kernel at B 64, N 64, 8K, row
