@@ -159,6 +159,7 @@ def checks(only: str = ""):
         (3, 30, 9, 3, 64, 1024, jnp.bfloat16),   # SmolLM2's heads, 90 rows padded to 128
         (8, 64, 32, 8, 128, 512, jnp.bfloat16),   # under 1K rows: Triton, Mosaic beside it
         (16, 32, 9, 3, 64, 2048, jnp.bfloat16),   # SmolLM2's heads on Mosaic (batch 16, 2K)
+        (2, 48, 32, 8, 128, 2048, jnp.bfloat16),   # 3 one-warpgroup row tiles, 4 splits
     ]
     if SMOKE:
         cases = [(2, 7, 8, 2, 64, 100, jnp.bfloat16), (2, 3, 4, 4, 64, 50, jnp.float32)]
