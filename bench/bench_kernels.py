@@ -68,6 +68,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pallas_kernels import backend_rule  # noqa: E402
 from pallas_kernels import kv_compact as kvc  # noqa: E402
 from pallas_kernels import tree_attention as ta  # noqa: E402
 
@@ -325,7 +326,7 @@ def sweep(quick, grid: str = "blocks", only: str = ""):
         key, k = jax.random.split(key)
         base = ta.default_config(b, n, HQ, HKV, D, length)
         if grid in ("backends", "mosaic_splits"):
-            sp = ta._mosaic_splits(b, HKV, n * HQ // HKV, length)
+            sp = backend_rule.mosaic_splits(b, HKV, n * HQ // HKV, length)
             near = range(sp - 2, sp + 3) if grid == "mosaic_splits" else ()
             cfgs = [dict(backend="triton")] + [
                 dict(backend="mosaic", num_splits=x)

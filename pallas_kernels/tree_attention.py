@@ -28,8 +28,6 @@ attends to their slots of the whole batch's cache, with no gather of those slots
 from __future__ import annotations
 
 import functools
-import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import prefix_attention_mgpu as pm
+from pallas_kernels.backend_rule import mosaic_serves, mosaic_splits
 from pallas_kernels.head_sharding import MODEL_AXIS, model_axis_size, per_head_shard
 
 _LOG2E = 1.4426950408889634
@@ -52,25 +51,6 @@ _SMALL_KV_WIDTH = 256
 # take their split count from the wave, not from the keys per split.
 _ONE_SLOT_PROGRAMS = 8
 _LONG_PREFIX = 8192   # measured from here up; shorter caches keep the keys-per-split rule
-# Tiles of this many rows per KV head take Mosaic GPU's prefix kernel on Hopper: from one
-# warpgroup's 64 (N >= 16 at G = 4) up to tree sizes; prompt chunks keep the Triton kernel,
-# which was measured for them (causal bounds, packs).
-_MOSAIC_ROWS = (64, 1024)
-# ... over prefixes of at least this many rows (live_rows, else the cache's length): from 8K on
-# it won or tied at every batch (H200: 1.01-1.31x at batch 1, 1.19-1.45x at 8 and 64).
-_MOSAIC_MIN_LIVE = 8192
-# Under 8K, (from this batch, over this many rows) by head dim (bench/RESULTS.md, forty-third
-# set, with the tree inside the kernel and the row tiles side by side; the thirty-eighth set's
-# narrower rule predates both). The bound is the one the program is built for, and a slot's
-# prefix may run well under it, so a bound is taken only where Mosaic won or tied at half of it:
-#   * head dim 128 from batch 2 over 1K+ rows: 1.06-1.51x at 1-4K from batch 2 to 64 (1.38x at
-#     B 64, N 64, 1K), and at 512 it won or tied. Under 1K Triton stays: over 256 rows N 16 lost
-#     by 17-25% (B 8, 64), though N 64 won from batch 4 over 256-512;
-#   * head dim 128, batch 1, over 2K+: N 64 1.17x at 2K, 1.21x at 4K, N 16 tied; at a 1K bound
-#     N 64 lost (20.0 against 16.7-17.0 us), but won with 2K's split count;
-#   * head dim 64 (SmolLM2's) from batch 8 over 1K+: 1.04-1.22x at B 8-64 (B 64, N 32, 2K: 58.5
-#     against 71.5-72.1 us), tied or won at 512. Batch 1-4 tied, or lost (B 1, N 32, 2K).
-_MOSAIC_SHORT = {128: ((2, 1024), (1, 2048)), 64: ((8, 1024),)}
 # The Triton kernel beside Mosaic's prefix (the merge and tree part, or the tree part alone):
 # 64-row tiles of 4 warps, 1-5% faster than the Triton prefix's 128-row, 8-warp tiles after one
 # split or beside the combine (thirty-eighth set: B 64, N 64, 8K 1171 against 1209-1218 us;
@@ -499,7 +479,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
         rows, live_len, t, d, dtype, batch=b))
     if mosaic:
         ring = mosaic_ring or (pm.BLOCK_KV, pm.STEPS)
-        num_splits = num_splits or _mosaic_splits(b, hkv, rows, live_len, ring[0])
+        num_splits = num_splits or mosaic_splits(b, hkv, rows, live_len, ring[0])
         if num_splits == 1 or num_splits > _FUSED_MERGE_SPLITS:   # (see _MOSAIC_TREE_TILE)
             cfg = (_MOSAIC_TREE_TILE[0], cfg[1], cfg[2], _MOSAIC_TREE_TILE[1], cfg[4])
     block_r = block_r or cfg[0]
@@ -632,33 +612,6 @@ def _combine(partials, extra, q_shape, dtype, num_kv_heads, interpret):
         interpret=interpret,
         name="tree_attention_combine",
     )(*partials, *extra)
-
-
-def mosaic_serves(rows, live_len, cache_len, head_dim, dtype, *, batch=1) -> bool:
-    """Whether `backend=None` takes Mosaic GPU's prefix kernel: on Hopper, for tiles of
-    `_MOSAIC_ROWS` rows over a cache of whole key blocks, in 16-bit floats, over prefixes long
-    enough for the batch (`_mosaic_prefix_long_enough`; bench/RESULTS.md, thirty-seventh and
-    forty-third sets)."""
-    if os.environ.get("JAXSPEC_MOSAIC", "1") == "0":   # A/B runs: Triton's prefix everywhere
-        return False
-    return (_MOSAIC_ROWS[0] <= rows <= _MOSAIC_ROWS[1]
-            and _mosaic_prefix_long_enough(live_len, head_dim, batch)
-            and cache_len % pm.BLOCK_KV == 0 and head_dim in (64, 128)
-            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and pm.on_hopper())
-
-
-def _mosaic_prefix_long_enough(live_len, head_dim, batch) -> bool:
-    """8K+ live rows at any batch; shorter bounds by head dim and batch (`_MOSAIC_SHORT`)."""
-    if live_len >= _MOSAIC_MIN_LIVE:
-        return True
-    return any(batch >= from_batch and live_len >= min_live
-               for from_batch, min_live in _MOSAIC_SHORT.get(head_dim, ()))
-
-
-def _mosaic_splits(batch, num_kv_heads, rows, live_len, block_kv=pm.BLOCK_KV) -> int:
-    """Mosaic's default split count for `rows` query rows, padded to whole warpgroups."""
-    return pm.default_splits(batch, num_kv_heads, pm.padded_rows(rows), live_len, block_kv)
 
 
 def kernel_supported(q, k_cache) -> bool:

@@ -1,0 +1,59 @@
+"""Which Pallas GPU backend serves a tree-attention tile: the Triton kernel, or Mosaic GPU's
+prefix kernel (`prefix_attention_mgpu`) on Hopper, by the rule measured on the H200
+(bench/RESULTS.md, thirty-seventh and forty-third sets; bench/KERNELS.md). Pure Python: the
+rule is tested on any machine with `prefix_attention_mgpu.on_hopper` patched.
+"""
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+
+from pallas_kernels import prefix_attention_mgpu as pm
+
+# Tiles of this many rows per KV head take Mosaic GPU's prefix kernel on Hopper: from one
+# warpgroup's 64 (N >= 16 at G = 4) up to tree sizes; prompt chunks keep the Triton kernel,
+# which was measured for them (causal bounds, packs).
+_MOSAIC_ROWS = (64, 1024)
+# ... over prefixes of at least this many rows (live_rows, else the cache's length): from 8K on
+# it won or tied at every batch (H200: 1.01-1.31x at batch 1, 1.19-1.45x at 8 and 64).
+_MOSAIC_MIN_LIVE = 8192
+# Under 8K, (from this batch, over this many rows) by head dim (bench/RESULTS.md, forty-third
+# set, with the tree inside the kernel and the row tiles side by side; the thirty-eighth set's
+# narrower rule predates both). The bound is the one the program is built for, and a slot's
+# prefix may run well under it, so a bound is taken only where Mosaic won or tied at half of it:
+#   * head dim 128 from batch 2 over 1K+ rows: 1.06-1.51x at 1-4K from batch 2 to 64 (1.38x at
+#     B 64, N 64, 1K), and at 512 it won or tied. Under 1K Triton stays: over 256 rows N 16 lost
+#     by 17-25% (B 8, 64), though N 64 won from batch 4 over 256-512;
+#   * head dim 128, batch 1, over 2K+: N 64 1.17x at 2K, 1.21x at 4K, N 16 tied; at a 1K bound
+#     N 64 lost (20.0 against 16.7-17.0 us), but won with 2K's split count;
+#   * head dim 64 (SmolLM2's) from batch 8 over 1K+: 1.04-1.22x at B 8-64 (B 64, N 32, 2K: 58.5
+#     against 71.5-72.1 us), tied or won at 512. Batch 1-4 tied, or lost (B 1, N 32, 2K).
+_MOSAIC_SHORT = {128: ((2, 1024), (1, 2048)), 64: ((8, 1024),)}
+
+
+def mosaic_serves(rows, live_len, cache_len, head_dim, dtype, *, batch=1) -> bool:
+    """Whether `backend=None` takes Mosaic GPU's prefix kernel: on Hopper, for tiles of
+    `_MOSAIC_ROWS` rows over a cache of whole key blocks, in 16-bit floats, over prefixes long
+    enough for the batch (`_mosaic_prefix_long_enough`; bench/RESULTS.md, thirty-seventh and
+    forty-third sets)."""
+    if os.environ.get("JAXSPEC_MOSAIC", "1") == "0":   # A/B runs: Triton's prefix everywhere
+        return False
+    return (_MOSAIC_ROWS[0] <= rows <= _MOSAIC_ROWS[1]
+            and _mosaic_prefix_long_enough(live_len, head_dim, batch)
+            and cache_len % pm.BLOCK_KV == 0 and head_dim in (64, 128)
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and pm.on_hopper())
+
+
+def _mosaic_prefix_long_enough(live_len, head_dim, batch) -> bool:
+    """8K+ live rows at any batch; shorter bounds by head dim and batch (`_MOSAIC_SHORT`)."""
+    if live_len >= _MOSAIC_MIN_LIVE:
+        return True
+    return any(batch >= from_batch and live_len >= min_live
+               for from_batch, min_live in _MOSAIC_SHORT.get(head_dim, ()))
+
+
+def mosaic_splits(batch, num_kv_heads, rows, live_len, block_kv=pm.BLOCK_KV) -> int:
+    """Mosaic's default split count for `rows` query rows, padded to whole warpgroups."""
+    return pm.default_splits(batch, num_kv_heads, pm.padded_rows(rows), live_len, block_kv)

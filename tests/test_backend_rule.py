@@ -1,0 +1,82 @@
+"""The Mosaic-or-Triton rule (`backend_rule`) against the H200's measurements."""
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import backend_rule as rule
+from pallas_kernels import prefix_attention_mgpu as pm
+
+
+def test_mosaic_serves_the_measured_shapes_on_hopper_only(monkeypatch):
+    """Wide tiles over 8K+ live rows of a cache of whole key blocks in bf16/f16, on Hopper: the
+    shapes where it measured faster. Short prefixes at batch 1, narrow tiles, f32, other GPUs
+    and JAXSPEC_MOSAIC=0 keep the Triton kernel."""
+    bf16 = jnp.bfloat16
+    assert not rule.mosaic_serves(256, 8192, 8192, 128, bf16)   # this CPU
+    monkeypatch.setattr(pm, "on_hopper", lambda: True)
+    assert rule.mosaic_serves(256, 8192, 8192, 128, bf16)
+    assert rule.mosaic_serves(64, 32768, 32768, 64, jnp.float16)
+    assert not rule.mosaic_serves(256, 1024, 8192, 128, bf16)   # live_rows says short (batch 1)
+    assert not rule.mosaic_serves(256, 1024, 1024, 128, bf16)   # batch 1 over 1K tied or lost
+    assert not rule.mosaic_serves(40, 8192, 8192, 128, bf16)    # under one warpgroup's rows
+    assert not rule.mosaic_serves(8192, 8192, 8192, 128, bf16)  # a prompt chunk
+    assert not rule.mosaic_serves(256, 8192, 8200, 128, bf16)   # not whole 128-key blocks
+    assert not rule.mosaic_serves(256, 8192, 8192, 128, jnp.float32)
+    monkeypatch.setenv("JAXSPEC_MOSAIC", "0")
+    assert not rule.mosaic_serves(256, 8192, 8192, 128, bf16)
+
+
+# (head dim, batch, N, live rows, Mosaic at its default split count against Triton in the same
+# call: "win" more than 3% faster than Triton's fastest timing there, "loss" more than 3%
+# slower than its slowest, else "tie"): H200, G = 4 over 8 KV heads (head dim 128), G = 3 over
+# 3 (64, SmolLM2's) (bench/RESULTS.md, forty-third set).
+_MEASURED = [
+    (64, 1, 32, 512, "tie"), (64, 1, 32, 1024, "tie"), (64, 1, 32, 2048, "loss"),
+    (64, 1, 32, 4096, "tie"), (64, 1, 64, 1024, "tie"), (64, 1, 64, 2048, "tie"),
+    (64, 2, 32, 1024, "tie"), (64, 2, 64, 2048, "tie"), (64, 4, 32, 1024, "tie"),
+    (64, 4, 32, 2048, "tie"), (64, 8, 32, 512, "tie"), (64, 8, 32, 1024, "win"),
+    (64, 8, 64, 4096, "win"), (64, 16, 32, 2048, "tie"), (64, 16, 64, 1024, "win"),
+    (64, 64, 32, 512, "tie"), (64, 64, 32, 2048, "win"), (64, 64, 64, 512, "win"),
+    (64, 64, 64, 2048, "win"), (128, 1, 16, 1024, "tie"), (128, 1, 16, 2048, "tie"),
+    (128, 1, 16, 4096, "tie"), (128, 1, 64, 512, "tie"), (128, 1, 64, 1024, "loss"),
+    (128, 1, 64, 2048, "win"), (128, 1, 64, 4096, "win"), (128, 2, 16, 1024, "tie"),
+    (128, 2, 16, 2048, "win"), (128, 2, 64, 512, "win"), (128, 2, 64, 1024, "win"),
+    (128, 2, 64, 2048, "win"), (128, 2, 64, 4096, "win"), (128, 4, 16, 512, "tie"),
+    (128, 4, 16, 1024, "win"), (128, 4, 64, 512, "win"), (128, 4, 64, 1024, "win"),
+    (128, 8, 16, 1024, "win"), (128, 8, 64, 512, "win"), (128, 8, 64, 1024, "win"),
+    (128, 12, 64, 1024, "win"), (128, 16, 16, 1024, "win"), (128, 16, 64, 512, "win"),
+    (128, 16, 64, 1024, "win"), (128, 16, 64, 2048, "win"), (128, 32, 64, 1024, "win"),
+    (128, 32, 64, 2048, "win"), (128, 64, 16, 1024, "win"), (128, 64, 16, 2048, "win"),
+    (128, 64, 64, 512, "win"), (128, 64, 64, 1024, "win"), (128, 64, 64, 2048, "win"),
+    (128, 2, 64, 256, "loss"), (128, 4, 64, 256, "win"), (128, 8, 64, 256, "tie"),
+    (128, 64, 64, 256, "win"), (128, 8, 16, 256, "loss"), (128, 64, 16, 256, "loss")]
+
+
+# Wins the rule passes up: N 64 under 1K rows (from batch 2 over 512, from batch 4 over 256),
+# where N 16 lost over 256 rows at batch 8 and 64, so no bound under 1K is taken; head dim 64
+# at batch 64 over 512, under its 1K bound.
+_RULE_MISSES = {(128, 2, 64, 512), (128, 4, 64, 512), (128, 8, 64, 512), (128, 16, 64, 512),
+                (128, 64, 64, 512), (128, 4, 64, 256), (128, 64, 64, 256), (64, 64, 64, 512)}
+
+
+@pytest.mark.parametrize("d,b,n,live,verdict", _MEASURED)
+def test_mosaic_serves_short_prefixes_where_it_measured_no_slower(monkeypatch, d, b, n, live,
+                                                                 verdict):
+    """Under 8K live rows by head dim and batch (`_MOSAIC_SHORT`): Mosaic
+    never where it lost, and Triton never where Mosaic won, but for the listed misses."""
+    monkeypatch.setattr(pm, "on_hopper", lambda: True)
+    g = 4 if d == 128 else 3
+    serves = rule.mosaic_serves(g * n, live, live, d, jnp.bfloat16, batch=b)
+    if serves:
+        assert verdict != "loss"
+    else:
+        assert verdict != "win" or (d, b, n, live) in _RULE_MISSES
+
+
+def test_rule_misses_are_measured_wins_the_rule_passes_up(monkeypatch):
+    """Each listed miss is a measured win that `mosaic_serves` turns down (none stale)."""
+    monkeypatch.setattr(pm, "on_hopper", lambda: True)
+    wins = {m[:4] for m in _MEASURED if m[4] == "win"}
+    for d, b, n, live in _RULE_MISSES:
+        assert (d, b, n, live) in wins
+        g = 4 if d == 128 else 3
+        assert not rule.mosaic_serves(g * n, live, live, d, jnp.bfloat16, batch=b)
