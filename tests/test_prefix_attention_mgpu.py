@@ -110,7 +110,8 @@ def test_multicast_builds_a_cluster_program_for_the_device():
     ("separate", 3, None, 7, True, False), ("separate", 1, None, 7, True, False),
     ("separate", 2, None, 7, True, True), ("separate", 1, None, 16, True, True),
     ("separate", 2, None, 7, False, False), ("packed", 2, 16, 7, False, False),
-    ("separate", 1, 128, 7, False, False), ("separate", 3, None, 7, False, False)])
+    ("separate", 1, 128, 7, False, False), ("separate", 3, None, 7, False, False),
+    ("separate", 2, None, 48, True, False)])
 def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, inside, overlap):
     """The whole backend="mosaic" path. Up to 64 tree tokens (inside) the Mosaic kernel attends
     to them too, as one more key block of split 0 under the mask as a bias: with 1 split it
@@ -120,7 +121,8 @@ def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, i
     and then on them on a 2-core CPU, in a barrier wait. Beside it (mosaic_tree=False, as
     for trees past 64 tokens) the Triton kernel adds the tree part: merging 1-2 splits itself
     (row tiles of 16, and of 128 past the partials' rows, masked) or before the combine (3).
-    overlap: the prefix with PV products behind the next block's scores (mosaic_overlap)."""
+    overlap: the prefix with PV products behind the next block's scores (mosaic_overlap).
+    48 tokens x 4 heads: three row tiles of one warpgroup, the tree inside, two splits."""
     b, hq, hkv, d, t = 2, 8, 2, 64, 256
     ks = jax.random.split(jax.random.key(5), 6)
     q = jax.random.normal(ks[0], (b, n, hq, d), jnp.bfloat16)
