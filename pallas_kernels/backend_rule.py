@@ -22,7 +22,7 @@ _MOSAIC_MIN_LIVE = 8192
 # set, with the tree inside the kernel and the row tiles side by side; the thirty-eighth set's
 # narrower rule predates both). The bound is the one the program is built for, and a slot's
 # prefix may run well under it, so a bound is taken only where Mosaic won or tied at half of it:
-#   * head dim 128 from batch 2 over 1K+ rows: 1.06-1.51x at 1-4K from batch 2 to 64 (1.38x at
+#   * head dim 128 from batch 2 over 1K+ rows: 1.03-1.65x at 1-4K from batch 2 to 64 (1.38x at
 #     B 64, N 64, 1K), and at 512 it won or tied. Under 1K Triton stays: over 256 rows N 16 lost
 #     by 17-25% (B 8, 64), though N 64 won from batch 4 over 256-512;
 #   * head dim 128, batch 1, over 2K+: N 64 1.17x at 2K, 1.21x at 4K, N 16 tied; at a 1K bound
