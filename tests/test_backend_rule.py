@@ -58,15 +58,19 @@ _RULE_MISSES = {(128, 2, 64, 512), (128, 4, 64, 512), (128, 8, 64, 512), (128, 1
                 (128, 64, 64, 512), (128, 4, 64, 256), (128, 64, 64, 256), (64, 64, 64, 512)}
 
 
+def _serves(d, b, n, live):
+    """The rule on a measured point: G = 4 query heads a KV head at head dim 128, 3 at 64."""
+    g = 4 if d == 128 else 3
+    return rule.mosaic_serves(g * n, live, live, d, jnp.bfloat16, batch=b)
+
+
 @pytest.mark.parametrize("d,b,n,live,verdict", _MEASURED)
 def test_mosaic_serves_short_prefixes_where_it_measured_no_slower(monkeypatch, d, b, n, live,
                                                                  verdict):
     """Under 8K live rows by head dim and batch (`_MOSAIC_SHORT`): Mosaic
     never where it lost, and Triton never where Mosaic won, but for the listed misses."""
     monkeypatch.setattr(pm, "on_hopper", lambda: True)
-    g = 4 if d == 128 else 3
-    serves = rule.mosaic_serves(g * n, live, live, d, jnp.bfloat16, batch=b)
-    if serves:
+    if _serves(d, b, n, live):
         assert verdict != "loss"
     else:
         assert verdict != "win" or (d, b, n, live) in _RULE_MISSES
@@ -78,5 +82,4 @@ def test_rule_misses_are_measured_wins_the_rule_passes_up(monkeypatch):
     wins = {m[:4] for m in _MEASURED if m[4] == "win"}
     for d, b, n, live in _RULE_MISSES:
         assert (d, b, n, live) in wins
-        g = 4 if d == 128 else 3
-        assert not rule.mosaic_serves(g * n, live, live, d, jnp.bfloat16, batch=b)
+        assert not _serves(d, b, n, live)
