@@ -27,6 +27,10 @@ OUT = os.environ.get("OUT", "/tmp/bench_out")
 RESULTS: dict = {"copy": {}, "check": [], "sweep": [], "attention": [], "compact": []}
 # --smoke: tiny shapes, kernels in interpret mode, to check this script on a CPU.
 SMOKE = False
+# median_times: samples of the configurations interleaved (else each one's back to back).
+INTERLEAVE = True
+# bench_attention: also each configuration's device time from a profiler trace (`device_times`).
+DEVICE_TIME = False
 
 
 def save():
@@ -78,18 +82,70 @@ def median_time(f, *args, iters=10, warmup=2, burst=8):
     and synced once. A sync after every call added the host's round trip (~0.6 ms on the H200,
     as much as the work of a whole executable at batch 1) to each sample; dispatched ahead, as
     the model's layers and cycles run, the time is the device's plus any gap between launches."""
+    timed = median_times({"f": f}, args, iters=iters, warmup=warmup, burst=burst)
+    if "f" not in timed:
+        raise RuntimeError("the timed function failed (printed above)")
+    return timed["f"][:2]
+
+
+def median_times(fns, args, iters=10, warmup=2, burst=8):
+    """`median_time` for several functions of the same arguments, their samples interleaved:
+    round i times one burst of each, starting one further along each round. Timed one after
+    another, calls of 10-20 us drifted up to 30% between configurations within one call (the
+    GPU's clocks and the host's state move over seconds), which a comparison took as a
+    difference. -> {name: (median s, (max - min) / median)}; a function that fails to compile
+    or run is left out, with its error printed."""
     burst = 1 if SMOKE else burst    # interpret mode: only checks that the script runs
-    for _ in range(warmup):
-        jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        outs = [f(*args) for _ in range(burst)]
-        jax.block_until_ready(outs)
-        ts.append((time.perf_counter() - t0) / burst)
-        del outs
-    ts.sort()
-    return ts[len(ts) // 2], (ts[-1] - ts[0]) / ts[len(ts) // 2]
+    live = {}
+    for name, f in fns.items():
+        try:
+            for _ in range(warmup):
+                jax.block_until_ready(f(*args))
+            live[name] = f
+        except Exception as e:
+            print(f"FAILED {name}: {type(e).__name__}: {str(e)[:300]}")
+    names = list(live)
+    ts = {name: [] for name in names}
+    host = {name: [] for name in names}
+    rounds = ([names[i % len(names):] + names[:i % len(names)] for i in range(iters)]
+              if INTERLEAVE else [[name] for name in names for _ in range(iters)])
+    for order in rounds:
+        for name in order:
+            t0 = time.perf_counter()
+            outs = [live[name](*args) for _ in range(burst)]
+            host[name].append((time.perf_counter() - t0) / burst)
+            jax.block_until_ready(outs)
+            ts[name].append((time.perf_counter() - t0) / burst)
+            del outs
+    return {name: (*_median_spread(v), sorted(host[name])[len(v) // 2]) for name, v in ts.items()}
+
+
+def device_times(f, args, execs=2):
+    """(kernel-busy s, first-to-last-kernel s) per execution of f(*args), from a profiler trace
+    of `execs` back-to-back executions (CUDA graphs kept on, `keep_graphs_while_profiling`).
+    Unlike the wall time, neither counts the host's dispatch: where the host is slower than
+    the device (small calls, a slow host), the wall time is the host's."""
+    import tempfile
+
+    from jaxspec.benchmark import trace
+    jax.block_until_ready(f(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            jax.block_until_ready([f(*args) for _ in range(execs)])
+        events = trace.load_trace(d)
+    gpu = trace.gpu_pids(events)
+    ev = [(e["ts"], e.get("dur", 0)) for e in events if e.get("ph") == "X" and e.get("pid") in gpu]
+    if not ev:
+        return None, None
+    busy = sum(dur for _, dur in ev) / execs * 1e-6
+    span = (max(t + dur for t, dur in ev) - min(t for t, _ in ev)) / execs * 1e-6
+    return busy, span
+
+
+def _median_spread(ts):
+    ts = sorted(ts)
+    mid = ts[len(ts) // 2]
+    return mid, (ts[-1] - ts[0]) / mid
 
 
 def jax_copy_bandwidth():
@@ -161,12 +217,15 @@ def checks(only: str = ""):
         (8, 64, 32, 8, 128, 512, jnp.bfloat16),   # under 1K rows: Triton, Mosaic beside it
         (16, 32, 9, 3, 64, 2048, jnp.bfloat16),   # SmolLM2's heads on Mosaic (batch 16, 2K)
         (2, 48, 32, 8, 128, 2048, jnp.bfloat16),   # 3 one-warpgroup row tiles, 4 splits
+        (1, 16, 32, 8, 128, 2048, jnp.bfloat16),   # Mosaic, 8 splits of 2 blocks, combine
+        (2, 32, 32, 8, 128, 1024, jnp.bfloat16),   # Mosaic, 4 splits of 2 blocks, combine
     ]
     if SMOKE:
         cases = [(2, 7, 8, 2, 64, 100, jnp.bfloat16), (2, 3, 4, 4, 64, 50, jnp.float32)]
-    if only:
-        keep = {tuple(int(x) for x in c.split(",")) for c in only.split(";")}
-        cases = [c for c in cases if c[:6] in keep]
+    if only:   # the listed cases; one not listed above runs in bf16
+        keep = [tuple(int(x) for x in c.split(",")) for c in only.split(";") if c]
+        listed = {c[:6]: c for c in cases}
+        cases = [listed.get(k, (*k, jnp.bfloat16)) for k in keep]
     for b, n, hq, hkv, d, t, dtype in cases:
         key, k1, k2 = jax.random.split(key, 3)
         sl = jax.random.randint(k2, (b,), 0, t + 1).at[0].set(t).at[-1].set(0)
@@ -228,18 +287,20 @@ def bench_attention(b, n, length, fns, key):
     num_layers = int(max(reps, min(32, math.ceil(256e6 / per_layer))))
     args = make_inputs(key, b, n, length, num_layers)
     row = dict(b=b, n=n, L=length, layers=num_layers, reps=reps, kv_bytes=kv_bytes)
-    for name, fn in fns.items():
-        if fn is None:
+    timed = median_times({name: multi_call(fn, reps) for name, fn in fns.items() if fn}, args)
+    for name in fns:
+        if name not in timed:   # not run, or failed (printed)
             row[name + "_us"] = None
             continue
-        try:
-            t, spread = median_time(multi_call(fn, reps), *args)
-            row[name + "_us"] = t / reps * 1e6
-            row[name + "_TBs"] = kv_bytes / (t / reps) / 1e12
-            row[name + "_spread"] = spread
-        except Exception as e:
-            print(f"FAILED {name} b={b} n={n} L={length}: {type(e).__name__}: {str(e)[:300]}")
-            row[name + "_us"] = None
+        t, spread, host = timed[name]
+        row[name + "_us"] = t / reps * 1e6
+        row[name + "_TBs"] = kv_bytes / (t / reps) / 1e12
+        row[name + "_spread"] = spread
+        row[name + "_host_us"] = host / reps * 1e6   # dispatch; near the wall time: host-bound
+        if DEVICE_TIME:
+            busy, span = device_times(multi_call(fns[name], reps), args)
+            row[name + "_dev_us"] = busy and busy / reps * 1e6
+            row[name + "_span_us"] = span and span / reps * 1e6
     del args
     return row
 
@@ -435,11 +496,21 @@ def bench_compact():
         save()
 
 
+_DERIVED = ("_host_us", "_dev_us", "_span_us")
+
+
 def print_sweep_row(r):
-    times = sorted((v, k[:-3]) for k, v in r.items() if k.endswith("_us") and v)
+    """The row's configurations fastest first: wall us, with [host dispatch / kernel-busy us]
+    where measured."""
+    times = sorted((v, k[:-3]) for k, v in r.items()
+                   if k.endswith("_us") and not k.endswith(_DERIVED) and v)
+
+    def fmt(v, k):
+        extra = [f"{r[k + s]:.1f}" for s in ("_host_us", "_dev_us") if r.get(k + s)]
+        return f"{k} {v:.1f}" + (f" [{'/'.join(extra)}]" if extra else "")
     print(f"sweep B={r['b']} N={r['n']} L={r['L']}: default {r['default']} "
           f"{r.get('{}_us') or float('nan'):.1f} us (again {r.get('again_us') or float('nan'):.1f});"
-          " best " + ", ".join(f"{k} {v:.1f}" for v, k in
+          " best " + ", ".join(fmt(v, k) for v, k in
                             (times if r.get("grid") == "backends" else times[:3])), flush=True)
 
 
@@ -481,13 +552,22 @@ def main():
     p.add_argument("--sweep-shapes", default="", help='only these "B,N,L;..." in the sweep')
     p.add_argument("--table-shapes", default="", help='only these "B,N,L;..." in the table')
     p.add_argument("--check-cases", default="",
-                   help='only these "B,N,Hq,Hkv,D,T;..." attention checks')
+                   help='only these "B,N,Hq,Hkv,D,T;..." attention checks (bf16 if not listed)')
     p.add_argument("--kernel-only", action="store_true",
                    help="table: time the kernel alone (A/B runs of two trees)")
+    p.add_argument("--sequential", action="store_true",
+                   help="time each configuration's samples back to back, not interleaved")
+    p.add_argument("--device-time", action="store_true",
+                   help="also each configuration's kernel time from a profiler trace")
     p.add_argument("--heads", default="",
                    help='"Hq,Hkv,D" in place of 32,8,128 (SmolLM2: "9,3,64")')
     a = p.parse_args()
-    global SMOKE, HQ, HKV, D, SM_SCALE
+    global SMOKE, HQ, HKV, D, SM_SCALE, INTERLEAVE, DEVICE_TIME
+    INTERLEAVE, DEVICE_TIME = not a.sequential, a.device_time
+    if DEVICE_TIME:   # before the backend starts
+        from jaxspec.benchmark.trace import keep_graphs_while_profiling
+        keep_graphs_while_profiling()
+    RESULTS["interleaved"] = INTERLEAVE
     if a.heads:
         HQ, HKV, D = (int(x) for x in a.heads.split(","))
         SM_SCALE = 1.0 / math.sqrt(D)

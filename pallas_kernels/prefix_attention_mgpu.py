@@ -402,7 +402,8 @@ def default_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms=NUM_S
     311 us where 6 (384, 2.9 waves) took 278 (bench/RESULTS.md, thirty-seventh set).
     Splits are whole key blocks, so only `active_splits` of them hold keys: at batch 1, N 16,
     8K, 15 splits of 5 blocks left 2 of the 15 empty (104 busy CTAs, 18.3-18.7 us) where 16
-    of 4 kept 128 busy (17.6 us; thirty-ninth set). The rule counts the busy ones."""
+    of 4 kept 128 busy (17.6 us; thirty-ninth set). The rule counts the busy ones.
+    Prefixes too short to fill the SMs that way take splits of 2 blocks (`_short_splits`)."""
     cap = max(1, cache_len // (4 * block_kv))
     for splits in range(1, cap + 1):
         busy = active_splits(cache_len, splits, block_kv)
@@ -410,7 +411,24 @@ def default_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms=NUM_S
         waves = -(-total // num_sms)
         if total >= 0.9 * num_sms and total >= 0.9 * waves * num_sms:
             return splits
-    return cap
+    return _short_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms, cap)
+
+
+def _short_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms, cap) -> int:
+    """Where splits of 4 key blocks leave SMs idle: the fewest splits of 2+ blocks with the
+    most busy CTAs that still fit one wave. H200 kernel time (profiler, same call), 4-block
+    splits against these: batch 1 over 2K at N 16/32/64 11.5/14.7/14.9 us against 9.4/12.0/
+    12.9 (8 splits), batch 2 over 1K at N 16/32 11.2/14.7 against 9.7/12.3, batch 4, N 16, 1K
+    12.0 against 11.3, SmolLM2's heads at batch 8, N 32, 1K 11.7 against 10.1 (4 splits); past
+    one wave it lost (SmolLM2's B 8, N 32, 2K: 8 splits 16.2 against 4's 13.0; forty-fourth
+    set)."""
+    best, best_busy = cap, grid_ctas(batch, num_kv_heads, rows, active_splits(cache_len, cap,
+                                                                               block_kv))
+    for splits in range(cap + 1, cache_len // (2 * block_kv) + 1):
+        busy = grid_ctas(batch, num_kv_heads, rows, active_splits(cache_len, splits, block_kv))
+        if best_busy < busy <= num_sms:
+            best, best_busy = splits, busy
+    return best
 
 
 def active_splits(length, num_splits, block_kv) -> int:
