@@ -6,6 +6,11 @@ configurations on a few shapes, the main table (kernel vs the XLA reference, sam
 compaction timings. Results go to $OUT/kernels.json (rewritten after every row, so a run cut
 short still leaves what it measured); a compact table is printed last.
 
+The configurations of a row are timed with their samples interleaved (`median_times`), and
+each gets its host dispatch time a call next to the wall time; `--device-time` adds the GPU's
+kernel time from a profiler trace. Calls of 10-20 us sit near the host's dispatch time, so
+their wall time can be the host's (bench/RESULTS.md, forty-fourth set).
+
     export PYTHONPATH=$PWD; python3 bench/bench_kernels.py [--quick] [--no-sweep]
 """
 from __future__ import annotations
@@ -108,7 +113,7 @@ def median_times(fns, args, iters=10, warmup=2, burst=8):
     ts = {name: [] for name in names}
     host = {name: [] for name in names}
     rounds = ([names[i % len(names):] + names[:i % len(names)] for i in range(iters)]
-              if INTERLEAVE else [[name] for name in names for _ in range(iters)])
+              if INTERLEAVE and names else [[name] for name in names for _ in range(iters)])
     for order in rounds:
         for name in order:
             t0 = time.perf_counter()

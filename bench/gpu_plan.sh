@@ -12,7 +12,8 @@
 #                                      #   wide tiles (backend sweep, then the 8K/32K table rows);
 #                                      #   mosaic_short, batch 1-32 over 1-4K prefixes, the rule
 #                                      #   under 8K (SHAPES="B,N,L;..." for others; forty-third
-#                                      #   set: 57 shapes, 256-4K); mosaic_tree, the tree part inside
+#                                      #   set: 57 shapes, 256-4K; with kernel times since the
+#                                      #   forty-fourth, ~30 s a shape); mosaic_tree, the tree part inside
 #                                      #   the Mosaic kernel against beside it, checks first
 #   bash bench/gpu_plan.sh ncu         # issue 4: ncu's DRAM bytes, L2 hit rate and tensor-pipe
 #                                      #   activity of the Mosaic kernel at B 64, N 64, 8K, row
@@ -626,7 +627,7 @@ case "${1:-}" in
     run overlap_peers 120 python3 bench/peers/torch_attention.py --shapes "8,64,8192;64,64,8192;1,64,8192;64,16,8192"
     ;;
   mosaic_short)
-    run mosaic_short 400 python3 bench/bench_kernels.py --skip check,table,compact --sweep-grid backends --sweep-shapes "${SHAPES:-8,16,1024;8,64,1024;16,16,1024;16,64,1024;32,64,1024;8,64,2048;16,64,4096;32,64,4096;1,64,4096}"
+    run mosaic_short 450 python3 bench/bench_kernels.py --device-time --skip check,table,compact --sweep-grid backends --sweep-shapes "${SHAPES:-8,16,1024;8,64,1024;16,16,1024;16,64,1024;32,64,1024;8,64,2048;16,64,4096;32,64,4096;1,64,4096}"
     ;;
   kernels)
     run kernels 280 python3 bench/bench_kernels.py --no-sweep --skip compact
