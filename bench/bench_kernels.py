@@ -525,17 +525,22 @@ def print_tables():
           + ", ".join(f"{k}={v:.2f}" for k, v in RESULTS["copy"].items() if v))
     print("checks:", "all ok" if all(r["ok"] for r in RESULTS["check"]) else
           [r for r in RESULTS["check"] if not r["ok"]])
+    nan = float("nan")
     print(f"{'B':>3} {'N':>3} {'L':>6} | {'kern us':>8} {'TB/s':>5} {'%copy':>5} | "
+          f"{'host us':>7} {'dev us':>7} {'%copy':>5} | "
           f"{'ref us':>8} {'TB/s':>5} {'x ref':>5} | {'bf16 us':>8} | {'triton':>8}")
     for r in RESULTS["attention"]:
         k, x, xb = r.get("kernel_us"), r.get("xla_ref_us"), r.get("xla_bf16_us")
-        kt = r.get("kernel_TBs")
+        kt, dev = r.get("kernel_TBs"), r.get("kernel_dev_us")
+        # host: the dispatch a call (near the wall time: host-bound); dev: the GPU's kernel
+        # time a call (--device-time), and the bytes it reads a second as % of copy
+        dev_pct = 100 * r["kv_bytes"] / (dev * 1e-6) / 1e12 / copy_bw if dev else nan
         print(f"{r['b']:>3} {r['n']:>3} {r['L']:>6} | "
-              f"{k or float('nan'):>8.1f} {kt or float('nan'):>5.2f} "
-              f"{100 * (kt or float('nan')) / copy_bw:>5.0f} | "
-              f"{x or float('nan'):>8.1f} {r.get('xla_ref_TBs') or float('nan'):>5.2f} "
-              f"{(x / k) if (x and k) else float('nan'):>5.2f} | {xb or float('nan'):>8.1f} | "
-              f"{r.get('triton_us') or float('nan'):>8.1f}")
+              f"{k or nan:>8.1f} {kt or nan:>5.2f} {100 * (kt or nan) / copy_bw:>5.0f} | "
+              f"{r.get('kernel_host_us') or nan:>7.1f} {dev or nan:>7.1f} {dev_pct:>5.0f} | "
+              f"{x or nan:>8.1f} {r.get('xla_ref_TBs') or nan:>5.2f} "
+              f"{(x / k) if (x and k) else nan:>5.2f} | {xb or nan:>8.1f} | "
+              f"{r.get('triton_us') or nan:>8.1f}")
     for r in RESULTS["sweep"]:
         print_sweep_row(r)
     print(f"{'L':>3} {'B':>3} {'N':>4} {'M':>4} | {'kern us':>8} {'ref us':>8}")

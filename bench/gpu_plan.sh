@@ -162,7 +162,8 @@
 #   bash bench/gpu_plan.sh decode      # issue 2: the engine's 8B decode program (LEAN), its GEMM rule against
 #                                      #   Triton GEMMs, SmolLM2 shape, the batch-64 step's profile
 #   bash bench/gpu_plan.sh cycle       # issues 3/4: 8B LEAN cycle table incl. (6,10,60), its profile
-#   bash bench/gpu_plan.sh kernels     # issue 4: kernel table and the chained-call kernel profile
+#   bash bench/gpu_plan.sh kernels     # issue 4: kernel table (wall, host and kernel time) and the
+#                                      #   chained-call kernel profile
 #   bash bench/gpu_plan.sh eagle3      # issue 7: train an EAGLE-3 head, tau vs the shipped EAGLE-1
 #                                      #   (carry .gpu/train/ and .gpu/run2/examples_sd.npz, the
 #                                      #   self-distilled answers of an earlier call, if present)
@@ -630,7 +631,7 @@ case "${1:-}" in
     run mosaic_short 450 python3 bench/bench_kernels.py --device-time --skip check,table,compact --sweep-grid backends --sweep-shapes "${SHAPES:-8,16,1024;8,64,1024;16,16,1024;16,64,1024;32,64,1024;8,64,2048;16,64,4096;32,64,4096;1,64,4096}"
     ;;
   kernels)
-    run kernels 280 python3 bench/bench_kernels.py --no-sweep --skip compact
+    run kernels 440 python3 bench/bench_kernels.py --no-sweep --skip compact --device-time
     run kernels_profile 90 python3 -m bench.profile_cycle --attention --attn-shapes "1,1,1024;1,1,8192;1,1,32768;64,1,1024;1,60,1024"
     ;;
   eagle3)
