@@ -97,9 +97,10 @@ def median_times(fns, args, iters=10, warmup=2, burst=8):
     """`median_time` for several functions of the same arguments, their samples interleaved:
     round i times one burst of each, starting one further along each round. Timed one after
     another, calls of 10-20 us drifted up to 30% between configurations within one call (the
-    GPU's clocks and the host's state move over seconds), which a comparison took as a
-    difference. -> {name: (median s, (max - min) / median)}; a function that fails to compile
-    or run is left out, with its error printed."""
+    host's dispatch, near their wall time, and the GPU's clocks move over seconds), which a
+    comparison took as a difference. -> {name: (median s, (max - min) / median, median host
+    dispatch s)}, all a call; a function that fails to compile or run is left out, with its
+    error printed."""
     burst = 1 if SMOKE else burst    # interpret mode: only checks that the script runs
     live = {}
     for name, f in fns.items():
