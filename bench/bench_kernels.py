@@ -133,18 +133,16 @@ def device_times(f, args, execs=2):
     the device (small calls, a slow host), the wall time is the host's."""
     import tempfile
 
-    from jaxspec.benchmark import trace
+    from bench.profile_cycle import device_events
     jax.block_until_ready(f(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             jax.block_until_ready([f(*args) for _ in range(execs)])
-        events = trace.load_trace(d)
-    gpu = trace.gpu_pids(events)
-    ev = [(e["ts"], e.get("dur", 0)) for e in events if e.get("ph") == "X" and e.get("pid") in gpu]
+        ev = device_events(d)   # [(name, start us, duration us)]
     if not ev:
         return None, None
-    busy = sum(dur for _, dur in ev) / execs * 1e-6
-    span = (max(t + dur for t, dur in ev) - min(t for t, _ in ev)) / execs * 1e-6
+    busy = sum(dur for _, _, dur in ev) / execs * 1e-6
+    span = (max(t + dur for _, t, dur in ev) - min(t for _, t, _ in ev)) / execs * 1e-6
     return busy, span
 
 
@@ -293,7 +291,8 @@ def bench_attention(b, n, length, fns, key):
     num_layers = int(max(reps, min(32, math.ceil(256e6 / per_layer))))
     args = make_inputs(key, b, n, length, num_layers)
     row = dict(b=b, n=n, L=length, layers=num_layers, reps=reps, kv_bytes=kv_bytes)
-    timed = median_times({name: multi_call(fn, reps) for name, fn in fns.items() if fn}, args)
+    calls = {name: multi_call(fn, reps) for name, fn in fns.items() if fn}
+    timed = median_times(calls, args)
     for name in fns:
         if name not in timed:   # not run, or failed (printed)
             row[name + "_us"] = None
@@ -304,7 +303,7 @@ def bench_attention(b, n, length, fns, key):
         row[name + "_spread"] = spread
         row[name + "_host_us"] = host / reps * 1e6   # dispatch; near the wall time: host-bound
         if DEVICE_TIME:
-            busy, span = device_times(multi_call(fns[name], reps), args)
+            busy, span = device_times(calls[name], args)   # the executable just timed
             row[name + "_dev_us"] = busy and busy / reps * 1e6
             row[name + "_span_us"] = span and span / reps * 1e6
     del args
