@@ -58,10 +58,15 @@ _RULE_MISSES = {(128, 2, 64, 512), (128, 4, 64, 512), (128, 8, 64, 512), (128, 1
                 (128, 64, 64, 512), (128, 4, 64, 256), (128, 64, 64, 256), (64, 64, 64, 512)}
 
 
+def _heads(d):
+    """(query heads a KV head, KV heads) of the measured shapes: 4 over 8 at head dim 128
+    (8B-class), 3 over 3 at 64 (SmolLM2's)."""
+    return (4, 8) if d == 128 else (3, 3)
+
+
 def _serves(d, b, n, live):
-    """The rule on a measured point: G = 4 query heads a KV head at head dim 128, 3 at 64."""
-    g = 4 if d == 128 else 3
-    return rule.mosaic_serves(g * n, live, live, d, jnp.bfloat16, batch=b)
+    """The rule on a measured point."""
+    return rule.mosaic_serves(_heads(d)[0] * n, live, live, d, jnp.bfloat16, batch=b)
 
 
 @pytest.mark.parametrize("d,b,n,live,verdict", _MEASURED)
@@ -104,7 +109,7 @@ def test_rule_and_split_count_match_the_kernel_times(monkeypatch, d, b, n, live,
     time was under Triton's, including where the wall time of an isolated call was not
     (B 2, N 32, 1K; head dim 64 at batch 8)."""
     monkeypatch.setattr(pm, "on_hopper", lambda: True)
-    g, hkv = (4, 8) if d == 128 else (3, 3)
+    g, hkv = _heads(d)
     assert _serves(d, b, n, live)
     assert rule.mosaic_splits(b, hkv, g * n, live) == splits
     assert mosaic_us < triton_us
