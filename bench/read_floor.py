@@ -1,0 +1,188 @@
+"""The floor under issue 4's batch-1 rows: how fast one kernel alone reads a layer's K and V.
+
+Batch 1 over 8K reads 33.6 MB a call, so the goal of 70% of copy is about 11.5 us a call on the
+H200. The tree kernel's main kernel alone takes about 11.7 us (thirty-ninth set). This script
+asks what any kernel takes to read those bytes with no attention arithmetic, timed in the
+harness's pattern (`reps` independent calls in one program, each on its own layer, so that L2
+does not hold them), beside the tree kernel at N = 1 in the same run:
+
+  * `stream_P_BK`: a Pallas (Triton) kernel with the main kernel's memory skeleton: P programs
+    per (slot, KV head), each streaming its share of the rows of K and V in BK-row blocks and
+    writing one partial sum ([B * Hkv, P, D] f32; nothing merges them);
+  * `xla_sum`: XLA's reduction of K + V over the rows, fused into one kernel;
+  * `torch_sum`, `torch_copy`: torch's reduction of the layer to one number, and a copy of it
+    (twice the bytes moved), the same calls captured in one CUDA graph.
+
+    python3 bench/read_floor.py [--sizes "B,L;..."] [--device-time] [--smoke]
+
+Bandwidths count the bytes read (K and V of the layer); % of copy is against torch's 1 GiB
+copy (read + written) in the same run. Writes $OUT/read_floor.json.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+
+from bench import bench_kernels as bk
+
+import jax  # noqa: E402  (after bench_kernels sets the allocator's share)
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+
+from pallas_kernels._compat import CompilerParams, load, store  # noqa: E402
+
+SIZES = "1,8192;1,16384;1,32768;8,8192"
+STREAMS = ((4, 128), (8, 128), (16, 128), (16, 64), (32, 64), (32, 128), (64, 64))
+
+
+def _stream_kernel(layer_ref, k_ref, v_ref, o_ref, *, hkv, chunk, block):
+    """Program (split, b * hkv + h): sum over its `chunk` rows of K + V, in f32. -> o [D]."""
+    split, bh = pl.program_id(0), pl.program_id(1)
+    layer, b, h = layer_ref[0], bh // hkv, bh % hkv
+
+    def body(i, acc):   # acc [block, D]: one add per element, no reduction inside the loop
+        rows = pl.ds(split * chunk + i * block, block)
+        k = load(k_ref.at[layer, b, h, rows, :])
+        v = load(v_ref.at[layer, b, h, rows, :])
+        return acc + k.astype(jnp.float32) + v.astype(jnp.float32)
+
+    acc = lax.fori_loop(0, chunk // block, body,
+                        jnp.zeros((block, k_ref.shape[-1]), jnp.float32))
+    store(o_ref.at[bh, split, :], acc.sum(0))
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "block", "interpret"))
+def stream_read(k_cache, v_cache, layer, *, splits, block, interpret=False):
+    """Partial sums of K + V of cache layer `layer`: cache [L, B, Hkv, T, D] ->
+    [B * Hkv, splits, D] f32, split s summing rows [s * T / splits, (s + 1) * T / splits)."""
+    _, b, hkv, t, d = k_cache.shape
+    chunk = t // splits
+    if chunk * splits != t or chunk % block:
+        raise ValueError(f"{t} rows do not cut into {splits} splits of whole {block}-row blocks")
+    return pl.pallas_call(
+        functools.partial(_stream_kernel, hkv=hkv, chunk=chunk, block=block),
+        grid=(splits, b * hkv),
+        out_shape=jax.ShapeDtypeStruct((b * hkv, splits, d), jnp.float32),
+        compiler_params=CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret, name="stream_read",
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), k_cache, v_cache)
+
+
+def stream_reference(k_cache, v_cache, layer, splits):
+    """stream_read in jnp."""
+    _, b, hkv, t, d = k_cache.shape
+    kv = k_cache[layer].astype(jnp.float32) + v_cache[layer].astype(jnp.float32)
+    return kv.reshape(b * hkv, splits, t // splits, d).sum(2)
+
+
+def _jax_fns(t, smoke):
+    """{name: fn(q, kc, vc, layer, sl, kn, vn, mask)} in bench_kernels' calling convention,
+    the streams that cut t rows into whole blocks."""
+    fns = {"tree_n1": bk.kernel_fn()}
+    for splits, block in (s for s in STREAMS if t % (s[0] * s[1]) == 0):
+        fns[f"stream_{splits}_{block}"] = (
+            lambda q, kc, vc, layer, *_, s=splits, bl=block:
+            stream_read(kc, vc, layer, splits=s, block=bl, interpret=smoke))
+    fns["xla_sum"] = lambda q, kc, vc, layer, *_: (
+        lax.dynamic_index_in_dim(kc, layer, 0, False).astype(jnp.float32)
+        + lax.dynamic_index_in_dim(vc, layer, 0, False).astype(jnp.float32)).sum(2)
+    return fns
+
+
+def _torch_times(b, t, reps):
+    """{name: us a call} for torch's reduction and copy of one layer, `reps` calls (each its
+    own layer) captured in one CUDA graph, median of 20 replays."""
+    import torch
+    kv = torch.randn(reps, 2, b, bk.HKV, t, bk.D, device="cuda", dtype=torch.bfloat16)
+    sums = torch.empty(reps, device="cuda", dtype=torch.float32)
+    dst = torch.empty_like(kv[0])
+    ops = {"torch_sum": lambda i: torch.sum(kv[i], dtype=torch.float32, out=sums[i]),
+           "torch_copy": lambda i: dst.copy_(kv[i])}
+    out = {}
+    for name, op in ops.items():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):   # warm up off the capture stream, as torch asks
+            for i in range(reps):
+                op(i)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(reps):
+                op(i)
+        times = []
+        for _ in range(23):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / reps)
+        out[name] = sorted(times[3:])[10]
+        del graph
+    del kv, dst, sums
+    torch.cuda.empty_cache()
+    return out
+
+
+def measure(b, t, smoke, device_time):
+    kv_bytes = 2 * b * bk.HKV * t * bk.D * 2
+    reps = 2 if smoke else int(min(48, max(2, math.ceil(1.5e-3 / (kv_bytes / 2.0e12)))))
+    row = dict(b=b, L=t, reps=reps, kv_bytes=kv_bytes)
+    if not smoke:
+        row.update({k + "_us": v for k, v in _torch_times(b, t, reps).items()})
+    args = bk.make_inputs(jax.random.key(b * 100003 + t), b, 1, t, reps)
+    calls = {name: bk.multi_call(fn, reps) for name, fn in _jax_fns(t, smoke).items()}
+    for name, (s, spread, host) in bk.median_times(calls, args).items():
+        row.update({name + "_us": s / reps * 1e6, name + "_spread": spread,
+                    name + "_host_us": host / reps * 1e6})
+        if device_time:
+            busy, span = bk.device_times(calls[name], args)
+            row[name + "_dev_us"] = busy and busy / reps * 1e6
+            row[name + "_span_us"] = span and span / reps * 1e6
+    del args
+    return row
+
+
+def print_row(r, copy_bw):
+    print(f"B {r['b']}, L {r['L']}: {r['kv_bytes'] / 1e6:.1f} MB a call, {r['reps']} calls")
+    for k in sorted(k for k in r if k.endswith("_us") and not k.endswith(("_host_us",
+                                                                           "_dev_us", "_span_us"))):
+        name, us = k[:-3], r[k]
+        bw = r["kv_bytes"] / (us * 1e-6)
+        pct = f"{100 * bw / copy_bw:5.0f}%" if copy_bw else "     "
+        dev = r.get(name + "_dev_us")
+        dev_s = f" kernel {dev:7.1f} us ({100 * r['kv_bytes'] / (dev * 1e-6) / copy_bw:3.0f}%)" if (
+            dev and copy_bw) else ""
+        print(f"  {name:<16} {us:8.1f} us {bw / 1e12:5.2f} TB/s {pct}{dev_s}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--sizes", default=SIZES, help='"B,L;..." (heads 32/8/128)')
+    p.add_argument("--device-time", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny, interpret mode (CPU)")
+    a = p.parse_args()
+    if a.device_time:
+        from jaxspec.benchmark.trace import keep_graphs_while_profiling
+        keep_graphs_while_profiling()
+    sizes = [tuple(int(x) for x in s.split(",")) for s in a.sizes.split(";") if s]
+    if a.smoke:
+        bk.SMOKE, bk.HQ, bk.HKV, sizes = True, 8, 2, [(1, 512)]
+    copy_bw = None if a.smoke else bk.torch_copy_bandwidth()
+    rows = []
+    for b, t in sizes:
+        rows.append(measure(b, t, a.smoke, a.device_time))
+        print_row(rows[-1], copy_bw)
+    os.makedirs(bk.OUT, exist_ok=True)
+    with open(os.path.join(bk.OUT, "read_floor.json"), "w") as f:
+        json.dump(dict(copy_TBs=copy_bw and copy_bw / 1e12, device=str(jax.devices()[0]),
+                       rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
