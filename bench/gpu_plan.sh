@@ -15,6 +15,9 @@
 #                                      #   set: 57 shapes, 256-4K; with kernel times since the
 #                                      #   forty-fourth, ~30 s a shape); mosaic_tree, the tree part inside
 #                                      #   the Mosaic kernel against beside it, checks first
+#   bash bench/gpu_plan.sh read_floor  # issue 4: what one kernel alone takes to read batch 1's
+#                                      #   K and V (a Pallas stream, XLA's and torch's reductions,
+#                                      #   torch's copy) beside the tree kernel at N = 1
 #   bash bench/gpu_plan.sh ncu         # issue 4: ncu's DRAM bytes, L2 hit rate and tensor-pipe
 #                                      #   activity of the Mosaic kernel at B 64, N 64, 8K, row
 #                                      #   tiles apart, side by side (default) and multicast
@@ -629,6 +632,11 @@ case "${1:-}" in
     ;;
   mosaic_short)
     run mosaic_short 450 python3 bench/bench_kernels.py --device-time --skip check,table,compact --sweep-grid backends --sweep-shapes "${SHAPES:-8,16,1024;8,64,1024;16,16,1024;16,64,1024;32,64,1024;8,64,2048;16,64,4096;32,64,4096;1,64,4096}"
+    ;;
+  read_floor)
+    # issue 4's batch-1 floor: one kernel that only reads a layer's K and V, beside the tree
+    # kernel at N = 1 (SIZES="B,L;..." for others)
+    run read_floor 420 python3 bench/read_floor.py --device-time ${SIZES:+--sizes "$SIZES"}
     ;;
   kernels)
     run kernels 440 python3 bench/bench_kernels.py --no-sweep --skip compact --device-time
