@@ -100,7 +100,7 @@ def _torch_times(b, t, reps):
     kv = torch.randn(reps, 2, b, bk.HKV, t, bk.D, device="cuda", dtype=torch.bfloat16)
     sums = torch.empty(reps, device="cuda", dtype=torch.float32)
     dst = torch.empty_like(kv[0])
-    ops = {"torch_sum": lambda i: torch.sum(kv[i], dtype=torch.float32, out=sums[i]),
+    ops = {"torch_sum": lambda i: torch.sum(kv[i].view(-1), 0, dtype=torch.float32, out=sums[i]),
            "torch_copy": lambda i: dst.copy_(kv[i])}
     out = {}
     for name, op in ops.items():
