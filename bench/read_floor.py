@@ -6,7 +6,7 @@ asks what any kernel takes to read those bytes with no attention arithmetic, tim
 harness's pattern (`reps` independent calls in one program, each on its own layer, so that L2
 does not hold them), beside the tree kernel at N = 1 in the same run:
 
-  * `stream_P_BK`: a Pallas (Triton) kernel with the main kernel's memory skeleton: P programs
+  * `stream_P_BK_W`: a Pallas (Triton) kernel with the main kernel's memory skeleton: P programs
     per (slot, KV head), each streaming its share of the rows of K and V in BK-row blocks and
     writing one partial sum ([B * Hkv, P, D] f32; nothing merges them);
   * `xla_sum`: XLA's reduction of K + V over the rows, fused into one kernel;
@@ -36,7 +36,11 @@ from jax.experimental import pallas as pl  # noqa: E402
 from pallas_kernels._compat import CompilerParams, load, store  # noqa: E402
 
 SIZES = "1,8192;1,16384;1,32768;8,8192"
-STREAMS = ((4, 128), (8, 128), (16, 128), (16, 64), (32, 64), (32, 128), (64, 64))
+# (programs per slot and KV head, rows a block, warps); a program holding its whole share in
+# one block issues all its loads at once, which Triton does not pipeline for loads that feed
+# no dot.
+STREAMS = ((8, 128, 4), (16, 64, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4),
+           (64, 128, 8), (128, 64, 4), (128, 32, 4), (256, 32, 4))
 
 
 def _stream_kernel(layer_ref, k_ref, v_ref, o_ref, *, hkv, chunk, block):
@@ -55,8 +59,8 @@ def _stream_kernel(layer_ref, k_ref, v_ref, o_ref, *, hkv, chunk, block):
     store(o_ref.at[bh, split, :], acc.sum(0))
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "block", "interpret"))
-def stream_read(k_cache, v_cache, layer, *, splits, block, interpret=False):
+@functools.partial(jax.jit, static_argnames=("splits", "block", "warps", "interpret"))
+def stream_read(k_cache, v_cache, layer, *, splits, block, warps=4, interpret=False):
     """Partial sums of K + V of cache layer `layer`: cache [L, B, Hkv, T, D] ->
     [B * Hkv, splits, D] f32, split s summing rows [s * T / splits, (s + 1) * T / splits)."""
     _, b, hkv, t, d = k_cache.shape
@@ -67,7 +71,7 @@ def stream_read(k_cache, v_cache, layer, *, splits, block, interpret=False):
         functools.partial(_stream_kernel, hkv=hkv, chunk=chunk, block=block),
         grid=(splits, b * hkv),
         out_shape=jax.ShapeDtypeStruct((b * hkv, splits, d), jnp.float32),
-        compiler_params=CompilerParams(num_warps=4, num_stages=3),
+        compiler_params=CompilerParams(num_warps=warps, num_stages=3),
         interpret=interpret, name="stream_read",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), k_cache, v_cache)
 
@@ -83,10 +87,10 @@ def _jax_fns(t, smoke):
     """{name: fn(q, kc, vc, layer, sl, kn, vn, mask)} in bench_kernels' calling convention,
     the streams that cut t rows into whole blocks."""
     fns = {"tree_n1": bk.kernel_fn()}
-    for splits, block in (s for s in STREAMS if t % (s[0] * s[1]) == 0):
-        fns[f"stream_{splits}_{block}"] = (
-            lambda q, kc, vc, layer, *_, s=splits, bl=block:
-            stream_read(kc, vc, layer, splits=s, block=bl, interpret=smoke))
+    for splits, block, warps in (s for s in STREAMS if t % (s[0] * s[1]) == 0):
+        fns[f"stream_{splits}_{block}_{warps}"] = (
+            lambda q, kc, vc, layer, *_, s=splits, bl=block, w=warps:
+            stream_read(kc, vc, layer, splits=s, block=bl, warps=w, interpret=smoke))
     fns["xla_sum"] = lambda q, kc, vc, layer, *_: (
         lax.dynamic_index_in_dim(kc, layer, 0, False).astype(jnp.float32)
         + lax.dynamic_index_in_dim(vc, layer, 0, False).astype(jnp.float32)).sum(2)
