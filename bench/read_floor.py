@@ -39,7 +39,7 @@ SIZES = "1,8192;1,16384;1,32768;8,8192"
 # (programs per slot and KV head, rows a block, warps); a program holding its whole share in
 # one block issues all its loads at once, which Triton does not pipeline for loads that feed
 # no dot.
-STREAMS = ((8, 128, 4), (16, 64, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4),
+STREAMS = ((4, 128, 4), (8, 128, 4), (16, 64, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4),
            (64, 128, 8), (128, 64, 4), (128, 32, 4), (256, 32, 4))
 
 
