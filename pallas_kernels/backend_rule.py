@@ -1,7 +1,7 @@
 """Which Pallas GPU backend serves a tree-attention tile: the Triton kernel, or Mosaic GPU's
 prefix kernel (`prefix_attention_mgpu`) on Hopper, by the rule measured on the H200
-(bench/RESULTS.md, thirty-seventh and forty-third sets; bench/KERNELS.md). Pure Python: the
-rule is tested on any machine with `prefix_attention_mgpu.on_hopper` patched.
+(bench/RESULTS.md, thirty-seventh, forty-third and forty-fifth sets; bench/KERNELS.md). Pure
+Python: the rule is tested on any machine with `prefix_attention_mgpu.on_hopper` patched.
 """
 from __future__ import annotations
 
@@ -22,14 +22,15 @@ _MOSAIC_MIN_LIVE = 8192
 # set, with the tree inside the kernel and the row tiles side by side; the thirty-eighth set's
 # narrower rule predates both). The bound is the one the program is built for, and a slot's
 # prefix may run well under it, so a bound is taken only where Mosaic won or tied at half of it:
-#   * head dim 128 from batch 2 over 1K+ rows: 1.03-1.65x at 1-4K from batch 2 to 64 (1.38x at
-#     B 64, N 64, 1K), and at 512 it won or tied. Under 1K Triton stays: over 256 rows N 16 lost
-#     by 17-25% (B 8, 64), though N 64 won from batch 4 over 256-512;
-#   * head dim 128, batch 1, over 2K+: N 64 1.17x at 2K, 1.21x at 4K, N 16 tied; at a 1K bound
-#     N 64 lost (20.0 against 16.7-17.0 us), but won with 2K's split count;
+#   * head dim 128 over 1K+ rows: 1.03-1.65x at 1-4K from batch 2 to 64 (1.38x at B 64, N 64,
+#     1K), and at 512 it won or tied. Under 1K Triton stays: over 256 rows N 16 lost by 17-25%
+#     (B 8, 64), though N 64 won from batch 4 over 256-512. Batch 1 joined at 1K in the
+#     forty-fifth set, by the GPU's kernel time: 1.17-1.33x at N 16-64 over 1K and 1.27-1.35x
+#     over 512 at the split counts of the forty-fourth set's rule (the forty-third set's wall-time
+#     loss at B 1, N 64, 1K was at the old count, on calls near the host's dispatch time);
 #   * head dim 64 (SmolLM2's) from batch 8 over 1K+: 1.04-1.22x at B 8-64 (B 64, N 32, 2K: 58.5
 #     against 71.5-72.1 us), tied or won at 512. Batch 1-4 tied, or lost (B 1, N 32, 2K).
-_MOSAIC_SHORT = {128: ((2, 1024), (1, 2048)), 64: ((8, 1024),)}
+_MOSAIC_SHORT = {128: ((1, 1024),), 64: ((8, 1024),)}
 
 
 def mosaic_serves(rows, live_len, cache_len, head_dim, dtype, *, batch=1) -> bool:
