@@ -9,6 +9,9 @@ does not hold them), beside the tree kernel at N = 1 in the same run:
   * `stream_P_BK_W`: a Pallas (Triton) kernel with the main kernel's memory skeleton: P programs
     per (slot, KV head), each streaming its share of the rows of K and V in BK-row blocks and
     writing one partial sum ([B * Hkv, P, D] f32; nothing merges them);
+  * `tma_P_BK_S` (Hopper): P CTAs per (slot, KV head) copy their share by Mosaic GPU's TMA in
+    BK-row blocks into a ring of S shared-memory slots, the Mosaic prefix kernel's memory
+    skeleton (its wgmmas read the ring in place);
   * `xla_sum`: XLA's reduction of K + V over the rows, fused into one kernel;
   * `torch_sum`, `torch_copy`: torch's reduction of the layer to one number, and a copy of it
     (twice the bytes moved), the same calls captured in one CUDA graph.
@@ -33,7 +36,13 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 
+from pallas_kernels import prefix_attention_mgpu as pm  # noqa: E402
 from pallas_kernels._compat import CompilerParams, load, store  # noqa: E402
+
+try:  # Mosaic GPU's Pallas API (Hopper); absent from some jaxlib builds
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
 
 SIZES = "1,8192;1,16384;1,32768;8,8192"
 # (programs per slot and KV head, rows a block, warps); a program holding its whole share in
@@ -75,6 +84,61 @@ def stream_read(k_cache, v_cache, layer, *, splits, block, warps=4, interpret=Fa
         interpret=interpret, name="stream_read",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), k_cache, v_cache)
 
+# (CTAs per slot and KV head, rows a copy, ring slots) of the TMA stream: from the Mosaic
+# prefix kernel's own (16 splits of 128-row blocks, one CTA an SM) to 512 CTAs of small rings.
+TMA_STREAMS = ((4, 128, 1), (16, 128, 3), (16, 64, 4), (32, 128, 2), (32, 64, 2), (64, 64, 2),
+               (64, 128, 1), (128, 64, 1))
+
+
+def _tma_kernel(layer_ref, k_ref, v_ref, o_ref, scoped, *, chunk, block, steps):
+    """CTA (split, b * hkv + h): TMA copies of its `chunk` rows of K and V, `block` rows a copy,
+    into a ring of `steps` shared-memory slots, each refilled once its copies have landed
+    (nothing reads them: the Mosaic prefix kernel's wgmmas read the ring in place, so this is
+    its memory skeleton). -> o [8, D]: the first rows of the last key block."""
+    k_smem, v_smem, k_ready, v_ready = scoped
+    split, bh = lax.axis_index("split"), lax.axis_index("bh")
+    hkv = k_ref.shape[2]
+    layer, b, h = layer_ref[0], lax.div(bh, hkv), lax.rem(bh, hkv)
+    blocks = chunk // block
+
+    def fetch(i, slot):
+        rows = pl.ds(split * chunk + i * block, block)
+        plgpu.copy_gmem_to_smem(k_ref.at[layer, b, h, rows], k_smem.at[slot], k_ready.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[layer, b, h, rows], v_smem.at[slot], v_ready.at[slot])
+
+    for i in range(min(steps, blocks)):
+        fetch(i, i)
+
+    @pl.loop(0, blocks)
+    def _(i):
+        slot = lax.rem(i, steps)
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(v_ready.at[slot])
+        pl.when(i + steps < blocks)(lambda: fetch(i + steps, slot))
+
+    plgpu.copy_smem_to_gmem(k_smem.at[(blocks - 1) % steps, pl.ds(0, 8)], o_ref.at[bh, split])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "block", "steps", "interpret"))
+def tma_read(k_cache, v_cache, layer, *, splits, block, steps, interpret=False):
+    """Cache layer `layer` ([L, B, Hkv, T, D]) read into shared memory by Mosaic GPU's TMA, each
+    of B * Hkv * splits CTAs taking T / splits rows -> [B * Hkv, splits, 8, D]: the first 8 rows
+    of each CTA's last block of keys."""
+    _, b, hkv, t, d = k_cache.shape
+    chunk = t // splits
+    if chunk * splits != t or chunk % block:
+        raise ValueError(f"{t} rows do not cut into {splits} splits of whole {block}-row blocks")
+    ring = plgpu.SMEM((steps, block, d), k_cache.dtype)
+    scratch = (ring, ring, plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps))
+    body = functools.partial(_tma_kernel, chunk=chunk, block=block, steps=steps)
+    call = plgpu.kernel(
+        lambda *refs: pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch),
+        out_type=jax.ShapeDtypeStruct((b * hkv, splits, 8, d), k_cache.dtype),
+        grid=(splits, b * hkv), grid_names=("split", "bh"),
+        **(dict(interpret=pm._interpret_params()) if interpret else {}))
+    return call(jnp.reshape(layer, (1,)).astype(jnp.int32), k_cache, v_cache)
+
 
 def stream_reference(k_cache, v_cache, layer, splits):
     """stream_read in jnp."""
@@ -91,6 +155,11 @@ def _jax_fns(t, smoke):
         fns[f"stream_{splits}_{block}_{warps}"] = (
             lambda q, kc, vc, layer, *_, s=splits, bl=block, w=warps:
             stream_read(kc, vc, layer, splits=s, block=bl, warps=w, interpret=smoke))
+    if smoke or pm.on_hopper():
+        for splits, block, steps in (s for s in TMA_STREAMS if t % (s[0] * s[1]) == 0):
+            fns[f"tma_{splits}_{block}_{steps}"] = (
+                lambda q, kc, vc, layer, *_, s=splits, bl=block, st=steps:
+                tma_read(kc, vc, layer, splits=s, block=bl, steps=st, interpret=smoke))
     fns["xla_sum"] = lambda q, kc, vc, layer, *_: (
         lax.dynamic_index_in_dim(kc, layer, 0, False).astype(jnp.float32)
         + lax.dynamic_index_in_dim(vc, layer, 0, False).astype(jnp.float32)).sum(2)

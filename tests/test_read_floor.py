@@ -27,3 +27,18 @@ def test_stream_read_refuses_rows_that_do_not_cut_into_blocks():
     kc = jnp.zeros((1, 1, 1, 192, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="192 rows do not cut into 2 splits of whole 64-row"):
         stream_read(kc, kc, jnp.int32(0), splits=2, block=64, interpret=True)
+
+
+@pytest.mark.parametrize("splits,block,steps", [(2, 64, 2), (1, 128, 3)])
+def test_tma_read_lands_each_ctas_last_block(splits, block, steps):
+    """Mosaic GPU's interpreter runs the TMA ring (refilled slots included, with 3 slots over 4
+    blocks): each CTA's output is the first 8 rows of the last block it copied, from the layer
+    asked for."""
+    from bench.read_floor import tma_read
+    kc = jax.random.normal(jax.random.key(splits + steps), (3, 2, 2, 512, 64), jnp.bfloat16)
+    got = tma_read(kc, kc + 1, jnp.int32(2), splits=splits, block=block, steps=steps,
+                   interpret=True)
+    chunk = 512 // splits
+    want = kc[2].reshape(4, splits, chunk, 64)[:, :, chunk - block:chunk - block + 8]
+    assert got.shape == (4, splits, 8, 64)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
