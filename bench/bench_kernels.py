@@ -117,13 +117,33 @@ def median_times(fns, args, iters=10, warmup=2, burst=8):
               if INTERLEAVE and names else [[name] for name in names for _ in range(iters)])
     for order in rounds:
         for name in order:
+            f = live[name]
             t0 = time.perf_counter()
-            outs = [live[name](*args) for _ in range(burst)]
+            if getattr(f, "hold_outputs", True):   # the burst's outputs all alive at once
+                outs = [f(*args) for _ in range(burst)]
+            else:   # each execution's outputs dropped as the next is dispatched (`Release`)
+                for _ in range(burst):
+                    outs = f(*args)
             host[name].append((time.perf_counter() - t0) / burst)
             jax.block_until_ready(outs)
             ts[name].append((time.perf_counter() - t0) / burst)
             del outs
     return {name: (*_median_spread(v), sorted(host[name])[len(v) // 2]) for name, v in ts.items()}
+
+
+class Release:
+    """f, timed by `median_times` with each execution's outputs dropped as the next one is
+    dispatched, as a model's program drops a layer's: the outputs can then take the same
+    buffers every time. A burst that holds all its outputs gives each execution new output
+    addresses, which XLA's CUDA graphs must be updated for (bench/RESULTS.md, forty-fifth
+    set)."""
+    hold_outputs = False
+
+    def __init__(self, f):
+        self.f = f
+
+    def __call__(self, *args):
+        return self.f(*args)
 
 
 def device_times(f, args, execs=2):

@@ -16,7 +16,8 @@ does not hold them), beside the tree kernel at N = 1 in the same run:
   * `torch_sum`, `torch_copy`: torch's reduction of the layer to one number, and a copy of it
     (twice the bytes moved), the same calls captured in one CUDA graph.
 
-    python3 bench/read_floor.py [--sizes "B,L;..."] [--device-time] [--smoke]
+    python3 bench/read_floor.py [--sizes "B,L;..."] [--device-time] [--only REGEX] [--release]
+                                [--smoke]
 
 Bandwidths count the bytes read (K and V of the layer); % of copy is against torch's 1 GiB
 copy (read + written) in the same run. Writes $OUT/read_floor.json.
@@ -28,6 +29,7 @@ import functools
 import json
 import math
 import os
+import re
 
 from bench import bench_kernels as bk
 
@@ -200,7 +202,7 @@ def _torch_times(b, t, reps):
     return out   # the layers go with this frame; the caller empties torch's cache
 
 
-def measure(b, t, smoke, device_time):
+def measure(b, t, smoke, device_time, only=".*", release=False):
     kv_bytes = 2 * b * bk.HKV * t * bk.D * 2
     reps = 2 if smoke else int(min(48, max(2, math.ceil(1.5e-3 / (kv_bytes / 2.0e12)))))
     row = dict(b=b, L=t, reps=reps, kv_bytes=kv_bytes)
@@ -209,7 +211,10 @@ def measure(b, t, smoke, device_time):
         row.update({k + "_us": v for k, v in _torch_times(b, t, reps).items()})
         torch.cuda.empty_cache()   # leave the device's memory to JAX
     args = bk.make_inputs(jax.random.key(b * 100003 + t), b, 1, t, reps)
-    calls = {name: bk.multi_call(fn, reps) for name, fn in _jax_fns(t, smoke).items()}
+    calls = {name: bk.multi_call(fn, reps) for name, fn in _jax_fns(t, smoke).items()
+             if re.fullmatch(only, name)}
+    if release:   # each also with its outputs dropped execution by execution
+        calls.update({name + "@release": bk.Release(f) for name, f in list(calls.items())})
     for name, (s, spread, host) in bk.median_times(calls, args).items():
         row.update({name + "_us": s / reps * 1e6, name + "_spread": spread,
                     name + "_host_us": host / reps * 1e6})
@@ -231,7 +236,9 @@ def print_row(r, copy_bw):
         dev = r.get(name + "_dev_us")
         dev_s = f" kernel {dev:7.1f} us ({100 * r['kv_bytes'] / (dev * 1e-6) / copy_bw:3.0f}%)" if (
             dev and copy_bw) else ""
-        print(f"  {name:<16} {us:8.1f} us {bw / 1e12:5.2f} TB/s {pct}{dev_s}")
+        host = r.get(name + "_host_us")
+        host_s = f" host {host:5.1f} us" if host else ""
+        print(f"  {name:<22} {us:8.1f} us {bw / 1e12:5.2f} TB/s {pct}{host_s}{dev_s}")
 
 
 def main():
@@ -239,6 +246,9 @@ def main():
     p.add_argument("--sizes", default=SIZES, help='"B,L;..." (heads 32/8/128)')
     p.add_argument("--device-time", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny, interpret mode (CPU)")
+    p.add_argument("--only", default=".*", help="a regex: the JAX functions it names")
+    p.add_argument("--release", action="store_true",
+                   help="each also timed with its outputs dropped execution by execution")
     a = p.parse_args()
     if a.device_time:
         from jaxspec.benchmark.trace import keep_graphs_while_profiling
@@ -249,7 +259,7 @@ def main():
     copy_bw = None if a.smoke else bk.torch_copy_bandwidth()
     rows = []
     for b, t in sizes:
-        rows.append(measure(b, t, a.smoke, a.device_time))
+        rows.append(measure(b, t, a.smoke, a.device_time, a.only, a.release))
         print_row(rows[-1], copy_bw)
     os.makedirs(bk.OUT, exist_ok=True)
     with open(os.path.join(bk.OUT, "read_floor.json"), "w") as f:
