@@ -18,6 +18,10 @@
 #   bash bench/gpu_plan.sh read_floor  # issue 4: what one kernel alone takes to read batch 1's
 #                                      #   K and V (a Pallas stream, XLA's and torch's reductions,
 #                                      #   torch's copy) beside the tree kernel at N = 1
+#   bash bench/gpu_plan.sh release     # issue 4: the same, each function also timed with its
+#                                      #   outputs dropped execution by execution
+#                                      #   (bench_kernels.Release), where the harness's bursts
+#                                      #   hold them all (forty-fifth set: host-bound at 8K?)
 #   bash bench/gpu_plan.sh ncu         # issue 4: ncu's DRAM bytes, L2 hit rate and tensor-pipe
 #                                      #   activity of the Mosaic kernel at B 64, N 64, 8K, row
 #                                      #   tiles apart, side by side (default) and multicast
@@ -637,6 +641,11 @@ case "${1:-}" in
     # issue 4's batch-1 floor: one kernel that only reads a layer's K and V, beside the tree
     # kernel at N = 1 (SIZES="B,L;..." for others)
     run read_floor 420 python3 bench/read_floor.py --device-time ${SIZES:+--sizes "$SIZES"}
+    ;;
+  release)
+    # issue 4: batch 1's read floor and the tree kernel timed two ways: the harness's bursts
+    # holding 8 executions' outputs, and each execution's dropped as the next is dispatched
+    run release 200 python3 bench/read_floor.py --device-time --sizes "1,8192;1,32768" --only "tree_n1|tma_16_64_4|tma_16_128_3|stream_64_64_4|xla_sum" --release
     ;;
   kernels)
     run kernels 440 python3 bench/bench_kernels.py --no-sweep --skip compact --device-time
