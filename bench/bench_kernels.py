@@ -121,8 +121,9 @@ def median_times(fns, args, iters=10, warmup=2, burst=8):
             t0 = time.perf_counter()
             if getattr(f, "hold_outputs", True):   # the burst's outputs all alive at once
                 outs = [f(*args) for _ in range(burst)]
-            else:   # each execution's outputs dropped as the next is dispatched (`Release`)
-                for _ in range(burst):
+            else:   # each execution's outputs dropped before the next is dispatched, so
+                for _ in range(burst):   # that it can take their buffers (`Release`)
+                    outs = None
                     outs = f(*args)
             host[name].append((time.perf_counter() - t0) / burst)
             jax.block_until_ready(outs)
@@ -132,7 +133,7 @@ def median_times(fns, args, iters=10, warmup=2, burst=8):
 
 
 class Release:
-    """f, timed by `median_times` with each execution's outputs dropped as the next one is
+    """f, timed by `median_times` with each execution's outputs dropped before the next one is
     dispatched, as a model's program drops a layer's: the outputs can then take the same
     buffers every time. A burst that holds all its outputs gives each execution new output
     addresses, which XLA's CUDA graphs must be updated for (bench/RESULTS.md, forty-fifth

@@ -57,3 +57,29 @@ def test_a_failing_configuration_is_left_out_and_the_rest_timed(interleave, caps
     assert "FAILED broken: ValueError: bad tile" in capsys.readouterr().out
     with pytest.raises(RuntimeError, match="failed"):
         bk.median_time(broken, jnp.ones(2))
+
+
+def test_release_drops_each_executions_outputs_before_the_next(interleave, monkeypatch):
+    """A `Release`-wrapped function's burst keeps one execution's outputs alive at a time; a
+    plain one's keeps them all until the burst is synchronised."""
+    interleave(True)
+    monkeypatch.setattr(bk, "SMOKE", False)   # real bursts of 3
+    alive, peak = set(), {}
+
+    class Out:   # an output that knows while it is referenced
+        def __init__(self, name, i):
+            self.key = (name, i)
+            alive.add(self.key)
+            peak[name] = max(peak.get(name, 0), sum(k[0] == name for k in alive))
+
+        def __del__(self):
+            alive.discard(self.key)
+
+    def make(name):
+        count = iter(range(10 ** 6))
+        return lambda x: Out(name, next(count))
+    monkeypatch.setattr(bk.jax, "block_until_ready", lambda x: x)
+    out = bk.median_times({"held": make("held"), "released": bk.Release(make("released"))},
+                          (jnp.ones(2),), iters=2, warmup=1, burst=3)
+    assert set(out) == {"held", "released"}
+    assert peak == {"held": 3, "released": 1}
