@@ -644,7 +644,7 @@ case "${1:-}" in
     ;;
   release)
     # issue 4: batch 1's read floor and the tree kernel timed two ways: the harness's bursts
-    # holding 8 executions' outputs, and each execution's dropped as the next is dispatched
+    # holding 8 executions' outputs, and each execution's dropped before the next is dispatched
     run release 200 python3 bench/read_floor.py --device-time --sizes "1,8192;1,32768" --only "tree_n1|tma_16_64_4|tma_16_128_3|stream_64_64_4|xla_sum" --release
     ;;
   kernels)
