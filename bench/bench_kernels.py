@@ -148,23 +148,37 @@ class Release:
 
 
 def device_times(f, args, execs=2):
-    """(kernel-busy s, first-to-last-kernel s) per execution of f(*args), from a profiler trace
-    of `execs` back-to-back executions (CUDA graphs kept on, `keep_graphs_while_profiling`).
-    Unlike the wall time, neither counts the host's dispatch: where the host is slower than
-    the device (small calls, a slow host), the wall time is the host's."""
+    """(kernel-busy s, first-to-last-kernel s, CUDA-graph update s) per execution of f(*args),
+    from a profiler trace of `execs` back-to-back executions (CUDA graphs kept on,
+    `keep_graphs_while_profiling`). Unlike the wall time, the first two do not count the
+    host's dispatch: where the host is slower than the device (small calls, a slow host), the
+    wall time is the host's. The third is host time: XLA re-records a graph whose buffers
+    moved since its last launch (bench/RESULTS.md, forty-fifth set)."""
     import tempfile
 
-    from bench.profile_cycle import device_events
+    from jaxspec.benchmark import trace
     jax.block_until_ready(f(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             jax.block_until_ready([f(*args) for _ in range(execs)])
-        ev = device_events(d)   # [(name, start us, duration us)]
+        return trace_times(trace.load_trace(d), execs)
+
+
+def trace_times(events, execs):
+    """`device_times` from a trace's events: GPU kernels and copies (on the GPUs' processes)
+    and the host's `command_buffer::update` spans, per execution, in s; (None, None, None)
+    without GPU events."""
+    from jaxspec.benchmark.trace import gpu_pids
+    gpu = gpu_pids(events)
+    spans = [e for e in events if e.get("ph") == "X"]
+    ev = [(e["ts"], e.get("dur", 0)) for e in spans if e.get("pid") in gpu]
     if not ev:
-        return None, None
-    busy = sum(dur for _, _, dur in ev) / execs * 1e-6
-    span = (max(t + dur for _, t, dur in ev) - min(t for _, t, _ in ev)) / execs * 1e-6
-    return busy, span
+        return None, None, None
+    busy = sum(dur for _, dur in ev) / execs * 1e-6
+    span = (max(t + dur for t, dur in ev) - min(t for t, _ in ev)) / execs * 1e-6
+    update = sum(e.get("dur", 0) for e in spans if e.get("pid") not in gpu
+                 and e.get("name") == "command_buffer::update") / execs * 1e-6
+    return busy, span, update
 
 
 def _median_spread(ts):
@@ -324,9 +338,10 @@ def bench_attention(b, n, length, fns, key):
         row[name + "_spread"] = spread
         row[name + "_host_us"] = host / reps * 1e6   # dispatch; near the wall time: host-bound
         if DEVICE_TIME:
-            busy, span = device_times(calls[name], args)   # the executable just timed
+            busy, span, update = device_times(calls[name], args)   # the executable timed
             row[name + "_dev_us"] = busy and busy / reps * 1e6
             row[name + "_span_us"] = span and span / reps * 1e6
+            row[name + "_update_us"] = update and update / reps * 1e6
     del args
     return row
 
@@ -522,7 +537,7 @@ def bench_compact():
         save()
 
 
-_DERIVED = ("_host_us", "_dev_us", "_span_us")
+_DERIVED = ("_host_us", "_dev_us", "_span_us", "_update_us")
 
 
 def print_sweep_row(r):

@@ -219,25 +219,26 @@ def measure(b, t, smoke, device_time, only=".*", release=False):
         row.update({name + "_us": s / reps * 1e6, name + "_spread": spread,
                     name + "_host_us": host / reps * 1e6})
         if device_time:
-            busy, span = bk.device_times(calls[name], args)
+            busy, span, update = bk.device_times(calls[name], args)
             row[name + "_dev_us"] = busy and busy / reps * 1e6
             row[name + "_span_us"] = span and span / reps * 1e6
+            row[name + "_update_us"] = update and update / reps * 1e6
     del args
     return row
 
 
 def print_row(r, copy_bw):
     print(f"B {r['b']}, L {r['L']}: {r['kv_bytes'] / 1e6:.1f} MB a call, {r['reps']} calls")
-    for k in sorted(k for k in r if k.endswith("_us") and not k.endswith(("_host_us",
-                                                                           "_dev_us", "_span_us"))):
+    for k in sorted(k for k in r if k.endswith("_us") and not k.endswith(bk._DERIVED)):
         name, us = k[:-3], r[k]
         bw = r["kv_bytes"] / (us * 1e-6)
         pct = f"{100 * bw / copy_bw:5.0f}%" if copy_bw else "     "
         dev = r.get(name + "_dev_us")
         dev_s = f" kernel {dev:7.1f} us ({100 * r['kv_bytes'] / (dev * 1e-6) / copy_bw:3.0f}%)" if (
             dev and copy_bw) else ""
-        host = r.get(name + "_host_us")
-        host_s = f" host {host:5.1f} us" if host else ""
+        host, update = r.get(name + "_host_us"), r.get(name + "_update_us")
+        host_s = (f" host {host:5.1f} us" if host else "") + (
+            f" (graph update {update:4.1f})" if update is not None else "")
         print(f"  {name:<22} {us:8.1f} us {bw / 1e12:5.2f} TB/s {pct}{host_s}{dev_s}")
 
 

@@ -83,3 +83,20 @@ def test_release_drops_each_executions_outputs_before_the_next(interleave, monke
                           (jnp.ones(2),), iters=2, warmup=1, burst=3)
     assert set(out) == {"held", "released"}
     assert peak == {"held": 3, "released": 1}
+
+
+def test_trace_times_counts_gpu_kernels_and_host_graph_updates_per_execution():
+    """Busy time sums the GPU processes' spans, span runs from the first to the last of them,
+    and the update time sums the host's `command_buffer::update` spans; all per execution."""
+    gpu = {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}}
+    host = {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}}
+    events = [gpu, host,
+              {"ph": "X", "pid": 7, "name": "tree_attention", "ts": 100, "dur": 10},
+              {"ph": "X", "pid": 7, "name": "combine", "ts": 115, "dur": 2},
+              {"ph": "X", "pid": 7, "name": "tree_attention", "ts": 140, "dur": 10},
+              {"ph": "X", "pid": 1, "name": "command_buffer::update", "ts": 90, "dur": 6},
+              {"ph": "X", "pid": 1, "name": "PjitFunction(f)", "ts": 80, "dur": 50}]
+    busy, span, update = bk.trace_times(events, execs=2)
+    assert busy == pytest.approx(11e-6) and span == pytest.approx(25e-6)
+    assert update == pytest.approx(3e-6)
+    assert bk.trace_times([host, events[-1]], execs=2) == (None, None, None)
