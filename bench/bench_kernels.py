@@ -168,17 +168,16 @@ def trace_times(events, execs):
     """`device_times` from a trace's events: GPU kernels and copies (on the GPUs' processes)
     and the host's `command_buffer::update` spans, per execution, in s; (None, None, None)
     without GPU events."""
-    from jaxspec.benchmark.trace import gpu_pids
-    gpu = gpu_pids(events)
-    spans = [e for e in events if e.get("ph") == "X"]
-    ev = [(e["ts"], e.get("dur", 0)) for e in spans if e.get("pid") in gpu]
+    from jaxspec.benchmark.trace import gpu_pids, gpu_spans
+    ev = gpu_spans(events)
     if not ev:
         return None, None, None
-    busy = sum(dur for _, dur in ev) / execs * 1e-6
-    span = (max(t + dur for t, dur in ev) - min(t for t, _ in ev)) / execs * 1e-6
-    update = sum(e.get("dur", 0) for e in spans if e.get("pid") not in gpu
-                 and e.get("name") == "command_buffer::update") / execs * 1e-6
-    return busy, span, update
+    busy = sum(dur for _, _, dur in ev) / execs * 1e-6
+    span = (max(t + dur for _, t, dur in ev) - min(t for _, t, _ in ev)) / execs * 1e-6
+    gpu = gpu_pids(events)
+    update = sum(e.get("dur", 0) for e in events if e.get("ph") == "X"
+                 and e.get("pid") not in gpu and e.get("name") == "command_buffer::update")
+    return busy, span, update / execs * 1e-6
 
 
 def _median_spread(ts):
@@ -316,32 +315,44 @@ def checks(only: str = ""):
     save()
 
 
+def calls_per_program(kv_bytes):
+    """Calls in one timed executable: enough to amortise dispatch (~1.5 ms of work at 2 TB/s),
+    each on its own layer (identical calls would be merged by XLA's CSE, and rotating layers
+    keeps the working set out of the 50 MB L2); 2 in the smoke run."""
+    return 2 if SMOKE else int(min(48, max(2, math.ceil(1.5e-3 / (kv_bytes / 2.0e12)))))
+
+
+def time_calls(calls, args, reps, row, device_time):
+    """Times `calls` ({name: executable of `reps` calls}) interleaved on args and fills row
+    with each one's `_us`, `_spread` and `_host_us` a call, and with `device_time` its
+    `_dev_us`, `_span_us` and `_update_us` (`device_times`). -> the names timed (a function
+    that failed is left out, its error printed)."""
+    timed = median_times(calls, args)
+    for name, (t, spread, host) in timed.items():
+        row[name + "_us"] = t / reps * 1e6
+        row[name + "_spread"] = spread
+        row[name + "_host_us"] = host / reps * 1e6   # dispatch; near the wall time: host-bound
+        if device_time:
+            times = device_times(calls[name], args)   # the executable just timed
+            for suffix, x in zip(("_dev_us", "_span_us", "_update_us"), times):
+                row[name + suffix] = x and x / reps * 1e6
+    return set(timed)
+
+
 def bench_attention(b, n, length, fns, key):
     per_layer = 2 * b * HKV * length * D * 2
     kv_bytes = per_layer + 2 * b * HKV * n * D * 2
-    # Enough calls per executable to amortise dispatch (~1.5 ms of work at 2 TB/s), each on its
-    # own layer: identical calls would be merged by XLA's CSE, and rotating layers keeps the
-    # working set out of the 50 MB L2.
-    reps = 2 if SMOKE else int(min(48, max(2, math.ceil(1.5e-3 / (kv_bytes / 2.0e12)))))
+    reps = calls_per_program(kv_bytes)
     num_layers = int(max(reps, min(32, math.ceil(256e6 / per_layer))))
     args = make_inputs(key, b, n, length, num_layers)
     row = dict(b=b, n=n, L=length, layers=num_layers, reps=reps, kv_bytes=kv_bytes)
     calls = {name: multi_call(fn, reps) for name, fn in fns.items() if fn}
-    timed = median_times(calls, args)
+    timed = time_calls(calls, args, reps, row, DEVICE_TIME)
     for name in fns:
         if name not in timed:   # not run, or failed (printed)
             row[name + "_us"] = None
-            continue
-        t, spread, host = timed[name]
-        row[name + "_us"] = t / reps * 1e6
-        row[name + "_TBs"] = kv_bytes / (t / reps) / 1e12
-        row[name + "_spread"] = spread
-        row[name + "_host_us"] = host / reps * 1e6   # dispatch; near the wall time: host-bound
-        if DEVICE_TIME:
-            busy, span, update = device_times(calls[name], args)   # the executable timed
-            row[name + "_dev_us"] = busy and busy / reps * 1e6
-            row[name + "_span_us"] = span and span / reps * 1e6
-            row[name + "_update_us"] = update and update / reps * 1e6
+        else:
+            row[name + "_TBs"] = kv_bytes / (row[name + "_us"] * 1e-6) / 1e12
     del args
     return row
 

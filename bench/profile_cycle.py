@@ -42,10 +42,7 @@ def kind_of(name: str) -> str:
 
 def device_events(trace_dir: str):
     """[(name, start_us, dur_us)] of the GPU's kernels and copies in the newest trace."""
-    events = trace.load_trace(trace_dir)
-    gpu = trace.gpu_pids(events)
-    return [(e["name"], e["ts"], e.get("dur", 0)) for e in events
-            if e.get("ph") == "X" and e.get("pid") in gpu]
+    return trace.gpu_spans(trace.load_trace(trace_dir))
 
 
 def profile(fn, carry, calls: int):

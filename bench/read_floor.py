@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import re
 
@@ -70,14 +69,20 @@ def _stream_kernel(layer_ref, k_ref, v_ref, o_ref, *, hkv, chunk, block):
     store(o_ref.at[bh, split, :], acc.sum(0))
 
 
+def _chunk(t, splits, block):
+    """Rows a split of t rows, refused unless the splits are equal and whole blocks."""
+    chunk = t // splits
+    if chunk * splits != t or chunk % block:
+        raise ValueError(f"{t} rows do not cut into {splits} splits of whole {block}-row blocks")
+    return chunk
+
+
 @functools.partial(jax.jit, static_argnames=("splits", "block", "warps", "interpret"))
 def stream_read(k_cache, v_cache, layer, *, splits, block, warps=4, interpret=False):
     """Partial sums of K + V of cache layer `layer`: cache [L, B, Hkv, T, D] ->
     [B * Hkv, splits, D] f32, split s summing rows [s * T / splits, (s + 1) * T / splits)."""
     _, b, hkv, t, d = k_cache.shape
-    chunk = t // splits
-    if chunk * splits != t or chunk % block:
-        raise ValueError(f"{t} rows do not cut into {splits} splits of whole {block}-row blocks")
+    chunk = _chunk(t, splits, block)
     return pl.pallas_call(
         functools.partial(_stream_kernel, hkv=hkv, chunk=chunk, block=block),
         grid=(splits, b * hkv),
@@ -128,9 +133,7 @@ def tma_read(k_cache, v_cache, layer, *, splits, block, steps, interpret=False):
     of B * Hkv * splits CTAs taking T / splits rows -> [B * Hkv, splits, 8, D]: the first 8 rows
     of each CTA's last block of keys."""
     _, b, hkv, t, d = k_cache.shape
-    chunk = t // splits
-    if chunk * splits != t or chunk % block:
-        raise ValueError(f"{t} rows do not cut into {splits} splits of whole {block}-row blocks")
+    chunk = _chunk(t, splits, block)
     ring = plgpu.SMEM((steps, block, d), k_cache.dtype)
     scratch = (ring, ring, plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps))
     body = functools.partial(_tma_kernel, chunk=chunk, block=block, steps=steps)
@@ -204,7 +207,7 @@ def _torch_times(b, t, reps):
 
 def measure(b, t, smoke, device_time, only=".*", release=False):
     kv_bytes = 2 * b * bk.HKV * t * bk.D * 2
-    reps = 2 if smoke else int(min(48, max(2, math.ceil(1.5e-3 / (kv_bytes / 2.0e12)))))
+    reps = bk.calls_per_program(kv_bytes)
     row = dict(b=b, L=t, reps=reps, kv_bytes=kv_bytes)
     if not smoke:
         import torch
@@ -215,14 +218,7 @@ def measure(b, t, smoke, device_time, only=".*", release=False):
              if re.fullmatch(only, name)}
     if release:   # each also with its outputs dropped execution by execution
         calls.update({name + "@release": bk.Release(f) for name, f in list(calls.items())})
-    for name, (s, spread, host) in bk.median_times(calls, args).items():
-        row.update({name + "_us": s / reps * 1e6, name + "_spread": spread,
-                    name + "_host_us": host / reps * 1e6})
-        if device_time:
-            busy, span, update = bk.device_times(calls[name], args)
-            row[name + "_dev_us"] = busy and busy / reps * 1e6
-            row[name + "_span_us"] = span and span / reps * 1e6
-            row[name + "_update_us"] = update and update / reps * 1e6
+    bk.time_calls(calls, args, reps, row, device_time)
     del args
     return row
 

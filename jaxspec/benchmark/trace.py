@@ -51,6 +51,13 @@ def gpu_pids(events) -> set:
             and "GPU" in str(e.get("args", {}).get("name", ""))}
 
 
+def gpu_spans(events) -> List[Tuple[str, float, float]]:
+    """[(name, start us, duration us)] of the GPUs' kernels and copies among the events."""
+    gpu = gpu_pids(events)
+    return [(e["name"], e["ts"], e.get("dur", 0)) for e in events
+            if e.get("ph") == "X" and e.get("pid") in gpu]
+
+
 def _program_spans(host) -> Dict[tuple, Tuple[List[float], List[tuple]]]:
     """Per host thread: sorted span starts, and (start, end, program, is the XLA module span
     rather than the PjitFunction one) of every program run."""
