@@ -3,9 +3,10 @@ reference first (uneven prefixes, 1-4 splits, packed and separate inputs, SmolLM
 then all timed with the bench_kernels harness (chained calls, 8 dispatched back to back).
 
     python3 bench/kernel_ab.py --variants '{"overlap": {"mosaic_overlap": true}}' \\
-        [--base '{"backend": "mosaic"}'] [--shapes "B,N,L;..."] [--no-checks]
+        [--base '{"backend": "mosaic"}'] [--shapes "B,N,L;..."] [--no-checks] [--device-time]
 Every variant is `base` updated with its own settings; "default" (base alone) is always
-timed, twice. Writes $OUT/kernel_ab.json.
+timed, twice. JSON lists become tuples (`mosaic_ring`). --device-time adds each one's kernel
+time from a profiler trace. Writes $OUT/kernel_ab.json.
 """
 from __future__ import annotations
 
@@ -69,9 +70,17 @@ def main():
     ap.add_argument("--base", default='{"backend": "mosaic"}')
     ap.add_argument("--shapes", default=SHAPES, help='"" for the checks alone')
     ap.add_argument("--no-checks", action="store_true", help="time only (checked before)")
+    ap.add_argument("--device-time", action="store_true",
+                    help="also each one's kernel time from a profiler trace")
     a = ap.parse_args()
-    base = json.loads(a.base)
-    variants = {name: {**base, **cfg} for name, cfg in json.loads(a.variants).items()}
+    if a.device_time:   # before the backend starts
+        from jaxspec.benchmark.trace import keep_graphs_while_profiling
+        keep_graphs_while_profiling()
+        bk.DEVICE_TIME = True
+    hashable = lambda cfg: {k: tuple(v) if isinstance(v, list) else v  # noqa: E731
+                            for k, v in cfg.items()}   # (static arguments)
+    base = hashable(json.loads(a.base))
+    variants = {name: hashable({**base, **cfg}) for name, cfg in json.loads(a.variants).items()}
     out = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, base=base,
                variants=variants, checks=bk.RESULTS["check"], times=[])
     for name, cfg in ({} if a.no_checks else variants).items():

@@ -59,6 +59,72 @@ def test_partials_match_reference(case, overlap):
     assert (l[empty] == 0).all() and (o[empty] == 0).all()
 
 
+# b, hkv, t, rows, seq_lens, splits, block_kv, steps, slots for split_keys (one row warpgroup):
+# 8 blocks in one split, 4 a warpgroup; an empty slot beside one whose second split ends inside
+# its second block (warpgroup 1 gets that masked block); one slot a warpgroup in the ring and
+# a split with a single block (warpgroup 1 idle, its half weighing nothing in the merge).
+SPLIT_KEYS_CASES = [
+    (1, 1, 512, 64, [512], 1, 64, 4, None),
+    (2, 1, 512, 64, [0, 300], 2, 64, 4, None),
+    (2, 2, 256, 64, [256, 65], 2, 64, 2, [2, 0]),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_KEYS_CASES, ids=lambda c: f"s{c[5]}k{c[7]}")
+def test_split_keys_partials_match_reference(case):
+    """split_keys: two compute warpgroups take alternate key blocks of each split and merge
+    their halves in shared memory; the partials are those of one warpgroup doing all blocks."""
+    b, hkv, t, rows, seq_lens, splits, block_kv, steps, slots = case
+    ks = jax.random.split(jax.random.key(t + splits), 3)
+    cache_slots = b if slots is None else 3
+    q = jax.random.normal(ks[0], (b, hkv, rows, 64), jnp.bfloat16)
+    kc = jax.random.normal(ks[1], (2, cache_slots, hkv, t, 64), jnp.bfloat16)
+    vc = jax.random.normal(ks[2], (2, cache_slots, hkv, t, 64), jnp.bfloat16)
+    sl = jnp.asarray(seq_lens, jnp.int32)
+    slots = None if slots is None else jnp.asarray(slots, jnp.int32)
+    kw = dict(scale_log2=0.18, num_splits=splits, block_kv=block_kv)
+    ref = pm.prefix_partials_reference(q, kc, vc, 1, sl, slots=slots, **kw)
+    out = pm.prefix_partials_mgpu(q, kc, vc, jnp.int32(1), sl, slots, steps=steps,
+                                  split_keys=True, interpret=True, **kw)
+    o, m, l = (np.asarray(x) for x in out)
+    assert _max_rel(m, ref[1]) == 0.0   # the larger of the halves' maxima: the same max
+    assert _max_rel(l, ref[2]) < 1e-5
+    assert _max_rel(o, ref[0]) < 5e-3
+    empty = np.asarray(ref[2]) == 0
+    assert (l[empty] == 0).all() and (o[empty] == 0).all()
+
+
+@pytest.mark.parametrize("splits, n", [(1, 7), (2, 16), (3, 5)])
+def test_split_keys_tree_attention_matches_reference(splits, n):
+    """The whole path with mosaic_split_keys: the tree's block goes to whichever warpgroup the
+    alternation gives it (one split: the normalised rows straight from the kernel)."""
+    b, hq, hkv, d, t = 2, 8, 2, 64, 512
+    ks = jax.random.split(jax.random.key(11 + n), 6)
+    q = jax.random.normal(ks[0], (b, n, hq, d), jnp.bfloat16)
+    kc = jax.random.normal(ks[1], (1, b, hkv, t, d), jnp.bfloat16)
+    vc = jax.random.normal(ks[2], (1, b, hkv, t, d), jnp.bfloat16)
+    kn = jax.random.normal(ks[3], (b, hkv, n, d), jnp.bfloat16)
+    vn = jax.random.normal(ks[4], (b, hkv, n, d), jnp.bfloat16)
+    mask = jax.random.bernoulli(ks[5], 0.5, (b, n, n)) | jnp.eye(n, dtype=bool)
+    sl = jnp.asarray([t, 200], jnp.int32)
+    scale = 1 / math.sqrt(d)
+    ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=scale)
+    out = ta.tree_attention_pallas(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=scale,
+                                   interpret=True, backend="mosaic", num_splits=splits,
+                                   mosaic_split_keys=True)
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_split_keys_refuses_an_odd_ring():
+    q = jnp.zeros((1, 1, 64, 64), jnp.bfloat16)
+    kc = jnp.zeros((1, 1, 1, 256, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="even number of ring slots"):
+        pm.prefix_partials_mgpu(q, kc, kc, jnp.int32(0), jnp.ones((1,), jnp.int32),
+                                scale_log2=0.1, num_splits=1, block_kv=64, steps=3,
+                                split_keys=True, interpret=True)
+
+
 def test_adjacent_row_tiles_give_the_same_partials():
     """rows_adjacent (the row tiles as the grid's last axis, tree_attention's default) changes
     only the launch order: three row tiles of one warpgroup over two splits give bit for bit the
