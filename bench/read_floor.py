@@ -13,6 +13,9 @@ does not hold them), beside the tree kernel at N = 1 in the same run:
     BK-row blocks into a ring of S shared-memory slots, the Mosaic prefix kernel's memory
     skeleton (its wgmmas read the ring in place);
   * `xla_sum`: XLA's reduction of K + V over the rows, fused into one kernel;
+  * `touch_stream_P`, `touch_tma_P`: the launch floor, the stream and TMA kernels with P
+    programs (CTAs) per (slot, KV head) that read only one small block of rows each: what a
+    kernel costs in this harness with (almost) nothing to read;
   * `torch_sum`, `torch_copy`: torch's reduction of the layer to one number, and a copy of it
     (twice the bytes moved), the same calls captured in one CUDA graph.
 
@@ -53,8 +56,9 @@ STREAMS = ((4, 128, 4), (8, 128, 4), (16, 64, 4), (32, 64, 4), (32, 128, 4), (64
            (64, 128, 8), (128, 64, 4), (128, 32, 4), (256, 32, 4))
 
 
-def _stream_kernel(layer_ref, k_ref, v_ref, o_ref, *, hkv, chunk, block):
-    """Program (split, b * hkv + h): sum over its `chunk` rows of K + V, in f32. -> o [D]."""
+def _stream_kernel(layer_ref, k_ref, v_ref, o_ref, *, hkv, chunk, block, blocks):
+    """Program (split, b * hkv + h): sum over the first `blocks` blocks of its `chunk` rows of
+    K + V, in f32. -> o [D]."""
     split, bh = pl.program_id(0), pl.program_id(1)
     layer, b, h = layer_ref[0], bh // hkv, bh % hkv
 
@@ -64,7 +68,7 @@ def _stream_kernel(layer_ref, k_ref, v_ref, o_ref, *, hkv, chunk, block):
         v = load(v_ref.at[layer, b, h, rows, :])
         return acc + k.astype(jnp.float32) + v.astype(jnp.float32)
 
-    acc = lax.fori_loop(0, chunk // block, body,
+    acc = lax.fori_loop(0, blocks, body,
                         jnp.zeros((block, k_ref.shape[-1]), jnp.float32))
     store(o_ref.at[bh, split, :], acc.sum(0))
 
@@ -77,14 +81,17 @@ def _chunk(t, splits, block):
     return chunk
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "block", "warps", "interpret"))
-def stream_read(k_cache, v_cache, layer, *, splits, block, warps=4, interpret=False):
+@functools.partial(jax.jit, static_argnames=("splits", "block", "warps", "rows", "interpret"))
+def stream_read(k_cache, v_cache, layer, *, splits, block, warps=4, rows=None,
+                interpret=False):
     """Partial sums of K + V of cache layer `layer`: cache [L, B, Hkv, T, D] ->
-    [B * Hkv, splits, D] f32, split s summing rows [s * T / splits, (s + 1) * T / splits)."""
+    [B * Hkv, splits, D] f32, split s summing rows [s * T / splits, (s + 1) * T / splits)
+    (rows: only the first `rows` of them, a multiple of block)."""
     _, b, hkv, t, d = k_cache.shape
     chunk = _chunk(t, splits, block)
     return pl.pallas_call(
-        functools.partial(_stream_kernel, hkv=hkv, chunk=chunk, block=block),
+        functools.partial(_stream_kernel, hkv=hkv, chunk=chunk, block=block,
+                          blocks=(rows or chunk) // block),
         grid=(splits, b * hkv),
         out_shape=jax.ShapeDtypeStruct((b * hkv, splits, d), jnp.float32),
         compiler_params=CompilerParams(num_warps=warps, num_stages=3),
@@ -97,8 +104,9 @@ TMA_STREAMS = ((4, 128, 1), (16, 128, 3), (16, 64, 4), (32, 128, 2), (32, 64, 2)
                (64, 128, 1), (128, 64, 1))
 
 
-def _tma_kernel(layer_ref, k_ref, v_ref, o_ref, scoped, *, chunk, block, steps):
-    """CTA (split, b * hkv + h): TMA copies of its `chunk` rows of K and V, `block` rows a copy,
+def _tma_kernel(layer_ref, k_ref, v_ref, o_ref, scoped, *, chunk, block, steps, blocks):
+    """CTA (split, b * hkv + h): TMA copies of the first `blocks` blocks of its `chunk` rows of
+    K and V, `block` rows a copy,
     into a ring of `steps` shared-memory slots, each refilled once its copies have landed
     (nothing reads them: the Mosaic prefix kernel's wgmmas read the ring in place, so this is
     its memory skeleton). -> o [8, D]: the first rows of the last key block."""
@@ -106,7 +114,6 @@ def _tma_kernel(layer_ref, k_ref, v_ref, o_ref, scoped, *, chunk, block, steps):
     split, bh = lax.axis_index("split"), lax.axis_index("bh")
     hkv = k_ref.shape[2]
     layer, b, h = layer_ref[0], lax.div(bh, hkv), lax.rem(bh, hkv)
-    blocks = chunk // block
 
     def fetch(i, slot):
         rows = pl.ds(split * chunk + i * block, block)
@@ -127,16 +134,18 @@ def _tma_kernel(layer_ref, k_ref, v_ref, o_ref, scoped, *, chunk, block, steps):
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "block", "steps", "interpret"))
-def tma_read(k_cache, v_cache, layer, *, splits, block, steps, interpret=False):
+@functools.partial(jax.jit, static_argnames=("splits", "block", "steps", "rows", "interpret"))
+def tma_read(k_cache, v_cache, layer, *, splits, block, steps, rows=None, interpret=False):
     """Cache layer `layer` ([L, B, Hkv, T, D]) read into shared memory by Mosaic GPU's TMA, each
-    of B * Hkv * splits CTAs taking T / splits rows -> [B * Hkv, splits, 8, D]: the first 8 rows
-    of each CTA's last block of keys."""
+    of B * Hkv * splits CTAs taking T / splits rows (rows: only the first `rows` of them, a
+    multiple of block) -> [B * Hkv, splits, 8, D]: the first 8 rows of each CTA's last block
+    of keys."""
     _, b, hkv, t, d = k_cache.shape
     chunk = _chunk(t, splits, block)
     ring = plgpu.SMEM((steps, block, d), k_cache.dtype)
     scratch = (ring, ring, plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps))
-    body = functools.partial(_tma_kernel, chunk=chunk, block=block, steps=steps)
+    body = functools.partial(_tma_kernel, chunk=chunk, block=block, steps=steps,
+                             blocks=(rows or chunk) // block)
     call = plgpu.kernel(
         lambda *refs: pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch),
         out_type=jax.ShapeDtypeStruct((b * hkv, splits, 8, d), k_cache.dtype),
@@ -145,11 +154,16 @@ def tma_read(k_cache, v_cache, layer, *, splits, block, steps, interpret=False):
     return call(jnp.reshape(layer, (1,)).astype(jnp.int32), k_cache, v_cache)
 
 
-def stream_reference(k_cache, v_cache, layer, splits):
+# The launch floor's programs per (slot, KV head), each reading one block of this many rows of
+# K and V (2 KB each at head dim 128): from one to the streams' widest grids.
+TOUCH, TOUCH_ROWS = (1, 16, 64), 8
+
+
+def stream_reference(k_cache, v_cache, layer, splits, rows=None):
     """stream_read in jnp."""
     _, b, hkv, t, d = k_cache.shape
     kv = k_cache[layer].astype(jnp.float32) + v_cache[layer].astype(jnp.float32)
-    return kv.reshape(b * hkv, splits, t // splits, d).sum(2)
+    return kv.reshape(b * hkv, splits, t // splits, d)[:, :, :rows].sum(2)
 
 
 def _jax_fns(t, smoke):
@@ -165,6 +179,15 @@ def _jax_fns(t, smoke):
             fns[f"tma_{splits}_{block}_{steps}"] = (
                 lambda q, kc, vc, layer, *_, s=splits, bl=block, st=steps:
                 tma_read(kc, vc, layer, splits=s, block=bl, steps=st, interpret=smoke))
+    for splits in (s for s in TOUCH if t % (s * TOUCH_ROWS) == 0):
+        fns[f"touch_stream_{splits}"] = (
+            lambda q, kc, vc, layer, *_, s=splits: stream_read(
+                kc, vc, layer, splits=s, block=TOUCH_ROWS, rows=TOUCH_ROWS, interpret=smoke))
+        if smoke or pm.on_hopper():
+            fns[f"touch_tma_{splits}"] = (
+                lambda q, kc, vc, layer, *_, s=splits: tma_read(
+                    kc, vc, layer, splits=s, block=TOUCH_ROWS, steps=1, rows=TOUCH_ROWS,
+                    interpret=smoke))
     fns["xla_sum"] = lambda q, kc, vc, layer, *_: (
         lax.dynamic_index_in_dim(kc, layer, 0, False).astype(jnp.float32)
         + lax.dynamic_index_in_dim(vc, layer, 0, False).astype(jnp.float32)).sum(2)
@@ -235,7 +258,11 @@ def print_row(r, copy_bw):
         host, update = r.get(name + "_host_us"), r.get(name + "_update_us")
         host_s = (f" host {host:5.1f} us" if host else "") + (
             f" (graph update {update:4.1f})" if update is not None else "")
-        print(f"  {name:<22} {us:8.1f} us {bw / 1e12:5.2f} TB/s {pct}{host_s}{dev_s}")
+        if name.startswith("touch"):   # the launch floor: no layer's bytes to count
+            dev_s = f" kernel {dev:7.1f} us" if dev else ""
+            print(f"  {name:<22} {us:8.1f} us {'':16}{host_s}{dev_s}")
+        else:
+            print(f"  {name:<22} {us:8.1f} us {bw / 1e12:5.2f} TB/s {pct}{host_s}{dev_s}")
 
 
 def main():

@@ -12,10 +12,6 @@ set). This kernel is that design cut to the tree's job:
   * QK^T and PV are wgmma from shared memory, the online softmax in base 2 in registers; with
     two compute warpgroups a shared barrier staggers them so that one's softmax overlaps the
     other's matmuls;
-  * `split_keys`: a one-warpgroup tile (64 rows) takes a second compute warpgroup that does
-    every other key block of the split, its partial merged into the first's through shared
-    memory at the end (a split inside the CTA: half the dependent chain of products and
-    softmaxes a CTA runs, at batch 1 the kernel's critical path);
   * the live prefix of slot b (rows < seq_lens[b]) is cut into `num_splits` chunks of whole
     key blocks at run time, as in the Triton kernel; only the last block of a chunk is masked;
   * with the tree (up to 64 new keys): split 0 takes one more key block, the tree's keys and
@@ -92,7 +88,7 @@ def _bounds(seq_len, split, num_splits, block_kv):
 
 
 def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, wgs,
-            indirect, tree, interpret, overlap, multicast, split_keys):
+            indirect, tree, interpret, overlap, multicast):
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref = refs[:3]
     kn_ref, vn_ref, bias_ref = refs[3:6] if tree else (None, None, None)
@@ -113,54 +109,22 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     tree_keys = kn_ref.shape[2] if tree else 0
     wg = lax.axis_index("wg")
     dtype = q_smem.dtype
-    # With split_keys, warpgroup w of the tile's two takes key blocks w, w + 2, ... (the ring
-    # has an even number of slots, so each slot has one consumer).
-    stride = 2 if split_keys else 1
-    compute = wgs * stride
-    first = wg if split_keys else 0
 
     def staggered():   # two compute warpgroups take turns on the tensor cores
         if wgs == 2:
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(sched)
 
-    def finish(row0, q_tile, acc, m_i, l_i):   # the tile's output: partials, or normalised rows
-        rows = pl.ds(row0, ROWS)
-        if len(outs) == 1:   # one split: normalised, in the q tile the matmuls are done with
-            q_tile[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_tile, outs[0].at[bh, rows])
-            plgpu.wait_smem_to_gmem(0)
-            return
-        o_ref, m_ref, l_ref = outs
-        # One f32 staging tile for o: two would overflow shared memory next to the ring. The
-        # trailing warpgroup (1) waits until the leading one's copy has read it.
-        if wgs == 2:
-            pl.when(wg == 1)(lambda: plgpu.barrier_wait(o_free))
-        o_smem[...] = acc
-        ml_smem.at[0, wg][...] = m_i
-        ml_smem.at[1, wg][...] = l_i
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[bh, split, rows])
-        plgpu.copy_smem_to_gmem(ml_smem.at[0, wg], m_ref.at[bh, split, rows])
-        plgpu.copy_smem_to_gmem(ml_smem.at[1, wg], l_ref.at[bh, split, rows])
-        if wgs == 2:
-            @pl.when(wg == 0)
-            def _():
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.barrier_arrive(o_free)
-        plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg < compute)
+    @pl.when(wg < wgs)
     def _compute():
-        plgpu.set_max_registers(232 if compute == 2 else 240, action="increase")
-        row0 = (rt * wgs + (0 if split_keys else wg)) * ROWS
+        plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+        row0 = (rt * wgs + wg) * ROWS
         q_tile = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row0, ROWS)], q_tile, q_ready.at[wg])
         if tree:   # every split loads it (8 KB): no barrier phase to keep apart by split
             plgpu.copy_gmem_to_smem(bias_ref.at[b, pl.ds(row0, ROWS)], bias_smem.at[wg],
-                                    q_ready.at[compute + wg])
-            plgpu.barrier_wait(q_ready.at[compute + wg])
+                                    q_ready.at[wgs + wg])
+            plgpu.barrier_wait(q_ready.at[wgs + wg])
         plgpu.barrier_wait(q_ready.at[wg])
         head_dim = q_tile.shape[-1]
         # Register layouts are the device's business; the interpreter has none.
@@ -169,22 +133,17 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
                  cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
                  cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
 
-        @pl.when(total > first)
+        @pl.when(total > 0)
         def _():
-            plgpu.barrier_wait(k_ready.at[lax.rem(first, steps)])
+            plgpu.barrier_wait(k_ready.at[0])
 
         if wgs == 2:
             pl.when(wg == 1)(staggered)
 
         def wait_next_k(i):   # the next block's keys, before the tensor cores need them
-            @pl.when(i + stride < total)
+            @pl.when(i + 1 < total)
             def _():
-                plgpu.barrier_wait(k_ready.at[lax.rem(i + stride, steps)])
-
-        def blocks_in(lo, hi, body, carry):   # body(i, carry) over this warpgroup's i in [lo, hi)
-            trips = lambda x: lax.div(jnp.maximum(x - first, 0) + stride - 1, stride)  # noqa
-            return lax.fori_loop(trips(lo), trips(hi),
-                                 lambda j, c: body(first + stride * j, c), carry)
+                plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, steps)])
 
         def scores(keys):   # q k^T [ROWS, keys rows], f32
             if interpret:   # the interpreter's wgmma takes no transposed operand: jnp's dot
@@ -319,30 +278,41 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             carry = pl.run_scoped(functools.partial(overlapped, carry),
                                   plgpu.ACC((ROWS, head_dim), jnp.float32))
         else:
-            carry = blocks_in(0, full_blocks, step, carry)
-            carry = blocks_in(full_blocks, blocks, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(0, full_blocks, step, carry)
+            carry = lax.fori_loop(full_blocks, blocks, functools.partial(step, masked=True),
+                                  carry)
         if tree:   # (a loop of 0 or 1 trips: split 0 only)
-            carry = blocks_in(blocks, total, functools.partial(step, new_keys=True), carry)
+            carry = lax.fori_loop(blocks, total, functools.partial(step, new_keys=True), carry)
+        acc, m_i, l_i = carry
         if wgs == 2:
             pl.when(wg == 0)(staggered)
-        if not split_keys:
-            finish(row0, q_tile, *carry)
+        rows = pl.ds(row0, ROWS)
+        if len(outs) == 1:   # one split: normalised, in the q tile the matmuls are done with
+            q_tile[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_tile, outs[0].at[bh, rows])
+            plgpu.wait_smem_to_gmem(0)
             return
+        o_ref, m_ref, l_ref = outs
+        # One f32 staging tile for o: two would overflow shared memory next to the ring. The
+        # trailing warpgroup (1) waits until the leading one's copy has read it.
+        if wgs == 2:
+            pl.when(wg == 1)(lambda: plgpu.barrier_wait(o_free))
+        o_smem[...] = acc
+        ml_smem.at[0, wg][...] = m_i
+        ml_smem.at[1, wg][...] = l_i
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[bh, split, rows])
+        plgpu.copy_smem_to_gmem(ml_smem.at[0, wg], m_ref.at[bh, split, rows])
+        plgpu.copy_smem_to_gmem(ml_smem.at[1, wg], l_ref.at[bh, split, rows])
+        if wgs == 2:
+            @pl.when(wg == 0)
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.barrier_arrive(o_free)
+        plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 1)   # the second half's partial, through shared memory, to the first
-        def _():
-            acc, m_i, l_i = carry
-            o_smem[...] = acc
-            ml_smem.at[0, 1][...] = m_i
-            ml_smem.at[1, 1][...] = l_i
-            plgpu.barrier_arrive(o_free)
-
-        @pl.when(wg == 0)
-        def _():
-            plgpu.barrier_wait(o_free)
-            finish(row0, q_tile, *_merge(carry, o_smem, ml_smem, interpret))
-
-    @pl.when(wg == compute)
+    @pl.when(wg == wgs)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
@@ -392,23 +362,6 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             def _():
                 plgpu.barrier_wait(k_free.at[ring])
                 plgpu.barrier_wait(v_free.at[ring])
-
-
-def _merge(carry, o_smem, ml_smem, interpret):
-    """(acc, m, l) of warpgroup 0 merged with warpgroup 1's, which it left in o_smem and in
-    ml_smem[:, 1] (base-2 running maxima; an empty half has m = MASK_VALUE and weighs 0)."""
-    acc, m_i, l_i = carry
-    if interpret:   # no register layouts there
-        acc1, m1, l1 = o_smem[...], ml_smem[0, 1], ml_smem[1, 1]
-    else:
-        row = plgpu.Layout.WGMMA.reduce(1)
-        acc1 = plgpu.load(o_smem, (), layout=plgpu.Layout.WGMMA)
-        m1 = plgpu.load(ml_smem.at[0, 1], (), layout=row)
-        l1 = plgpu.load(ml_smem.at[1, 1], (), layout=row)
-    m = jnp.maximum(m_i, m1)
-    a0, a1 = jnp.exp2(m_i - m), jnp.exp2(m1 - m)
-    scaled = lambda x, a: x * lax.broadcast_in_dim(a, x.shape, [0])  # noqa: E731
-    return scaled(acc, a0) + scaled(acc1, a1), m, l_i * a0 + l1 * a1
 
 
 def on_hopper() -> bool:
@@ -487,12 +440,11 @@ def active_splits(length, num_splits, block_kv) -> int:
 
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
                                              "overlap", "rows_adjacent", "multicast",
-                                             "split_keys", "interpret"))
+                                             "interpret"))
 def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree=None, *,
                          scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
                          steps: int = STEPS, overlap: bool = False, rows_adjacent: bool = False,
-                         multicast: bool = False, split_keys: bool = False,
-                         interpret: bool = False):
+                         multicast: bool = False, interpret: bool = False):
     """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
     each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
     m, l [B * Hkv, S, R], f32. slots [B]: the cache slot of each row (None: row b is slot b).
@@ -508,10 +460,7 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     multicast: the row tiles of one (split, slot x KV head) as one cluster of CTAs that read
     each key block once, by TMA multicast into every CTA's ring, whatever L2 holds; a ring slot
     is refilled when the consumers of all of them have released it. With 2, 4 or 8 row tiles
-    (others keep the plain grid). Device only: Mosaic GPU's interpreter has no clusters.
-    split_keys: tiles of one warpgroup (R not a multiple of 128) take a second compute
-    warpgroup that does every other key block (needs an even `steps`: each ring slot then has
-    one consumer); wider tiles keep their two row warpgroups."""
+    (others keep the plain grid). Device only: Mosaic GPU's interpreter has no clusters."""
     b, hkv, r, d = q_rows.shape
     t = k_cache.shape[3]
     if not scale_log2 > 0:   # the running max is taken before scaling
@@ -526,11 +475,6 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                          f"and the bias {tree[2].shape} must be {(b, r, tree_keys)}")
     wgs = warpgroups(r)
     row_tiles = r // (wgs * ROWS)
-    split_keys = split_keys and wgs == 1
-    if split_keys and (steps % 2 or overlap or multicast):
-        raise ValueError(f"split_keys needs an even number of ring slots ({steps=}) and "
-                         f"neither overlap nor multicast")
-    compute = 2 if split_keys else wgs   # compute warpgroups a CTA
     # A multicast copy is cut into one part a CTA along the block's 16 tiles of 8 keys.
     multicast = multicast and row_tiles in (2, 4, 8)
     if multicast and interpret:
@@ -539,24 +483,24 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     swizzle = plgpu.SwizzleTransform(128)
     tiles = (plgpu.TilingTransform((8, 64)), swizzle)
     f32_tiles = (plgpu.TilingTransform((8, 32)), swizzle)
-    smem = (plgpu.SMEM((compute, ROWS, d), dtype, transforms=tiles),
+    smem = (plgpu.SMEM((wgs, ROWS, d), dtype, transforms=tiles),
             plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles),
             plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles),
             plgpu.SMEM((ROWS, d), jnp.float32, transforms=f32_tiles),
-            plgpu.SMEM((2, compute, ROWS), jnp.float32),
-            plgpu.SMEM((compute, ROWS, tree_keys), dtype, transforms=tiles)
+            plgpu.SMEM((2, wgs, ROWS), jnp.float32),
+            plgpu.SMEM((wgs, ROWS, tree_keys), dtype, transforms=tiles)
             if tree is not None else None)
     consumed = (functools.partial(plgpu.ClusterBarrier, collective_axes=("rt",)) if multicast
                 else plgpu.Barrier)
     barriers = ((plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
-                 plgpu.Barrier(num_barriers=2 * compute)),
+                 plgpu.Barrier(num_barriers=2 * wgs)),
                 (consumed(num_arrivals=wgs, num_barriers=steps),) * 2,
                 plgpu.Barrier(num_arrivals=wgs), plgpu.Barrier(num_arrivals=1))
     indirect = slots is not None
     body = functools.partial(_kernel, scale_log2=scale_log2, num_splits=num_splits,
                              block_kv=block_kv, steps=steps, wgs=wgs, indirect=indirect,
                              tree=tree is not None, interpret=interpret, overlap=overlap,
-                             multicast=multicast, split_keys=split_keys)
+                             multicast=multicast)
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, *barriers,
@@ -578,7 +522,7 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
         cluster = dict(cluster=(row_tiles,), cluster_names=("rt",))
     call = plgpu.kernel(entry, out_type=out_type,
                         grid=tuple(x for _, x in axes),
-                        grid_names=tuple(name for name, _ in axes), num_threads=compute + 1,
+                        grid_names=tuple(name for name, _ in axes), num_threads=wgs + 1,
                         thread_name="wg", **cluster,
                         compiler_params=plgpu.CompilerParams(approx_math=True), **params)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)

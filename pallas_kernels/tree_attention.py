@@ -78,10 +78,6 @@ _MOSAIC_ROWS_ADJACENT = True
 # once and multicasts it into every row tile's ring (device only). It ties the adjacent row
 # tiles, which read the prefix once through L2 (forty-second set).
 _MOSAIC_MULTICAST = False
-# With mosaic_split_keys a 64-row tile's two compute warpgroups take alternate key blocks, so
-# the ring needs an even number of slots: 4 of 64 keys (each warpgroup two, double-buffered)
-# fit shared memory beside two q tiles, the f32 staging tile and the tree's bias.
-_SPLIT_KEYS_RING = (64, 4)
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -398,8 +394,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
            "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
-           "mosaic_ring", "mosaic_overlap", "mosaic_rows_adjacent", "mosaic_multicast",
-           "mosaic_split_keys")
+           "mosaic_ring", "mosaic_overlap", "mosaic_rows_adjacent", "mosaic_multicast")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -454,8 +449,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
             skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
-            mosaic_overlap=None, mosaic_rows_adjacent=None, mosaic_multicast=None,
-            mosaic_split_keys=False):
+            mosaic_overlap=None, mosaic_rows_adjacent=None, mosaic_multicast=None):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -472,9 +466,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     mosaic_rows_adjacent: its row tiles launched next to each other, so the CTAs of one slot's
     rows share their reads of its prefix through L2 (None: `_MOSAIC_ROWS_ADJACENT`).
     mosaic_multicast: those CTAs as one cluster that reads each key block once and multicasts
-    it (None: `_MOSAIC_MULTICAST`, and never in interpret mode).
-    mosaic_split_keys: a 64-row tile's key blocks shared by two compute warpgroups, taking
-    turns (its ring then defaults to `_SPLIT_KEYS_RING`)."""
+    it (None: `_MOSAIC_MULTICAST`, and never in interpret mode)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -486,7 +478,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     mosaic = backend == "mosaic" or (backend is None and mosaic_serves(
         rows, live_len, t, d, dtype, batch=b))
     if mosaic:
-        ring = mosaic_ring or (_SPLIT_KEYS_RING if mosaic_split_keys else (pm.BLOCK_KV, pm.STEPS))
+        ring = mosaic_ring or (pm.BLOCK_KV, pm.STEPS)
         num_splits = num_splits or mosaic_splits(b, hkv, rows, live_len, ring[0])
         if num_splits == 1 or num_splits > _FUSED_MERGE_SPLITS:   # (see _MOSAIC_TREE_TILE)
             cfg = (_MOSAIC_TREE_TILE[0], cfg[1], cfg[2], _MOSAIC_TREE_TILE[1], cfg[4])
@@ -517,8 +509,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                               rows_adjacent=(_MOSAIC_ROWS_ADJACENT if mosaic_rows_adjacent is None
                                           else mosaic_rows_adjacent),
                               multicast=(_MOSAIC_MULTICAST and not interpret
-                                         if mosaic_multicast is None else mosaic_multicast),
-                              split_keys=mosaic_split_keys)
+                                         if mosaic_multicast is None else mosaic_multicast))
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
@@ -542,7 +533,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
                    dtype, *, packed, block_r, params, num_splits, sm_scale, interpret,
                    kn_in, vn_in, tree_mask, mosaic_tree, ring, overlap, rows_adjacent,
-                   multicast, split_keys):
+                   multicast):
     """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`). Trees of up
     to `_MOSAIC_TREE_KEYS` tokens go into that kernel too (then one launch, or two with the
     combine over several splits); larger ones take `kernel` (the Triton kernel, configured) for
@@ -561,7 +552,7 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
                                      scale_log2=sm_scale * _LOG2E, num_splits=num_splits,
                                      block_kv=ring[0], steps=ring[1], overlap=overlap,
                                      rows_adjacent=rows_adjacent, multicast=multicast,
-                                     split_keys=split_keys, interpret=interpret)
+                                     interpret=interpret)
     if tree is not None and num_splits == 1:   # normalised rows [B * Hkv, R', D]
         o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)
         return o.transpose(0, 2, 1, 3, 4).reshape(q_shape).astype(dtype)

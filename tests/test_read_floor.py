@@ -42,3 +42,18 @@ def test_tma_read_lands_each_ctas_last_block(splits, block, steps):
     want = kc[2].reshape(4, splits, chunk, 64)[:, :, chunk - block:chunk - block + 8]
     assert got.shape == (4, splits, 8, 64)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_touch_kernels_read_only_the_first_block_of_each_split():
+    """The launch floor's kernels (rows=block): the stream sums only each split's first block,
+    and each TMA CTA lands its first block (so its output is that block's first 8 rows)."""
+    from bench.read_floor import tma_read
+    kc = jax.random.normal(jax.random.key(4), (2, 1, 2, 256, 64), jnp.bfloat16)
+    got = stream_read(kc, kc, jnp.int32(1), splits=4, block=8, rows=8, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(stream_reference(kc, kc, 1, 4, 8)),
+                               rtol=1e-5, atol=1e-4)
+    assert not np.allclose(np.asarray(got), np.asarray(stream_reference(kc, kc, 1, 4)),
+                           atol=1e-2)
+    got = tma_read(kc, kc, jnp.int32(1), splits=4, block=8, steps=1, rows=8, interpret=True)
+    want = kc[1].reshape(2, 4, 64, 64)[:, :, :8]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
