@@ -147,6 +147,23 @@ class Release:
         return self.f(*args)
 
 
+class Alternate:
+    """f's program compiled `copies` times and called in turn, as the engine runs its cycles
+    (`jaxspec.engine.backends.SpecBackend.copies_of`): each loaded copy sees the buffers of
+    `copies` executions before, which the allocator tends to hand back, so its CUDA graph may
+    run without the update a moved buffer forces."""
+
+    def __init__(self, f, copies=2):
+        self.f, self.copies, self.compiled, self.turn = f, copies, None, 0
+
+    def __call__(self, *args):
+        if self.compiled is None:
+            lowered = self.f.lower(*args)
+            self.compiled = [lowered.compile() for _ in range(self.copies)]
+        self.turn = (self.turn + 1) % self.copies
+        return self.compiled[self.turn](*args)
+
+
 def device_times(f, args, execs=2):
     """(kernel-busy s, first-to-last-kernel s, CUDA-graph update s) per execution of f(*args),
     from a profiler trace of `execs` back-to-back executions (CUDA graphs kept on,
