@@ -227,6 +227,19 @@ def make_inputs(key, b, n, t, num_layers, dtype=jnp.bfloat16, hq=None, hkv=None,
     return q, kc, vc, seq_lens, kn, vn, mask
 
 
+def loop_call(fn, reps):
+    """`multi_call` as a model runs its layers: one loop of `reps` trips in the program, trip i
+    calling fn on layer i (the layer an operand the kernel reads on the device), the last
+    trip's output returned. No call gets a buffer of its own, and XLA may run the whole loop
+    from one CUDA graph."""
+    def f(q, kc, vc, sl, kn, vn, mask):
+        args = lambda i: (q, kc, vc, i, sl, kn, vn, mask)  # noqa: E731
+        shapes = jax.eval_shape(fn, *args(jnp.int32(0)))
+        init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        return jax.lax.fori_loop(0, reps, lambda i, _: fn(*args(i)), init)
+    return jax.jit(f)
+
+
 def rel_err(out, ref):
     out = np.asarray(out, np.float64)
     ref = np.asarray(ref, np.float64)

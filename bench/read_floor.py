@@ -20,7 +20,7 @@ does not hold them), beside the tree kernel at N = 1 in the same run:
     (twice the bytes moved), the same calls captured in one CUDA graph.
 
     python3 bench/read_floor.py [--sizes "B,L;..."] [--device-time] [--only REGEX] [--release]
-                                [--copies] [--smoke]
+                                [--copies] [--loop] [--smoke]
 
 Bandwidths count the bytes read (K and V of the layer); % of copy is against torch's 1 GiB
 copy (read + written) in the same run. Writes $OUT/read_floor.json.
@@ -228,7 +228,7 @@ def _torch_times(b, t, reps):
     return out   # the layers go with this frame; the caller empties torch's cache
 
 
-def measure(b, t, smoke, device_time, only=".*", release=False, copies=False):
+def measure(b, t, smoke, device_time, only=".*", release=False, copies=False, loop=False):
     kv_bytes = 2 * b * bk.HKV * t * bk.D * 2
     reps = bk.calls_per_program(kv_bytes)
     row = dict(b=b, L=t, reps=reps, kv_bytes=kv_bytes)
@@ -241,6 +241,9 @@ def measure(b, t, smoke, device_time, only=".*", release=False, copies=False):
              if re.fullmatch(only, name)}
     if release:   # each also with its outputs dropped execution by execution
         calls.update({name + "@release": bk.Release(f) for name, f in list(calls.items())})
+    if loop:   # each also as one loop over the layers (bench_kernels.loop_call)
+        calls.update({name + "@loop": bk.loop_call(fn, reps)
+                      for name, fn in _jax_fns(t, smoke).items() if name in calls})
     if copies:   # each also as two loaded copies taken in turn
         calls.update({name + "@copies": bk.Alternate(f) for name, f in list(calls.items())
                       if "@" not in name})
@@ -276,6 +279,8 @@ def main():
     p.add_argument("--only", default=".*", help="a regex: the JAX functions it names")
     p.add_argument("--release", action="store_true",
                    help="each also timed with its outputs dropped execution by execution")
+    p.add_argument("--loop", action="store_true",
+                   help="each also timed as one loop over the layers, as a model runs them")
     p.add_argument("--copies", action="store_true",
                    help="each also timed as two loaded copies of its program taken in turn")
     a = p.parse_args()
@@ -288,7 +293,8 @@ def main():
     copy_bw = None if a.smoke else bk.torch_copy_bandwidth()
     rows = []
     for b, t in sizes:
-        rows.append(measure(b, t, a.smoke, a.device_time, a.only, a.release, a.copies))
+        rows.append(measure(b, t, a.smoke, a.device_time, a.only, a.release, a.copies,
+                            a.loop))
         print_row(rows[-1], copy_bw)
     os.makedirs(bk.OUT, exist_ok=True)
     with open(os.path.join(bk.OUT, "read_floor.json"), "w") as f:

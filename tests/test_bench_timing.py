@@ -100,3 +100,26 @@ def test_trace_times_counts_gpu_kernels_and_host_graph_updates_per_execution():
     assert busy == pytest.approx(11e-6) and span == pytest.approx(25e-6)
     assert update == pytest.approx(3e-6)
     assert bk.trace_times([host, events[-1]], execs=2) == (None, None, None)
+
+
+def test_loop_call_runs_every_layer_and_returns_the_last():
+    """loop_call: one loop over the layers, trip i on layer i (the layer a traced operand); the
+    output is the last trip's, as multi_call's last call gives it."""
+    seen = []
+
+    def fn(q, kc, vc, layer, sl, kn, vn, mask):
+        seen.append(layer)   # traced once: a traced layer, not a constant
+        return kc[layer].sum() * q
+
+    args = (jnp.ones(2), jnp.arange(12.0).reshape(4, 3), None, None, None, None, None)
+    got = bk.loop_call(fn, 3)(*args)
+    want = bk.multi_call(fn, 3)(*args)[-1]
+    assert float(got[0]) == float(want[0]) == 6 + 7 + 8   # layer 2's row
+    assert len(seen) == 5 and not isinstance(seen[-1], int)   # 2 traces + 3 multi_call calls
+
+
+def test_alternate_takes_its_compiled_copies_in_turn():
+    f = bk.Alternate(bk.jax.jit(lambda x: x * 2))
+    outs = [float(f(jnp.float32(3))) for _ in range(3)]
+    assert outs == [6.0] * 3 and len(f.compiled) == 2
+    assert f.compiled[0] is not f.compiled[1] and f.turn == 1
