@@ -21,7 +21,11 @@
 #   bash bench/gpu_plan.sh release     # issue 4: the same, each function also timed with its
 #                                      #   outputs dropped execution by execution
 #                                      #   (bench_kernels.Release), where the harness's bursts
-#                                      #   hold them all (forty-fifth set: host-bound at 8K?)
+#                                      #   hold them all (forty-sixth set: no change)
+#   bash bench/gpu_plan.sh launch_floor # issue 4: kernels that read one block a program (touch)
+#                                      #   beside the layer's reads and the tree kernel at N 1,
+#                                      #   unrolled and as one layer loop (forty-sixth set: a
+#                                      #   touch call costs 7.2-9.7 us, the host's dispatch)
 #   bash bench/gpu_plan.sh ncu         # issue 4: ncu's DRAM bytes, L2 hit rate and tensor-pipe
 #                                      #   activity of the Mosaic kernel at B 64, N 64, 8K, row
 #                                      #   tiles apart, side by side (default) and multicast
@@ -646,6 +650,9 @@ case "${1:-}" in
     # issue 4: batch 1's read floor and the tree kernel timed two ways: the harness's bursts
     # holding 8 executions' outputs, and each execution's dropped before the next is dispatched
     run release 200 python3 bench/read_floor.py --device-time --sizes "1,8192;1,32768" --only "tree_n1|tma_16_64_4|tma_16_128_3|stream_64_64_4|xla_sum" --release
+    ;;
+  launch_floor)
+    run launch_floor 200 python3 bench/read_floor.py --device-time --sizes "1,8192;1,32768" --only "tree_n1|tma_16_128_3|stream_64_64_4|xla_sum|touch.*" --loop
     ;;
   kernels)
     run kernels 440 python3 bench/bench_kernels.py --no-sweep --skip compact --device-time
