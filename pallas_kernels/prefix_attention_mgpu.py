@@ -294,17 +294,6 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             plgpu.wait_smem_to_gmem(0)
             return
         o_ref, m_ref, l_ref = outs
-        if o_ref.dtype != jnp.float32:   # half partials: o / l in q's dtype, via the q tile
-            live = lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), acc.shape, [0])
-            q_tile[...] = (acc / live).astype(dtype)
-            ml_smem.at[0, wg][...] = m_i
-            ml_smem.at[1, wg][...] = l_i
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_tile, o_ref.at[bh, split, rows])
-            plgpu.copy_smem_to_gmem(ml_smem.at[0, wg], m_ref.at[bh, split, rows])
-            plgpu.copy_smem_to_gmem(ml_smem.at[1, wg], l_ref.at[bh, split, rows])
-            plgpu.wait_smem_to_gmem(0)
-            return
         # One f32 staging tile for o: two would overflow shared memory next to the ring. The
         # trailing warpgroup (1) waits until the leading one's copy has read it.
         if wgs == 2:
@@ -451,12 +440,11 @@ def active_splits(length, num_splits, block_kv) -> int:
 
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
                                              "overlap", "rows_adjacent", "multicast",
-                                             "half_partials", "interpret"))
+                                             "interpret"))
 def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree=None, *,
                          scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
                          steps: int = STEPS, overlap: bool = False, rows_adjacent: bool = False,
-                         multicast: bool = False, half_partials: bool = False,
-                         interpret: bool = False):
+                         multicast: bool = False, interpret: bool = False):
     """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
     each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
     m, l [B * Hkv, S, R], f32. slots [B]: the cache slot of each row (None: row b is slot b).
@@ -472,10 +460,7 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     multicast: the row tiles of one (split, slot x KV head) as one cluster of CTAs that read
     each key block once, by TMA multicast into every CTA's ring, whatever L2 holds; a ring slot
     is refilled when the consumers of all of them have released it. With 2, 4 or 8 row tiles
-    (others keep the plain grid). Device only: Mosaic GPU's interpreter has no clusters.
-    half_partials: o as o / l in q's dtype (0 where l is 0), half the bytes of the f32
-    partials, as vLLM's and FlashInfer's split-K decoding keep theirs
-    (`tree_attention.as_unnormalised` turns them back)."""
+    (others keep the plain grid). Device only: Mosaic GPU's interpreter has no clusters."""
     b, hkv, r, d = q_rows.shape
     t = k_cache.shape[3]
     if not scale_log2 > 0:   # the running max is taken before scaling
@@ -525,8 +510,7 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     if tree is not None and num_splits == 1:
         out_type = (jax.ShapeDtypeStruct((b * hkv, r, d), dtype),)
     else:
-        out_type = (jax.ShapeDtypeStruct((b * hkv, num_splits, r, d),
-                                         dtype if half_partials else f32),
+        out_type = (jax.ShapeDtypeStruct((b * hkv, num_splits, r, d), f32),
                     jax.ShapeDtypeStruct((b * hkv, num_splits, r), f32),
                     jax.ShapeDtypeStruct((b * hkv, num_splits, r), f32))
     params = dict(interpret=_interpret_params()) if interpret else {}

@@ -78,9 +78,6 @@ _MOSAIC_ROWS_ADJACENT = True
 # once and multicasts it into every row tile's ring (device only). It ties the adjacent row
 # tiles, which read the prefix once through L2 (forty-second set).
 _MOSAIC_MULTICAST = False
-# The Mosaic kernel's split partials as o / l in the input dtype (vLLM's and FlashInfer's
-# split-K form): half the bytes its splits write and the merge reads.
-_MOSAIC_HALF_PARTIALS = False
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -267,14 +264,6 @@ def _tree_attention_kernel(
         _store(l_ref.at[bh, split, rows], l, mask=row_live)
 
 
-def as_unnormalised(o, l):
-    """A split partial's unnormalised f32 o from its stored form: f32 o as it is, or o / l in a
-    16-bit dtype (the Mosaic kernel's half partials) times l [..., rows]."""
-    if o.dtype == jnp.float32:
-        return o
-    return o.astype(jnp.float32) * l[..., None]
-
-
 def _merge_partials(po_ref, pm_ref, pl_ref, bh, rows, row_live):
     """(o, m, l) of the row block `rows` (a pl.ds of block_r rows; row_live [block_r]) of KV
     head bh merged over the splits of partials po [BH, S, R', D], pm, pl [BH, S, R'], one split
@@ -284,8 +273,7 @@ def _merge_partials(po_ref, pm_ref, pl_ref, bh, rows, row_live):
         o, m, l = carry
         m_s = _load(pm_ref.at[bh, sp, rows], mask=row_live, other=MASK_VALUE)
         l_s = _load(pl_ref.at[bh, sp, rows], mask=row_live, other=0.0)
-        o_s = as_unnormalised(_load(po_ref.at[bh, sp, rows, :], mask=row_live[:, None],
-                                    other=0.0), l_s)
+        o_s = _load(po_ref.at[bh, sp, rows, :], mask=row_live[:, None], other=0.0)
         m_next = jnp.maximum(m, m_s)
         a, w = jnp.exp2(m - m_next), jnp.exp2(m_s - m_next)
         return a[:, None] * o + w[:, None] * o_s, m_next, a * l + w * l_s
@@ -297,7 +285,7 @@ def _merge_partials(po_ref, pm_ref, pl_ref, bh, rows, row_live):
 
 
 def _combine_kernel(
-    o_ref,     # [BH, S, R, D] f32, unnormalised partials (or `as_unnormalised`'s half form)
+    o_ref,     # [BH, S, R, D] f32, unnormalised partials
     m_ref,     # [BH, S, R] f32
     l_ref,     # [BH, S, R] f32
     *refs,     # with `extra`: the tree part's o2 [BH, 1, R, D], m2, l2 [BH, 1, R]; then
@@ -334,8 +322,8 @@ def _combine_kernel(
         s = jnp.minimum(s, num_splits - 1)[:, None]
         m = _load(m_ref.at[bh, s, rr], mask=live, other=MASK_VALUE)
         l = _load(l_ref.at[bh, s, rr], mask=live, other=0.0)
-        o = as_unnormalised(_load(o_ref.at[bh, s[:, :, None], rr[:, :, None], col],
-                                  mask=live[:, :, None], other=0.0), l)
+        o = _load(o_ref.at[bh, s[:, :, None], rr[:, :, None], col], mask=live[:, :, None],
+                  other=0.0)
         m_next = jnp.maximum(m_run, m.max(axis=0))
         corr = jnp.exp2(m_run - m_next)
         w = jnp.where(live, jnp.exp2(m - m_next[None, :]), 0.0)
@@ -406,8 +394,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
            "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
-           "mosaic_ring", "mosaic_overlap", "mosaic_rows_adjacent", "mosaic_multicast",
-           "mosaic_half_partials")
+           "mosaic_ring", "mosaic_overlap", "mosaic_rows_adjacent", "mosaic_multicast")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -462,8 +449,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
             skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
-            mosaic_overlap=None, mosaic_rows_adjacent=None, mosaic_multicast=None,
-            mosaic_half_partials=None):
+            mosaic_overlap=None, mosaic_rows_adjacent=None, mosaic_multicast=None):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -480,9 +466,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     mosaic_rows_adjacent: its row tiles launched next to each other, so the CTAs of one slot's
     rows share their reads of its prefix through L2 (None: `_MOSAIC_ROWS_ADJACENT`).
     mosaic_multicast: those CTAs as one cluster that reads each key block once and multicasts
-    it (None: `_MOSAIC_MULTICAST`, and never in interpret mode).
-    mosaic_half_partials: its split partials stored as o / l in the input dtype (None:
-    `_MOSAIC_HALF_PARTIALS`)."""
+    it (None: `_MOSAIC_MULTICAST`, and never in interpret mode)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -525,9 +509,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                               rows_adjacent=(_MOSAIC_ROWS_ADJACENT if mosaic_rows_adjacent is None
                                           else mosaic_rows_adjacent),
                               multicast=(_MOSAIC_MULTICAST and not interpret
-                                         if mosaic_multicast is None else mosaic_multicast),
-                              half_partials=(_MOSAIC_HALF_PARTIALS if mosaic_half_partials is None
-                                             else mosaic_half_partials))
+                                         if mosaic_multicast is None else mosaic_multicast))
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
@@ -551,7 +533,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
                    dtype, *, packed, block_r, params, num_splits, sm_scale, interpret,
                    kn_in, vn_in, tree_mask, mosaic_tree, ring, overlap, rows_adjacent,
-                   multicast, half_partials):
+                   multicast):
     """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`). Trees of up
     to `_MOSAIC_TREE_KEYS` tokens go into that kernel too (then one launch, or two with the
     combine over several splits); larger ones take `kernel` (the Triton kernel, configured) for
@@ -570,7 +552,7 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
                                      scale_log2=sm_scale * _LOG2E, num_splits=num_splits,
                                      block_kv=ring[0], steps=ring[1], overlap=overlap,
                                      rows_adjacent=rows_adjacent, multicast=multicast,
-                                     half_partials=half_partials, interpret=interpret)
+                                     interpret=interpret)
     if tree is not None and num_splits == 1:   # normalised rows [B * Hkv, R', D]
         o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)
         return o.transpose(0, 2, 1, 3, 4).reshape(q_shape).astype(dtype)

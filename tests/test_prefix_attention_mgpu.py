@@ -59,31 +59,6 @@ def test_partials_match_reference(case, overlap):
     assert (l[empty] == 0).all() and (o[empty] == 0).all()
 
 
-@pytest.mark.parametrize("case", CASES[1:], ids=lambda c: f"r{c[3]}s{c[5]}k{c[7]}")
-def test_half_partials_are_the_normalised_split_outputs(case):
-    """half_partials: o stored as o / l in q's dtype (0 for a split with no keys); turned back by
-    `as_unnormalised` it is the reference's o to bf16 rounding, and m and l are unchanged."""
-    b, hkv, t, rows, seq_lens, splits, block_kv, steps, slots = case
-    ks = jax.random.split(jax.random.key(rows + t), 3)
-    cache_slots = b if slots is None else 3
-    q = jax.random.normal(ks[0], (b, hkv, rows, 64), jnp.bfloat16)
-    kc = jax.random.normal(ks[1], (2, cache_slots, hkv, t, 64), jnp.bfloat16)
-    vc = jax.random.normal(ks[2], (2, cache_slots, hkv, t, 64), jnp.bfloat16)
-    sl = jnp.asarray(seq_lens, jnp.int32)
-    slots = None if slots is None else jnp.asarray(slots, jnp.int32)
-    kw = dict(scale_log2=0.18, num_splits=splits, block_kv=block_kv)
-    ref = pm.prefix_partials_reference(q, kc, vc, 1, sl, slots=slots, **kw)
-    o, m, l = pm.prefix_partials_mgpu(q, kc, vc, jnp.int32(1), sl, slots, steps=steps,
-                                      half_partials=True, interpret=True, **kw)
-    assert o.dtype == jnp.bfloat16 and m.dtype == l.dtype == jnp.float32
-    assert _max_rel(m, ref[1]) == 0.0 and _max_rel(l, ref[2]) < 1e-5
-    assert _max_rel(ta.as_unnormalised(o, l), ref[0]) < 1e-2
-    norm = np.asarray(ref[0]) / np.maximum(np.asarray(ref[2]), 1e-30)[..., None]
-    assert _max_rel(o, norm) < 1e-2   # |o / l| <= max |v|: bf16's range is no concern
-    empty = np.asarray(ref[2]) == 0
-    assert empty.any() and (np.asarray(o, np.float32)[empty] == 0).all()
-
-
 def test_adjacent_row_tiles_give_the_same_partials():
     """rows_adjacent (the row tiles as the grid's last axis, tree_attention's default) changes
     only the launch order: three row tiles of one warpgroup over two splits give bit for bit the
@@ -128,34 +103,6 @@ def test_multicast_builds_a_cluster_program_for_the_device():
     # Three row tiles (a 48-token tree) cannot share a block's copy evenly: the plain grid.
     args = (q[:, :48], *args[1:5], kn[:, :, :48], kn[:, :, :48], mask[:, :48, :48])
     assert "cluster_block_id" not in device_program(True)
-
-
-@pytest.mark.parametrize("splits, inside", [(2, True), (2, False), (3, False)])
-def test_half_partials_through_every_merge(splits, inside):
-    """mosaic_half_partials through each consumer of the Mosaic kernel's partials: the combine
-    (tree inside, 2 splits), the Triton kernel merging them before the tree part (mosaic_tree=
-    False, 2 splits) and the combine after the Triton tree part (3 splits)."""
-    b, n, hq, hkv, d, t = 2, 7, 8, 2, 64, 256
-    ks = jax.random.split(jax.random.key(21 + splits), 6)
-    q = jax.random.normal(ks[0], (b, n, hq, d), jnp.bfloat16)
-    kc = jax.random.normal(ks[1], (1, b, hkv, t, d), jnp.bfloat16)
-    vc = jax.random.normal(ks[2], (1, b, hkv, t, d), jnp.bfloat16)
-    kn = jax.random.normal(ks[3], (b, hkv, n, d), jnp.bfloat16)
-    vn = jax.random.normal(ks[4], (b, hkv, n, d), jnp.bfloat16)
-    mask = jax.random.bernoulli(ks[5], 0.5, (b, n, n)) | jnp.eye(n, dtype=bool)
-    sl = jnp.asarray([t, 60], jnp.int32)   # slot 1: its last split gets no keys
-    scale = 1 / math.sqrt(d)
-    ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=scale)
-    kw = dict(sm_scale=scale, interpret=True, backend="mosaic", num_splits=splits,
-              mosaic_tree=None if inside else False)
-    half = ta.tree_attention_pallas(q, kc, vc, jnp.int32(0), sl, kn, vn, mask,
-                                    mosaic_half_partials=True, **kw)
-    full = ta.tree_attention_pallas(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, **kw)
-    half, full, ref = (np.asarray(x, np.float64) for x in (half, full, ref))
-    assert np.isfinite(half).all()
-    assert np.linalg.norm(half - ref) / np.linalg.norm(ref) < 1e-2
-    # one more bf16 rounding than the f32 partials, no more
-    assert np.abs(half - full).max() <= 2 ** -7 * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("entry, splits, block_r, n, inside, overlap", [
