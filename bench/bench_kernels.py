@@ -164,17 +164,22 @@ class Alternate:
         return self.compiled[self.turn](*args)
 
 
-def device_times(f, args, execs=2):
+def device_times(f, args, execs=8, warm=8):
     """(kernel-busy s, first-to-last-kernel s, CUDA-graph update s) per execution of f(*args),
     from a profiler trace of `execs` back-to-back executions (CUDA graphs kept on,
-    `keep_graphs_while_profiling`). Unlike the wall time, the first two do not count the
-    host's dispatch: where the host is slower than the device (small calls, a slow host), the
-    wall time is the host's. The third is host time: XLA re-records a graph whose buffers
-    moved since its last launch (bench/RESULTS.md, forty-fifth set)."""
+    `keep_graphs_while_profiling`), right after `warm` untraced ones. Unlike the wall time,
+    the first two do not count the host's dispatch: where the host is slower than the device
+    (small calls, a slow host), the wall time is the host's. The third is host time: XLA
+    re-records a graph whose buffers moved since its last launch (bench/RESULTS.md,
+    forty-fifth set). Why a burst each: on arithmetic-bound rows the GPU's clock falls under
+    sustained load, and two executions traced after an idle pause ran up to 14% faster than
+    the same program traced straight after the timing loop (forty-sixth set)."""
     import tempfile
 
     from jaxspec.benchmark import trace
-    jax.block_until_ready(f(*args))
+    if SMOKE:   # interpret mode: only checks that the script runs
+        warm, execs = 1, 2
+    jax.block_until_ready([f(*args) for _ in range(warm)])
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             jax.block_until_ready([f(*args) for _ in range(execs)])
