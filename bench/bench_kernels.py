@@ -164,6 +164,15 @@ class Alternate:
         return self.compiled[self.turn](*args)
 
 
+def use_device_time():
+    """Rows also get each function's kernel time (`device_times`): XLA told to keep its CUDA
+    graphs while profiling, which must happen before the backend starts."""
+    global DEVICE_TIME
+    from jaxspec.benchmark.trace import keep_graphs_while_profiling
+    keep_graphs_while_profiling()
+    DEVICE_TIME = True
+
+
 def device_times(f, args, execs=8, warm=8):
     """(kernel-busy s, first-to-last-kernel s, CUDA-graph update s) per execution of f(*args),
     from a profiler trace of `execs` back-to-back executions (CUDA graphs kept on,
@@ -655,11 +664,10 @@ def main():
     p.add_argument("--heads", default="",
                    help='"Hq,Hkv,D" in place of 32,8,128 (SmolLM2: "9,3,64")')
     a = p.parse_args()
-    global SMOKE, HQ, HKV, D, SM_SCALE, INTERLEAVE, DEVICE_TIME
-    INTERLEAVE, DEVICE_TIME = not a.sequential, a.device_time
-    if DEVICE_TIME:   # before the backend starts
-        from jaxspec.benchmark.trace import keep_graphs_while_profiling
-        keep_graphs_while_profiling()
+    global SMOKE, HQ, HKV, D, SM_SCALE, INTERLEAVE
+    INTERLEAVE = not a.sequential
+    if a.device_time:
+        use_device_time()
     RESULTS["interleaved"] = INTERLEAVE
     if a.heads:
         HQ, HKV, D = (int(x) for x in a.heads.split(","))

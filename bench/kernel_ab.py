@@ -73,10 +73,8 @@ def main():
     ap.add_argument("--device-time", action="store_true",
                     help="also each one's kernel time from a profiler trace")
     a = ap.parse_args()
-    if a.device_time:   # before the backend starts
-        from jaxspec.benchmark.trace import keep_graphs_while_profiling
-        keep_graphs_while_profiling()
-        bk.DEVICE_TIME = True
+    if a.device_time:
+        bk.use_device_time()
     hashable = lambda cfg: {k: tuple(v) if isinstance(v, list) else v  # noqa: E731
                             for k, v in cfg.items()}   # (static arguments)
     base = hashable(json.loads(a.base))

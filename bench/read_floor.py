@@ -237,16 +237,15 @@ def measure(b, t, smoke, device_time, only=".*", release=False, copies=False, lo
         row.update({k + "_us": v for k, v in _torch_times(b, t, reps).items()})
         torch.cuda.empty_cache()   # leave the device's memory to JAX
     args = bk.make_inputs(jax.random.key(b * 100003 + t), b, 1, t, reps)
-    calls = {name: bk.multi_call(fn, reps) for name, fn in _jax_fns(t, smoke).items()
-             if re.fullmatch(only, name)}
+    fns = {name: fn for name, fn in _jax_fns(t, smoke).items() if re.fullmatch(only, name)}
+    plain = {name: bk.multi_call(fn, reps) for name, fn in fns.items()}
+    calls = dict(plain)
     if release:   # each also with its outputs dropped execution by execution
-        calls.update({name + "@release": bk.Release(f) for name, f in list(calls.items())})
+        calls.update({name + "@release": bk.Release(f) for name, f in plain.items()})
     if loop:   # each also as one loop over the layers (bench_kernels.loop_call)
-        calls.update({name + "@loop": bk.loop_call(fn, reps)
-                      for name, fn in _jax_fns(t, smoke).items() if name in calls})
+        calls.update({name + "@loop": bk.loop_call(fns[name], reps) for name in plain})
     if copies:   # each also as two loaded copies taken in turn
-        calls.update({name + "@copies": bk.Alternate(f) for name, f in list(calls.items())
-                      if "@" not in name})
+        calls.update({name + "@copies": bk.Alternate(f) for name, f in plain.items()})
     bk.time_calls(calls, args, reps, row, device_time)
     del args
     return row
@@ -285,8 +284,7 @@ def main():
                    help="each also timed as two loaded copies of its program taken in turn")
     a = p.parse_args()
     if a.device_time:
-        from jaxspec.benchmark.trace import keep_graphs_while_profiling
-        keep_graphs_while_profiling()
+        bk.use_device_time()
     sizes = [tuple(int(x) for x in s.split(",")) for s in a.sizes.split(";") if s]
     if a.smoke:
         bk.SMOKE, bk.HQ, bk.HKV, sizes = True, 8, 2, [(1, 512)]
