@@ -88,7 +88,7 @@ def _bounds(seq_len, split, num_splits, block_kv):
 
 
 def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, wgs,
-            indirect, tree, interpret, overlap, multicast):
+            indirect, tree, interpret, overlap, multicast, tree_split):
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref = refs[:3]
     kn_ref, vn_ref, bias_ref = refs[3:6] if tree else (None, None, None)
@@ -103,9 +103,10 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     layer = layer_ref[0]
     seq_len = jnp.minimum(jnp.maximum(seq_ref[b], 0), t_max)
     start, end, full_blocks, blocks = _bounds(seq_len, split, num_splits, block_kv)
-    # With the tree, split 0 takes one block more: the new keys (kn [B, Hkv, NT, D], NT <= the
-    # ring's rows) under the additive mask `bias` [B, R, NT], after its prefix blocks.
-    total = blocks + (split == 0).astype(jnp.int32) if tree else blocks
+    # With the tree, split `tree_split` takes one block more: the new keys (kn [B, Hkv, NT, D],
+    # NT <= the ring's rows) under the additive mask `bias` [B, R, NT], after its prefix blocks
+    # (none where it is the split past the prefix's, whose `_bounds` are empty).
+    total = blocks + (split == tree_split).astype(jnp.int32) if tree else blocks
     tree_keys = kn_ref.shape[2] if tree else 0
     wg = lax.axis_index("wg")
     dtype = q_smem.dtype
@@ -281,7 +282,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             carry = lax.fori_loop(0, full_blocks, step, carry)
             carry = lax.fori_loop(full_blocks, blocks, functools.partial(step, masked=True),
                                   carry)
-        if tree:   # (a loop of 0 or 1 trips: split 0 only)
+        if tree:   # (a loop of 0 or 1 trips: split `tree_split` only)
             carry = lax.fori_loop(blocks, total, functools.partial(step, new_keys=True), carry)
         acc, m_i, l_i = carry
         if wgs == 2:
@@ -431,6 +432,20 @@ def _short_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms, cap) 
     return best
 
 
+def tree_split_pays(batch, num_kv_heads, rows, length, num_splits, block_kv,
+                    num_sms=NUM_SMS) -> bool:
+    """Whether the tree's block, as a split of its own (`prefix_partials_mgpu(tree_split=)`),
+    ends before the prefix's splits do: those fill under a wave, and the SMs they leave idle
+    run the tree's CTAs (one block each, launched last) in fewer turns than a split has key
+    blocks. With one split the tree stays in it (no combine to merge a second)."""
+    if num_splits < 2:
+        return False
+    busy = active_splits(length, num_splits, block_kv)
+    idle = num_sms - grid_ctas(batch, num_kv_heads, rows, busy)
+    blocks = -(-max(-(-length // block_kv), 1) // busy)
+    return idle > 0 and -(-grid_ctas(batch, num_kv_heads, rows, 1) // idle) < blocks
+
+
 def active_splits(length, num_splits, block_kv) -> int:
     """Splits that hold keys when `length` keys are cut as `_bounds` cuts them (whole blocks)."""
     blocks = -(-length // block_kv)
@@ -440,11 +455,12 @@ def active_splits(length, num_splits, block_kv) -> int:
 
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
                                              "overlap", "rows_adjacent", "multicast",
-                                             "interpret"))
+                                             "tree_split", "interpret"))
 def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree=None, *,
                          scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
                          steps: int = STEPS, overlap: bool = False, rows_adjacent: bool = False,
-                         multicast: bool = False, interpret: bool = False):
+                         multicast: bool = False, tree_split: bool = False,
+                         interpret: bool = False):
     """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
     each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
     m, l [B * Hkv, S, R], f32. slots [B]: the cache slot of each row (None: row b is slot b).
@@ -460,7 +476,12 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     multicast: the row tiles of one (split, slot x KV head) as one cluster of CTAs that read
     each key block once, by TMA multicast into every CTA's ring, whatever L2 holds; a ring slot
     is refilled when the consumers of all of them have released it. With 2, 4 or 8 row tiles
-    (others keep the plain grid). Device only: Mosaic GPU's interpreter has no clusters."""
+    (others keep the plain grid). Device only: Mosaic GPU's interpreter has no clusters.
+    tree_split: the tree's block as a split of its own, after the prefix's (outputs of
+    num_splits + 1 splits, never normalised), instead of one block more for split 0. Split 0
+    otherwise ends last by that block; a split of its own runs on SMs the prefix's splits leave
+    idle (`tree_split_pays`): the grid's split axis is launched slowest where the row tiles
+    are adjacent, so its CTAs come last."""
     b, hkv, r, d = q_rows.shape
     t = k_cache.shape[3]
     if not scale_log2 > 0:   # the running max is taken before scaling
@@ -496,25 +517,28 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                  plgpu.Barrier(num_barriers=2 * wgs)),
                 (consumed(num_arrivals=wgs, num_barriers=steps),) * 2,
                 plgpu.Barrier(num_arrivals=wgs), plgpu.Barrier(num_arrivals=1))
+    tree_split = tree_split and tree is not None
+    grid_splits = num_splits + tree_split
     indirect = slots is not None
     body = functools.partial(_kernel, scale_log2=scale_log2, num_splits=num_splits,
                              block_kv=block_kv, steps=steps, wgs=wgs, indirect=indirect,
                              tree=tree is not None, interpret=interpret, overlap=overlap,
-                             multicast=multicast)
+                             multicast=multicast,
+                             tree_split=num_splits if tree_split else 0)
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, *barriers,
                       collective_axes="wg")
 
     f32 = jnp.float32
-    if tree is not None and num_splits == 1:
+    if tree is not None and grid_splits == 1:
         out_type = (jax.ShapeDtypeStruct((b * hkv, r, d), dtype),)
     else:
-        out_type = (jax.ShapeDtypeStruct((b * hkv, num_splits, r, d), f32),
-                    jax.ShapeDtypeStruct((b * hkv, num_splits, r), f32),
-                    jax.ShapeDtypeStruct((b * hkv, num_splits, r), f32))
+        out_type = (jax.ShapeDtypeStruct((b * hkv, grid_splits, r, d), f32),
+                    jax.ShapeDtypeStruct((b * hkv, grid_splits, r), f32),
+                    jax.ShapeDtypeStruct((b * hkv, grid_splits, r), f32))
     params = dict(interpret=_interpret_params()) if interpret else {}
-    axes = (("rt", row_tiles), ("split", num_splits), ("bh", b * hkv))
+    axes = (("rt", row_tiles), ("split", grid_splits), ("bh", b * hkv))
     axes = axes[1:] + axes[:1] if rows_adjacent else axes
     cluster = {}
     if multicast:   # the row tiles are the cluster's axis, not the grid's

@@ -78,6 +78,10 @@ _MOSAIC_ROWS_ADJACENT = True
 # once and multicasts it into every row tile's ring (device only). It ties the adjacent row
 # tiles, which read the prefix once through L2 (forty-second set).
 _MOSAIC_MULTICAST = False
+# The tree's key block as a Mosaic split of its own, launched after the prefix's splits, where
+# those leave SMs idle long enough (`prefix_attention_mgpu.tree_split_pays`): split 0 no longer
+# ends a block after the others.
+_MOSAIC_TREE_SPLIT = False
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -394,7 +398,8 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
            "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
-           "mosaic_ring", "mosaic_overlap", "mosaic_rows_adjacent", "mosaic_multicast")
+           "mosaic_ring", "mosaic_overlap", "mosaic_rows_adjacent", "mosaic_multicast",
+           "mosaic_tree_split")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -449,7 +454,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
             skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
-            mosaic_overlap=None, mosaic_rows_adjacent=None, mosaic_multicast=None):
+            mosaic_overlap=None, mosaic_rows_adjacent=None, mosaic_multicast=None,
+            mosaic_tree_split=None):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -466,7 +472,10 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     mosaic_rows_adjacent: its row tiles launched next to each other, so the CTAs of one slot's
     rows share their reads of its prefix through L2 (None: `_MOSAIC_ROWS_ADJACENT`).
     mosaic_multicast: those CTAs as one cluster that reads each key block once and multicasts
-    it (None: `_MOSAIC_MULTICAST`, and never in interpret mode)."""
+    it (None: `_MOSAIC_MULTICAST`, and never in interpret mode).
+    mosaic_tree_split: the tree's key block as a split of its own rather than one block more
+    for split 0, where the prefix is split (None: `_MOSAIC_TREE_SPLIT` where
+    `prefix_attention_mgpu.tree_split_pays`)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -482,6 +491,9 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
         num_splits = num_splits or mosaic_splits(b, hkv, rows, live_len, ring[0])
         if num_splits == 1 or num_splits > _FUSED_MERGE_SPLITS:   # (see _MOSAIC_TREE_TILE)
             cfg = (_MOSAIC_TREE_TILE[0], cfg[1], cfg[2], _MOSAIC_TREE_TILE[1], cfg[4])
+        if mosaic_tree_split is None:
+            mosaic_tree_split = _MOSAIC_TREE_SPLIT and pm.tree_split_pays(
+                b, hkv, pm.padded_rows(rows), live_len, num_splits, ring[0])
     block_r = block_r or cfg[0]
     block_k = block_k or cfg[1]
     num_warps = num_warps or cfg[3]
@@ -509,7 +521,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                               rows_adjacent=(_MOSAIC_ROWS_ADJACENT if mosaic_rows_adjacent is None
                                           else mosaic_rows_adjacent),
                               multicast=(_MOSAIC_MULTICAST and not interpret
-                                         if mosaic_multicast is None else mosaic_multicast))
+                                         if mosaic_multicast is None else mosaic_multicast),
+                              tree_split=bool(mosaic_tree_split) and num_splits > 1)
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
@@ -533,7 +546,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
                    dtype, *, packed, block_r, params, num_splits, sm_scale, interpret,
                    kn_in, vn_in, tree_mask, mosaic_tree, ring, overlap, rows_adjacent,
-                   multicast):
+                   multicast, tree_split):
     """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`). Trees of up
     to `_MOSAIC_TREE_KEYS` tokens go into that kernel too (then one launch, or two with the
     combine over several splits); larger ones take `kernel` (the Triton kernel, configured) for
@@ -552,7 +565,7 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
                                      scale_log2=sm_scale * _LOG2E, num_splits=num_splits,
                                      block_kv=ring[0], steps=ring[1], overlap=overlap,
                                      rows_adjacent=rows_adjacent, multicast=multicast,
-                                     interpret=interpret)
+                                     tree_split=tree_split, interpret=interpret)
     if tree is not None and num_splits == 1:   # normalised rows [B * Hkv, R', D]
         o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)
         return o.transpose(0, 2, 1, 3, 4).reshape(q_shape).astype(dtype)

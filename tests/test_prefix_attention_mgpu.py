@@ -105,14 +105,16 @@ def test_multicast_builds_a_cluster_program_for_the_device():
     assert "cluster_block_id" not in device_program(True)
 
 
-@pytest.mark.parametrize("entry, splits, block_r, n, inside, overlap", [
-    ("separate", 2, None, 7, True, False), ("packed", 2, None, 7, True, False),
-    ("separate", 3, None, 7, True, False), ("separate", 1, None, 7, True, False),
-    ("separate", 2, None, 7, True, True), ("separate", 1, None, 16, True, True),
-    ("separate", 2, None, 7, False, False), ("packed", 2, 16, 7, False, False),
-    ("separate", 1, 128, 7, False, False), ("separate", 3, None, 7, False, False),
-    ("separate", 2, None, 48, True, False)])
-def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, inside, overlap):
+@pytest.mark.parametrize("entry, splits, block_r, n, inside, overlap, tree_split", [
+    ("separate", 2, None, 7, True, False, False), ("packed", 2, None, 7, True, False, False),
+    ("separate", 3, None, 7, True, False, False), ("separate", 1, None, 7, True, False, False),
+    ("separate", 2, None, 7, True, True, False), ("separate", 1, None, 16, True, True, False),
+    ("separate", 2, None, 7, False, False, False), ("packed", 2, 16, 7, False, False, False),
+    ("separate", 1, 128, 7, False, False, False), ("separate", 3, None, 7, False, False, False),
+    ("separate", 2, None, 48, True, False, False), ("separate", 3, None, 7, True, False, True),
+    ("packed", 2, None, 48, True, False, True), ("separate", 1, None, 7, True, False, True)])
+def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, inside, overlap,
+                                                    tree_split):
     """The whole backend="mosaic" path. Up to 64 tree tokens (inside) the Mosaic kernel attends
     to them too, as one more key block of split 0 under the mask as a bias: with 1 split it
     writes the output itself, with more the combine merges its partials (7 tokens x 4 heads: 28
@@ -122,7 +124,9 @@ def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, i
     for trees past 64 tokens) the Triton kernel adds the tree part: merging 1-2 splits itself
     (row tiles of 16, and of 128 past the partials' rows, masked) or before the combine (3).
     overlap: the prefix with PV products behind the next block's scores (mosaic_overlap).
-    48 tokens x 4 heads: three row tiles of one warpgroup, the tree inside, two splits."""
+    48 tokens x 4 heads: three row tiles of one warpgroup, the tree inside, two splits.
+    tree_split: the tree's block as a split of its own after the prefix's (mosaic_tree_split;
+    with one prefix split it stays in that split)."""
     b, hq, hkv, d, t = 2, 8, 2, 64, 256
     ks = jax.random.split(jax.random.key(5), 6)
     q = jax.random.normal(ks[0], (b, n, hq, d), jnp.bfloat16)
@@ -135,7 +139,8 @@ def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, i
     scale = 1 / math.sqrt(d)
     ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, sm_scale=scale)
     kw = dict(sm_scale=scale, interpret=True, backend="mosaic", num_splits=splits,
-              block_r=block_r, mosaic_tree=None if inside else False, mosaic_overlap=overlap)
+              block_r=block_r, mosaic_tree=None if inside else False, mosaic_overlap=overlap,
+              mosaic_tree_split=tree_split)
     if entry == "packed":
         qkv = jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], 2)
         out = ta.tree_attention_packed_pallas(qkv, kc, vc, jnp.int32(1), sl, mask,
@@ -232,3 +237,45 @@ def test_active_splits_match_the_kernels_cut(length, splits, block):
     busy = sum(int(pm._bounds(jnp.int32(length), s, splits, block)[3]) > 0
                for s in range(splits))
     assert pm.active_splits(length, splits, block) == busy
+
+
+@pytest.mark.parametrize("b, rows, length, splits, pays", [
+    (1, 64, 8192, 16, True), (1, 256, 8192, 8, True), (1, 64, 1024, 4, True),
+    (8, 64, 8192, 2, True), (8, 256, 1024, 1, False), (4, 64, 1024, 4, False),
+    (2, 64, 128, 2, False)])
+def test_tree_split_where_idle_sms_take_the_tree(b, rows, length, splits, pays):
+    """The tree's block gets a split of its own where the prefix's CTAs leave SMs idle and
+    those take the tree's CTAs in fewer turns than a split has blocks: batch 1 over 8K (128
+    CTAs, 4 SMs idle, the 8 tree CTAs in 2 turns against 4 blocks), batch 8 over 8K (64 in 16
+    turns against 32 blocks); not with one split (no combine), nor where the prefix fills the
+    132 SMs (batch 4 over 1K), nor where a split has one block."""
+    assert pm.tree_split_pays(b, 8, rows, length, splits, 128) == pays
+
+
+def test_tree_split_leaves_the_prefix_splits_to_the_prefix():
+    """With tree_split the kernel's first S splits are the prefix's alone (the reference's
+    partials, split 0 included) and split S holds the tree's keys only, under the bias: its
+    row sums are those of the tree's block by jnp."""
+    b, hkv, t, rows, d, nt, splits = 1, 1, 256, 64, 64, 64, 2
+    ks = jax.random.split(jax.random.key(11), 6)
+    q = jax.random.normal(ks[0], (b, hkv, rows, d), jnp.bfloat16)
+    kc = jax.random.normal(ks[1], (1, b, hkv, t, d), jnp.bfloat16)
+    vc = jax.random.normal(ks[2], (1, b, hkv, t, d), jnp.bfloat16)
+    kn = jax.random.normal(ks[3], (b, hkv, nt, d), jnp.bfloat16)
+    vn = jax.random.normal(ks[4], (b, hkv, nt, d), jnp.bfloat16)
+    seen = jax.random.bernoulli(ks[5], 0.5, (b, rows, nt)).at[:, :, 0].set(True)
+    bias = jnp.where(seen, 0.0, ta.MASK_VALUE).astype(jnp.bfloat16)
+    sl = jnp.asarray([200], jnp.int32)
+    kw = dict(scale_log2=0.18, num_splits=splits, block_kv=64)
+    o, m, l = (np.asarray(x) for x in pm.prefix_partials_mgpu(
+        q, kc, vc, jnp.int32(0), sl, None, (kn, vn, bias), steps=2, tree_split=True,
+        interpret=True, **kw))
+    assert o.shape == (b * hkv, splits + 1, rows, d)
+    ref = pm.prefix_partials_reference(q, kc, vc, 0, sl, **kw)
+    assert _max_rel(m[:, :splits], ref[1]) == 0.0 and _max_rel(l[:, :splits], ref[2]) < 1e-5
+    assert _max_rel(o[:, :splits], ref[0]) < 5e-3
+    s = jnp.einsum("rd,nd->rn", q[0, 0].astype(jnp.float32), kn[0, 0].astype(jnp.float32))
+    s = jnp.where(seen[0], s * kw["scale_log2"], -jnp.inf)
+    tree_m = s.max(-1)
+    tree_l = jnp.exp2(s - tree_m[:, None]).sum(-1)
+    assert _max_rel(m[0, splits], tree_m) < 1e-6 and _max_rel(l[0, splits], tree_l) < 1e-3
