@@ -48,6 +48,7 @@ ROWS = 64         # query rows of one compute warpgroup: wgmma's M
 BLOCK_KV = 128    # keys per TMA copy (the example's best on the tree's shapes)
 STEPS = 2         # ring slots: two of 128 keys fill shared memory next to the tiles
 NUM_SMS = 132     # the H100's and the H200's
+TREE_SPLIT_BLOCKS = 4   # `tree_split_pays`: prefix splits of at most this many key blocks
 
 
 def prefix_partials_reference(q_rows, k_cache, v_cache, layer, seq_lens, *, scale_log2,
@@ -434,16 +435,19 @@ def _short_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms, cap) 
 
 def tree_split_pays(batch, num_kv_heads, rows, length, num_splits, block_kv,
                     num_sms=NUM_SMS) -> bool:
-    """Whether the tree's block, as a split of its own (`prefix_partials_mgpu(tree_split=)`),
-    ends before the prefix's splits do: those fill under a wave, and the SMs they leave idle
-    run the tree's CTAs (one block each, launched last) in fewer turns than a split has key
-    blocks. With one split the tree stays in it (no combine to merge a second)."""
+    """Whether the tree's block goes to a split of its own (`prefix_partials_mgpu(tree_split=)`):
+    where the SMs the prefix's splits leave idle take all of the tree's CTAs at once. H200
+    kernel time, own split against split 0's extra block: batch 1-2 over 1-2K (32-64 prefix
+    CTAs) 4-9% faster; batch 1 over 8K (128 CTAs, 4 SMs idle for 8-16 tree CTAs) and batch 8
+    over 8K 1-7% slower (bench/RESULTS.md, forty-seventh set). With one split the tree stays in
+    it (no combine to merge a second)."""
     if num_splits < 2:
         return False
-    busy = active_splits(length, num_splits, block_kv)
-    idle = num_sms - grid_ctas(batch, num_kv_heads, rows, busy)
-    blocks = -(-max(-(-length // block_kv), 1) // busy)
-    return idle > 0 and -(-grid_ctas(batch, num_kv_heads, rows, 1) // idle) < blocks
+    busy_splits = active_splits(length, num_splits, block_kv)
+    blocks = -(-max(-(-length // block_kv), 1) // busy_splits)   # a split's, at most
+    busy = grid_ctas(batch, num_kv_heads, rows, busy_splits)
+    return (blocks <= TREE_SPLIT_BLOCKS
+            and busy + grid_ctas(batch, num_kv_heads, rows, 1) <= num_sms)
 
 
 def active_splits(length, num_splits, block_kv) -> int:
@@ -479,9 +483,8 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     (others keep the plain grid). Device only: Mosaic GPU's interpreter has no clusters.
     tree_split: the tree's block as a split of its own, after the prefix's (outputs of
     num_splits + 1 splits, never normalised), instead of one block more for split 0. Split 0
-    otherwise ends last by that block; a split of its own runs on SMs the prefix's splits leave
-    idle (`tree_split_pays`): the grid's split axis is launched slowest where the row tiles
-    are adjacent, so its CTAs come last."""
+    otherwise ends last by that block; a split of its own runs beside it on SMs the prefix's
+    splits leave idle (`tree_split_pays`)."""
     b, hkv, r, d = q_rows.shape
     t = k_cache.shape[3]
     if not scale_log2 > 0:   # the running max is taken before scaling

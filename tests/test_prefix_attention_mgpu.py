@@ -240,15 +240,15 @@ def test_active_splits_match_the_kernels_cut(length, splits, block):
 
 
 @pytest.mark.parametrize("b, rows, length, splits, pays", [
-    (1, 64, 8192, 16, True), (1, 256, 8192, 8, True), (1, 64, 1024, 4, True),
-    (8, 64, 8192, 2, True), (8, 256, 1024, 1, False), (4, 64, 1024, 4, False),
-    (2, 64, 128, 2, False)])
+    (1, 64, 8192, 16, False), (1, 256, 8192, 8, False), (1, 64, 1024, 4, True),
+    (1, 256, 1024, 4, True), (2, 64, 1024, 4, True), (8, 64, 8192, 2, False),
+    (8, 256, 1024, 1, False), (4, 64, 1024, 4, False), (2, 64, 128, 2, True)])
 def test_tree_split_where_idle_sms_take_the_tree(b, rows, length, splits, pays):
-    """The tree's block gets a split of its own where the prefix's CTAs leave SMs idle and
-    those take the tree's CTAs in fewer turns than a split has blocks: batch 1 over 8K (128
-    CTAs, 4 SMs idle, the 8 tree CTAs in 2 turns against 4 blocks), batch 8 over 8K (64 in 16
-    turns against 32 blocks); not with one split (no combine), nor where the prefix fills the
-    132 SMs (batch 4 over 1K), nor where a split has one block."""
+    """The tree's block gets a split of its own where the SMs the prefix's CTAs leave idle take
+    all of the tree's CTAs at once: batch 1 over 1K (32 prefix CTAs at 64 rows, 64 at 256: two
+    row tiles), batch 2 (64), a one-block prefix that only split 0 reads; not batch 1 over 8K
+    (128 CTAs, 4 SMs idle for 8 or 16 tree CTAs: slower on the H200), nor batch 8 over 8K or
+    batch 4 over 1K (128), nor one split (no combine to merge a second)."""
     assert pm.tree_split_pays(b, 8, rows, length, splits, 128) == pays
 
 
