@@ -89,11 +89,13 @@ def _bounds(seq_len, split, num_splits, block_kv):
 
 
 def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, wgs,
-            indirect, tree, interpret, overlap, multicast, tree_split):
+            indirect, tree, interpret, overlap, multicast, tree_split, tree_in_q):
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref = refs[:3]
     kn_ref, vn_ref, bias_ref = refs[3:6] if tree else (None, None, None)
-    outs, scoped = refs[6 if tree else 3:-1], refs[-1]
+    if tree_in_q:   # the tree's keys, then values, in q's rows after its `tree_in_q` query rows
+        kn_ref, vn_ref, bias_ref = q_ref, q_ref, refs[3]
+    outs, scoped = refs[(4 if tree_in_q else 6) if tree else 3:-1], refs[-1]
     (q_smem, k_smem, v_smem, o_smem, ml_smem, bias_smem), ready, consumed, sched, o_free = scoped
     k_ready, v_ready, q_ready = ready
     k_free, v_free = consumed
@@ -108,7 +110,9 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     # NT <= the ring's rows) under the additive mask `bias` [B, R, NT], after its prefix blocks
     # (none where it is the split past the prefix's, whose `_bounds` are empty).
     total = blocks + (split == tree_split).astype(jnp.int32) if tree else blocks
-    tree_keys = kn_ref.shape[2] if tree else 0
+    tree_keys = bias_ref.shape[2] if tree else 0
+    # The first rows of kn_ref and vn_ref that hold the tree's keys and values.
+    new_rows = (tree_in_q, tree_in_q + tree_keys) if tree_in_q else (0, 0)
     wg = lax.axis_index("wg")
     dtype = q_smem.dtype
 
@@ -323,21 +327,23 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
         cast_to = dict(collective_axes="rt") if multicast else {}
 
         def fetch(i, ring, which=(0, 1)):   # block i's keys (0) and/or values (1) into `ring`
-            copies = [(k_ref, kn_ref, k_smem, k_ready), (v_ref, vn_ref, v_smem, v_ready)]
+            copies = [(k_ref, kn_ref, k_smem, k_ready, new_rows[0]),
+                      (v_ref, vn_ref, v_smem, v_ready, new_rows[1])]
             copies = [copies[w] for w in which]
 
             @pl.when(i < blocks)
             def _():
                 keys = (layer, slot, h, pl.ds(start + i * block_kv, block_kv))
-                for src, _, dst, ready in copies:
+                for src, _, dst, ready, _ in copies:
                     plgpu.copy_gmem_to_smem(src.at[keys], dst.at[ring], ready.at[ring],
                                             **cast_to)
 
             if tree:
                 @pl.when(i == blocks)
                 def _():
-                    for _, src, dst, ready in copies:
-                        plgpu.copy_gmem_to_smem(src.at[b, h], dst.at[ring, pl.ds(0, tree_keys)],
+                    for _, src, dst, ready, row0 in copies:
+                        plgpu.copy_gmem_to_smem(src.at[b, h, pl.ds(row0, tree_keys)],
+                                                dst.at[ring, pl.ds(0, tree_keys)],
                                                 ready.at[ring], **cast_to)
 
         for i in range(steps):
@@ -459,12 +465,12 @@ def active_splits(length, num_splits, block_kv) -> int:
 
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
                                              "overlap", "rows_adjacent", "multicast",
-                                             "tree_split", "interpret"))
+                                             "tree_split", "tree_in_q", "interpret"))
 def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree=None, *,
                          scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
                          steps: int = STEPS, overlap: bool = False, rows_adjacent: bool = False,
                          multicast: bool = False, tree_split: bool = False,
-                         interpret: bool = False):
+                         tree_in_q: bool = False, interpret: bool = False):
     """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
     each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
     m, l [B * Hkv, S, R], f32. slots [B]: the cache slot of each row (None: row b is slot b).
@@ -484,15 +490,22 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     tree_split: the tree's block as a split of its own, after the prefix's (outputs of
     num_splits + 1 splits, never normalised), instead of one block more for split 0. Split 0
     otherwise ends last by that block; a split of its own runs beside it on SMs the prefix's
-    splits leave idle (`tree_split_pays`)."""
+    splits leave idle (`tree_split_pays`).
+    tree_in_q: tree = (None, None, bias), and q_rows [B, Hkv, R + 2 NT, D] holds the tree's NT
+    keys, then its NT values, after its R query rows (one XLA fusion then builds the kernel's
+    inputs from the projection, where it took two)."""
     b, hkv, r, d = q_rows.shape
+    if tree_in_q:
+        if tree is None or tree[0] is not None or tree[1] is not None:
+            raise ValueError("tree_in_q takes tree = (None, None, bias)")
+        r -= 2 * tree[2].shape[-1]
     t = k_cache.shape[3]
     if not scale_log2 > 0:   # the running max is taken before scaling
         raise ValueError(f"{scale_log2=} must be positive")
     if r % ROWS or t % block_kv or d % 64:
         raise ValueError(f"rows {r} must be a multiple of {ROWS}, cache length {t} of "
                          f"{block_kv=}, head dim {d} of 64")
-    tree_keys = 0 if tree is None else tree[0].shape[2]
+    tree_keys = 0 if tree is None else tree[2].shape[-1]
     if tree is not None and (tree_keys % 64 or not 0 < tree_keys <= block_kv
                              or tree[2].shape != (b, r, tree_keys)):
         raise ValueError(f"tree keys {tree_keys} must be a multiple of 64 up to {block_kv=}, "
@@ -527,7 +540,8 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                              block_kv=block_kv, steps=steps, wgs=wgs, indirect=indirect,
                              tree=tree is not None, interpret=interpret, overlap=overlap,
                              multicast=multicast,
-                             tree_split=num_splits if tree_split else 0)
+                             tree_split=num_splits if tree_split else 0,
+                             tree_in_q=r if tree_in_q else 0)
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, *barriers,
@@ -553,7 +567,7 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                         thread_name="wg", **cluster,
                         compiler_params=plgpu.CompilerParams(approx_math=True), **params)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
-    extra = () if tree is None else tuple(x.astype(dtype) for x in tree)
+    extra = () if tree is None else tuple(x.astype(dtype) for x in tree if x is not None)
     out = call(jnp.reshape(layer, (1,)).astype(jnp.int32), seq_lens.astype(jnp.int32),
                *slot_map, q_rows.astype(dtype), k_cache, v_cache, *extra)
     return out[0] if len(out) == 1 else out

@@ -82,6 +82,10 @@ _MOSAIC_MULTICAST = False
 # idle for all of its CTAs (`prefix_attention_mgpu.tree_split_pays`): split 0 no longer ends a
 # block after the others (batch 1-2 over 1-2K: 4-9% less kernel time, forty-seventh set).
 _MOSAIC_TREE_SPLIT = True
+# The tree's keys and values handed to the Mosaic kernel after the query rows, in one array:
+# XLA builds the kernel's inputs from the projection in one fusion a layer, where the query
+# rows and the tree's padded keys and values took two.
+_MOSAIC_TREE_IN_Q = True
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -399,7 +403,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
            "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
            "mosaic_ring", "mosaic_overlap", "mosaic_rows_adjacent", "mosaic_multicast",
-           "mosaic_tree_split")
+           "mosaic_tree_split", "mosaic_tree_in_q")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -455,7 +459,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
             skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
             mosaic_overlap=None, mosaic_rows_adjacent=None, mosaic_multicast=None,
-            mosaic_tree_split=None):
+            mosaic_tree_split=None, mosaic_tree_in_q=None):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -475,7 +479,9 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     it (None: `_MOSAIC_MULTICAST`, and never in interpret mode).
     mosaic_tree_split: the tree's key block as a split of its own rather than one block more
     for split 0, where the prefix is split (None: `_MOSAIC_TREE_SPLIT` where
-    `prefix_attention_mgpu.tree_split_pays`)."""
+    `prefix_attention_mgpu.tree_split_pays`).
+    mosaic_tree_in_q: the tree's keys and values passed to the Mosaic kernel in the query
+    rows' array, after them (None: `_MOSAIC_TREE_IN_Q`)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -522,7 +528,9 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                                           else mosaic_rows_adjacent),
                               multicast=(_MOSAIC_MULTICAST and not interpret
                                          if mosaic_multicast is None else mosaic_multicast),
-                              tree_split=bool(mosaic_tree_split) and num_splits > 1)
+                              tree_split=bool(mosaic_tree_split) and num_splits > 1,
+                              tree_in_q=(_MOSAIC_TREE_IN_Q if mosaic_tree_in_q is None
+                                         else mosaic_tree_in_q))
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
@@ -546,7 +554,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
                    dtype, *, packed, block_r, params, num_splits, sm_scale, interpret,
                    kn_in, vn_in, tree_mask, mosaic_tree, ring, overlap, rows_adjacent,
-                   multicast, tree_split):
+                   multicast, tree_split, tree_in_q):
     """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`). Trees of up
     to `_MOSAIC_TREE_KEYS` tokens go into that kernel too (then one launch, or two with the
     combine over several splits); larger ones take `kernel` (the Triton kernel, configured) for
@@ -561,11 +569,16 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
     if n <= _MOSAIC_TREE_KEYS and mosaic_tree is not False:
         tree = _mosaic_tree_operands(kn_in, vn_in, tree_mask, q_shape, hkv, rows + pad, packed,
                                      k_cache.dtype)
+        if tree_in_q:   # one fusion gathers and pads all three for the kernel
+            q_rows = jnp.concatenate([q_rows.astype(k_cache.dtype), *tree[:2]], axis=2)
+            tree = (None, None, tree[2])
     prefix = pm.prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots, tree,
                                      scale_log2=sm_scale * _LOG2E, num_splits=num_splits,
                                      block_kv=ring[0], steps=ring[1], overlap=overlap,
                                      rows_adjacent=rows_adjacent, multicast=multicast,
-                                     tree_split=tree_split, interpret=interpret)
+                                     tree_split=tree_split,
+                                     tree_in_q=tree is not None and tree[0] is None,
+                                     interpret=interpret)
     if tree is not None and num_splits == 1:   # normalised rows [B * Hkv, R', D]
         o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)
         return o.transpose(0, 2, 1, 3, 4).reshape(q_shape).astype(dtype)

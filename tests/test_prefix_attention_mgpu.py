@@ -112,7 +112,8 @@ def test_multicast_builds_a_cluster_program_for_the_device():
     ("separate", 2, None, 7, False, False, False), ("packed", 2, 16, 7, False, False, False),
     ("separate", 1, 128, 7, False, False, False), ("separate", 3, None, 7, False, False, False),
     ("separate", 2, None, 48, True, False, False), ("separate", 3, None, 7, True, False, True),
-    ("packed", 2, None, 48, True, False, True), ("separate", 1, None, 7, True, False, True)])
+    ("packed", 2, None, 48, True, False, True), ("separate", 1, None, 7, True, False, True),
+    ("separate", 2, None, 7, True, False, "apart"), ("packed", 3, None, 48, True, False, "both")])
 def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, inside, overlap,
                                                     tree_split):
     """The whole backend="mosaic" path. Up to 64 tree tokens (inside) the Mosaic kernel attends
@@ -126,7 +127,11 @@ def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, i
     overlap: the prefix with PV products behind the next block's scores (mosaic_overlap).
     48 tokens x 4 heads: three row tiles of one warpgroup, the tree inside, two splits.
     tree_split: the tree's block as a split of its own after the prefix's (mosaic_tree_split;
-    with one prefix split it stays in that split)."""
+    with one prefix split it stays in that split). The tree's keys and values reach the kernel
+    after the query rows in one array (mosaic_tree_in_q) but for "apart" (their own arrays)
+    and "both" (their own arrays, the tree's own split)."""
+    tree_in_q = tree_split not in ("apart", "both")
+    tree_split = tree_split in (True, "both")
     b, hq, hkv, d, t = 2, 8, 2, 64, 256
     ks = jax.random.split(jax.random.key(5), 6)
     q = jax.random.normal(ks[0], (b, n, hq, d), jnp.bfloat16)
@@ -140,7 +145,7 @@ def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, i
     ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, sm_scale=scale)
     kw = dict(sm_scale=scale, interpret=True, backend="mosaic", num_splits=splits,
               block_r=block_r, mosaic_tree=None if inside else False, mosaic_overlap=overlap,
-              mosaic_tree_split=tree_split)
+              mosaic_tree_split=tree_split, mosaic_tree_in_q=tree_in_q)
     if entry == "packed":
         qkv = jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], 2)
         out = ta.tree_attention_packed_pallas(qkv, kc, vc, jnp.int32(1), sl, mask,
@@ -255,7 +260,8 @@ def test_tree_split_where_idle_sms_take_the_tree(b, rows, length, splits, pays):
 def test_tree_split_leaves_the_prefix_splits_to_the_prefix():
     """With tree_split the kernel's first S splits are the prefix's alone (the reference's
     partials, split 0 included) and split S holds the tree's keys only, under the bias: its
-    row sums are those of the tree's block by jnp."""
+    row sums are those of the tree's block by jnp. The tree's keys and values handed over
+    after the query rows (tree_in_q) give the same partials."""
     b, hkv, t, rows, d, nt, splits = 1, 1, 256, 64, 64, 64, 2
     ks = jax.random.split(jax.random.key(11), 6)
     q = jax.random.normal(ks[0], (b, hkv, rows, d), jnp.bfloat16)
@@ -279,3 +285,12 @@ def test_tree_split_leaves_the_prefix_splits_to_the_prefix():
     tree_m = s.max(-1)
     tree_l = jnp.exp2(s - tree_m[:, None]).sum(-1)
     assert _max_rel(m[0, splits], tree_m) < 1e-6 and _max_rel(l[0, splits], tree_l) < 1e-3
+    # The tree's keys and values after the query rows in one array (tree_in_q): the same bits.
+    rows_kv = jnp.concatenate([q, kn, vn], axis=2)
+    in_q = pm.prefix_partials_mgpu(rows_kv, kc, vc, jnp.int32(0), sl, None, (None, None, bias),
+                                   steps=2, tree_split=True, tree_in_q=True, interpret=True, **kw)
+    for a, b in zip((o, m, l), in_q):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    with pytest.raises(ValueError, match="tree_in_q takes"):
+        pm.prefix_partials_mgpu(rows_kv, kc, vc, jnp.int32(0), sl, None, (kn, vn, bias),
+                                tree_in_q=True, interpret=True, **kw)
