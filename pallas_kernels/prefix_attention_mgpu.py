@@ -15,7 +15,9 @@ set). This kernel is that design cut to the tree's job:
   * the live prefix of slot b (rows < seq_lens[b]) is cut into `num_splits` chunks of whole
     key blocks at run time, as in the Triton kernel; only the last block of a chunk is masked;
   * with the tree (up to 64 new keys): split 0 takes one more key block, the tree's keys and
-    values in the same ring, under the tree mask as an additive bias tile;
+    values in the same ring, under the tree mask as an additive bias tile; or, where the
+    prefix's splits leave SMs idle, that block is a split of its own (`tree_split`). The
+    tree's keys and values may come in q's array, after the query rows (`tree_in_q`);
   * the output is the Triton kernel's split partials, unnormalised o [BH, S, R, D] and the
     base-2 running max m and sum l [BH, S, R], merged by its combine pass (with the Triton
     kernel's tree part where the tree is not here); with the tree and one split, the rows
