@@ -14,6 +14,12 @@ from pallas_kernels import tree_attention as ta
 pytestmark = pytest.mark.skipif(pm.plgpu is None, reason="no Mosaic GPU in this jaxlib")
 
 
+def _normals(key, *shapes):
+    """One standard-normal bf16 array for each shape."""
+    return [jax.random.normal(k, shape, jnp.bfloat16)
+            for k, shape in zip(jax.random.split(key, len(shapes)), shapes)]
+
+
 def _max_rel(out, ref):
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     return np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)
@@ -133,13 +139,9 @@ def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, i
     tree_in_q = tree_split not in ("apart", "both")
     tree_split = tree_split in (True, "both")
     b, hq, hkv, d, t = 2, 8, 2, 64, 256
-    ks = jax.random.split(jax.random.key(5), 6)
-    q = jax.random.normal(ks[0], (b, n, hq, d), jnp.bfloat16)
-    kc = jax.random.normal(ks[1], (2, b, hkv, t, d), jnp.bfloat16)
-    vc = jax.random.normal(ks[2], (2, b, hkv, t, d), jnp.bfloat16)
-    kn = jax.random.normal(ks[3], (b, hkv, n, d), jnp.bfloat16)
-    vn = jax.random.normal(ks[4], (b, hkv, n, d), jnp.bfloat16)
-    mask = jax.random.bernoulli(ks[5], 0.5, (b, n, n)) | jnp.eye(n, dtype=bool)
+    q, kc, vc, kn, vn = _normals(jax.random.key(5), (b, n, hq, d), (2, b, hkv, t, d),
+                                 (2, b, hkv, t, d), (b, hkv, n, d), (b, hkv, n, d))
+    mask = jax.random.bernoulli(jax.random.key(6), 0.5, (b, n, n)) | jnp.eye(n, dtype=bool)
     sl = jnp.asarray([t, 70], jnp.int32)
     scale = 1 / math.sqrt(d)
     ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, sm_scale=scale)
@@ -263,13 +265,9 @@ def test_tree_split_leaves_the_prefix_splits_to_the_prefix():
     row sums are those of the tree's block by jnp. The tree's keys and values handed over
     after the query rows (tree_in_q) give the same partials."""
     b, hkv, t, rows, d, nt, splits = 1, 1, 256, 64, 64, 64, 2
-    ks = jax.random.split(jax.random.key(11), 6)
-    q = jax.random.normal(ks[0], (b, hkv, rows, d), jnp.bfloat16)
-    kc = jax.random.normal(ks[1], (1, b, hkv, t, d), jnp.bfloat16)
-    vc = jax.random.normal(ks[2], (1, b, hkv, t, d), jnp.bfloat16)
-    kn = jax.random.normal(ks[3], (b, hkv, nt, d), jnp.bfloat16)
-    vn = jax.random.normal(ks[4], (b, hkv, nt, d), jnp.bfloat16)
-    seen = jax.random.bernoulli(ks[5], 0.5, (b, rows, nt)).at[:, :, 0].set(True)
+    q, kc, vc, kn, vn = _normals(jax.random.key(11), (b, hkv, rows, d), (1, b, hkv, t, d),
+                                 (1, b, hkv, t, d), (b, hkv, nt, d), (b, hkv, nt, d))
+    seen = jax.random.bernoulli(jax.random.key(12), 0.5, (b, rows, nt)).at[:, :, 0].set(True)
     bias = jnp.where(seen, 0.0, ta.MASK_VALUE).astype(jnp.bfloat16)
     sl = jnp.asarray([200], jnp.int32)
     kw = dict(scale_log2=0.18, num_splits=splits, block_kv=64)
