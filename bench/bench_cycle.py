@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import LLAMA3_8B, copy_bandwidth, timed  # noqa: E402
+from bench.common import LLAMA3_8B, copy_bandwidth, set_kernel_defaults, timed  # noqa: E402
 from jaxspec.config import ModelConfig  # noqa: E402
 from jaxspec.kv import KVCache  # noqa: E402
 from jaxspec.models import llama  # noqa: E402
@@ -208,7 +208,12 @@ def main(argv=None):
                          "and each cycle variant")
     ap.add_argument("--no-ablation", action="store_true",
                     help="skip the argmax / dead-row ablations")
+    ap.add_argument("--kernel-default", action="append", default=[], metavar="NAME=VALUE",
+                    help="a tree_attention _MOSAIC_* default for this run (repeatable)")
     a = ap.parse_args(argv)
+    settings = set_kernel_defaults(a.kernel_default)
+    if settings:
+        print(f"# kernel defaults: {settings}")
     cfg = TINY if a.tiny else LLAMA3_8B
     # GPU: the unrolled layer loop (lax.scan copies each layer's weights out every step).
     cfg = dataclasses.replace(cfg, unroll_layers=jax.default_backend() == "gpu")

@@ -64,6 +64,27 @@ def write_json(name: str, obj) -> None:
             json.dump(obj, f, indent=1)
 
 
+def set_kernel_defaults(pairs) -> dict:
+    """Sets tree_attention's Mosaic defaults ("NAME=VALUE", NAME one of its `_MOSAIC_*` module
+    constants, VALUE a Python literal) before any program is traced, so one process times the
+    cycle as it runs with another default (the forty-seventh set's A/B runs). -> the settings."""
+    import ast
+
+    from pallas_kernels import tree_attention as ta
+    known = sorted(k for k in vars(ta) if k.startswith("_MOSAIC_"))
+    done = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or name not in known:
+            raise ValueError(f"--kernel-default {pair!r}: expected NAME=VALUE, NAME in {known}")
+        try:
+            done[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--kernel-default {pair!r}: {value!r} is not a Python literal")
+        setattr(ta, name, done[name])
+    return done
+
+
 def device_name() -> str:
     d = jax.devices()[0]
     return f"{d.platform}:{getattr(d, 'device_kind', '?')}"

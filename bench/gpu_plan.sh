@@ -26,6 +26,11 @@
 #                                      #   beside the layer's reads and the tree kernel at N 1,
 #                                      #   unrolled and as one layer loop (forty-sixth set: a
 #                                      #   touch call costs 7.2-9.7 us, the host's dispatch)
+#   bash bench/gpu_plan.sh tree_inputs # issue 4: the 8B batch-1 cycle with the Mosaic kernel's
+#                                      #   tree keys and values apart and in the query rows'
+#                                      #   array (SHAPES, default 6,10,60; forty-seventh set:
+#                                      #   7.702 against 7.615 ms), then the cycle's profile
+#                                      #   both ways
 #   bash bench/gpu_plan.sh ncu         # issue 4: ncu's DRAM bytes, L2 hit rate and tensor-pipe
 #                                      #   activity of the Mosaic kernel at B 64, N 64, 8K, row
 #                                      #   tiles apart, side by side (default) and multicast
@@ -653,6 +658,14 @@ case "${1:-}" in
     ;;
   launch_floor)
     run launch_floor 200 python3 bench/read_floor.py --device-time --sizes "1,8192;1,32768" --only "tree_n1|tma_16_128_3|stream_64_64_4|xla_sum|touch.*" --loop
+    ;;
+  tree_inputs)
+    for v in False True; do
+      run cycle_in_q_$v 200 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "${SHAPES:-6,10,60}" --variants lean --kernel-default _MOSAIC_TREE_IN_Q=$v
+    done
+    for v in False True; do
+      run profile_in_q_$v 150 python3 -m bench.profile_cycle --shapes "${SHAPES:-6,10,60}" --variant lean --top 14 --kernel-default _MOSAIC_TREE_IN_Q=$v
+    done
     ;;
   kernels)
     run kernels 440 python3 bench/bench_kernels.py --no-sweep --skip compact --device-time

@@ -123,3 +123,21 @@ def test_alternate_takes_its_compiled_copies_in_turn():
     outs = [float(f(jnp.float32(3))) for _ in range(3)]
     assert outs == [6.0] * 3 and len(f.compiled) == 2
     assert f.compiled[0] is not f.compiled[1] and f.turn == 1
+
+
+def test_kernel_defaults_set_for_one_run(monkeypatch):
+    """`--kernel-default` (bench_cycle, profile_cycle): a tree_attention _MOSAIC_* constant set
+    from a literal before the run; anything else is refused by name."""
+    from bench.common import set_kernel_defaults
+    from pallas_kernels import tree_attention as ta
+    monkeypatch.setattr(ta, "_MOSAIC_TREE_IN_Q", ta._MOSAIC_TREE_IN_Q)   # restored after
+    monkeypatch.setattr(ta, "_MOSAIC_TREE_SPLIT", ta._MOSAIC_TREE_SPLIT)
+    assert set_kernel_defaults(["_MOSAIC_TREE_IN_Q=False", "_MOSAIC_TREE_SPLIT=0"]) == {
+        "_MOSAIC_TREE_IN_Q": False, "_MOSAIC_TREE_SPLIT": 0}
+    assert ta._MOSAIC_TREE_IN_Q is False and ta._MOSAIC_TREE_SPLIT == 0
+    with pytest.raises(ValueError, match="_MOSAIC_TREE_IN_Q"):   # the known names are listed
+        set_kernel_defaults(["_SPLIT_KEYS=3"])
+    with pytest.raises(ValueError, match="not a Python literal"):
+        set_kernel_defaults(["_MOSAIC_TREE_IN_Q=maybe"])
+    with pytest.raises(ValueError, match="expected NAME=VALUE"):
+        set_kernel_defaults(["_MOSAIC_TREE_IN_Q"])
