@@ -446,7 +446,7 @@ def tree_split_pays(batch, num_kv_heads, rows, length, num_splits, block_kv,
     """Whether the tree's block goes to a split of its own (`prefix_partials_mgpu(tree_split=)`):
     where the SMs the prefix's splits leave idle take all of the tree's CTAs at once. H200
     kernel time, own split against split 0's extra block: batch 1-2 over 1-2K (32-64 prefix
-    CTAs) 4-9% faster; batch 1 over 8K (128 CTAs, 4 SMs idle for 8-16 tree CTAs) and batch 8
+    CTAs) 4-10% faster; batch 1 over 8K (128 CTAs, 4 SMs idle for 8-16 tree CTAs) and batch 8
     over 8K 1-7% slower (bench/RESULTS.md, forty-seventh set). With one split the tree stays in
     it (no combine to merge a second)."""
     if num_splits < 2:
