@@ -164,6 +164,20 @@ class Alternate:
         return self.compiled[self.turn](*args)
 
 
+def set_heads(spec: str):
+    """The timed rows' heads, "Hq,Hkv,D" (default 32,8,128; SmolLM2's "9,3,64")."""
+    global HQ, HKV, D, SM_SCALE
+    try:
+        hq, hkv, d = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"--heads {spec!r}: expected Hq,Hkv,D") from None
+    if min(hq, hkv, d) < 1 or hq % hkv:
+        raise ValueError(f"--heads {spec!r}: Hq must be a positive multiple of Hkv")
+    HQ, HKV, D = hq, hkv, d
+    SM_SCALE = 1.0 / math.sqrt(D)
+    RESULTS["heads"] = [HQ, HKV, D]
+
+
 def use_device_time():
     """Rows also get each function's kernel time (`device_times`): XLA told to keep its CUDA
     graphs while profiling, which must happen before the backend starts."""
@@ -664,15 +678,13 @@ def main():
     p.add_argument("--heads", default="",
                    help='"Hq,Hkv,D" in place of 32,8,128 (SmolLM2: "9,3,64")')
     a = p.parse_args()
-    global SMOKE, HQ, HKV, D, SM_SCALE, INTERLEAVE
+    global SMOKE, HQ, HKV, INTERLEAVE
     INTERLEAVE = not a.sequential
     if a.device_time:
         use_device_time()
     RESULTS["interleaved"] = INTERLEAVE
     if a.heads:
-        HQ, HKV, D = (int(x) for x in a.heads.split(","))
-        SM_SCALE = 1.0 / math.sqrt(D)
-        RESULTS["heads"] = [HQ, HKV, D]
+        set_heads(a.heads)
     if a.smoke:
         SMOKE, HQ, HKV = True, 8, 2
     skip = set(a.skip.split(","))

@@ -30,7 +30,8 @@
 #                                      #   tree keys and values apart and in the query rows'
 #                                      #   array (SHAPES, default 6,10,60; forty-seventh set:
 #                                      #   7.702 against 7.615 ms), then the cycle's profile
-#                                      #   both ways
+#                                      #   both ways; first the tree's own split at SmolLM2's
+#                                      #   heads (9/3/64), on and off (not yet timed there)
 #   bash bench/gpu_plan.sh ncu         # issue 4: ncu's DRAM bytes, L2 hit rate and tensor-pipe
 #                                      #   activity of the Mosaic kernel at B 64, N 64, 8K, row
 #                                      #   tiles apart, side by side (default) and multicast
@@ -660,6 +661,7 @@ case "${1:-}" in
     run launch_floor 200 python3 bench/read_floor.py --device-time --sizes "1,8192;1,32768" --only "tree_n1|tma_16_128_3|stream_64_64_4|xla_sum|touch.*" --loop
     ;;
   tree_inputs)
+    run tree_split_smol 200 python3 bench/kernel_ab.py --device-time --heads 9,3,64 --no-checks --variants '{"on": {"mosaic_tree_split": true}, "off": {"mosaic_tree_split": false}}' --shapes "8,32,1024;8,32,2048;16,32,1024;8,16,1024"
     for v in False True; do
       run cycle_in_q_$v 200 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "${SHAPES:-6,10,60}" --variants lean --kernel-default _MOSAIC_TREE_IN_Q=$v
     done

@@ -4,6 +4,7 @@ then all timed with the bench_kernels harness (chained calls, 8 dispatched back 
 
     python3 bench/kernel_ab.py --variants '{"overlap": {"mosaic_overlap": true}}' \\
         [--base '{"backend": "mosaic"}'] [--shapes "B,N,L;..."] [--no-checks] [--device-time]
+        [--heads "Hq,Hkv,D"]
 Every variant is `base` updated with its own settings; "default" (base alone) is always
 timed, twice. JSON lists become tuples (`mosaic_ring`). --device-time adds each one's kernel
 time from a profiler trace. Writes $OUT/kernel_ab.json.
@@ -72,14 +73,19 @@ def main():
     ap.add_argument("--no-checks", action="store_true", help="time only (checked before)")
     ap.add_argument("--device-time", action="store_true",
                     help="also each one's kernel time from a profiler trace")
+    ap.add_argument("--heads", default="",
+                    help='"Hq,Hkv,D" of the timed rows in place of 32,8,128 (SmolLM2: "9,3,64")')
     a = ap.parse_args()
     if a.device_time:
         bk.use_device_time()
+    if a.heads:
+        bk.set_heads(a.heads)
     hashable = lambda cfg: {k: tuple(v) if isinstance(v, list) else v  # noqa: E731
                             for k, v in cfg.items()}   # (static arguments)
     base = hashable(json.loads(a.base))
     variants = {name: hashable({**base, **cfg}) for name, cfg in json.loads(a.variants).items()}
-    out = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, base=base,
+    out = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+               heads=[bk.HQ, bk.HKV, bk.D], base=base,
                variants=variants, checks=bk.RESULTS["check"], times=[])
     for name, cfg in ({} if a.no_checks else variants).items():
         for args in CHECKS:

@@ -1,5 +1,6 @@
 """The kernel benchmark's timing harness (`bench/bench_kernels.py`): the order its samples run
 in, and what it does with a configuration that fails."""
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -141,3 +142,19 @@ def test_kernel_defaults_set_for_one_run(monkeypatch):
         set_kernel_defaults(["_MOSAIC_TREE_IN_Q=maybe"])
     with pytest.raises(ValueError, match="expected NAME=VALUE"):
         set_kernel_defaults(["_MOSAIC_TREE_IN_Q"])
+
+
+def test_heads_of_the_timed_rows(monkeypatch):
+    """`--heads` (bench_kernels, kernel_ab): the rows' inputs and scale follow "Hq,Hkv,D";
+    specs that name no heads, or query heads that do not group over the KV heads, are refused."""
+    for name in ("HQ", "HKV", "D", "SM_SCALE"):
+        monkeypatch.setattr(bk, name, getattr(bk, name))   # restored after
+    monkeypatch.setitem(bk.RESULTS, "heads", None)
+    bk.set_heads("9,3,64")
+    assert (bk.HQ, bk.HKV, bk.D, bk.RESULTS["heads"]) == (9, 3, 64, [9, 3, 64])
+    assert bk.SM_SCALE == pytest.approx(0.125)
+    q, kc, _, _, kn, _, _ = bk.make_inputs(jax.random.key(0), 2, 5, 16, 1)
+    assert q.shape == (2, 5, 9, 64) and kc.shape == (1, 2, 3, 16, 64) and kn.shape == (2, 3, 5, 64)
+    for bad in ("9,3", "9,4,64", "a,b,c", "0,1,64"):
+        with pytest.raises(ValueError, match="--heads"):
+            bk.set_heads(bad)
