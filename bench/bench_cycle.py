@@ -237,7 +237,7 @@ def main(argv=None):
            "dtype": jnp.dtype(dtype).name, "batch": 1, "prefix": prefix,
            "copy_bw_GBps": bw / 1e9, "target_read_bytes": target_read,
            "target_all_bytes": nbytes(params), "draft_layer_bytes": draft_layer_b,
-           "lm_head_bytes": lm_head_b, "cycles": []}
+           "lm_head_bytes": lm_head_b, "kernel_defaults": settings, "cycles": []}
     print(f"# {res['device']} {res['model']} {res['dtype']} prefix {prefix}; copy "
           f"{bw / 1e9:.0f} GB/s; target {target_read / 1e9:.2f} GB, draft layer "
           f"{draft_layer_b / 1e9:.3f} GB, lm_head {lm_head_b / 1e9:.3f} GB", flush=True)
