@@ -32,6 +32,9 @@
 #                                      #   7.702 against 7.615 ms), then the cycle's profile
 #                                      #   both ways; first the tree's own split at SmolLM2's
 #                                      #   heads (9/3/64), on and off (not yet timed there)
+#   bash bench/gpu_plan.sh cycle_hlo   # issue 4: the 8B batch-1 cycle's optimized HLO (the largest
+#                                      #   module XLA dumps while bench_cycle runs), gzipped, to
+#                                      #   read here which fusions each layer launches
 #   bash bench/gpu_plan.sh ncu         # issue 4: ncu's DRAM bytes, L2 hit rate and tensor-pipe
 #                                      #   activity of the Mosaic kernel at B 64, N 64, 8K, row
 #                                      #   tiles apart, side by side (default) and multicast
@@ -659,6 +662,12 @@ case "${1:-}" in
     ;;
   launch_floor)
     run launch_floor 200 python3 bench/read_floor.py --device-time --sizes "1,8192;1,32768" --only "tree_n1|tma_16_128_3|stream_64_64_4|xla_sum|touch.*" --loop
+    ;;
+  cycle_hlo)
+    rm -rf /tmp/hlo
+    run cycle_hlo 300 env XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" python3 bench/bench_cycle.py --no-ablation --cycles 2 --repeats 1 --shapes "${SHAPES:-6,10,60}" --variants lean
+    f=$(ls -S /tmp/hlo/*after_optimizations.txt | head -1)
+    echo "largest optimized module: $f"; gzip -9 -c "$f" > "$OUT/cycle_after_optimizations.txt.gz"
     ;;
   tree_inputs)
     run tree_split_smol 200 python3 bench/kernel_ab.py --device-time --heads 9,3,64 --no-checks --variants '{"on": {"mosaic_tree_split": true}, "off": {"mosaic_tree_split": false}}' --shapes "8,32,1024;8,32,2048;16,32,1024;8,16,1024"
