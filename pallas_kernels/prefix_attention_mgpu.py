@@ -91,13 +91,13 @@ def _bounds(seq_len, split, num_splits, block_kv):
 
 
 def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, wgs,
-            indirect, tree, interpret, overlap, multicast, tree_split, tree_in_q):
+            indirect, tree, interpret, overlap, multicast, tree_split_index, tree_row0):
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref = refs[:3]
     kn_ref, vn_ref, bias_ref = refs[3:6] if tree else (None, None, None)
-    if tree_in_q:   # the tree's keys, then values, in q's rows after its `tree_in_q` query rows
+    if tree_row0:   # the tree's keys, then values, in q's rows after its `tree_row0` query rows
         kn_ref, vn_ref, bias_ref = q_ref, q_ref, refs[3]
-    outs, scoped = refs[(4 if tree_in_q else 6) if tree else 3:-1], refs[-1]
+    outs, scoped = refs[(4 if tree_row0 else 6) if tree else 3:-1], refs[-1]
     (q_smem, k_smem, v_smem, o_smem, ml_smem, bias_smem), ready, consumed, sched, o_free = scoped
     k_ready, v_ready, q_ready = ready
     k_free, v_free = consumed
@@ -108,13 +108,13 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     layer = layer_ref[0]
     seq_len = jnp.minimum(jnp.maximum(seq_ref[b], 0), t_max)
     start, end, full_blocks, blocks = _bounds(seq_len, split, num_splits, block_kv)
-    # With the tree, split `tree_split` takes one block more: the new keys (kn [B, Hkv, NT, D],
+    # With the tree, split `tree_split_index` takes one block more: the new keys (kn [B, Hkv, NT, D],
     # NT <= the ring's rows) under the additive mask `bias` [B, R, NT], after its prefix blocks
     # (none where it is the split past the prefix's, whose `_bounds` are empty).
-    total = blocks + (split == tree_split).astype(jnp.int32) if tree else blocks
+    total = blocks + (split == tree_split_index).astype(jnp.int32) if tree else blocks
     tree_keys = bias_ref.shape[2] if tree else 0
     # The first rows of kn_ref and vn_ref that hold the tree's keys and values.
-    new_rows = (tree_in_q, tree_in_q + tree_keys) if tree_in_q else (0, 0)
+    new_rows = (tree_row0, tree_row0 + tree_keys) if tree_row0 else (0, 0)
     wg = lax.axis_index("wg")
     dtype = q_smem.dtype
 
@@ -289,7 +289,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             carry = lax.fori_loop(0, full_blocks, step, carry)
             carry = lax.fori_loop(full_blocks, blocks, functools.partial(step, masked=True),
                                   carry)
-        if tree:   # (a loop of 0 or 1 trips: split `tree_split` only)
+        if tree:   # (a loop of 0 or 1 trips: split `tree_split_index` only)
             carry = lax.fori_loop(blocks, total, functools.partial(step, new_keys=True), carry)
         acc, m_i, l_i = carry
         if wgs == 2:
@@ -451,18 +451,22 @@ def tree_split_pays(batch, num_kv_heads, rows, length, num_splits, block_kv,
     it (no combine to merge a second)."""
     if num_splits < 2:
         return False
-    busy_splits = active_splits(length, num_splits, block_kv)
-    blocks = -(-max(-(-length // block_kv), 1) // busy_splits)   # a split's, at most
-    busy = grid_ctas(batch, num_kv_heads, rows, busy_splits)
-    return (blocks <= TREE_SPLIT_BLOCKS
+    busy = grid_ctas(batch, num_kv_heads, rows, active_splits(length, num_splits, block_kv))
+    return (_split_blocks(length, num_splits, block_kv) <= TREE_SPLIT_BLOCKS
             and busy + grid_ctas(batch, num_kv_heads, rows, 1) <= num_sms)
+
+
+def _split_blocks(length, num_splits, block_kv) -> int:
+    """Key blocks of a split (the last may hold fewer) as `_bounds` cuts `length` keys; 1 for
+    none."""
+    blocks = -(-length // block_kv)
+    return -(-blocks // num_splits) if blocks else 1
 
 
 def active_splits(length, num_splits, block_kv) -> int:
     """Splits that hold keys when `length` keys are cut as `_bounds` cuts them (whole blocks)."""
     blocks = -(-length // block_kv)
-    per_split = -(-blocks // num_splits) if blocks else 1
-    return -(-blocks // per_split)
+    return -(-blocks // _split_blocks(length, num_splits, block_kv))
 
 
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
@@ -542,8 +546,8 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                              block_kv=block_kv, steps=steps, wgs=wgs, indirect=indirect,
                              tree=tree is not None, interpret=interpret, overlap=overlap,
                              multicast=multicast,
-                             tree_split=num_splits if tree_split else 0,
-                             tree_in_q=r if tree_in_q else 0)
+                             tree_split_index=num_splits if tree_split else 0,
+                             tree_row0=r if tree_in_q else 0)
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, *barriers,

@@ -566,19 +566,19 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
     q_rows = _query_rows(q_in[:, :, :hq], hkv) if packed else q_in
     pad = pm.padded_rows(rows) - rows   # whole warpgroup tiles; padding rows are never read
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else q_rows
-    tree = None
+    tree, in_q = None, False
     if n <= _MOSAIC_TREE_KEYS and mosaic_tree is not False:
         tree = _mosaic_tree_operands(kn_in, vn_in, tree_mask, q_shape, hkv, rows + pad, packed,
                                      k_cache.dtype)
-        if tree_in_q:   # one fusion gathers and pads all three for the kernel
+        in_q = tree_in_q
+        if in_q:   # one fusion gathers and pads all three for the kernel
             q_rows = jnp.concatenate([q_rows.astype(k_cache.dtype), *tree[:2]], axis=2)
             tree = (None, None, tree[2])
     prefix = pm.prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots, tree,
                                      scale_log2=sm_scale * _LOG2E, num_splits=num_splits,
                                      block_kv=ring[0], steps=ring[1], overlap=overlap,
                                      rows_adjacent=rows_adjacent, multicast=multicast,
-                                     tree_split=tree_split,
-                                     tree_in_q=tree is not None and tree[0] is None,
+                                     tree_split=tree_split, tree_in_q=in_q,
                                      interpret=interpret)
     if tree is not None and num_splits == 1:   # normalised rows [B * Hkv, R', D]
         o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)
