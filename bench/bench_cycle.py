@@ -209,7 +209,8 @@ def main(argv=None):
     ap.add_argument("--no-ablation", action="store_true",
                     help="skip the argmax / dead-row ablations")
     ap.add_argument("--kernel-default", action="append", default=[], metavar="NAME=VALUE",
-                    help="a tree_attention _MOSAIC_* default for this run (repeatable)")
+                    help="a tree_attention _MOSAIC_* default, or topk.NAME (the top-k "
+                         "policy), for this run (repeatable)")
     a = ap.parse_args(argv)
     settings = set_kernel_defaults(a.kernel_default)
     if settings:

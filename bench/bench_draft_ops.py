@@ -14,6 +14,8 @@ here, each alone:
   (f) top_children  draft.top_children on the logits with each top-k above, and lm_head +
                  top_children from the hidden rows, as a draft step runs them
   (g) cum_top_k  jax.lax.top_k of the [1, K*K] cumulative scores, k = K
+  (h) tree_choice  the tree's N - 1 tokens of its candidates ([B, 510] at 6x10x60), in index
+                 order: top_k_indices_in_order by lax.top_k and a sort, and by pairwise ranks
 Each timing is the median over repeats of `calls` back-to-back dispatches of one executable that
 runs the op `inner` times on distinct inputs, chained through optimization barriers (no launch
 gap from Python, no fusing or merging of the copies), divided by `inner`. Every top-k variant is
@@ -125,6 +127,10 @@ def main(argv=None):
     ap.add_argument("--inner", type=int, default=None, help="op copies per dispatch")
     ap.add_argument("--calls", type=int, default=None, help="dispatches per repeat")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--only", default=".*", help="a regex: the top-k variants it names")
+    ap.add_argument("--cands", type=int, default=510,
+                    help="(h) candidates of the tree's choice (510: a 6x10x60 tree)")
+    ap.add_argument("--tree-tokens", type=int, default=60, help="(h) N: the tree's tokens")
     a = ap.parse_args(argv)
     h, v = (TINY_H, TINY_V) if a.tiny else (LLAMA3_8B.hidden_size, LLAMA3_8B.vocab_size)
     v = a.vocab or v
@@ -183,8 +189,10 @@ def main(argv=None):
         variants[f"chunk_max_w{w}"] = functools.partial(topk_lib.top_k_by_chunk_max, width=w,
                                                         small="top_k")
     variants["chunk_max_sort"] = functools.partial(topk_lib.top_k_by_chunk_max, small="sort")
+    variants["chunk_max_rank"] = functools.partial(topk_lib.top_k_by_chunk_max, small="rank")
     variants["two_stage_pad4096"] = padded_two_stage
     variants["approx_max_k_r0.95"] = approx
+    variants = {n: f for n, f in variants.items() if re.search(a.only, n)}
     for name, fn in variants.items():
         extra = {}
         if name.startswith("two_stage_c"):
@@ -210,6 +218,15 @@ def main(argv=None):
         scan_hlo=True)["ms"]
     # (g) the K*K cumulative top-k
     record("cum_top_k", lambda x: jax.lax.top_k(x, kk), cum, b * kk * kk * 4, scan_hlo=True)
+    # (h) the tree's choice of its N - 1 tokens among the candidates, in index order
+    cands = [(x,) for x in jax.random.normal(kc, (inner, b, a.cands), jnp.float32)]
+    picks = a.tree_tokens - 1
+    want = np.sort(np.asarray(jax.lax.top_k(cands[0][0], picks)[1]), axis=-1)
+    for by_rank in (False, True):
+        fn = functools.partial(topk_lib.top_k_indices_in_order, k=picks, by_rank=by_rank)
+        got = np.asarray(jax.jit(fn)(cands[0][0]))
+        record(f"tree_choice[{'rank' if by_rank else 'lax'}]", fn, cands, b * a.cands * 4,
+               scan_hlo=True, exact=bool(np.array_equal(got, want)))
 
     print(f"\n{res['device']}  [{b}, {kk}, {v}] fp32, H {h}  copy {bw / 1e9:.0f} GB/s  "
           f"(lm_head floor {head_b / bw * 1e3:.3f} ms)")

@@ -65,23 +65,28 @@ def write_json(name: str, obj) -> None:
 
 
 def set_kernel_defaults(pairs) -> dict:
-    """Sets tree_attention's Mosaic defaults ("NAME=VALUE", NAME one of its `_MOSAIC_*` module
-    constants, VALUE a Python literal) before any program is traced, so one process times the
-    cycle as it runs with another default (the forty-seventh set's A/B runs). -> the settings."""
+    """Sets module defaults before any program is traced, so one process times the cycle as it
+    runs with another default (the forty-seventh set's A/B runs). Each pair is "NAME=VALUE",
+    VALUE a Python literal, NAME one of tree_attention's `_MOSAIC_*` constants or
+    "topk.NAME" for an upper-case constant of jaxspec.spec.topk (its top-k policy). -> the
+    settings, by the names given."""
     import ast
 
+    from jaxspec.spec import topk
     from pallas_kernels import tree_attention as ta
-    known = sorted(k for k in vars(ta) if k.startswith("_MOSAIC_"))
+    known = {k: (ta, k) for k in vars(ta) if k.startswith("_MOSAIC_")}
+    known.update({f"topk.{k}": (topk, k) for k in vars(topk) if k.isupper()})
     done = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or name not in known:
-            raise ValueError(f"--kernel-default {pair!r}: expected NAME=VALUE, NAME in {known}")
+            raise ValueError(f"--kernel-default {pair!r}: expected NAME=VALUE, NAME in "
+                             f"{sorted(known)}")
         try:
             done[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             raise ValueError(f"--kernel-default {pair!r}: {value!r} is not a Python literal")
-        setattr(ta, name, done[name])
+        setattr(*known[name], done[name])
     return done
 
 

@@ -205,7 +205,8 @@ def main(argv=None):
                     help="GEMM backend the programs are compiled with (xla_options.GEMM_BACKENDS)")
     ap.add_argument("--attn-shapes", default="1,1,1024;1,1,8192;1,64,1024;1,10,1024;64,1,1024")
     ap.add_argument("--kernel-default", action="append", default=[], metavar="NAME=VALUE",
-                    help="a tree_attention _MOSAIC_* default for this run (repeatable)")
+                    help="a tree_attention _MOSAIC_* default, or topk.NAME (the top-k "
+                         "policy), for this run (repeatable)")
     a = ap.parse_args(argv)
     settings = set_kernel_defaults(a.kernel_default)
     if settings:

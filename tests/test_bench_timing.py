@@ -144,6 +144,21 @@ def test_kernel_defaults_set_for_one_run(monkeypatch):
         set_kernel_defaults(["_MOSAIC_TREE_IN_Q"])
 
 
+def test_topk_defaults_set_for_one_run(monkeypatch):
+    """`--kernel-default topk.NAME=VALUE`: the top-k policy's constants, by module name; its
+    functions and lower-case names are not settable."""
+    from bench.common import set_kernel_defaults
+    from jaxspec.spec import topk
+    monkeypatch.setattr(topk, "SMALL_ABOVE_MIN_K", topk.SMALL_ABOVE_MIN_K)   # restored after
+    monkeypatch.setattr(topk, "RANK_MAX_WIDTH", topk.RANK_MAX_WIDTH)
+    assert set_kernel_defaults(["topk.SMALL_ABOVE_MIN_K='rank'", "topk.RANK_MAX_WIDTH=512"]) \
+        == {"topk.SMALL_ABOVE_MIN_K": "rank", "topk.RANK_MAX_WIDTH": 512}
+    assert topk.SMALL_ABOVE_MIN_K == "rank" and topk.RANK_MAX_WIDTH == 512
+    for bad in ("topk.top_k=1", "topk._lowest=1", "RANK_MAX_WIDTH=512"):
+        with pytest.raises(ValueError, match="topk.RANK_MAX_WIDTH"):
+            set_kernel_defaults([bad])
+
+
 def test_heads_of_the_timed_rows(monkeypatch):
     """`--heads` (bench_kernels, kernel_ab): the rows' inputs and scale follow "Hq,Hkv,D";
     specs that name no heads, or query heads that do not group over the KV heads, are refused."""

@@ -26,14 +26,15 @@ def _jitted(k, chunk):
     fns = (functools.partial(topk_lib.top_k, k=k, chunk=chunk),
            functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=max(1, chunk // 8)),
            functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=3, small="top_k"),
-           functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=5, small="sort"))
+           functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=5, small="sort"),
+           functools.partial(topk_lib.top_k_by_chunk_max, k=k, width=7, small="rank"))
     fns += (topk_lib.top2_by_reduce,) if k == 2 else ()
     return jax.jit(lambda x: (jax.lax.top_k(x, k), tuple(f(x) for f in fns)))
 
 
 def _check(x, k, chunk=CHUNK):
     want, got = _jitted(k, chunk)(x)
-    assert len(got) == (5 if k == 2 else 4)
+    assert len(got) == (6 if k == 2 else 5)
     for g in got:
         _assert_same(g, want)
 
@@ -191,7 +192,7 @@ def test_chunk_max_tie_across_chunks():
     x = jnp.full((1, 12), -5.0).at[0, 1].set(1.0)          # chunk 0 (width 4): max 1.0
     x = x.at[0, 8].set(9.0).at[0, 11].set(1.0)            # chunk 2: max 9.0, then a 1.0 at 11
     want = jax.lax.top_k(x, 2)
-    for small in ("top_k", "sort"):
+    for small in topk_lib.SMALL_SELECTIONS:
         got = topk_lib.top_k_by_chunk_max(x, 2, width=4, small=small)
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))   # [8, 1]
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))

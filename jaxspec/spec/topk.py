@@ -53,6 +53,10 @@ DRAFT_VOCAB_CHUNK = 1024
 # [..., W, W] comparisons are one fused kernel at these widths; 6x10x60's 510 candidates keep
 # lax.top_k.
 RANK_MAX_WIDTH = 256
+# How top_k_by_chunk_max may take its two small top-ks (see its `small`), and how it takes
+# them by default above SORT_MIN_K.
+SMALL_SELECTIONS = ("rank", "sort", "top_k")
+SMALL_ABOVE_MIN_K = "sort"
 # Backends whose TopK the split helps. Not CPU: there lax.top_k is already a per-row partial sort
 # and the split costs more than it saves (1.5 -> 2.6 ms for [1, 10, 128256] on this repo's CPU).
 TWO_STAGE_BACKENDS = ("gpu",)
@@ -157,11 +161,12 @@ def top_k_by_chunk_max(x, k: int, *, width: int | None = None, small: str | None
     returned. NaN as in `top_k`.
 
     small: how the two small top-ks (over the n chunk maxima, over the k * width candidates)
-    run. "sort": one stable sort of the row on a total-order key; "top_k": lax.top_k, whose
+    run. "rank": pairwise ranks (`top_k_by_rank`), fused reductions with no sort kernel;
+    "sort": one stable sort of the row on a total-order key; "top_k": lax.top_k, whose
     GPU kernel at k in 9..16 took tens of microseconds whatever the width (k = 10, the whole
     op: 0.045 ms with sorts against 0.067 with lax.top_k, H100, tenth set). None: "sort" for
     k > SORT_MIN_K, else "top_k" (XLA's k <= 8 kernel took 24 us a call, and sorts at k <= 8
-    were not measured). With "sort", signed zeros follow lax.top_k's CPU order (see
+    were not measured; SMALL_ABOVE_MIN_K names the choice above it). With "sort", signed zeros follow lax.top_k's CPU order (see
     `_descending_key`).
 
     Why: a [10, 128256] draft step's top 10 ran XLA's TopK kernel at k <= 16 on 320 chunk rows
@@ -179,13 +184,18 @@ def top_k_by_chunk_max(x, k: int, *, width: int | None = None, small: str | None
     if pad:
         x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)], constant_values=_lowest(x.dtype))
     if small is None:
-        small = "sort" if k > SORT_MIN_K else "top_k"
-    small_top_k = _top_k_by_sort if small == "sort" else jax.lax.top_k
+        small = SMALL_ABOVE_MIN_K if k > SORT_MIN_K else "top_k"
+    if small not in SMALL_SELECTIONS:
+        raise ValueError(f"{small=} must be one of {SMALL_SELECTIONS}")
     rows = x.reshape(-1, n, width)                                        # [R, n, w]
-    _, chosen = small_top_k(rows.max(axis=-1), k)                         # [R, k]
-    chosen = jnp.sort(chosen, axis=-1)
+    maxima = rows.max(axis=-1)                                            # [R, n]
+    if small == "rank":
+        chosen, select = top_k_indices_in_order(maxima, k, by_rank=True), top_k_by_rank
+    else:
+        select = _top_k_by_sort if small == "sort" else jax.lax.top_k
+        chosen = jnp.sort(select(maxima, k)[1], axis=-1)                  # [R, k]
     cand = jnp.take_along_axis(rows, chosen[:, :, None], axis=1)          # [R, k, w]
-    vals, pos = small_top_k(cand.reshape(-1, k * width), k)               # [R, k]
+    vals, pos = select(cand.reshape(-1, k * width), k)                    # [R, k]
     idx = jnp.take_along_axis(chosen, pos // width, axis=-1) * width + pos % width
     return vals.reshape(lead + (k,)), idx.reshape(lead + (k,)).astype(jnp.int32)
 
@@ -255,11 +265,12 @@ def top_k_by_rank(x, k: int):
     return jnp.take_along_axis(x, idx, axis=-1), idx
 
 
-def top_k_indices_in_order(x, k: int):
+def top_k_indices_in_order(x, k: int, *, by_rank: bool | None = None):
     """int32 [..., k]: the indices of lax.top_k(x, k), ascending (the set, in index order).
-    Short rows (RANK_MAX_WIDTH) by pairwise ranks with no sort at all; wider ones by
-    lax.top_k and a sort of the k indices."""
-    if x.shape[-1] > RANK_MAX_WIDTH or not 1 <= k <= x.shape[-1]:
+    by_rank (None: rows of at most RANK_MAX_WIDTH): by pairwise ranks with no sort at all;
+    otherwise by lax.top_k and a sort of the k indices."""
+    by_rank = x.shape[-1] <= RANK_MAX_WIDTH if by_rank is None else by_rank
+    if not by_rank or not 1 <= k <= x.shape[-1]:
         _, idx = jax.lax.top_k(x, k)
         return jnp.sort(idx.astype(jnp.int32), axis=-1)
     chosen = _ranks(x) < k                                               # [..., W]
