@@ -32,6 +32,11 @@
 #                                      #   7.702 against 7.615 ms), then the cycle's profile
 #                                      #   both ways; first the tree's own split at SmolLM2's
 #                                      #   heads (9/3/64), on and off (not yet timed there)
+#   bash bench/gpu_plan.sh topk_rank   # the draft's top-k by chunk maxima with its two small
+#                                      #   selections as sorts (default) and by pairwise ranks
+#                                      #   (bench_draft_ops), then the 8B batch-1 cycle (SHAPES)
+#                                      #   as is, with ranks, and with ranks for the tree's
+#                                      #   choice of 510 candidates too (RANK_MAX_WIDTH 512)
 #   bash bench/gpu_plan.sh cycle_hlo   # issue 4: the 8B batch-1 cycle's optimized HLO (the largest
 #                                      #   module XLA dumps while bench_cycle runs), gzipped, to
 #                                      #   read here which fusions each layer launches
@@ -668,6 +673,15 @@ case "${1:-}" in
     run cycle_hlo 300 env XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" python3 bench/bench_cycle.py --no-ablation --cycles 2 --repeats 1 --shapes "${SHAPES:-6,10,60}" --variants lean
     f=$(ls -S /tmp/hlo/*after_optimizations.txt | head -1)
     echo "largest optimized module: $f"; gzip -9 -c "$f" > "$OUT/cycle_after_optimizations.txt.gz"
+    ;;
+  topk_rank)
+    run draft_ops 240 python3 -m bench.bench_draft_ops --only 'chunk_max_(sort|rank)'
+    for v in base rank rank512; do
+      case $v in base) KD=();; rank) KD=(--kernel-default "topk.SMALL_ABOVE_MIN_K='rank'");;
+        rank512) KD=(--kernel-default "topk.SMALL_ABOVE_MIN_K='rank'" --kernel-default topk.RANK_MAX_WIDTH=512);; esac
+      run cycle_$v 200 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "${SHAPES:-6,10,60}" --variants lean "${KD[@]}"
+      cp "$OUT/bench_cycle.json" "$OUT/bench_cycle_$v.json"
+    done
     ;;
   tree_inputs)
     run tree_split_smol 200 python3 bench/kernel_ab.py --device-time --heads 9,3,64 --no-checks --variants '{"on": {"mosaic_tree_split": true}, "off": {"mosaic_tree_split": false}}' --shapes "8,32,1024;8,32,2048;16,32,1024;8,16,1024"
