@@ -10,6 +10,7 @@ here, each alone:
                  multiple of 4096, the layout the balanced chunks avoid)
   (d') chunk_max  jaxspec.spec.topk.top_k_by_chunk_max at widths 64, 128, 256 (the default
                  of vocab_top_k), and with its two small top-ks as sorts (chunk_max_sort)
+  (d'') pallas    pallas_kernels.vocab_topk (two Pallas passes) at chunk widths and warps
   (e) approx_max_k  recall_target 0.95 (TPU-oriented: other backends lower it to an exact TopK)
   (f) top_children  draft.top_children on the logits with each top-k above, and lm_head +
                  top_children from the hidden rows, as a draft step runs them
@@ -49,6 +50,7 @@ from jaxspec.models import eagle  # noqa: E402
 from jaxspec.spec import SpecConfig  # noqa: E402
 from jaxspec.spec import draft as draft_lib  # noqa: E402
 from jaxspec.spec import topk as topk_lib  # noqa: E402
+from pallas_kernels import vocab_topk as pallas_topk  # noqa: E402
 
 CHUNKS = (1024, 2048, 4096, 8192, 16384)
 TINY_H, TINY_V = 256, 8192
@@ -190,6 +192,10 @@ def main(argv=None):
                                                         small="top_k")
     variants["chunk_max_sort"] = functools.partial(topk_lib.top_k_by_chunk_max, small="sort")
     variants["chunk_max_rank"] = functools.partial(topk_lib.top_k_by_chunk_max, small="rank")
+    on_cpu = jax.default_backend() != "gpu"
+    for c, warps in ((2048, 4), (4096, 4), (4096, 8), (8192, 8)):
+        variants[f"pallas_c{c}_w{warps}"] = functools.partial(
+            pallas_topk.vocab_top_k_pallas, chunk=c, num_warps=warps, interpret=on_cpu)
     variants["two_stage_pad4096"] = padded_two_stage
     variants["approx_max_k_r0.95"] = approx
     variants = {n: f for n, f in variants.items() if re.search(a.only, n)}

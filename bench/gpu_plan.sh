@@ -37,6 +37,11 @@
 #                                      #   (bench_draft_ops), then the 8B batch-1 cycle (SHAPES)
 #                                      #   as is, with ranks, and with ranks for the tree's
 #                                      #   choice of 510 candidates too (RANK_MAX_WIDTH 512)
+#   bash bench/gpu_plan.sh topk_pallas # the draft's top-k by two Pallas passes against the chunk
+#                                      #   maxima (bench_draft_ops), then the 8B batch-1 cycle
+#                                      #   (SHAPES) with the XLA top-k routes of before (and the
+#                                      #   tree's choice of 510 by lax.top_k) and with the
+#                                      #   defaults (the kernel; ranks up to 512), twice each
 #   bash bench/gpu_plan.sh cycle_hlo   # issue 4: the 8B batch-1 cycle's optimized HLO (the largest
 #                                      #   module XLA dumps while bench_cycle runs), gzipped, to
 #                                      #   read here which fusions each layer launches
@@ -679,6 +684,15 @@ case "${1:-}" in
     for v in base rank rank512; do
       case $v in base) KD=();; rank) KD=(--kernel-default "topk.SMALL_ABOVE_MIN_K='rank'");;
         rank512) KD=(--kernel-default "topk.SMALL_ABOVE_MIN_K='rank'" --kernel-default topk.RANK_MAX_WIDTH=512);; esac
+      run cycle_$v 200 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "${SHAPES:-6,10,60}" --variants lean "${KD[@]}"
+      cp "$OUT/bench_cycle.json" "$OUT/bench_cycle_$v.json"
+    done
+    ;;
+  topk_pallas)
+    run draft_ops 240 python3 -m bench.bench_draft_ops --only 'chunk_max_sort|pallas'
+    for v in xla pallas xla2 pallas2; do
+      case $v in xla*) KD=(--kernel-default topk.PALLAS_TOP_K=False --kernel-default topk.RANK_MAX_WIDTH=256);;
+        pallas*) KD=();; esac
       run cycle_$v 200 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "${SHAPES:-6,10,60}" --variants lean "${KD[@]}"
       cp "$OUT/bench_cycle.json" "$OUT/bench_cycle_$v.json"
     done

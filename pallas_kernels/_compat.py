@@ -23,7 +23,8 @@ def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def on_gpu() -> bool:
-    """Whether the Pallas GPU kernels serve (JAXSPEC_KERNELS=0 forces the jnp references, to
-    compare or to rule the kernels out of a GPU problem)."""
-    return jax.default_backend() == "gpu" and os.environ.get("JAXSPEC_KERNELS", "1") != "0"
+def on_gpu(backend: str | None = None) -> bool:
+    """Whether the Pallas GPU kernels serve on `backend` (None: jax's default). JAXSPEC_KERNELS=0
+    forces the jnp references, to compare or to rule the kernels out of a GPU problem."""
+    backend = jax.default_backend() if backend is None else backend
+    return backend == "gpu" and os.environ.get("JAXSPEC_KERNELS", "1") != "0"

@@ -155,6 +155,22 @@ def test_policy():
     assert not topk_lib.use_two_stage(331, 10, "gpu")
     assert not topk_lib.use_two_stage(128256, 10, "cpu")
     method = topk_lib.vocab_top_k_method
+    assert method(16384, 8, "gpu") == "pallas"                      # the shipped head's vocab
+    assert method(128256, 10, "gpu") == "pallas"
+    assert method(128256, 16, "gpu", jnp.bfloat16) == "pallas"
+    assert method(128256, 17, "gpu") == "chunk_max"                 # past the kernel's MAX_K
+    assert method(128256, 10, "gpu", jnp.float16) == "chunk_max"
+    assert method(16384, 2, "gpu") == "top2"
+    assert method(16384, 8, "cpu") == "lax"
+
+
+def test_policy_without_the_kernel(monkeypatch):
+    """PALLAS_TOP_K off (or JAXSPEC_KERNELS=0): the XLA routes, as measured before the kernel."""
+    monkeypatch.setenv("JAXSPEC_KERNELS", "0")
+    assert topk_lib.vocab_top_k_method(16384, 8, "gpu") == "two_stage"
+    monkeypatch.delenv("JAXSPEC_KERNELS")
+    monkeypatch.setattr(topk_lib, "PALLAS_TOP_K", False)
+    method = topk_lib.vocab_top_k_method
     assert method(16384, 8, "gpu") == "two_stage"                   # the shipped head's vocab
     assert method(32000, 4, "gpu") == "two_stage"
     assert method(16384, 10, "gpu") == "chunk_max"
@@ -167,17 +183,22 @@ def test_policy():
     assert method(16384, 1, "gpu") == "lax"                         # callers take argmax
 
 
-@pytest.mark.parametrize("kk", [2, 8, 10])
-def test_top_children_two_stage_equals_lax(kk):
+@pytest.mark.parametrize("kk,pallas", [(2, False), (8, False), (10, False), (10, True)])
+def test_top_children_two_stage_equals_lax(kk, pallas, monkeypatch):
     """With the GPU paths on (k = 2: one top-2 reduction, k = 8: chunks of a draft vocabulary,
-    k = 10: chunk maxima), draft's top_children is unchanged."""
+    k = 10: chunk maxima, or the Pallas kernel in interpret mode), draft's top_children is
+    unchanged."""
     v = topk_lib.TWO_STAGE_MIN_VOCAB + 123
     spec = SpecConfig(num_steps=2, topk=kk, num_draft_tokens=min(8, kk + kk * kk + 1))
     logits = 3.0 * jax.random.normal(jax.random.PRNGKey(7), (2, kk, v), jnp.float32)
     logits = jnp.round(logits * 4) / 4                              # ties across the vocab
+    monkeypatch.setattr(topk_lib, "PALLAS_TOP_K", pallas)
+    monkeypatch.setattr(topk_lib, "kernels_enabled", lambda backend: True)
+    monkeypatch.setattr(topk_lib.pallas_topk, "vocab_top_k_pallas", functools.partial(
+        topk_lib.pallas_topk.vocab_top_k_pallas, interpret=True))
     with mock.patch.object(topk_lib, "TWO_STAGE_BACKENDS", (jax.default_backend(),)):
-        assert topk_lib.vocab_top_k_method(v, kk) == {2: "top2", 8: "two_stage",
-                                                       10: "chunk_max"}[kk]
+        assert topk_lib.vocab_top_k_method(v, kk) == (
+            "pallas" if pallas else {2: "top2", 8: "two_stage", 10: "chunk_max"}[kk])
         tok, logp = jax.jit(functools.partial(draft_lib.top_children, spec=spec))(logits)
     vals, want = jax.lax.top_k(logits, kk)
     np.testing.assert_array_equal(np.asarray(tok), np.asarray(want))

@@ -26,6 +26,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import vocab_topk as pallas_topk
+from pallas_kernels._compat import on_gpu as kernels_enabled
+
 # Chunk width bound, to be tuned on the GPU with bench/bench_draft_ops.py. At 128256 it gives 32
 # chunks of 4008: 320 rows for the ten of a draft step, about 2.4 blocks per H100 SM, and 320
 # survivors per row for the second stage. Widths under 65535 keep the kernel's 16-bit indices.
@@ -50,9 +53,12 @@ DRAFT_VOCAB_CHUNK = 1024
 # per-step selection of K of K*K children and its choice of N - 1 candidates, which XLA runs as
 # sort kernels (about 2 us each for topk 2 at batch 16-64, twenty-sixth set; 5.6 us each, five a
 # cycle, for the batch-1 4x8x32 tree's 64 children and 200 candidates, thirty-second set). The
-# [..., W, W] comparisons are one fused kernel at these widths; 6x10x60's 510 candidates keep
-# lax.top_k.
-RANK_MAX_WIDTH = 256
+# [..., W, W] comparisons are one fused kernel at these widths. 6x10x60's choice of 59 of 510
+# candidates took 11.7 us by ranks against 20.8 by lax.top_k and a sort (H200, forty-eighth set).
+RANK_MAX_WIDTH = 512
+# Wide rows at 3 <= k <= 16 on the GPU: two Pallas passes (`pallas_kernels.vocab_topk`) instead
+# of the routes below.
+PALLAS_TOP_K = True
 # How top_k_by_chunk_max may take its two small top-ks (see its `small`), and how it takes
 # them by default above SORT_MIN_K.
 SMALL_SELECTIONS = ("rank", "sort", "top_k")
@@ -287,9 +293,10 @@ def small_top_k(x, k: int):
     return jax.lax.top_k(x, k)
 
 
-def vocab_top_k_method(v: int, k: int, backend: str | None = None) -> str:
+def vocab_top_k_method(v: int, k: int, backend: str | None = None, dtype=jnp.float32) -> str:
     """How `vocab_top_k` selects the top k of rows V wide: "lax" (jax.lax.top_k), "top2"
-    (`top2_by_reduce`: k = 2 on the GPU), "two_stage" (`top_k` in
+    (`top2_by_reduce`: k = 2 on the GPU), "pallas" (`pallas_kernels.vocab_topk`: wide fp32 or
+    bf16 rows at 3 <= k <= its MAX_K on the GPU, while PALLAS_TOP_K), "two_stage" (`top_k` in
     DRAFT_VOCAB_CHUNK-wide chunks: draft vocabularies at small k) or "chunk_max"
     (`top_k_by_chunk_max`: wide vocabularies). All give lax.top_k's result."""
     backend = jax.default_backend() if backend is None else backend
@@ -297,16 +304,21 @@ def vocab_top_k_method(v: int, k: int, backend: str | None = None) -> str:
         return "top2"
     if not use_two_stage(v, k, backend):
         return "lax"
+    if (PALLAS_TOP_K and kernels_enabled(backend) and k <= pallas_topk.MAX_K
+            and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)):
+        return "pallas"
     return "two_stage" if v <= DRAFT_VOCAB_MAX and k <= SORT_MIN_K else "chunk_max"
 
 
 def vocab_top_k(x, k: int):
     """x [..., V] -> (values, indices [..., k] int32): lax.top_k's result, by the method
-    `vocab_top_k_method` picks (one reduction for k = 2 on the GPU; chunks where a wide row's
-    one-block-per-row TopK would leave SMs idle)."""
-    method = vocab_top_k_method(x.shape[-1], k)
+    `vocab_top_k_method` picks (one reduction for k = 2 on the GPU; two Pallas passes, or
+    chunks, where a wide row's one-block-per-row TopK would leave SMs idle)."""
+    method = vocab_top_k_method(x.shape[-1], k, dtype=x.dtype)
     if method == "top2":
         return top2_by_reduce(x)
+    if method == "pallas":
+        return pallas_topk.vocab_top_k_pallas(x, k)
     if method == "two_stage":
         return top_k(x, k, chunk=DRAFT_VOCAB_CHUNK)
     if method == "chunk_max":

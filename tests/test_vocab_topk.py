@@ -1,0 +1,78 @@
+"""The Pallas vocabulary top-k (interpret mode) == jax.lax.top_k bit for bit: values, indices,
+tie order, signed zeros and infinities, rows whose chunks hold fewer than k elements."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import vocab_topk as vt
+
+
+def _check(x, k, chunk):
+    got = vt.vocab_top_k_pallas(x, k, chunk=chunk, interpret=True)
+    want = vt.vocab_top_k_reference(x, k)
+    assert got[0].dtype == x.dtype and got[1].dtype == jnp.int32
+    assert got[0].shape == got[1].shape == (x.shape[0], k)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float64), np.asarray(want[0], np.float64))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    # signed zeros: the same bits, not only equal values
+    np.testing.assert_array_equal(np.signbit(np.asarray(got[0], np.float32)),
+                                  np.signbit(np.asarray(want[0], np.float32)))
+
+
+# (V, chunk): many chunks with a short last one, one chunk (V under it), a power of 2, chunks
+# narrower than k (fewer survivors than k each).
+SHAPES = [(1009, 128), (300, 4096), (1024, 256), (40, 8)]
+
+
+@pytest.mark.parametrize("v,chunk", SHAPES)
+@pytest.mark.parametrize("k", [1, 3, 10, 16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_random_and_tied_rows(v, chunk, k, dtype):
+    x = jax.random.normal(jax.random.PRNGKey(v + k), (3, v), jnp.float32)
+    _check((5 * x).astype(dtype), k, chunk)
+    ties = jax.random.randint(jax.random.PRNGKey(v * k), (3, v), -2, 2)     # most of the top
+    _check(ties.astype(dtype), k, chunk)                                   # k are ties
+
+
+def test_infinities_and_signed_zeros():
+    """+0.0 ahead of -0.0 (lax.top_k's order on the CPU), -inf rows, fewer finite values than k."""
+    row = jnp.array([0.0, -0.0, -jnp.inf, 1.0, -0.0, jnp.inf, 0.0, -jnp.inf, -2.0], jnp.float32)
+    x = jnp.stack([row, jnp.full_like(row, -jnp.inf), jnp.full_like(row, -0.0),
+                   jnp.zeros_like(row).at[4].set(-0.0)])
+    for k in (1, 3, 9):
+        for chunk in (2, 4, 16):
+            _check(x, k, chunk)
+
+
+def test_draft_step_shape():
+    """A draft step's rows at a real vocabulary width, the default chunks (n > 1)."""
+    x = 3.0 * jax.random.normal(jax.random.PRNGKey(1), (4, 16384 + 77), jnp.float32)
+    x = jnp.round(x * 8) / 8                                               # ties across chunks
+    assert vt.chunks(x.shape[1]) == (5, 3293)
+    _check(x, 10, vt.CHUNK)
+
+
+def test_leading_axes():
+    """[B, K, V] rows, as a draft step holds its logits."""
+    x = jax.random.normal(jax.random.PRNGKey(2), (2, 3, 700), jnp.float32)
+    _check(x.reshape(6, 700), 5, 128)
+    got = vt.vocab_top_k_pallas(x, 5, chunk=128, interpret=True)
+    want = vt.vocab_top_k_reference(x, 5)
+    assert got[1].shape == (2, 3, 5)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
+def test_bad_input_is_refused():
+    x = jnp.zeros((2, 50), jnp.float32)
+    with pytest.raises(ValueError, match="k=17"):
+        vt.vocab_top_k_pallas(x, 17, interpret=True)
+    with pytest.raises(ValueError, match="k=0"):
+        vt.vocab_top_k_pallas(x, 0, interpret=True)
+    with pytest.raises(ValueError, match="row width 5"):
+        vt.vocab_top_k_pallas(x[:, :5], 6, interpret=True)
+    with pytest.raises(TypeError, match="int32"):
+        vt.vocab_top_k_pallas(x.astype(jnp.int32), 3, interpret=True)
