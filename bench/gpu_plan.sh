@@ -38,7 +38,8 @@
 #                                      #   as is, with ranks, and with ranks for the tree's
 #                                      #   choice of 510 candidates too (RANK_MAX_WIDTH 512)
 #   bash bench/gpu_plan.sh topk_pallas # the draft's top-k by two Pallas passes against the chunk
-#                                      #   maxima (bench_draft_ops), then the 8B batch-1 cycle
+#                                      #   maxima (bench_draft_ops; and against chunks of 1,024
+#                                      #   at a 16,384 draft vocabulary, k 8), then the 8B cycle
 #                                      #   (SHAPES) with the XLA top-k routes of before (and the
 #                                      #   tree's choice of 510 by lax.top_k) and with the
 #                                      #   defaults (the kernel; ranks up to 512), twice each
@@ -690,6 +691,8 @@ case "${1:-}" in
     ;;
   topk_pallas)
     run draft_ops 240 python3 -m bench.bench_draft_ops --only 'chunk_max_sort|pallas'
+    cp "$OUT/bench_draft_ops.json" "$OUT/bench_draft_ops_128k.json"
+    run draft_ops_16k 150 python3 -m bench.bench_draft_ops --only 'two_stage_c1024|pallas' --vocab 16384 --topk 8 --chunks 1024
     for v in xla pallas xla2 pallas2; do
       case $v in xla*) KD=(--kernel-default topk.PALLAS_TOP_K=False --kernel-default topk.RANK_MAX_WIDTH=256);;
         pallas*) KD=();; esac
