@@ -171,9 +171,10 @@ def top_k_by_chunk_max(x, k: int, *, width: int | None = None, small: str | None
     "sort": one stable sort of the row on a total-order key; "top_k": lax.top_k, whose
     GPU kernel at k in 9..16 took tens of microseconds whatever the width (k = 10, the whole
     op: 0.045 ms with sorts against 0.067 with lax.top_k, H100, tenth set). None: "sort" for
-    k > SORT_MIN_K, else "top_k" (XLA's k <= 8 kernel took 24 us a call, and sorts at k <= 8
-    were not measured; SMALL_ABOVE_MIN_K names the choice above it). With "sort", signed zeros follow lax.top_k's CPU order (see
-    `_descending_key`).
+    k > SORT_MIN_K (SMALL_ABOVE_MIN_K), else "top_k" (XLA's k <= 8 kernel took 24 us a call,
+    and sorts at k <= 8 were not measured). Ranks tied the sorts at k = 10 over 128K (43.0
+    against 42.8 us, H200, forty-eighth set). With "sort" or "rank", signed zeros follow
+    lax.top_k's CPU order (see `_descending_key`).
 
     Why: a [10, 128256] draft step's top 10 ran XLA's TopK kernel at k <= 16 on 320 chunk rows
     (90 us on the H100, 6 calls per 6-step tree cycle) where a max-reduction and two small
