@@ -682,10 +682,13 @@ case "${1:-}" in
     ;;
   topk_rank)
     run draft_ops 240 python3 -m bench.bench_draft_ops --only 'chunk_max_(sort|rank)'
+    # (the XLA routes, as in the forty-eighth set's call 2: the Pallas top-k off)
+    XLA_TOPK=(--kernel-default topk.PALLAS_TOP_K=False)
     for v in base rank rank512; do
-      case $v in base) KD=();; rank) KD=(--kernel-default "topk.SMALL_ABOVE_MIN_K='rank'");;
+      case $v in base) KD=(--kernel-default topk.RANK_MAX_WIDTH=256);;
+        rank) KD=(--kernel-default "topk.SMALL_ABOVE_MIN_K='rank'" --kernel-default topk.RANK_MAX_WIDTH=256);;
         rank512) KD=(--kernel-default "topk.SMALL_ABOVE_MIN_K='rank'" --kernel-default topk.RANK_MAX_WIDTH=512);; esac
-      run cycle_$v 200 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "${SHAPES:-6,10,60}" --variants lean "${KD[@]}"
+      run cycle_$v 200 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "${SHAPES:-6,10,60}" --variants lean "${XLA_TOPK[@]}" "${KD[@]}"
       cp "$OUT/bench_cycle.json" "$OUT/bench_cycle_$v.json"
     done
     ;;
