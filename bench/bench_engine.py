@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import SMOLLM2_135M, device_name, timed, write_json
+from bench.common import SMOLLM2_135M, device_name, set_kernel_defaults, timed, write_json
 from jaxspec import compile_cache
 from jaxspec.config import ModelConfig
 from jaxspec.engine import Engine, PlainBackend, SpecBackend
@@ -103,10 +103,8 @@ def device_ms_per_admit(engine, a, width, features, form, n):
     """Back-to-back admissions of one shape (`Engine.admission_forms`), every row padding
     (dropped, so the state is kept): the device's time for a prompt chunk of that shape.
     Arguments live on the device, since numpy arguments make each call wait (bench_dispatch)."""
-    call = engine.padding_admission(a, width, form, features)
-    on_device = {k: v if k in ("features", "first") else jax.device_put(v)
-                 for k, v in call.keywords.items()}
-    ms, engine.state = timed(lambda s: call.func(s, **on_device)[0], engine.state, n, 1)
+    call = engine.padding_admission(a, width, form, features, on_device=True)
+    ms, engine.state = timed(lambda s: call(s)[0], engine.state, n, 1)
     return ms
 
 
@@ -203,7 +201,13 @@ def main():
     ap.add_argument("--variants", choices=("all", "lean"), default="all",
                     help="program variants to compile at warm-up (the requests are greedy: "
                          "lean is enough)")
+    ap.add_argument("--kernel-default", action="append", default=[], metavar="NAME=VALUE",
+                    help="a tree_attention _MOSAIC_* default, or topk.NAME (the top-k "
+                         "policy), for this run (repeatable)")
     args = ap.parse_args()
+    settings = set_kernel_defaults(args.kernel_default)
+    if settings:
+        print(f"# kernel defaults: {settings}")
     compile_cache.enable()
     cfg, params, head, tok = load(args)
     rows = []
@@ -217,7 +221,8 @@ def main():
                              None if short == "default" else int(short))
                 rows.append(r)
                 print(r, flush=True)
-    write_json("bench_engine.json", dict(device=device_name(), rows=rows))
+    write_json("bench_engine.json", dict(device=device_name(), kernel_defaults=settings,
+                                         rows=rows))
     print(f"\n{device_name()}")
     if args.warmup_only:
         for r in rows:

@@ -43,6 +43,9 @@
 #                                      #   (SHAPES) with the XLA top-k routes of before (and the
 #                                      #   tree's choice of 510 by lax.top_k) and with the
 #                                      #   defaults (the kernel; ranks up to 512), twice each
+#   bash bench/gpu_plan.sh topk_engine # the SmolLM2 engine at batch 1 (4x8x32:2, the shipped
+#                                      #   head's 16,384-token draft vocabulary) with the top-k by
+#                                      #   the XLA routes and by the Pallas kernel, alternated
 #   bash bench/gpu_plan.sh cycle_hlo   # issue 4: the 8B batch-1 cycle's optimized HLO (the largest
 #                                      #   module XLA dumps while bench_cycle runs), gzipped, to
 #                                      #   read here which fusions each layer launches
@@ -701,6 +704,17 @@ case "${1:-}" in
         pallas*) KD=();; esac
       run cycle_$v 200 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "${SHAPES:-6,10,60}" --variants lean "${KD[@]}"
       cp "$OUT/bench_cycle.json" "$OUT/bench_cycle_$v.json"
+    done
+    ;;
+  topk_engine)
+    # the SmolLM2 engine at batch 1 (the shipped head drafts over 16,384 tokens), the top-k by
+    # the XLA routes and by the Pallas kernel, alternated (carry the GGUF:
+    # ../shared/tools/gpu-prepare.sh)
+    for v in xla pallas xla2 pallas2; do
+      case $v in xla*) KD=(--kernel-default topk.PALLAS_TOP_K=False --kernel-default topk.RANK_MAX_WIDTH=256);;
+        pallas*) KD=();; esac
+      run engine_$v 140 python3 -m bench.bench_engine --model "$GGUF" --batches 1 --modes 4x8x32:2 --steps 150 --variants lean "${KD[@]}"
+      cp "$OUT/bench_engine.json" "$OUT/bench_engine_$v.json"
     done
     ;;
   tree_inputs)

@@ -462,12 +462,16 @@ class Engine:
                  [(a, w, True) for a, w in self.admission_shapes()])
         return first + [(a, self.chunk, False) for a in self.admit_buckets]
 
-    def padding_admission(self, a: int, w: int, form, features: Features):
+    def padding_admission(self, a: int, w: int, form, features: Features,
+                          on_device: bool = False):
         """call(state, lower=False) of the admission program (a, w, form) on padding arguments
         (every row dropped: the state stays as it was); stacked per device on a data-parallel
-        backend."""
+        backend. on_device (one replica): the arguments placed on the device once, so that
+        repeated calls (a benchmark's) neither copy them nor wait for the copy."""
         args = self._pack_args(([], [], 0), w) if form == "packed" else \
             self._chunk_args([], 0 if form else 1, a, w)
+        if on_device and self.replicas == 1:
+            args = jax.device_put(args)
         return self._admission(form, [args] * self.replicas, features)
 
     def _admission(self, form, parts, features: Features):
