@@ -181,6 +181,26 @@ def test_packed_form_adds_no_device_loop():
     assert count(2, 32, "packed") == count(4, 64, "packed") == count(4, 16, True) > 0
 
 
+def test_padding_admission_on_device_keeps_the_state(monkeypatch):
+    """A padding admission (every row dropped) with its arguments placed on the device once
+    (`on_device`, bench_engine's timing) leaves the state as it was, call after call."""
+    from jaxspec.engine import loop
+    from jaxspec.sampling import LEAN
+    engine = make_engine("spec")
+    before = [np.asarray(x) for x in jax.tree_util.tree_leaves(engine.state)]
+    placed = []
+    real_put = jax.device_put
+    monkeypatch.setattr(loop.jax, "device_put",
+                        lambda x, *a, **k: placed.append(x) or real_put(x, *a, **k))
+    for form in ("packed", True):
+        call = engine.padding_admission(2, 32, form, LEAN, on_device=True)
+        for _ in range(2):
+            engine.state = call(engine.state)[0]
+        for a, b in zip(jax.tree_util.tree_leaves(engine.state), before):
+            np.testing.assert_array_equal(np.asarray(a), b)
+    assert len(placed) == 2                     # once a call built, not once a call made
+
+
 def test_packed_first_chunks_keep_the_eagle3_seed():
     """An EAGLE-3 head (features of three target layers, its own draft vocabulary): packed and
     padded first chunks write the same target and draft K/V rows and the same draft seed."""
