@@ -42,11 +42,15 @@ def vocab_top_k_reference(x, k: int):
     return lax.top_k(x, k)
 
 
+def _monotone(bits):
+    """int32 fp32 bits <-> int32 keys in the values' order (a total order: negative values'
+    magnitude bits flipped). The map is its own inverse."""
+    return bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))
+
+
 def _keys(x):
-    """fp32 -> int32 keys in the same order as the values (a total order on the bits: negative
-    values' magnitude bits flipped). The map is its own inverse."""
-    i = lax.bitcast_convert_type(x, jnp.int32)
-    return i ^ ((i >> 31) & jnp.int32(0x7FFFFFFF))
+    """fp32 -> int32 keys in the same order as the values."""
+    return _monotone(lax.bitcast_convert_type(x, jnp.int32))
 
 
 def _take_top(keys, idx, k: int, kp: int):
@@ -92,12 +96,8 @@ def _merge_kernel(key_ref, idx_ref, val_ref, top_ref, *, k: int, kp: int):
     keys, idx = _take_top(load(key_ref.at[r, at], mask=ok, other=LOWEST),
                           load(idx_ref.at[r, at], mask=ok, other=NONE), k, kp)
     out = jnp.arange(kp, dtype=jnp.int32)
-    store(val_ref.at[r, out], lax.bitcast_convert_type(_keys_inverse(keys), jnp.float32))
+    store(val_ref.at[r, out], lax.bitcast_convert_type(_monotone(keys), jnp.float32))
     store(top_ref.at[r, out], idx)
-
-
-def _keys_inverse(keys):
-    return keys ^ ((keys >> 31) & jnp.int32(0x7FFFFFFF))
 
 
 def chunks(v: int, chunk: int = CHUNK) -> tuple[int, int]:
