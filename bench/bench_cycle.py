@@ -26,7 +26,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import LLAMA3_8B, copy_bandwidth, set_kernel_defaults, timed  # noqa: E402
+from bench.common import (LLAMA3_8B, add_kernel_default, apply_kernel_defaults,  # noqa: E402
+                          copy_bandwidth, timed)
 from jaxspec.config import ModelConfig  # noqa: E402
 from jaxspec.kv import KVCache  # noqa: E402
 from jaxspec.models import llama  # noqa: E402
@@ -208,13 +209,9 @@ def main(argv=None):
                          "and each cycle variant")
     ap.add_argument("--no-ablation", action="store_true",
                     help="skip the argmax / dead-row ablations")
-    ap.add_argument("--kernel-default", action="append", default=[], metavar="NAME=VALUE",
-                    help="a tree_attention _MOSAIC_* default, or topk.NAME (the top-k "
-                         "policy), for this run (repeatable)")
+    add_kernel_default(ap)
     a = ap.parse_args(argv)
-    settings = set_kernel_defaults(a.kernel_default)
-    if settings:
-        print(f"# kernel defaults: {settings}")
+    settings = apply_kernel_defaults(a)
     cfg = TINY if a.tiny else LLAMA3_8B
     # GPU: the unrolled layer loop (lax.scan copies each layer's weights out every step).
     cfg = dataclasses.replace(cfg, unroll_layers=jax.default_backend() == "gpu")

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.common import SMOLLM2_135M, device_name, set_kernel_defaults, timed, write_json
+from bench.common import (SMOLLM2_135M, add_kernel_default, apply_kernel_defaults, device_name,
+                          timed, write_json)
 from jaxspec import compile_cache
 from jaxspec.config import ModelConfig
 from jaxspec.engine import Engine, PlainBackend, SpecBackend
@@ -201,13 +202,9 @@ def main():
     ap.add_argument("--variants", choices=("all", "lean"), default="all",
                     help="program variants to compile at warm-up (the requests are greedy: "
                          "lean is enough)")
-    ap.add_argument("--kernel-default", action="append", default=[], metavar="NAME=VALUE",
-                    help="a tree_attention _MOSAIC_* default, or topk.NAME (the top-k "
-                         "policy), for this run (repeatable)")
+    add_kernel_default(ap)
     args = ap.parse_args()
-    settings = set_kernel_defaults(args.kernel_default)
-    if settings:
-        print(f"# kernel defaults: {settings}")
+    settings = apply_kernel_defaults(args)
     compile_cache.enable()
     cfg, params, head, tok = load(args)
     rows = []

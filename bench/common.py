@@ -90,6 +90,21 @@ def set_kernel_defaults(pairs) -> dict:
     return done
 
 
+def add_kernel_default(ap) -> None:
+    """`--kernel-default NAME=VALUE` on a benchmark's parser (`set_kernel_defaults`)."""
+    ap.add_argument("--kernel-default", action="append", default=[], metavar="NAME=VALUE",
+                    help="a tree_attention _MOSAIC_* default, or topk.NAME (the top-k "
+                         "policy), for this run (repeatable)")
+
+
+def apply_kernel_defaults(args) -> dict:
+    """`set_kernel_defaults` of the parsed `--kernel-default` pairs, announced on stdout."""
+    settings = set_kernel_defaults(args.kernel_default)
+    if settings:
+        print(f"# kernel defaults: {settings}")
+    return settings
+
+
 def device_name() -> str:
     d = jax.devices()[0]
     return f"{d.platform}:{getattr(d, 'device_kind', '?')}"

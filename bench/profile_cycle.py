@@ -25,7 +25,7 @@ import re
 import tempfile
 import time
 
-from bench.common import set_kernel_defaults
+from bench.common import add_kernel_default, apply_kernel_defaults
 from jaxspec.benchmark import trace
 
 # Kernel name -> kind, first match wins.
@@ -204,13 +204,9 @@ def main(argv=None):
     ap.add_argument("--gemm", default="auto",
                     help="GEMM backend the programs are compiled with (xla_options.GEMM_BACKENDS)")
     ap.add_argument("--attn-shapes", default="1,1,1024;1,1,8192;1,64,1024;1,10,1024;64,1,1024")
-    ap.add_argument("--kernel-default", action="append", default=[], metavar="NAME=VALUE",
-                    help="a tree_attention _MOSAIC_* default, or topk.NAME (the top-k "
-                         "policy), for this run (repeatable)")
+    add_kernel_default(ap)
     a = ap.parse_args(argv)
-    settings = set_kernel_defaults(a.kernel_default)
-    if settings:
-        print(f"# kernel defaults: {settings}")
+    apply_kernel_defaults(a)
     a.shape_list = _shapes(a.shapes)   # "" profiles the decode step alone
     a.attn_shapes = _shapes(a.attn_shapes)
     if a.tiny:

@@ -108,9 +108,9 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     layer = layer_ref[0]
     seq_len = jnp.minimum(jnp.maximum(seq_ref[b], 0), t_max)
     start, end, full_blocks, blocks = _bounds(seq_len, split, num_splits, block_kv)
-    # With the tree, split `tree_split_index` takes one block more: the new keys (kn [B, Hkv, NT, D],
-    # NT <= the ring's rows) under the additive mask `bias` [B, R, NT], after its prefix blocks
-    # (none where it is the split past the prefix's, whose `_bounds` are empty).
+    # With the tree, split `tree_split_index` takes one block more: the new keys (kn [B, Hkv,
+    # NT, D], NT <= the ring's rows) under the additive mask `bias` [B, R, NT], after its prefix
+    # blocks (none where it is the split past the prefix's, whose `_bounds` are empty).
     total = blocks + (split == tree_split_index).astype(jnp.int32) if tree else blocks
     tree_keys = bias_ref.shape[2] if tree else 0
     # The first rows of kn_ref and vn_ref that hold the tree's keys and values.

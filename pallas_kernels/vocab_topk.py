@@ -35,6 +35,7 @@ CHUNK = 4096          # pass 1's widest chunk: 32 chunks of 4,008 for 128,256 (3
 MAX_K = 16            # rounds are unrolled: k of them in each pass
 NONE = jnp.iinfo(jnp.int32).max     # the index of "no element" (padding, rounds past the end)
 LOWEST = jnp.iinfo(jnp.int32).min
+DTYPES = (jnp.float32, jnp.bfloat16)    # the rows it takes (keys come from fp32 bits)
 
 
 def vocab_top_k_reference(x, k: int):
@@ -117,7 +118,7 @@ def vocab_top_k_pallas(x, k: int, *, chunk: int = CHUNK, num_warps: int = 4,
     r = x.shape[0]
     if not 1 <= k <= min(v, MAX_K):
         raise ValueError(f"k={k} must be in 1..{min(v, MAX_K)} (row width {v}, MAX_K {MAX_K})")
-    if x.dtype not in (jnp.float32, jnp.bfloat16):
+    if x.dtype not in DTYPES:
         raise TypeError(f"vocab_top_k_pallas takes fp32 or bf16 rows, got {x.dtype}")
     n, width = chunks(v, chunk)
     kp = next_pow2(k)

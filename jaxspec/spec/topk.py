@@ -306,7 +306,7 @@ def vocab_top_k_method(v: int, k: int, backend: str | None = None, dtype=jnp.flo
     if not use_two_stage(v, k, backend):
         return "lax"
     if (PALLAS_TOP_K and kernels_enabled(backend) and k <= pallas_topk.MAX_K
-            and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)):
+            and jnp.dtype(dtype) in pallas_topk.DTYPES):
         return "pallas"
     return "two_stage" if v <= DRAFT_VOCAB_MAX and k <= SORT_MIN_K else "chunk_max"
 
