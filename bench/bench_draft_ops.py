@@ -10,7 +10,7 @@ here, each alone:
                  multiple of 4096, the layout the balanced chunks avoid)
   (d') chunk_max  jaxspec.spec.topk.top_k_by_chunk_max at widths 64, 128, 256 (the default
                  of vocab_top_k), and with its two small top-ks as sorts (chunk_max_sort)
-  (d'') pallas    pallas_kernels.vocab_topk (two Pallas passes) at chunk widths and warps
+  (d'') pallas    pallas_kernels.vocab_topk at chunk widths and warps, and in its other forms
   (e) approx_max_k  recall_target 0.95 (TPU-oriented: other backends lower it to an exact TopK)
   (f) top_children  draft.top_children on the logits with each top-k above, and lm_head +
                  top_children from the hidden rows, as a draft step runs them
@@ -86,12 +86,19 @@ def time_op(op, inputs, calls, repeats):
     return ms / len(inputs), f.as_text()
 
 
-def exact_vs_lax(fn, x, k):
-    """Whether fn(x, k) equals lax.top_k(x, k) in values and indices, on the device."""
-    got = jax.jit(fn, static_argnums=1)(x, k)
-    want = jax.jit(jax.lax.top_k, static_argnums=1)(x, k)
-    return bool(np.array_equal(np.asarray(got[0]), np.asarray(want[0]))
-                and np.array_equal(np.asarray(got[1]), np.asarray(want[1])))
+def exact_vs_lax(fn, x, k, repeats: int = 8):
+    """Whether fn equals lax.top_k in values and indices, on the device: on x, on x rounded to
+    quarters (ties across chunks), and on 64 rows of fresh values; each `repeats` times (a
+    kernel whose programs exchange results must not race)."""
+    f, ref = jax.jit(fn, static_argnums=1), jax.jit(jax.lax.top_k, static_argnums=1)
+    wide = jax.random.normal(jax.random.PRNGKey(3), (64, x.shape[-1]), x.dtype)
+    for arr in (x, jnp.round(x * 4) / 4, wide):
+        want = [np.asarray(w) for w in ref(arr, k)]
+        for _ in range(repeats):
+            got = f(arr, k)
+            if not all(np.array_equal(np.asarray(g), w) for g, w in zip(got, want)):
+                return False
+    return True
 
 
 def recall_vs_lax(fn, x, k):
@@ -193,9 +200,18 @@ def main(argv=None):
     variants["chunk_max_sort"] = functools.partial(topk_lib.top_k_by_chunk_max, small="sort")
     variants["chunk_max_rank"] = functools.partial(topk_lib.top_k_by_chunk_max, small="rank")
     on_cpu = jax.default_backend() != "gpu"
-    for c, warps in ((2048, 4), (4096, 4), (4096, 8), (8192, 8)):
-        variants[f"pallas_c{c}_w{warps}"] = functools.partial(
-            pallas_topk.vocab_top_k_pallas, chunk=c, num_warps=warps, interpret=on_cpu)
+    # the kernel's default form (one launch, one reduction a round) at chunk widths and warps,
+    # then its other forms at the default width: two launches, and rounds of two reductions
+    forms = [(c, w, pallas_topk.ROUNDS, pallas_topk.FUSED)
+             for c, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8))]
+    forms += [(pallas_topk.CHUNK, 4, r, f) for r, f in (("argmax", False), ("maxmin", True),
+                                                        ("maxmin", False))]
+    for c, warps, rounds, fused in forms:
+        tag = "" if (rounds, fused) == (pallas_topk.ROUNDS, pallas_topk.FUSED) else (
+            f"_{rounds}_{'one' if fused else 'two'}")
+        variants[f"pallas_c{c}_w{warps}{tag}"] = functools.partial(
+            pallas_topk.vocab_top_k_pallas, chunk=c, num_warps=warps, rounds=rounds,
+            fused=fused, interpret=on_cpu)
     variants["two_stage_pad4096"] = padded_two_stage
     variants["approx_max_k_r0.95"] = approx
     variants = {n: f for n, f in variants.items() if re.search(a.only, n)}

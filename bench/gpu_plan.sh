@@ -43,9 +43,13 @@
 #                                      #   (SHAPES) with the XLA top-k routes of before (and the
 #                                      #   tree's choice of 510 by lax.top_k) and with the
 #                                      #   defaults (the kernel; ranks up to 512), twice each
+#   bash bench/gpu_plan.sh topk_fused  # the top-k kernel in one launch, one reduction a round,
+#                                      #   against its two-pass form (forty-eighth set): the 8B
+#                                      #   cycle alternated, bench_draft_ops at 128K and 16K
 #   bash bench/gpu_plan.sh topk_engine # the SmolLM2 engine at batch 1 (4x8x32:2, the shipped
 #                                      #   head's 16,384-token draft vocabulary) with the top-k by
-#                                      #   the XLA routes and by the Pallas kernel, alternated
+#                                      #   the XLA routes, the kernel's two-pass form and its
+#                                      #   default, alternated
 #   bash bench/gpu_plan.sh cycle_hlo   # issue 4: the 8B batch-1 cycle's optimized HLO (the largest
 #                                      #   module XLA dumps while bench_cycle runs), gzipped, to
 #                                      #   read here which fusions each layer launches
@@ -706,12 +710,29 @@ case "${1:-}" in
       cp "$OUT/bench_cycle.json" "$OUT/bench_cycle_$v.json"
     done
     ;;
+  topk_fused)
+    # the top-k kernel in one launch with one reduction a round (default) against its two-pass,
+    # two-reduction form of the forty-eighth set: the 8B cycle alternated, the ops between
+    OLD=(--kernel-default "vocab_topk.ROUNDS='maxmin'" --kernel-default vocab_topk.FUSED=False)
+    for v in two one draft_ops two2 one2; do
+      case $v in two*) KD=("${OLD[@]}");; one*) KD=();;
+        draft_ops)
+          run draft_ops 150 python3 -m bench.bench_draft_ops --only 'pallas'
+          cp "$OUT/bench_draft_ops.json" "$OUT/bench_draft_ops_128k.json"
+          run draft_ops_16k 120 python3 -m bench.bench_draft_ops --only 'pallas_c4096' --vocab 16384 --topk 8
+          continue;;
+      esac
+      run cycle_$v 200 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "${SHAPES:-6,10,60}" --variants lean "${KD[@]}"
+      cp "$OUT/bench_cycle.json" "$OUT/bench_cycle_$v.json"
+    done
+    ;;
   topk_engine)
     # the SmolLM2 engine at batch 1 (the shipped head drafts over 16,384 tokens), the top-k by
-    # the XLA routes and by the Pallas kernel, alternated (carry the GGUF:
-    # ../shared/tools/gpu-prepare.sh)
-    for v in xla pallas xla2 pallas2; do
+    # the XLA routes, by the kernel's two-pass form and by its default, alternated (carry the
+    # GGUF: ../shared/tools/gpu-prepare.sh)
+    for v in xla two pallas xla2 two2 pallas2; do
       case $v in xla*) KD=(--kernel-default topk.PALLAS_TOP_K=False --kernel-default topk.RANK_MAX_WIDTH=256);;
+        two*) KD=(--kernel-default "vocab_topk.ROUNDS='maxmin'" --kernel-default vocab_topk.FUSED=False);;
         pallas*) KD=();; esac
       run engine_$v 140 python3 -m bench.bench_engine --model "$GGUF" --batches 1 --modes 4x8x32:2 --steps 150 --variants lean "${KD[@]}"
       cp "$OUT/bench_engine.json" "$OUT/bench_engine_$v.json"

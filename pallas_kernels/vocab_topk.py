@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._compat import CompilerParams, load, next_pow2, store
 
@@ -36,6 +37,9 @@ MAX_K = 16            # rounds are unrolled: k of them in each pass
 NONE = jnp.iinfo(jnp.int32).max     # the index of "no element" (padding, rounds past the end)
 LOWEST = jnp.iinfo(jnp.int32).min
 DTYPES = (jnp.float32, jnp.bfloat16)    # the rows it takes (keys come from fp32 bits)
+ROUND_FORMS = ("argmax", "maxmin")      # `_picks`
+ROUNDS = "argmax"
+FUSED = True          # one launch, the row's last chunk merging (`_fused_kernel`)
 
 
 def vocab_top_k_reference(x, k: int):
@@ -54,51 +58,112 @@ def _keys(x):
     return _monotone(lax.bitcast_convert_type(x, jnp.int32))
 
 
-def _take_top(keys, idx, k: int, kp: int):
-    """k rounds over 1-D keys, idx (idx NONE: no element): the largest key left, then the lowest
-    index among its ties. -> keys, idx [kp]; rounds with nothing left, and slots past k, hold
-    (LOWEST, NONE)."""
-    live = idx != NONE
+def _picks_max_min(keys, live, k: int, kp: int):
+    """k rounds of two reductions: the largest live key, then the lowest lane among its ties.
+    -> lanes [kp] int32 (NONE: no pick, for rounds past the live elements and slots past k)."""
+    lane = jnp.arange(keys.shape[0], dtype=jnp.int32)
     slot = jnp.arange(kp, dtype=jnp.int32)
-    out_key = jnp.full((kp,), LOWEST, jnp.int32)
-    out_idx = jnp.full((kp,), NONE, jnp.int32)
+    out = jnp.full((kp,), NONE, jnp.int32)
     for j in range(k):
         best = jnp.max(jnp.where(live, keys, LOWEST))
-        at = jnp.min(jnp.where(live & (keys == best), idx, NONE))
-        out_key = jnp.where(slot == j, jnp.where(at == NONE, LOWEST, best), out_key)
-        out_idx = jnp.where(slot == j, at, out_idx)
-        live = live & (idx != at)
-    return out_key, out_idx
+        at = jnp.min(jnp.where(live & (keys == best), lane, NONE))
+        out = jnp.where(slot == j, at, out)
+        live = live & (lane != at)
+    return out
 
 
-def _chunk_kernel(x_ref, key_ref, idx_ref, *, width: int, block: int, k: int, kp: int):
-    """Program (row, chunk): x_ref [R, V] -> key_ref, idx_ref [R, n, kp] at (row, chunk)."""
-    r, c = pl.program_id(0), pl.program_id(1)
+def _picks_argmax(keys, live, k: int, kp: int):
+    """k rounds of one reduction each (argmax: the largest key, the lowest lane among its ties),
+    taken keys set to LOWEST. Exact only while every round's largest key is live and above
+    LOWEST: the caller checks that at least k live keys are above it."""
+    lane = jnp.arange(keys.shape[0], dtype=jnp.int32)
+    slot = jnp.arange(kp, dtype=jnp.int32)
+    out = jnp.full((kp,), NONE, jnp.int32)
+    keys = jnp.where(live, keys, LOWEST)
+    for j in range(k):
+        at = jnp.argmax(keys).astype(jnp.int32)
+        out = jnp.where(slot == j, at, out)
+        keys = jnp.where(lane == at, LOWEST, keys)
+    return out
+
+
+def _picks(keys, live, k: int, kp: int, rounds: str):
+    """The lanes of the top k live keys, largest first, ties by the lower lane -> [kp] int32
+    (NONE past the live elements and past k). `rounds`: "argmax" (one reduction a round; the
+    two-reduction rounds only where fewer than k live keys are above LOWEST: a chunk shorter than
+    k, or a row of the one NaN whose key is LOWEST) or "maxmin" (always two)."""
+    if rounds == "maxmin":
+        return _picks_max_min(keys, live, k, kp)
+    above = jnp.sum(jnp.where(live & (keys > LOWEST), 1, 0))
+    return lax.cond(above >= k, functools.partial(_picks_argmax, k=k, kp=kp),
+                    functools.partial(_picks_max_min, k=k, kp=kp), keys, live)
+
+
+def _chunk_picks(x_ref, r, c, *, width: int, block: int, k: int, kp: int, rounds: str):
+    """Program (row, chunk)'s top k of x_ref [R, V] -> their columns [kp] (NONE past k)."""
     v = x_ref.shape[1]
     lane = jnp.arange(block, dtype=jnp.int32)
     cols = c * width + lane
     ok = (lane < width) & (cols < v)
     # Index arrays on every axis (gather form): interpret mode cannot mix them with slices.
     x = load(x_ref.at[r, jnp.where(ok, cols, 0)], mask=ok, other=0.0)
-    keys, idx = _take_top(_keys(x.astype(jnp.float32)), jnp.where(ok, cols, NONE), k, kp)
-    out = jnp.arange(kp, dtype=jnp.int32)
-    store(key_ref.at[r, c, out], keys)
-    store(idx_ref.at[r, c, out], idx)
+    at = _picks(_keys(x.astype(jnp.float32)), ok, k, kp, rounds)
+    return jnp.where(at == NONE, NONE, c * width + at)
 
 
-def _merge_kernel(key_ref, idx_ref, val_ref, top_ref, *, k: int, kp: int):
-    """Program (row): the top k of key_ref, idx_ref [R, S] -> val_ref [R, kp] fp32 (the values,
-    back from their keys), top_ref [R, kp] int32."""
-    r = pl.program_id(0)
-    width = key_ref.shape[1]
+def _merge(x_ref, cols_ref, val_ref, top_ref, r, *, k: int, kp: int, rounds: str):
+    """Row r's top k of its chunks' survivors cols_ref [R, S] (columns of x_ref, NONE: none)
+    -> val_ref [R, kp] (x's dtype), top_ref [R, kp] int32. The survivors of equal keys sit in
+    column order (chunk by chunk, ties by the lower column in each), so the lower lane is the
+    lower column."""
+    width = cols_ref.shape[1]
     lanes = jnp.arange(next_pow2(width), dtype=jnp.int32)
     ok = lanes < width
-    at = jnp.where(ok, lanes, 0)
-    keys, idx = _take_top(load(key_ref.at[r, at], mask=ok, other=LOWEST),
-                          load(idx_ref.at[r, at], mask=ok, other=NONE), k, kp)
+    cols = load(cols_ref.at[r, jnp.where(ok, lanes, 0)], mask=ok, other=NONE)
+    live = cols != NONE
+    x = load(x_ref.at[r, jnp.where(live, cols, 0)], mask=live, other=0.0)
+    at = _picks(_keys(x.astype(jnp.float32)), live, k, kp, rounds)
+    got = at != NONE
+    top = load(cols_ref.at[r, jnp.where(got, at, 0)], mask=got, other=NONE)
+    has = top != NONE
     out = jnp.arange(kp, dtype=jnp.int32)
-    store(val_ref.at[r, out], lax.bitcast_convert_type(_monotone(keys), jnp.float32))
-    store(top_ref.at[r, out], idx)
+    store(val_ref.at[r, out], load(x_ref.at[r, jnp.where(has, top, 0)], mask=has, other=0.0))
+    store(top_ref.at[r, out], top)
+
+
+def _chunk_kernel(x_ref, cols_ref, *, kp: int, **picks):
+    """Pass 1, program (row, chunk): x_ref [R, V] -> cols_ref [R, n * kp] at (row, chunk)."""
+    r, c = pl.program_id(0), pl.program_id(1)
+    store(cols_ref.at[r, c * kp + jnp.arange(kp, dtype=jnp.int32)],
+          _chunk_picks(x_ref, r, c, kp=kp, **picks))
+
+
+def _merge_kernel(x_ref, cols_ref, val_ref, top_ref, *, k: int, kp: int, rounds: str):
+    """Pass 2, program (row): the row's top k of its survivors."""
+    _merge(x_ref, cols_ref, val_ref, top_ref, pl.program_id(0), k=k, kp=kp, rounds=rounds)
+
+
+def _fused_kernel(x_ref, arrivals_in, cols_ref, val_ref, top_ref, arrivals_ref, *, kp: int,
+                  interpret: bool, **picks):
+    """One pass, program (row, chunk): pass 1, then the last of the row's chunks to arrive (an
+    acq_rel atomic count, `arrivals` zero at launch and aliased in place) merges the row's
+    survivors, in place of a second launch. The CTA barrier puts every thread's stores before
+    the arrival, whose release (gpu scope) publishes them; the last program's acquire, then a
+    second barrier, put its threads' loads after every other program's release."""
+    del arrivals_in                     # the same buffer as arrivals_ref
+    r, c = pl.program_id(0), pl.program_id(1)
+    store(cols_ref.at[r, c * kp + jnp.arange(kp, dtype=jnp.int32)],
+          _chunk_picks(x_ref, r, c, kp=kp, **picks))
+    if not interpret:
+        plgpu.debug_barrier()
+    ticket = plgpu.atomic_add(arrivals_ref, (r,), jnp.int32(1))
+    if not interpret:
+        plgpu.debug_barrier()
+
+    @pl.when(ticket == pl.num_programs(1) - 1)
+    def _():
+        _merge(x_ref, cols_ref, val_ref, top_ref, r, k=picks["k"], kp=kp,
+               rounds=picks["rounds"])
 
 
 def chunks(v: int, chunk: int = CHUNK) -> tuple[int, int]:
@@ -108,32 +173,53 @@ def chunks(v: int, chunk: int = CHUNK) -> tuple[int, int]:
     return n, -(-v // n)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "chunk", "num_warps", "interpret"))
 def vocab_top_k_pallas(x, k: int, *, chunk: int = CHUNK, num_warps: int = 4,
+                       rounds: str | None = None, fused: bool | None = None,
                        interpret: bool = False):
     """x [..., V] fp32 or bf16 -> (values [..., k] in x's dtype, indices [..., k] int32), equal
-    to lax.top_k(x, k) (order as in the module's docstring)."""
-    lead, v = x.shape[:-1], x.shape[-1]
-    x = x.reshape(-1, v)
-    r = x.shape[0]
+    to lax.top_k(x, k) (order as in the module's docstring). `rounds`: "argmax" or "maxmin"
+    (`_picks`), default ROUNDS; `fused`: one launch whose last program of a row merges, or two
+    passes, default FUSED (both read when called, so a benchmark can set them)."""
+    rounds = ROUNDS if rounds is None else rounds
+    fused = FUSED if fused is None else fused
+    v = x.shape[-1]
     if not 1 <= k <= min(v, MAX_K):
         raise ValueError(f"k={k} must be in 1..{min(v, MAX_K)} (row width {v}, MAX_K {MAX_K})")
     if x.dtype not in DTYPES:
         raise TypeError(f"vocab_top_k_pallas takes fp32 or bf16 rows, got {x.dtype}")
+    if rounds not in ROUND_FORMS:
+        raise ValueError(f"rounds={rounds!r}: one of {ROUND_FORMS}")
+    return _top_k(x, k, chunk=chunk, num_warps=num_warps, rounds=rounds, fused=bool(fused),
+                  interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "chunk", "num_warps", "rounds", "fused",
+                                             "interpret"))
+def _top_k(x, k: int, *, chunk: int, num_warps: int, rounds: str, fused: bool, interpret: bool):
+    lead, v = x.shape[:-1], x.shape[-1]
+    x = x.reshape(-1, v)
+    r = x.shape[0]
     n, width = chunks(v, chunk)
     kp = next_pow2(k)
+    picks = dict(width=width, block=next_pow2(width), k=k, kp=kp, rounds=rounds)
     params = CompilerParams(num_warps=num_warps, num_stages=1)
-    i32 = jnp.int32
-    keys, idx = pl.pallas_call(
-        functools.partial(_chunk_kernel, width=width, block=next_pow2(width), k=k, kp=kp),
-        grid=(r, n),
-        out_shape=[jax.ShapeDtypeStruct((r, n, kp), i32)] * 2,
-        compiler_params=params, interpret=interpret, name="vocab_top_k_chunks",
-    )(x)
-    vals, top = pl.pallas_call(
-        functools.partial(_merge_kernel, k=k, kp=kp),
-        grid=(r,),
-        out_shape=[jax.ShapeDtypeStruct((r, kp), jnp.float32), jax.ShapeDtypeStruct((r, kp), i32)],
-        compiler_params=params, interpret=interpret, name="vocab_top_k_merge",
-    )(keys.reshape(r, n * kp), idx.reshape(r, n * kp))
-    return vals[:, :k].astype(x.dtype).reshape(lead + (k,)), top[:, :k].reshape(lead + (k,))
+    cols = jax.ShapeDtypeStruct((r, n * kp), jnp.int32)
+    outs = [jax.ShapeDtypeStruct((r, kp), x.dtype), jax.ShapeDtypeStruct((r, kp), jnp.int32)]
+    if fused:
+        _, vals, top, _ = pl.pallas_call(
+            functools.partial(_fused_kernel, interpret=interpret, **picks),
+            grid=(r, n), out_shape=[cols, *outs, jax.ShapeDtypeStruct((r,), jnp.int32)],
+            input_output_aliases={1: 3}, compiler_params=params, interpret=interpret,
+            name="vocab_top_k",
+        )(x, jnp.zeros((r,), jnp.int32))
+    else:
+        survivors = pl.pallas_call(
+            functools.partial(_chunk_kernel, **picks), grid=(r, n), out_shape=cols,
+            compiler_params=params, interpret=interpret, name="vocab_top_k_chunks",
+        )(x)
+        vals, top = pl.pallas_call(
+            functools.partial(_merge_kernel, k=k, kp=kp, rounds=rounds), grid=(r,),
+            out_shape=outs, compiler_params=params, interpret=interpret,
+            name="vocab_top_k_merge",
+        )(x, survivors)
+    return vals[:, :k].reshape(lead + (k,)), top[:, :k].reshape(lead + (k,))

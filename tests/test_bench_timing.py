@@ -159,6 +159,28 @@ def test_topk_defaults_set_for_one_run(monkeypatch):
             set_kernel_defaults([bad])
 
 
+def test_topk_kernel_form_set_for_one_run(monkeypatch):
+    """`--kernel-default vocab_topk.NAME=VALUE`: the top-k kernel's form, read when it is
+    called: FUSED=False gives two launches where the default gives one."""
+    from bench.common import set_kernel_defaults
+    from pallas_kernels import vocab_topk
+    monkeypatch.setattr(vocab_topk, "FUSED", vocab_topk.FUSED)                # restored after
+    monkeypatch.setattr(vocab_topk, "ROUNDS", vocab_topk.ROUNDS)
+    x = jnp.zeros((2, 64), jnp.float32)
+
+    def launches():
+        jaxpr = jax.make_jaxpr(lambda x: vocab_topk.vocab_top_k_pallas(x, 3, chunk=16,
+                                                                       interpret=True))(x)
+        return str(jaxpr).count("pallas_call")
+
+    assert vocab_topk.FUSED and launches() == 1
+    assert set_kernel_defaults(["vocab_topk.FUSED=False", "vocab_topk.ROUNDS='maxmin'"]) == {
+        "vocab_topk.FUSED": False, "vocab_topk.ROUNDS": "maxmin"}
+    assert launches() == 2
+    with pytest.raises(ValueError, match="vocab_topk.FUSED"):
+        set_kernel_defaults(["vocab_topk.fused=1"])
+
+
 def test_heads_of_the_timed_rows(monkeypatch):
     """`--heads` (bench_kernels, kernel_ab): the rows' inputs and scale follow "Hq,Hkv,D";
     specs that name no heads, or query heads that do not group over the KV heads, are refused."""

@@ -1,5 +1,6 @@
 """The Pallas vocabulary top-k (interpret mode) == jax.lax.top_k bit for bit: values, indices,
-tie order, signed zeros and infinities, rows whose chunks hold fewer than k elements."""
+tie order, signed zeros, infinities and NaNs, rows whose chunks hold fewer than k elements; in
+each of its forms (one launch or two, rounds of one reduction or two)."""
 from __future__ import annotations
 
 import jax
@@ -10,16 +11,21 @@ import pytest
 from pallas_kernels import vocab_topk as vt
 
 
-def _check(x, k, chunk):
-    got = vt.vocab_top_k_pallas(x, k, chunk=chunk, interpret=True)
+# (rounds, fused): the default first; the others are what bench_draft_ops compares it with.
+FORMS = [(vt.ROUNDS, vt.FUSED), ("argmax", False), ("maxmin", True), ("maxmin", False)]
+
+
+def _check(x, k, chunk, forms=FORMS[:1]):
     want = vt.vocab_top_k_reference(x, k)
-    assert got[0].dtype == x.dtype and got[1].dtype == jnp.int32
-    assert got[0].shape == got[1].shape == (x.shape[0], k)
-    np.testing.assert_array_equal(np.asarray(got[0], np.float64), np.asarray(want[0], np.float64))
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-    # signed zeros: the same bits, not only equal values
-    np.testing.assert_array_equal(np.signbit(np.asarray(got[0], np.float32)),
-                                  np.signbit(np.asarray(want[0], np.float32)))
+    for rounds, fused in forms:
+        got = vt.vocab_top_k_pallas(x, k, chunk=chunk, rounds=rounds, fused=fused,
+                                    interpret=True)
+        assert got[0].dtype == x.dtype and got[1].dtype == jnp.int32
+        assert got[0].shape == got[1].shape == (x.shape[0], k)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+        # the same bits, not only equal values: signed zeros, NaNs' payloads
+        bits = np.uint16 if x.dtype == jnp.bfloat16 else np.uint32
+        np.testing.assert_array_equal(np.asarray(got[0]).view(bits), np.asarray(want[0]).view(bits))
 
 
 # (V, chunk, k, dtype): many chunks with a short last one, one chunk (V under it), a power of
@@ -35,7 +41,7 @@ def test_random_and_tied_rows(v, chunk, k, dtype):
     x = jax.random.normal(jax.random.PRNGKey(v + k), (3, v), jnp.float32)
     _check((5 * x).astype(dtype), k, chunk)
     ties = jax.random.randint(jax.random.PRNGKey(v * k), (3, v), -2, 2)     # most of the top
-    _check(ties.astype(dtype), k, chunk)                                   # k are ties
+    _check(ties.astype(dtype), k, chunk, FORMS)                            # k are ties
 
 
 def test_infinities_and_signed_zeros():
@@ -45,6 +51,20 @@ def test_infinities_and_signed_zeros():
                    jnp.zeros_like(row).at[4].set(-0.0)])
     for k, chunk in ((1, 2), (3, 4), (9, 2), (9, 16)):
         _check(x, k, chunk)
+
+
+def test_nans_in_lax_order():
+    """NaNs rank by their bits as lax.top_k ranks them: a positive-sign NaN above +inf, a
+    negative-sign one below -inf. The NaN of all-ones bits has the lowest key there is, the one
+    that marks taken lanes in the one-reduction rounds: rows of it take the two-reduction rounds
+    (fewer than k keys above it), and still come out in lax.top_k's order."""
+    bits = np.array([0xFFFFFFFF, 0xFFFFFFFE, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800000,
+                     0x3F800000, 0x80000000, 0x0, 0xFFFFFFFF, 0xFFFFFFFF], np.uint32)
+    row = jnp.asarray(bits.view(np.float32))
+    lowest = jnp.asarray(np.full(11, 0xFFFFFFFF, np.uint32).view(np.float32))
+    x = jnp.stack([row, lowest, row[::-1]])
+    for k, chunk in ((3, 2), (9, 4), (11, 16)):
+        _check(x, k, chunk, FORMS[:2])
 
 
 def test_draft_step_shape():
