@@ -714,7 +714,7 @@ case "${1:-}" in
     # the top-k kernel in one launch with one reduction a round (default) against its two-pass,
     # two-reduction form of the forty-eighth set: the 8B cycle alternated, the ops between
     OLD=(--kernel-default "vocab_topk.ROUNDS='maxmin'" --kernel-default vocab_topk.FUSED=False)
-    for v in two one draft_ops two2 one2; do
+    for v in draft_ops two one two2 one2; do
       case $v in two*) KD=("${OLD[@]}");; one*) KD=();;
         draft_ops)
           run draft_ops 150 python3 -m bench.bench_draft_ops --only 'pallas'
