@@ -200,15 +200,13 @@ def main(argv=None):
     variants["chunk_max_sort"] = functools.partial(topk_lib.top_k_by_chunk_max, small="sort")
     variants["chunk_max_rank"] = functools.partial(topk_lib.top_k_by_chunk_max, small="rank")
     on_cpu = jax.default_backend() != "gpu"
-    # the kernel's default form (one launch, one reduction a round) at chunk widths and warps,
-    # then its other forms at the default width: two launches, and rounds of two reductions
-    forms = [(c, w, pallas_topk.ROUNDS, pallas_topk.FUSED)
-             for c, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8))]
-    forms += [(pallas_topk.CHUNK, 4, r, f) for r, f in (("argmax", False), ("maxmin", True),
-                                                        ("maxmin", False))]
+    # the kernel's default form at chunk widths and warps, then its four forms at the default
+    # width: one launch or two, rounds of one reduction (argmax) or two (max, min)
+    forms = [(c, w, None, None) for c, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8))]
+    forms += [(pallas_topk.CHUNK, 4, r, f) for r, f in (("argmax", True), ("argmax", False),
+                                                        ("maxmin", True), ("maxmin", False))]
     for c, warps, rounds, fused in forms:
-        tag = "" if (rounds, fused) == (pallas_topk.ROUNDS, pallas_topk.FUSED) else (
-            f"_{rounds}_{'one' if fused else 'two'}")
+        tag = "" if rounds is None else f"_{rounds}_{'one' if fused else 'two'}"
         variants[f"pallas_c{c}_w{warps}{tag}"] = functools.partial(
             pallas_topk.vocab_top_k_pallas, chunk=c, num_warps=warps, rounds=rounds,
             fused=fused, interpret=on_cpu)

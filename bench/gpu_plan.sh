@@ -711,11 +711,12 @@ case "${1:-}" in
     done
     ;;
   topk_fused)
-    # the top-k kernel in one launch with one reduction a round (default) against its two-pass,
-    # two-reduction form of the forty-eighth set: the 8B cycle alternated, the ops between
-    OLD=(--kernel-default "vocab_topk.ROUNDS='maxmin'" --kernel-default vocab_topk.FUSED=False)
+    # the top-k kernel at its defaults (ONE="--kernel-default ...": other settings) against its
+    # two-pass, two-reduction form of the forty-eighth set: the ops, then the 8B cycle
+    # alternated
+    OLD=(--kernel-default "vocab_topk.ROUNDS='maxmin'" --kernel-default vocab_topk.FUSED_MAX_CHUNKS=0)
     for v in draft_ops two one two2 one2; do
-      case $v in two*) KD=("${OLD[@]}");; one*) KD=();;
+      case $v in two*) KD=("${OLD[@]}");; one*) KD=(${ONE:-});;
         draft_ops)
           run draft_ops 150 python3 -m bench.bench_draft_ops --only 'pallas'
           cp "$OUT/bench_draft_ops.json" "$OUT/bench_draft_ops_128k.json"
@@ -732,7 +733,7 @@ case "${1:-}" in
     # GGUF: ../shared/tools/gpu-prepare.sh)
     for v in xla two pallas xla2 two2 pallas2; do
       case $v in xla*) KD=(--kernel-default topk.PALLAS_TOP_K=False --kernel-default topk.RANK_MAX_WIDTH=256);;
-        two*) KD=(--kernel-default "vocab_topk.ROUNDS='maxmin'" --kernel-default vocab_topk.FUSED=False);;
+        two*) KD=(--kernel-default vocab_topk.FUSED_MAX_CHUNKS=0);;
         pallas*) KD=();; esac
       run engine_$v 140 python3 -m bench.bench_engine --model "$GGUF" --batches 1 --modes 4x8x32:2 --steps 150 --variants lean "${KD[@]}"
       cp "$OUT/bench_engine.json" "$OUT/bench_engine_$v.json"

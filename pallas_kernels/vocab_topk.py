@@ -38,8 +38,12 @@ NONE = jnp.iinfo(jnp.int32).max     # the index of "no element" (padding, rounds
 LOWEST = jnp.iinfo(jnp.int32).min
 DTYPES = (jnp.float32, jnp.bfloat16)    # the rows it takes (keys come from fp32 bits)
 ROUND_FORMS = ("argmax", "maxmin")      # `_picks`
-ROUNDS = "argmax"
-FUSED = True          # one launch, the row's last chunk merging (`_fused_kernel`)
+ROUNDS = "maxmin"      # int32 max and min reduce in one warp instruction each (redux.sync);
+                       # argmax's (key, lane) pairs go through shuffles: 33 against 24 us at
+                       # [10, 128256], k 10 (bench/RESULTS.md, forty-ninth set)
+FUSED_MAX_CHUNKS = 8   # one launch (`_fused_kernel`) for rows of at most this many chunks: it
+                       # saves the second launch where the merge is small (16,384 wide, k 8: 12
+                       # against 20 us); two passes over more (128,256: 24 against 28 us)
 
 
 def vocab_top_k_reference(x, k: int):
@@ -179,10 +183,10 @@ def vocab_top_k_pallas(x, k: int, *, chunk: int = CHUNK, num_warps: int = 4,
     """x [..., V] fp32 or bf16 -> (values [..., k] in x's dtype, indices [..., k] int32), equal
     to lax.top_k(x, k) (order as in the module's docstring). `rounds`: "argmax" or "maxmin"
     (`_picks`), default ROUNDS; `fused`: one launch whose last program of a row merges, or two
-    passes, default FUSED (both read when called, so a benchmark can set them)."""
-    rounds = ROUNDS if rounds is None else rounds
-    fused = FUSED if fused is None else fused
+    passes, default by FUSED_MAX_CHUNKS (both read when called, so a benchmark can set them)."""
     v = x.shape[-1]
+    rounds = ROUNDS if rounds is None else rounds
+    fused = chunks(v, chunk)[0] <= FUSED_MAX_CHUNKS if fused is None else fused
     if not 1 <= k <= min(v, MAX_K):
         raise ValueError(f"k={k} must be in 1..{min(v, MAX_K)} (row width {v}, MAX_K {MAX_K})")
     if x.dtype not in DTYPES:

@@ -161,11 +161,11 @@ def test_topk_defaults_set_for_one_run(monkeypatch):
 
 def test_topk_kernel_form_set_for_one_run(monkeypatch):
     """`--kernel-default vocab_topk.NAME=VALUE`: the top-k kernel's form, read when it is
-    called: FUSED=False gives two launches where the default gives one."""
+    called: a row of 4 chunks takes one launch by default, two with FUSED_MAX_CHUNKS=0."""
     from bench.common import set_kernel_defaults
     from pallas_kernels import vocab_topk
-    monkeypatch.setattr(vocab_topk, "FUSED", vocab_topk.FUSED)                # restored after
-    monkeypatch.setattr(vocab_topk, "ROUNDS", vocab_topk.ROUNDS)
+    monkeypatch.setattr(vocab_topk, "FUSED_MAX_CHUNKS", vocab_topk.FUSED_MAX_CHUNKS)  # restored
+    monkeypatch.setattr(vocab_topk, "ROUNDS", vocab_topk.ROUNDS)                      # after
     x = jnp.zeros((2, 64), jnp.float32)
 
     def launches():
@@ -173,11 +173,11 @@ def test_topk_kernel_form_set_for_one_run(monkeypatch):
                                                                        interpret=True))(x)
         return str(jaxpr).count("pallas_call")
 
-    assert vocab_topk.FUSED and launches() == 1
-    assert set_kernel_defaults(["vocab_topk.FUSED=False", "vocab_topk.ROUNDS='maxmin'"]) == {
-        "vocab_topk.FUSED": False, "vocab_topk.ROUNDS": "maxmin"}
+    assert vocab_topk.FUSED_MAX_CHUNKS >= 4 and launches() == 1
+    assert set_kernel_defaults(["vocab_topk.FUSED_MAX_CHUNKS=0", "vocab_topk.ROUNDS='argmax'"]) \
+        == {"vocab_topk.FUSED_MAX_CHUNKS": 0, "vocab_topk.ROUNDS": "argmax"}
     assert launches() == 2
-    with pytest.raises(ValueError, match="vocab_topk.FUSED"):
+    with pytest.raises(ValueError, match="vocab_topk.FUSED_MAX_CHUNKS"):
         set_kernel_defaults(["vocab_topk.fused=1"])
 
 
