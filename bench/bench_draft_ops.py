@@ -10,7 +10,7 @@ here, each alone:
                  multiple of 4096, the layout the balanced chunks avoid)
   (d') chunk_max  jaxspec.spec.topk.top_k_by_chunk_max at widths 64, 128, 256 (the default
                  of vocab_top_k), and with its two small top-ks as sorts (chunk_max_sort)
-  (d'') pallas    pallas_kernels.vocab_topk at chunk widths and warps, and in its other forms
+  (d'') pallas    pallas_kernels.vocab_topk at chunk widths and warps, one launch and two
   (e) approx_max_k  recall_target 0.95 (TPU-oriented: other backends lower it to an exact TopK)
   (f) top_children  draft.top_children on the logits with each top-k above, and lm_head +
                  top_children from the hidden rows, as a draft step runs them
@@ -200,15 +200,14 @@ def main(argv=None):
     variants["chunk_max_sort"] = functools.partial(topk_lib.top_k_by_chunk_max, small="sort")
     variants["chunk_max_rank"] = functools.partial(topk_lib.top_k_by_chunk_max, small="rank")
     on_cpu = jax.default_backend() != "gpu"
-    # the kernel's default form at chunk widths and warps, then its four forms at the default
-    # width: one launch or two, rounds of one reduction (argmax) or two (max, min)
-    forms = [(c, w, None, None) for c, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8))]
-    forms += [(pallas_topk.CHUNK, 4, r, f) for r, f in (("argmax", True), ("argmax", False),
-                                                        ("maxmin", True), ("maxmin", False))]
-    for c, warps, rounds, fused in forms:
-        tag = "" if rounds is None else f"_{rounds}_{'one' if fused else 'two'}"
+    # the kernel at its default (one launch or two by the row's chunks) at chunk widths and
+    # warps, then both ways at the default width
+    forms = [(c, w, None) for c, w in ((2048, 4), (4096, 4), (4096, 8), (8192, 8))]
+    forms += [(pallas_topk.CHUNK, 4, f) for f in (True, False)]
+    for c, warps, fused in forms:
+        tag = "" if fused is None else f"_{'one' if fused else 'two'}"
         variants[f"pallas_c{c}_w{warps}{tag}"] = functools.partial(
-            pallas_topk.vocab_top_k_pallas, chunk=c, num_warps=warps, rounds=rounds,
+            pallas_topk.vocab_top_k_pallas, chunk=c, num_warps=warps,
             fused=fused, interpret=on_cpu)
     variants["two_stage_pad4096"] = padded_two_stage
     variants["approx_max_k_r0.95"] = approx

@@ -43,9 +43,9 @@
 #                                      #   (SHAPES) with the XLA top-k routes of before (and the
 #                                      #   tree's choice of 510 by lax.top_k) and with the
 #                                      #   defaults (the kernel; ranks up to 512), twice each
-#   bash bench/gpu_plan.sh topk_fused  # the top-k kernel in one launch, one reduction a round,
-#                                      #   against its two-pass form (forty-eighth set): the 8B
-#                                      #   cycle alternated, bench_draft_ops at 128K and 16K
+#   bash bench/gpu_plan.sh topk_fused  # the top-k kernel in one launch against two passes:
+#                                      #   bench_draft_ops at 128K and 16K, the 8B cycle
+#                                      #   alternated (forty-ninth set: two passes at 128K)
 #   bash bench/gpu_plan.sh topk_engine # the SmolLM2 engine at batch 1 (4x8x32:2, the shipped
 #                                      #   head's 16,384-token draft vocabulary) with the top-k by
 #                                      #   the XLA routes, the kernel's two-pass form and its
@@ -711,12 +711,11 @@ case "${1:-}" in
     done
     ;;
   topk_fused)
-    # the top-k kernel at its defaults (ONE="--kernel-default ...": other settings) against its
-    # two-pass, two-reduction form of the forty-eighth set: the ops, then the 8B cycle
-    # alternated
-    OLD=(--kernel-default "vocab_topk.ROUNDS='maxmin'" --kernel-default vocab_topk.FUSED_MAX_CHUNKS=0)
+    # the top-k kernel in one launch against two passes: the ops, then the 8B cycle (128K
+    # rows: the default takes two passes there) alternated. The forty-ninth set ran this with
+    # a third form since dropped (rounds of one argmax reduction, commit 7440bcb)
     for v in draft_ops two one two2 one2; do
-      case $v in two*) KD=("${OLD[@]}");; one*) KD=(${ONE:-});;
+      case $v in two*) KD=();; one*) KD=(--kernel-default vocab_topk.FUSED_MAX_CHUNKS=64);;
         draft_ops)
           run draft_ops 150 python3 -m bench.bench_draft_ops --only 'pallas'
           cp "$OUT/bench_draft_ops.json" "$OUT/bench_draft_ops_128k.json"

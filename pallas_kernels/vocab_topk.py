@@ -1,4 +1,4 @@
-"""Exact top-k of wide rows (a draft step's logits over the vocabulary): two Pallas (Triton) passes.
+"""Exact top-k of wide rows (a draft step's logits over the vocabulary) in Pallas (Triton).
 
 Why: a tree draft step takes the top 10 of [10, 128256] fp32 logits. XLA's GPU TopK runs one
 thread block per row (ten SMs busy), and the chunk-maxima route (`jaxspec.spec.topk`) spends
@@ -7,6 +7,8 @@ forty-eighth set). Here:
   pass 1, program (row, chunk): its chunk's top k, by k rounds of "the largest key left, the
           lowest index among its ties", all in registers;
   pass 2, program (row): the top k of the row's chunks' survivors, the same way.
+Rows of few chunks take both in one launch: the last of a row's programs to finish merges
+(`_fused_kernel`). The survivors are columns; values come from the row itself, bit for bit.
 An element of the row's top k is within its chunk's top k (fewer than k elements are ahead of
 it in the row, so fewer in its chunk), and pass 2 ranks by value then original index, so the
 result is lax.top_k's whatever the chunking.
@@ -37,13 +39,10 @@ MAX_K = 16            # rounds are unrolled: k of them in each pass
 NONE = jnp.iinfo(jnp.int32).max     # the index of "no element" (padding, rounds past the end)
 LOWEST = jnp.iinfo(jnp.int32).min
 DTYPES = (jnp.float32, jnp.bfloat16)    # the rows it takes (keys come from fp32 bits)
-ROUND_FORMS = ("argmax", "maxmin")      # `_picks`
-ROUNDS = "maxmin"      # int32 max and min reduce in one warp instruction each (redux.sync);
-                       # argmax's (key, lane) pairs go through shuffles: 33 against 24 us at
-                       # [10, 128256], k 10 (bench/RESULTS.md, forty-ninth set)
-FUSED_MAX_CHUNKS = 8   # one launch (`_fused_kernel`) for rows of at most this many chunks: it
-                       # saves the second launch where the merge is small (16,384 wide, k 8: 12
-                       # against 20 us); two passes over more (128,256: 24 against 28 us)
+FUSED_MAX_CHUNKS = 8   # one launch (`_fused_kernel`) for rows of at most this many chunks, where
+                       # the merge is small: the SmolLM2 engine's 16,384-token draft rows (4
+                       # chunks). Two passes over 128,256 (32 chunks), where one launch made the
+                       # 8B cycle 0.3% slower (bench/RESULTS.md, forty-ninth set)
 
 
 def vocab_top_k_reference(x, k: int):
@@ -52,8 +51,8 @@ def vocab_top_k_reference(x, k: int):
 
 
 def _monotone(bits):
-    """int32 fp32 bits <-> int32 keys in the values' order (a total order: negative values'
-    magnitude bits flipped). The map is its own inverse."""
+    """int32 fp32 bits -> int32 keys in the values' order (a total order: negative values'
+    magnitude bits flipped)."""
     return bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))
 
 
@@ -62,9 +61,12 @@ def _keys(x):
     return _monotone(lax.bitcast_convert_type(x, jnp.int32))
 
 
-def _picks_max_min(keys, live, k: int, kp: int):
+def _picks(keys, live, k: int, kp: int):
     """k rounds of two reductions: the largest live key, then the lowest lane among its ties.
-    -> lanes [kp] int32 (NONE: no pick, for rounds past the live elements and slots past k)."""
+    -> lanes [kp] int32 (NONE: no pick, for rounds past the live elements and slots past k).
+    Two int32 reductions, each one warp instruction (redux.sync) and one exchange between warps,
+    beat one argmax reduction of (key, lane) pairs, which goes through shuffles (bench/RESULTS.md,
+    forty-ninth set: the 8B cycle 1.2% slower with it; commit 7440bcb has that form)."""
     lane = jnp.arange(keys.shape[0], dtype=jnp.int32)
     slot = jnp.arange(kp, dtype=jnp.int32)
     out = jnp.full((kp,), NONE, jnp.int32)
@@ -76,34 +78,7 @@ def _picks_max_min(keys, live, k: int, kp: int):
     return out
 
 
-def _picks_argmax(keys, live, k: int, kp: int):
-    """k rounds of one reduction each (argmax: the largest key, the lowest lane among its ties),
-    taken keys set to LOWEST. Exact only while every round's largest key is live and above
-    LOWEST: the caller checks that at least k live keys are above it."""
-    lane = jnp.arange(keys.shape[0], dtype=jnp.int32)
-    slot = jnp.arange(kp, dtype=jnp.int32)
-    out = jnp.full((kp,), NONE, jnp.int32)
-    keys = jnp.where(live, keys, LOWEST)
-    for j in range(k):
-        at = jnp.argmax(keys).astype(jnp.int32)
-        out = jnp.where(slot == j, at, out)
-        keys = jnp.where(lane == at, LOWEST, keys)
-    return out
-
-
-def _picks(keys, live, k: int, kp: int, rounds: str):
-    """The lanes of the top k live keys, largest first, ties by the lower lane -> [kp] int32
-    (NONE past the live elements and past k). `rounds`: "argmax" (one reduction a round; the
-    two-reduction rounds only where fewer than k live keys are above LOWEST: a chunk shorter than
-    k, or a row of the one NaN whose key is LOWEST) or "maxmin" (always two)."""
-    if rounds == "maxmin":
-        return _picks_max_min(keys, live, k, kp)
-    above = jnp.sum(jnp.where(live & (keys > LOWEST), 1, 0))
-    return lax.cond(above >= k, functools.partial(_picks_argmax, k=k, kp=kp),
-                    functools.partial(_picks_max_min, k=k, kp=kp), keys, live)
-
-
-def _chunk_picks(x_ref, r, c, *, width: int, block: int, k: int, kp: int, rounds: str):
+def _chunk_picks(x_ref, r, c, *, width: int, block: int, k: int, kp: int):
     """Program (row, chunk)'s top k of x_ref [R, V] -> their columns [kp] (NONE past k)."""
     v = x_ref.shape[1]
     lane = jnp.arange(block, dtype=jnp.int32)
@@ -111,11 +86,11 @@ def _chunk_picks(x_ref, r, c, *, width: int, block: int, k: int, kp: int, rounds
     ok = (lane < width) & (cols < v)
     # Index arrays on every axis (gather form): interpret mode cannot mix them with slices.
     x = load(x_ref.at[r, jnp.where(ok, cols, 0)], mask=ok, other=0.0)
-    at = _picks(_keys(x.astype(jnp.float32)), ok, k, kp, rounds)
+    at = _picks(_keys(x.astype(jnp.float32)), ok, k, kp)
     return jnp.where(at == NONE, NONE, c * width + at)
 
 
-def _merge(x_ref, cols_ref, val_ref, top_ref, r, *, k: int, kp: int, rounds: str):
+def _merge(x_ref, cols_ref, val_ref, top_ref, r, *, k: int, kp: int):
     """Row r's top k of its chunks' survivors cols_ref [R, S] (columns of x_ref, NONE: none)
     -> val_ref [R, kp] (x's dtype), top_ref [R, kp] int32. The survivors of equal keys sit in
     column order (chunk by chunk, ties by the lower column in each), so the lower lane is the
@@ -126,7 +101,7 @@ def _merge(x_ref, cols_ref, val_ref, top_ref, r, *, k: int, kp: int, rounds: str
     cols = load(cols_ref.at[r, jnp.where(ok, lanes, 0)], mask=ok, other=NONE)
     live = cols != NONE
     x = load(x_ref.at[r, jnp.where(live, cols, 0)], mask=live, other=0.0)
-    at = _picks(_keys(x.astype(jnp.float32)), live, k, kp, rounds)
+    at = _picks(_keys(x.astype(jnp.float32)), live, k, kp)
     got = at != NONE
     top = load(cols_ref.at[r, jnp.where(got, at, 0)], mask=got, other=NONE)
     has = top != NONE
@@ -142,9 +117,9 @@ def _chunk_kernel(x_ref, cols_ref, *, kp: int, **picks):
           _chunk_picks(x_ref, r, c, kp=kp, **picks))
 
 
-def _merge_kernel(x_ref, cols_ref, val_ref, top_ref, *, k: int, kp: int, rounds: str):
+def _merge_kernel(x_ref, cols_ref, val_ref, top_ref, *, k: int, kp: int):
     """Pass 2, program (row): the row's top k of its survivors."""
-    _merge(x_ref, cols_ref, val_ref, top_ref, pl.program_id(0), k=k, kp=kp, rounds=rounds)
+    _merge(x_ref, cols_ref, val_ref, top_ref, pl.program_id(0), k=k, kp=kp)
 
 
 def _fused_kernel(x_ref, arrivals_in, cols_ref, val_ref, top_ref, arrivals_ref, *, kp: int,
@@ -166,8 +141,7 @@ def _fused_kernel(x_ref, arrivals_in, cols_ref, val_ref, top_ref, arrivals_ref, 
 
     @pl.when(ticket == pl.num_programs(1) - 1)
     def _():
-        _merge(x_ref, cols_ref, val_ref, top_ref, r, k=picks["k"], kp=kp,
-               rounds=picks["rounds"])
+        _merge(x_ref, cols_ref, val_ref, top_ref, r, k=picks["k"], kp=kp)
 
 
 def chunks(v: int, chunk: int = CHUNK) -> tuple[int, int]:
@@ -178,34 +152,28 @@ def chunks(v: int, chunk: int = CHUNK) -> tuple[int, int]:
 
 
 def vocab_top_k_pallas(x, k: int, *, chunk: int = CHUNK, num_warps: int = 4,
-                       rounds: str | None = None, fused: bool | None = None,
-                       interpret: bool = False):
+                       fused: bool | None = None, interpret: bool = False):
     """x [..., V] fp32 or bf16 -> (values [..., k] in x's dtype, indices [..., k] int32), equal
-    to lax.top_k(x, k) (order as in the module's docstring). `rounds`: "argmax" or "maxmin"
-    (`_picks`), default ROUNDS; `fused`: one launch whose last program of a row merges, or two
-    passes, default by FUSED_MAX_CHUNKS (both read when called, so a benchmark can set them)."""
+    to lax.top_k(x, k) (order as in the module's docstring). `fused`: one launch whose last
+    program of a row merges, or two passes; None: by FUSED_MAX_CHUNKS, read when called (so a
+    benchmark can set it)."""
     v = x.shape[-1]
-    rounds = ROUNDS if rounds is None else rounds
-    fused = chunks(v, chunk)[0] <= FUSED_MAX_CHUNKS if fused is None else fused
     if not 1 <= k <= min(v, MAX_K):
         raise ValueError(f"k={k} must be in 1..{min(v, MAX_K)} (row width {v}, MAX_K {MAX_K})")
     if x.dtype not in DTYPES:
         raise TypeError(f"vocab_top_k_pallas takes fp32 or bf16 rows, got {x.dtype}")
-    if rounds not in ROUND_FORMS:
-        raise ValueError(f"rounds={rounds!r}: one of {ROUND_FORMS}")
-    return _top_k(x, k, chunk=chunk, num_warps=num_warps, rounds=rounds, fused=bool(fused),
-                  interpret=interpret)
+    fused = chunks(v, chunk)[0] <= FUSED_MAX_CHUNKS if fused is None else bool(fused)
+    return _top_k(x, k, chunk=chunk, num_warps=num_warps, fused=fused, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "chunk", "num_warps", "rounds", "fused",
-                                             "interpret"))
-def _top_k(x, k: int, *, chunk: int, num_warps: int, rounds: str, fused: bool, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("k", "chunk", "num_warps", "fused", "interpret"))
+def _top_k(x, k: int, *, chunk: int, num_warps: int, fused: bool, interpret: bool):
     lead, v = x.shape[:-1], x.shape[-1]
     x = x.reshape(-1, v)
     r = x.shape[0]
     n, width = chunks(v, chunk)
     kp = next_pow2(k)
-    picks = dict(width=width, block=next_pow2(width), k=k, kp=kp, rounds=rounds)
+    picks = dict(width=width, block=next_pow2(width), k=k, kp=kp)
     params = CompilerParams(num_warps=num_warps, num_stages=1)
     cols = jax.ShapeDtypeStruct((r, n * kp), jnp.int32)
     outs = [jax.ShapeDtypeStruct((r, kp), x.dtype), jax.ShapeDtypeStruct((r, kp), jnp.int32)]
@@ -222,7 +190,7 @@ def _top_k(x, k: int, *, chunk: int, num_warps: int, rounds: str, fused: bool, i
             compiler_params=params, interpret=interpret, name="vocab_top_k_chunks",
         )(x)
         vals, top = pl.pallas_call(
-            functools.partial(_merge_kernel, k=k, kp=kp, rounds=rounds), grid=(r,),
+            functools.partial(_merge_kernel, k=k, kp=kp), grid=(r,),
             out_shape=outs, compiler_params=params, interpret=interpret,
             name="vocab_top_k_merge",
         )(x, survivors)

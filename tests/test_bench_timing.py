@@ -165,7 +165,6 @@ def test_topk_kernel_form_set_for_one_run(monkeypatch):
     from bench.common import set_kernel_defaults
     from pallas_kernels import vocab_topk
     monkeypatch.setattr(vocab_topk, "FUSED_MAX_CHUNKS", vocab_topk.FUSED_MAX_CHUNKS)  # restored
-    monkeypatch.setattr(vocab_topk, "ROUNDS", vocab_topk.ROUNDS)                      # after
     x = jnp.zeros((2, 64), jnp.float32)
 
     def launches():
@@ -174,8 +173,8 @@ def test_topk_kernel_form_set_for_one_run(monkeypatch):
         return str(jaxpr).count("pallas_call")
 
     assert vocab_topk.FUSED_MAX_CHUNKS >= 4 and launches() == 1
-    assert set_kernel_defaults(["vocab_topk.FUSED_MAX_CHUNKS=0", "vocab_topk.ROUNDS='argmax'"]) \
-        == {"vocab_topk.FUSED_MAX_CHUNKS": 0, "vocab_topk.ROUNDS": "argmax"}
+    assert set_kernel_defaults(["vocab_topk.FUSED_MAX_CHUNKS=0"]) == {
+        "vocab_topk.FUSED_MAX_CHUNKS": 0}
     assert launches() == 2
     with pytest.raises(ValueError, match="vocab_topk.FUSED_MAX_CHUNKS"):
         set_kernel_defaults(["vocab_topk.fused=1"])

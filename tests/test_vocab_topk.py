@@ -1,6 +1,6 @@
 """The Pallas vocabulary top-k (interpret mode) == jax.lax.top_k bit for bit: values, indices,
 tie order, signed zeros, infinities and NaNs, rows whose chunks hold fewer than k elements; in
-each of its forms (one launch or two, rounds of one reduction or two)."""
+each of its forms (one launch or two)."""
 from __future__ import annotations
 
 import jax
@@ -11,15 +11,14 @@ import pytest
 from pallas_kernels import vocab_topk as vt
 
 
-# (rounds, fused): the defaults first; the others are what bench_draft_ops compares them with.
-FORMS = [(None, None), ("argmax", True), ("argmax", False), ("maxmin", True), ("maxmin", False)]
+# fused: the default's choice (by the row's chunks), one launch, two passes.
+FORMS = [None, True, False]
 
 
 def _check(x, k, chunk, forms=FORMS[:1]):
     want = vt.vocab_top_k_reference(x, k)
-    for rounds, fused in forms:
-        got = vt.vocab_top_k_pallas(x, k, chunk=chunk, rounds=rounds, fused=fused,
-                                    interpret=True)
+    for fused in forms:
+        got = vt.vocab_top_k_pallas(x, k, chunk=chunk, fused=fused, interpret=True)
         assert got[0].dtype == x.dtype and got[1].dtype == jnp.int32
         assert got[0].shape == got[1].shape == (x.shape[0], k)
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
@@ -55,16 +54,15 @@ def test_infinities_and_signed_zeros():
 
 def test_nans_in_lax_order():
     """NaNs rank by their bits as lax.top_k ranks them: a positive-sign NaN above +inf, a
-    negative-sign one below -inf. The NaN of all-ones bits has the lowest key there is, the one
-    that marks taken lanes in the one-reduction rounds: rows of it take the two-reduction rounds
-    (fewer than k keys above it), and still come out in lax.top_k's order."""
+    negative-sign one below -inf; the NaN of all-ones bits has the lowest key there is, the
+    one that also pads the rounds, and whole rows of it still come out in lax.top_k's order."""
     bits = np.array([0xFFFFFFFF, 0xFFFFFFFE, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800000,
                      0x3F800000, 0x80000000, 0x0, 0xFFFFFFFF, 0xFFFFFFFF], np.uint32)
     row = jnp.asarray(bits.view(np.float32))
     lowest = jnp.asarray(np.full(11, 0xFFFFFFFF, np.uint32).view(np.float32))
     x = jnp.stack([row, lowest, row[::-1]])
     for k, chunk in ((3, 2), (9, 4), (11, 16)):
-        _check(x, k, chunk, FORMS[1:3])
+        _check(x, k, chunk, FORMS[1:])
 
 
 def test_draft_step_shape():
@@ -96,3 +94,16 @@ def test_bad_input_is_refused():
         vt.vocab_top_k_pallas(x[:, :5], 6, interpret=True)
     with pytest.raises(TypeError, match="int32"):
         vt.vocab_top_k_pallas(x.astype(jnp.int32), 3, interpret=True)
+
+
+def test_launches_by_the_rows_chunks():
+    """One launch for the 16,384-token draft rows (4 chunks), two passes for 128,256 (32), as
+    measured (FUSED_MAX_CHUNKS); `fused` overrides the rule."""
+    def launches(v, fused=None):
+        x = jax.ShapeDtypeStruct((10, v), jnp.float32)
+        return str(jax.make_jaxpr(lambda x: vt.vocab_top_k_pallas(x, 10, fused=fused))(x)) \
+            .count("pallas_call")
+
+    assert vt.chunks(16384)[0] <= vt.FUSED_MAX_CHUNKS < vt.chunks(128256)[0]
+    assert (launches(16384), launches(128256)) == (1, 2)
+    assert (launches(16384, False), launches(128256, True)) == (2, 1)
