@@ -64,9 +64,8 @@ def _keys(x):
 def _picks(keys, live, k: int, kp: int):
     """k rounds of two reductions: the largest live key, then the lowest lane among its ties.
     -> lanes [kp] int32 (NONE: no pick, for rounds past the live elements and slots past k).
-    Two int32 reductions, each one warp instruction (redux.sync) and one exchange between warps,
-    beat one argmax reduction of (key, lane) pairs, which goes through shuffles (bench/RESULTS.md,
-    forty-ninth set: the 8B cycle 1.2% slower with it; commit 7440bcb has that form)."""
+    Two int32 reductions beat one argmax reduction of (key, lane) pairs (bench/RESULTS.md,
+    forty-ninth set: the 8B cycle 1.2% slower with argmax; commit 7440bcb has that form)."""
     lane = jnp.arange(keys.shape[0], dtype=jnp.int32)
     slot = jnp.arange(kp, dtype=jnp.int32)
     out = jnp.full((kp,), NONE, jnp.int32)
