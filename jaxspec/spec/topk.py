@@ -56,8 +56,8 @@ DRAFT_VOCAB_CHUNK = 1024
 # [..., W, W] comparisons are one fused kernel at these widths. 6x10x60's choice of 59 of 510
 # candidates took 11.7 us by ranks against 20.8 by lax.top_k and a sort (H200, forty-eighth set).
 RANK_MAX_WIDTH = 512
-# Wide rows at 3 <= k <= 16 on the GPU: two Pallas passes (`pallas_kernels.vocab_topk`) instead
-# of the routes below.
+# Wide rows at 3 <= k <= 16 on the GPU: the Pallas kernel (`pallas_kernels.vocab_topk`, one
+# launch or two) instead of the routes below.
 PALLAS_TOP_K = True
 # How top_k_by_chunk_max may take its two small top-ks (see its `small`), and how it takes
 # them by default above SORT_MIN_K.
@@ -313,7 +313,7 @@ def vocab_top_k_method(v: int, k: int, backend: str | None = None, dtype=jnp.flo
 
 def vocab_top_k(x, k: int):
     """x [..., V] -> (values, indices [..., k] int32): lax.top_k's result, by the method
-    `vocab_top_k_method` picks (one reduction for k = 2 on the GPU; two Pallas passes, or
+    `vocab_top_k_method` picks (one reduction for k = 2 on the GPU; the Pallas kernel, or
     chunks, where a wide row's one-block-per-row TopK would leave SMs idle)."""
     method = vocab_top_k_method(x.shape[-1], k, dtype=x.dtype)
     if method == "top2":
