@@ -19,7 +19,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.head_sharding import MODEL_AXIS, model_axis_size, per_head_shard
 

@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import prefix_attention_mgpu as pm
 from pallas_kernels.backend_rule import mosaic_serves, mosaic_splits

@@ -1,6 +1,5 @@
 """Logprobs of every emitted token (and the top alternatives), speculative or plain, equal what
 plain decoding reports when scoring the same sequence; penalties and stop strings on the host."""
-import functools
 import importlib
 
 import jax

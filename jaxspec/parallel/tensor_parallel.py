@@ -52,7 +52,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxspec.config import ConfigError, ModelConfig
-from jaxspec.kv import KVCache
 from jaxspec.spec.config import SpecConfig
 from jaxspec.spec.runner import SpecRunner
 from jaxspec.xla_options import jit
