@@ -46,6 +46,9 @@
 #   bash bench/gpu_plan.sh topk_fused  # the top-k kernel in one launch against two passes:
 #                                      #   bench_draft_ops at 128K and 16K, the 8B cycle
 #                                      #   alternated (forty-ninth set: two passes at 128K)
+#   bash bench/gpu_plan.sh topk_e2e    # batch 1 end to end (bench_cli, MT-bench, default spec,
+#                                      #   plain in the same run) with the top-k by the XLA routes
+#                                      #   and by the kernel (bench/with_defaults.py); ORDER
 #   bash bench/gpu_plan.sh topk_engine # the SmolLM2 engine at batch 1 (4x8x32:2, the shipped
 #                                      #   head's 16,384-token draft vocabulary) with the top-k by
 #                                      #   the XLA routes, the kernel's two-pass form and its
@@ -724,6 +727,17 @@ case "${1:-}" in
       esac
       run cycle_$v 200 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "${SHAPES:-6,10,60}" --variants lean "${KD[@]}"
       cp "$OUT/bench_cycle.json" "$OUT/bench_cycle_$v.json"
+    done
+    ;;
+  topk_e2e)
+    # batch 1 end to end (MT-bench, 128 new tokens, the default spec; plain in the same run)
+    # with the top-k by the XLA routes and by the kernel, each in its own process (ORDER: the
+    # other order in a second call; each run takes a few minutes)
+    S=(--no-peers --max-tokens ${TOKENS:-128} --repeats 2 --batch-sizes 1 --num-prompts 80 --spec default)
+    for v in ${ORDER:-pallas xla}; do
+      case $v in xla*) KD=(--kernel-default topk.PALLAS_TOP_K=False --kernel-default topk.RANK_MAX_WIDTH=256);;
+        *) KD=();; esac
+      run e2e_$v 280 python3 bench/with_defaults.py "${KD[@]}" jaxspec.bench_cli --model "$GGUF" --quiet "${S[@]}" --json "$OUT/e2e_$v.json"
     done
     ;;
   topk_engine)

@@ -194,3 +194,24 @@ def test_heads_of_the_timed_rows(monkeypatch):
     for bad in ("9,3", "9,4,64", "a,b,c", "0,1,64"):
         with pytest.raises(ValueError, match="--heads"):
             bk.set_heads(bad)
+
+
+def test_any_module_runs_with_defaults_set(monkeypatch, tmp_path):
+    """bench/with_defaults.py: the defaults are set before the module runs as __main__, and the
+    module gets its own arguments, options included."""
+    from bench import with_defaults
+    from pallas_kernels import vocab_topk
+    monkeypatch.setattr(vocab_topk, "FUSED_MAX_CHUNKS", vocab_topk.FUSED_MAX_CHUNKS)  # restored
+    monkeypatch.setattr("sys.argv", list(__import__("sys").argv))
+    (tmp_path / "probe_mod.py").write_text(
+        "import sys\nfrom pallas_kernels import vocab_topk\n"
+        "if __name__ == '__main__':\n"
+        "    SEEN.update(argv=sys.argv[1:], fused=vocab_topk.FUSED_MAX_CHUNKS)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = {}
+    monkeypatch.setattr("builtins.SEEN", seen, raising=False)
+    with_defaults.main(["--kernel-default", "vocab_topk.FUSED_MAX_CHUNKS=0", "probe_mod",
+                        "--batch-sizes", "1", "x"])
+    assert seen == {"argv": ["--batch-sizes", "1", "x"], "fused": 0}
+    with pytest.raises(ValueError, match="expected NAME=VALUE"):
+        with_defaults.main(["--kernel-default", "FUSED", "probe_mod"])
