@@ -107,3 +107,15 @@ def test_launches_by_the_rows_chunks():
     assert vt.chunks(16384)[0] <= vt.FUSED_MAX_CHUNKS < vt.chunks(128256)[0]
     assert (launches(16384), launches(128256)) == (1, 2)
     assert (launches(16384, False), launches(128256, True)) == (2, 1)
+
+
+def test_device_programs_lower():
+    """Both forms lower to Triton for the GPU from this CPU (what interpret mode skips: the
+    atomic count and the barriers of the one-launch form), one custom call or two."""
+    x = jnp.zeros((8, 16384), jnp.float32)
+    for fused, calls in ((True, 1), (False, 2)):
+        run = jax.jit(lambda x, fused=fused: vt.vocab_top_k_pallas(x, 8, fused=fused))
+        text = run.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @__gpu$xla.gpu.triton") == calls
+        # the arrival count and the barriers around it, in the one-launch program only
+        assert ("atomic_rmw" in text, "gpu.barrier" in text) == (fused, fused)
