@@ -127,8 +127,8 @@ def test_alternate_takes_its_compiled_copies_in_turn():
 
 
 def test_kernel_defaults_set_for_one_run(monkeypatch):
-    """`--kernel-default` (bench_cycle, profile_cycle, bench_engine): a tree_attention _MOSAIC_* constant set
-    from a literal before the run; anything else is refused by name."""
+    """`--kernel-default` (bench_cycle, profile_cycle, bench_engine): a tree_attention _MOSAIC_*
+    constant set from a literal before the run; anything else is refused by name."""
     from bench.common import set_kernel_defaults
     from pallas_kernels import tree_attention as ta
     monkeypatch.setattr(ta, "_MOSAIC_TREE_IN_Q", ta._MOSAIC_TREE_IN_Q)   # restored after
