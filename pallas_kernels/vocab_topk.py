@@ -129,9 +129,8 @@ def _fused_kernel(x_ref, arrivals_in, cols_ref, val_ref, top_ref, arrivals_ref, 
     the arrival, whose release (gpu scope) publishes them; the last program's acquire, then a
     second barrier, put its threads' loads after every other program's release."""
     del arrivals_in                     # the same buffer as arrivals_ref
-    r, c = pl.program_id(0), pl.program_id(1)
-    store(cols_ref.at[r, c * kp + jnp.arange(kp, dtype=jnp.int32)],
-          _chunk_picks(x_ref, r, c, kp=kp, **picks))
+    _chunk_kernel(x_ref, cols_ref, kp=kp, **picks)
+    r = pl.program_id(0)
     if not interpret:
         plgpu.debug_barrier()
     ticket = plgpu.atomic_add(arrivals_ref, (r,), jnp.int32(1))
@@ -143,24 +142,26 @@ def _fused_kernel(x_ref, arrivals_in, cols_ref, val_ref, top_ref, arrivals_ref, 
         _merge(x_ref, cols_ref, val_ref, top_ref, r, k=picks["k"], kp=kp)
 
 
-def chunks(v: int, chunk: int = CHUNK) -> tuple[int, int]:
+def chunks(v: int, chunk: int | None = None) -> tuple[int, int]:
     """(n, width): pass 1 cuts a row of v into n chunks of width (the last may be short), the
-    fewest of at most `chunk`."""
+    fewest of at most `chunk` (None: CHUNK, read when called)."""
+    chunk = CHUNK if chunk is None else chunk
     n = -(-v // chunk)
     return n, -(-v // n)
 
 
-def vocab_top_k_pallas(x, k: int, *, chunk: int = CHUNK, num_warps: int = 4,
+def vocab_top_k_pallas(x, k: int, *, chunk: int | None = None, num_warps: int = 4,
                        fused: bool | None = None, interpret: bool = False):
     """x [..., V] fp32 or bf16 -> (values [..., k] in x's dtype, indices [..., k] int32), equal
     to lax.top_k(x, k) (order as in the module's docstring). `fused`: one launch whose last
-    program of a row merges, or two passes; None: by FUSED_MAX_CHUNKS, read when called (so a
-    benchmark can set it)."""
+    program of a row merges, or two passes; None: by FUSED_MAX_CHUNKS. `chunk` None: CHUNK.
+    Both module defaults are read when called, so a benchmark can set them."""
     v = x.shape[-1]
     if not 1 <= k <= min(v, MAX_K):
         raise ValueError(f"k={k} must be in 1..{min(v, MAX_K)} (row width {v}, MAX_K {MAX_K})")
     if x.dtype not in DTYPES:
         raise TypeError(f"vocab_top_k_pallas takes fp32 or bf16 rows, got {x.dtype}")
+    chunk = CHUNK if chunk is None else chunk
     fused = chunks(v, chunk)[0] <= FUSED_MAX_CHUNKS if fused is None else bool(fused)
     return _top_k(x, k, chunk=chunk, num_warps=num_warps, fused=fused, interpret=interpret)
 

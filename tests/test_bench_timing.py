@@ -165,10 +165,11 @@ def test_topk_kernel_form_set_for_one_run(monkeypatch):
     from bench.common import set_kernel_defaults
     from pallas_kernels import vocab_topk
     monkeypatch.setattr(vocab_topk, "FUSED_MAX_CHUNKS", vocab_topk.FUSED_MAX_CHUNKS)  # restored
+    monkeypatch.setattr(vocab_topk, "CHUNK", vocab_topk.CHUNK)
     x = jnp.zeros((2, 64), jnp.float32)
 
-    def launches():
-        jaxpr = jax.make_jaxpr(lambda x: vocab_topk.vocab_top_k_pallas(x, 3, chunk=16,
+    def launches(chunk=16):
+        jaxpr = jax.make_jaxpr(lambda x: vocab_topk.vocab_top_k_pallas(x, 3, chunk=chunk,
                                                                        interpret=True))(x)
         return str(jaxpr).count("pallas_call")
 
@@ -176,6 +177,9 @@ def test_topk_kernel_form_set_for_one_run(monkeypatch):
     assert set_kernel_defaults(["vocab_topk.FUSED_MAX_CHUNKS=0"]) == {
         "vocab_topk.FUSED_MAX_CHUNKS": 0}
     assert launches() == 2
+    # the chunk width too: 64 wide, one chunk of it within FUSED_MAX_CHUNKS 1
+    set_kernel_defaults(["vocab_topk.CHUNK=64", "vocab_topk.FUSED_MAX_CHUNKS=1"])
+    assert launches(chunk=None) == 1
     with pytest.raises(ValueError, match="vocab_topk.FUSED_MAX_CHUNKS"):
         set_kernel_defaults(["vocab_topk.fused=1"])
 
@@ -199,19 +203,23 @@ def test_heads_of_the_timed_rows(monkeypatch):
 def test_any_module_runs_with_defaults_set(monkeypatch, tmp_path):
     """bench/with_defaults.py: the defaults are set before the module runs as __main__, and the
     module gets its own arguments, options included."""
+    import json
+    import sys
+
     from bench import with_defaults
     from pallas_kernels import vocab_topk
     monkeypatch.setattr(vocab_topk, "FUSED_MAX_CHUNKS", vocab_topk.FUSED_MAX_CHUNKS)  # restored
-    monkeypatch.setattr("sys.argv", list(__import__("sys").argv))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
     (tmp_path / "probe_mod.py").write_text(
-        "import sys\nfrom pallas_kernels import vocab_topk\n"
+        "import json, sys\nfrom pallas_kernels import vocab_topk\n"
         "if __name__ == '__main__':\n"
-        "    SEEN.update(argv=sys.argv[1:], fused=vocab_topk.FUSED_MAX_CHUNKS)\n")
+        "    json.dump(dict(argv=sys.argv[1:], fused=vocab_topk.FUSED_MAX_CHUNKS),\n"
+        "              open(sys.argv[1], 'w'))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    seen = {}
-    monkeypatch.setattr("builtins.SEEN", seen, raising=False)
+    seen = tmp_path / "seen.json"
     with_defaults.main(["--kernel-default", "vocab_topk.FUSED_MAX_CHUNKS=0", "probe_mod",
-                        "--batch-sizes", "1", "x"])
-    assert seen == {"argv": ["--batch-sizes", "1", "x"], "fused": 0}
+                        str(seen), "--batch-sizes", "1"])
+    assert json.loads(seen.read_text()) == {"argv": [str(seen), "--batch-sizes", "1"],
+                                            "fused": 0}
     with pytest.raises(ValueError, match="expected NAME=VALUE"):
         with_defaults.main(["--kernel-default", "FUSED", "probe_mod"])
