@@ -100,8 +100,8 @@ def stream_read(k_cache, v_cache, layer, *, splits, block, warps=4, rows=None,
 
 # (CTAs per slot and KV head, rows a copy, ring slots) of the TMA stream: from the Mosaic
 # prefix kernel's own (16 splits of 128-row blocks, one CTA an SM) to 512 CTAs of small rings.
-TMA_STREAMS = ((4, 128, 1), (16, 128, 3), (16, 64, 4), (32, 128, 2), (32, 64, 2), (64, 64, 2),
-               (64, 128, 1), (128, 64, 1))
+TMA_STREAMS = ((4, 128, 1), (8, 128, 3), (8, 64, 6), (16, 128, 3), (16, 64, 4), (32, 128, 2),
+               (32, 64, 2), (64, 64, 2), (64, 128, 1), (128, 64, 1))
 
 
 def _tma_kernel(layer_ref, k_ref, v_ref, o_ref, scoped, *, chunk, block, steps, blocks):
