@@ -74,6 +74,11 @@
 #                                      #   (mosaic_overlap) checked, then timed against the
 #                                      #   default and cuDNN (fortieth set: correct, 5-33% slower,
 #                                      #   ptxas had serialised it; forty-first: fixed, ties)
+#   bash bench/gpu_plan.sh cluster_merge  # issue 4: the Mosaic kernel's splits merged inside a
+#                                      #   thread-block cluster (no combine) checked 20 times
+#                                      #   each, then timed at batch 1-2 against the default
+#                                      #   (16 splits and the combine), 8 splits with the combine,
+#                                      #   and the backend rule's choice (Triton at N 1)
 #   bash bench/gpu_plan.sh lossweight  # issue 7: the shipped head fine-tuned twice from the same
 #                                      #   start, data (17.5K self-distilled ShareGPT answers,
 #                                      #   carry .gpu/train/ from `python -m bench.train_gpu
@@ -655,6 +660,15 @@ case "${1:-}" in
     ;;
   mosaic_tree)
     run mosaic_tree 200 python3 bench/mosaic_tree_ab.py
+    ;;
+  cluster_merge)
+    # The checks alone first, under a short limit: a cluster barrier that never completes
+    # hangs the kernel.
+    V='{"merge8": {"num_splits": 8, "mosaic_cluster_merge": true}, "split8": {"num_splits": 8}, "auto": {"backend": null}}'
+    run merge_checks 200 python3 bench/kernel_ab.py --variants '{"merge": {"mosaic_cluster_merge": true}}' --shapes "" --repeats 20
+    if grep -q "'ok': True" "$OUT/merge_checks.log" && ! grep -q "'ok': False" "$OUT/merge_checks.log"; then
+      run merge_times 380 python3 bench/kernel_ab.py --variants "$V" --no-checks --device-time --shapes "${SHAPES:-1,1,8192;1,16,8192;1,1,16384;1,16,16384;1,1,32768;1,16,32768;2,16,8192}"
+    fi
     ;;
   overlap)
     # The Mosaic kernel's PV product behind the next block's scores (thirty-ninth set: its first

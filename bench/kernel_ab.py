@@ -4,10 +4,13 @@ then all timed with the bench_kernels harness (chained calls, 8 dispatched back 
 
     python3 bench/kernel_ab.py --variants '{"overlap": {"mosaic_overlap": true}}' \\
         [--base '{"backend": "mosaic"}'] [--shapes "B,N,L;..."] [--no-checks] [--device-time]
-        [--heads "Hq,Hkv,D"]
+        [--heads "Hq,Hkv,D"] [--repeats K]
 Every variant is `base` updated with its own settings; "default" (base alone) is always
 timed, twice. JSON lists become tuples (`mosaic_ring`). --device-time adds each one's kernel
-time from a profiler trace. Writes $OUT/kernel_ab.json.
+time from a profiler trace. --repeats K runs each check K times and fails it unless all K
+outputs are the same bit for bit (kernels whose CTAs exchange results must not race). Checks
+take their own split counts, so a variant's num_splits applies to the timed rows only.
+Writes $OUT/kernel_ab.json.
 """
 from __future__ import annotations
 
@@ -26,14 +29,19 @@ from pallas_kernels import tree_attention as ta  # noqa: E402
 
 CHECKS = [(8, 64, 1024, 32, 8, 128, 1, False), (3, 16, 1024, 32, 8, 128, 3, True),
           (2, 60, 2048, 32, 8, 128, 2, True), (3, 30, 1024, 9, 3, 64, 1, True),
-          (1, 7, 512, 32, 8, 128, 4, False), (2, 64, 4096, 32, 8, 128, 3, False)]
+          (1, 7, 512, 32, 8, 128, 4, False), (2, 64, 4096, 32, 8, 128, 3, False),
+          # 2, 4 and 8 splits of one warpgroup's rows (cluster_merge's shapes), one slot's
+          # splits mostly empty
+          (1, 1, 8192, 32, 8, 128, 8, False), (2, 16, 2048, 32, 8, 128, 4, True),
+          (1, 4, 1024, 32, 8, 128, 2, False), (2, 1, 512, 32, 8, 128, 8, False)]
 SHAPES = ("64,64,8192;8,64,8192;1,64,8192;8,64,2048;1,16,8192;8,16,8192;64,16,8192;"
           "1,16,32768")
 
 
-def check(b, n, t, hq, hkv, d, splits, packed, extra=None):
+def check(b, n, t, hq, hkv, d, splits, packed, extra=None, repeats=1):
     """`bench_kernels.check_attention` on uneven prefixes, at a given split count (and the
-    tuning in `extra`)."""
+    tuning in `extra`); with repeats > 1 the call runs that many times and must give the same
+    output bit for bit each time."""
     key = jax.random.key(b * 131 + n)
     q, kc, vc, sl, kn, vn, mask = bk.make_inputs(key, b, n, t, 2, hq=hq, hkv=hkv, d=d,
                                                  seq_lens=jnp.arange(b, dtype=jnp.int32) * 37
@@ -48,8 +56,15 @@ def check(b, n, t, hq, hkv, d, splits, packed, extra=None):
     else:
         run = lambda: ta.tree_attention_pallas(  # noqa: E731
             q, kc, vc, jnp.int32(1), sl, kn, vn, mask, **kw)
+
+    def run_all():
+        outs = [run() for _ in range(repeats)]
+        differ = [i for i, o in enumerate(outs) if not bool(jnp.array_equal(o, outs[0]))]
+        if differ:
+            raise AssertionError(f"runs {differ} of {repeats} differ from the first")
+        return outs[0]
     bk.check_attention("tree_attention_mosaic_packed" if packed else "tree_attention_mosaic",
-                       run, ref, 1e-2, dict(b=b, n=n, t=t, hq=hq, hkv=hkv, d=d, splits=splits,
+                       run_all, ref, 1e-2, dict(b=b, n=n, t=t, hq=hq, hkv=hkv, d=d, splits=splits,
                                             **(extra or {})))
 
 
@@ -75,6 +90,8 @@ def main():
                     help="also each one's kernel time from a profiler trace")
     ap.add_argument("--heads", default="",
                     help='"Hq,Hkv,D" of the timed rows in place of 32,8,128 (SmolLM2: "9,3,64")')
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each check, all to agree bit for bit")
     a = ap.parse_args()
     if a.device_time:
         bk.use_device_time()
@@ -89,7 +106,8 @@ def main():
                variants=variants, checks=bk.RESULTS["check"], times=[])
     for name, cfg in ({} if a.no_checks else variants).items():
         for args in CHECKS:
-            check(*args, extra={k: v for k, v in cfg.items() if k != "backend"})
+            check(*args, extra={k: v for k, v in cfg.items()
+                                if k not in ("backend", "num_splits")}, repeats=a.repeats)
     fns = {"default": bk.kernel_fn(**base)}
     fns.update({name: bk.kernel_fn(**cfg) for name, cfg in variants.items()})
     fns["default again"] = bk.kernel_fn(**base, block_n=64)   # same program, re-traced

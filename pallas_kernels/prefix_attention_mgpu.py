@@ -39,6 +39,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.cluster_merge import BARRIERS as MERGE_BARRIERS
+from pallas_kernels.cluster_merge import SIZES as MERGE_SIZES
+from pallas_kernels.cluster_merge import merge as merge_in_cluster
 from pallas_kernels._compat import MASK_VALUE
 
 try:  # Mosaic GPU's Pallas API (Hopper); absent from some jaxlib builds
@@ -91,14 +94,15 @@ def _bounds(seq_len, split, num_splits, block_kv):
 
 
 def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, wgs,
-            indirect, tree, interpret, overlap, multicast, tree_split_index, tree_row0):
+            indirect, tree, interpret, overlap, multicast, tree_split_index, tree_row0, merge):
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref = refs[:3]
     kn_ref, vn_ref, bias_ref = refs[3:6] if tree else (None, None, None)
     if tree_row0:   # the tree's keys, then values, in q's rows after its `tree_row0` query rows
         kn_ref, vn_ref, bias_ref = q_ref, q_ref, refs[3]
     outs, scoped = refs[(4 if tree_row0 else 6) if tree else 3:-1], refs[-1]
-    (q_smem, k_smem, v_smem, o_smem, ml_smem, bias_smem), ready, consumed, sched, o_free = scoped
+    (q_smem, k_smem, v_smem, o_smem, ml_smem, bias_smem, out_smem), *barriers = scoped
+    ready, consumed, sched, o_free, merge_barriers = barriers
     k_ready, v_ready, q_ready = ready
     k_free, v_free = consumed
     num_kv_heads, t_max = k_ref.shape[2], k_ref.shape[3]
@@ -294,6 +298,10 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
         acc, m_i, l_i = carry
         if wgs == 2:
             pl.when(wg == 0)(staggered)
+        if merge:   # the cluster's splits merged through distributed shared memory
+            merge_in_cluster((acc, m_i, l_i), o_smem, ml_smem, out_smem, outs[0], merge_barriers,
+                             split=split, num_splits=num_splits, bh=bh)
+            return
         rows = pl.ds(row0, ROWS)
         if len(outs) == 1:   # one split: normalised, in the q tile the matmuls are done with
             q_tile[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
@@ -471,12 +479,14 @@ def active_splits(length, num_splits, block_kv) -> int:
 
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
                                              "overlap", "rows_adjacent", "multicast",
-                                             "tree_split", "tree_in_q", "interpret"))
+                                             "tree_split", "tree_in_q", "cluster_merge",
+                                             "interpret"))
 def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree=None, *,
                          scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
                          steps: int = STEPS, overlap: bool = False, rows_adjacent: bool = False,
                          multicast: bool = False, tree_split: bool = False,
-                         tree_in_q: bool = False, interpret: bool = False):
+                         tree_in_q: bool = False, cluster_merge: bool = False,
+                         interpret: bool = False):
     """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
     each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
     m, l [B * Hkv, S, R], f32. slots [B]: the cache slot of each row (None: row b is slot b).
@@ -499,7 +509,12 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     splits leave idle (`tree_split_pays`).
     tree_in_q: tree = (None, None, bias), and q_rows [B, Hkv, R + 2 NT, D] holds the tree's NT
     keys, then its NT values, after its R query rows (one XLA fusion then builds the kernel's
-    inputs from the projection, where it took two)."""
+    inputs from the projection, where it took two).
+    cluster_merge: the splits of one (slot, KV head) as one cluster of CTAs that merge their
+    partials through distributed shared memory (`cluster_merge`) and write the output
+    normalised, [B * Hkv, R, D] in q's dtype, with no combine pass. Taken with the tree, one
+    warpgroup's 64 rows and 2, 4 or 8 splits (others keep the partials); the tree's block stays
+    in split 0. Device only, as multicast."""
     b, hkv, r, d = q_rows.shape
     if tree_in_q:
         if tree is None or tree[0] is not None or tree[1] is not None:
@@ -522,6 +537,12 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     multicast = multicast and row_tiles in (2, 4, 8)
     if multicast and interpret:
         raise ValueError("multicast needs thread-block clusters, which interpret mode lacks")
+    tree_split = tree_split and tree is not None
+    merge = (cluster_merge and tree is not None and r == ROWS and not multicast
+             and num_splits in MERGE_SIZES)
+    if merge and interpret:
+        raise ValueError("cluster_merge needs thread-block clusters, which interpret mode lacks")
+    tree_split = tree_split and not merge
     dtype = k_cache.dtype
     swizzle = plgpu.SwizzleTransform(128)
     tiles = (plgpu.TilingTransform((8, 64)), swizzle)
@@ -529,17 +550,20 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     smem = (plgpu.SMEM((wgs, ROWS, d), dtype, transforms=tiles),
             plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles),
             plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles),
-            plgpu.SMEM((ROWS, d), jnp.float32, transforms=f32_tiles),
+            # untiled where the cluster's peers read slices of its rows
+            plgpu.SMEM((ROWS, d), jnp.float32, transforms=() if merge else f32_tiles),
             plgpu.SMEM((2, wgs, ROWS), jnp.float32),
             plgpu.SMEM((wgs, ROWS, tree_keys), dtype, transforms=tiles)
-            if tree is not None else None)
+            if tree is not None else None,
+            plgpu.SMEM((ROWS // num_splits, d), dtype) if merge else None)
     consumed = (functools.partial(plgpu.ClusterBarrier, collective_axes=("rt",)) if multicast
                 else plgpu.Barrier)
     barriers = ((plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
                  plgpu.Barrier(num_barriers=2 * wgs)),
                 (consumed(num_arrivals=wgs, num_barriers=steps),) * 2,
-                plgpu.Barrier(num_arrivals=wgs), plgpu.Barrier(num_arrivals=1))
-    tree_split = tree_split and tree is not None
+                plgpu.Barrier(num_arrivals=wgs), plgpu.Barrier(num_arrivals=1),
+                plgpu.ClusterBarrier(collective_axes=("split",), num_barriers=MERGE_BARRIERS)
+                if merge else None)
     grid_splits = num_splits + tree_split
     indirect = slots is not None
     body = functools.partial(_kernel, scale_log2=scale_log2, num_splits=num_splits,
@@ -547,14 +571,14 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                              tree=tree is not None, interpret=interpret, overlap=overlap,
                              multicast=multicast,
                              tree_split_index=num_splits if tree_split else 0,
-                             tree_row0=r if tree_in_q else 0)
+                             tree_row0=r if tree_in_q else 0, merge=merge)
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, *barriers,
                       collective_axes="wg")
 
     f32 = jnp.float32
-    if tree is not None and grid_splits == 1:
+    if tree is not None and (grid_splits == 1 or merge):
         out_type = (jax.ShapeDtypeStruct((b * hkv, r, d), dtype),)
     else:
         out_type = (jax.ShapeDtypeStruct((b * hkv, grid_splits, r, d), f32),
@@ -567,6 +591,9 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     if multicast:   # the row tiles are the cluster's axis, not the grid's
         axes = tuple(axis for axis in axes if axis[0] != "rt")
         cluster = dict(cluster=(row_tiles,), cluster_names=("rt",))
+    elif merge:   # the splits are the cluster's axis
+        axes = tuple(axis for axis in axes if axis[0] != "split")
+        cluster = dict(cluster=(grid_splits,), cluster_names=("split",))
     call = plgpu.kernel(entry, out_type=out_type,
                         grid=tuple(x for _, x in axes),
                         grid_names=tuple(name for name, _ in axes), num_threads=wgs + 1,

@@ -86,6 +86,10 @@ _MOSAIC_TREE_SPLIT = True
 # rows and the tree's padded keys and values took two. The 8B batch-1 cycle: 72 kernels
 # fewer, 7.615 ms against 7.702 (bench/RESULTS.md, forty-seventh set).
 _MOSAIC_TREE_IN_Q = True
+# The Mosaic kernel's splits of one (slot, KV head) as a thread-block cluster that merges them
+# through distributed shared memory, with no combine launch (`pallas_kernels/cluster_merge.py`;
+# one warpgroup's rows, 2, 4 or 8 splits). Off until measured against the combine.
+_MOSAIC_CLUSTER_MERGE = False
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -403,7 +407,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
            "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
            "mosaic_ring", "mosaic_overlap", "mosaic_rows_adjacent", "mosaic_multicast",
-           "mosaic_tree_split", "mosaic_tree_in_q")
+           "mosaic_tree_split", "mosaic_tree_in_q", "mosaic_cluster_merge")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -459,7 +463,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
             skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
             mosaic_overlap=None, mosaic_rows_adjacent=None, mosaic_multicast=None,
-            mosaic_tree_split=None, mosaic_tree_in_q=None):
+            mosaic_tree_split=None, mosaic_tree_in_q=None, mosaic_cluster_merge=None):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -481,7 +485,9 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     for split 0, where the prefix is split (None: `_MOSAIC_TREE_SPLIT` where
     `prefix_attention_mgpu.tree_split_pays`).
     mosaic_tree_in_q: the tree's keys and values passed to the Mosaic kernel in the query
-    rows' array, after them (None: `_MOSAIC_TREE_IN_Q`)."""
+    rows' array, after them (None: `_MOSAIC_TREE_IN_Q`).
+    mosaic_cluster_merge: its splits merged inside a cluster, without the combine, where the
+    shape allows (None: `_MOSAIC_CLUSTER_MERGE`; never in interpret mode)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -530,7 +536,10 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                                          if mosaic_multicast is None else mosaic_multicast),
                               tree_split=bool(mosaic_tree_split) and num_splits > 1,
                               tree_in_q=(_MOSAIC_TREE_IN_Q if mosaic_tree_in_q is None
-                                         else mosaic_tree_in_q))
+                                         else mosaic_tree_in_q),
+                              cluster_merge=(_MOSAIC_CLUSTER_MERGE and not interpret
+                                             if mosaic_cluster_merge is None
+                                             else mosaic_cluster_merge))
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
@@ -554,7 +563,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
                    dtype, *, packed, block_r, params, num_splits, sm_scale, interpret,
                    kn_in, vn_in, tree_mask, mosaic_tree, ring, overlap, rows_adjacent,
-                   multicast, tree_split, tree_in_q):
+                   multicast, tree_split, tree_in_q, cluster_merge):
     """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`). Trees of up
     to `_MOSAIC_TREE_KEYS` tokens go into that kernel too (then one launch, or two with the
     combine over several splits); larger ones take `kernel` (the Triton kernel, configured) for
@@ -578,8 +587,8 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
                                      block_kv=ring[0], steps=ring[1], overlap=overlap,
                                      rows_adjacent=rows_adjacent, multicast=multicast,
                                      tree_split=tree_split, tree_in_q=in_q,
-                                     interpret=interpret)
-    if tree is not None and num_splits == 1:   # normalised rows [B * Hkv, R', D]
+                                     cluster_merge=cluster_merge, interpret=interpret)
+    if not isinstance(prefix, (tuple, list)):   # normalised rows [B * Hkv, R', D]
         o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)
         return o.transpose(0, 2, 1, 3, 4).reshape(q_shape).astype(dtype)
     if tree is not None:
