@@ -9,6 +9,11 @@ one cluster (S in 2, 4, 8; 8 is the portable cluster size). When their loops are
      o_s 2^(m_s - M) / L, so that the output is the plain sum of the S rescaled tiles;
   3. each CTA sums its own 64 / S rows of those tiles across the cluster and writes them.
 
+A peer's view of a ref (`plgpu.cluster_ref`) lowers only for a whole ref, not for a slice of
+one, so each CTA leaves its tile as S refs of 64 / S rows, and picks its own rows' ref by a
+branch a split. The tiles share shared memory with the K and V ring, which is idle by then
+(`scratch`).
+
 This is the combine pass's merge without its launch, and without the partials' round trip
 through global memory. At batch 1 over 8K a TMA read of a layer by 8 CTAs a KV head takes what
 16 take (9.6 us, bench/RESULTS.md, fiftieth set), so a cluster can hold a head's splits.
@@ -61,32 +66,53 @@ def _cluster_sync(barrier):
     _fence(sync_first=False)
 
 
-def merge(carry, o_smem, ml_smem, out_smem, out_ref, barriers, *, split, num_splits, bh,
+def scratch(rows, head_dim, num_splits, dtype):
+    """The merge's shared memory, to alias the ring with (`plgpu.RefUnion`): the rescaled tile
+    [rows, D] f32, the same as `num_splits` refs of rows / S rows, and the output's staging
+    tile [rows / S, D]."""
+    part = rows // num_splits
+    return (plgpu.SMEM((rows, head_dim), jnp.float32),
+            tuple(plgpu.SMEM((part, head_dim), jnp.float32) for _ in range(num_splits)),
+            plgpu.SMEM((part, head_dim), dtype))
+
+
+def merge(carry, ml_smem, scratch_refs, out_ref, barriers, *, split, num_splits, bh,
           axis="split"):
     """Write the normalised output rows of this cluster's (slot, KV head) to out_ref [BH, R, D].
 
-    carry: this CTA's (acc [64, D] f32, m, l [64]) in the WGMMA layouts; o_smem [64, D] f32 and
-    ml_smem [2, 1, 64] f32 its shared memory (untiled o_smem: peers read slices of its rows);
-    out_smem [64 / S, D] the output's staging tile; barriers: `BARRIERS` cluster barriers."""
+    carry: this CTA's (acc [R, D] f32, m, l [R]) in the WGMMA layouts (R = 64); ml_smem: two
+    [R] f32 refs; scratch_refs: `scratch`'s refs; barriers: `BARRIERS` cluster barriers."""
     acc, m_i, l_i = carry
-    ml_smem.at[0, 0][...] = m_i
-    ml_smem.at[1, 0][...] = l_i
+    m_smem, l_smem = ml_smem
+    o_smem, parts, out_smem = scratch_refs
+    m_smem[...] = m_i
+    l_smem[...] = l_i
     _cluster_sync(barriers.at[0])
-    row = plgpu.Layout.WGMMA.reduce(1)
-    peers = [plgpu.cluster_ref(ml_smem, {axis: j}) for j in range(num_splits)]
-    ms = [plgpu.load(p.at[0, 0], (), layout=row) for p in peers]
-    ls = [plgpu.load(p.at[1, 0], (), layout=row) for p in peers]
-    top = functools.reduce(jnp.maximum, ms)
-    total = functools.reduce(operator.add, [l * jnp.exp2(m - top) for m, l in zip(ms, ls)])
+    # Every value's layout is given: Mosaic GPU's layout inference (jax 0.11) runs out of its
+    # search budget on this function otherwise, though each of its parts compiles alone.
+    row, wgmma = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA
+    rows = out_smem.shape[0]
+    strided = plgpu.Layout.WG_STRIDED(out_smem.shape, vec_size=4)
+    ms, ls = ([plgpu.load(plgpu.cluster_ref(ref, {axis: j}), (), layout=row)
+               for j in range(num_splits)] for ref in (m_smem, l_smem))
+    top = plgpu.layout_cast(functools.reduce(jnp.maximum, ms), row)
+    total = plgpu.layout_cast(functools.reduce(
+        operator.add, [l * jnp.exp2(m - top) for m, l in zip(ms, ls)]), row)
     # Every row has a live key somewhere (its own tree token), so total > 0.
-    scale = jnp.exp2(m_i - top) / total
-    o_smem[...] = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
+    scale = plgpu.layout_cast(jnp.exp2(m_i - top) / total, row)
+    o_smem[...] = plgpu.layout_cast(
+        acc * plgpu.layout_cast(lax.broadcast_in_dim(scale, acc.shape, [0]), wgmma), wgmma)
+    for s, part in enumerate(parts):   # (the WGMMA layout cannot be cut into 8-row slices)
+        part[...] = plgpu.load(o_smem.at[pl.ds(s * rows, rows)], (), layout=strided)
     _cluster_sync(barriers.at[1])
-    rows = o_smem.shape[0] // num_splits
-    mine = pl.ds(split * rows, rows)
-    tiles = [plgpu.cluster_ref(o_smem, {axis: j}).at[mine][...] for j in range(num_splits)]
-    out_smem[...] = functools.reduce(operator.add, tiles).astype(out_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[bh, mine])
+    for s, part in enumerate(parts):
+        @pl.when(split == s)
+        def _():
+            tiles = [plgpu.load(plgpu.cluster_ref(part, {axis: j}), (), layout=strided)
+                     for j in range(num_splits)]
+            total = plgpu.layout_cast(functools.reduce(operator.add, tiles), strided)
+            out_smem[...] = plgpu.layout_cast(total.astype(out_smem.dtype), strided)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[bh, pl.ds(s * rows, rows)])
     _cluster_sync(barriers.at[2])   # no CTA leaves while a peer still reads its tile
     plgpu.wait_smem_to_gmem(0)

@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.cluster_merge import BARRIERS as MERGE_BARRIERS
 from pallas_kernels.cluster_merge import SIZES as MERGE_SIZES
 from pallas_kernels.cluster_merge import merge as merge_in_cluster
+from pallas_kernels.cluster_merge import scratch as merge_scratch
 from pallas_kernels._compat import MASK_VALUE
 
 try:  # Mosaic GPU's Pallas API (Hopper); absent from some jaxlib builds
@@ -101,8 +102,10 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     if tree_row0:   # the tree's keys, then values, in q's rows after its `tree_row0` query rows
         kn_ref, vn_ref, bias_ref = q_ref, q_ref, refs[3]
     outs, scoped = refs[(4 if tree_row0 else 6) if tree else 3:-1], refs[-1]
-    (q_smem, k_smem, v_smem, o_smem, ml_smem, bias_smem, out_smem), *barriers = scoped
+    (q_smem, k_smem, v_smem, o_smem, ml_smem, bias_smem), *barriers = scoped
     ready, consumed, sched, o_free, merge_barriers = barriers
+    if merge:   # the ring and the merge's tiles share memory (a union of the two)
+        (k_smem, v_smem), merge_smem = k_smem
     k_ready, v_ready, q_ready = ready
     k_free, v_free = consumed
     num_kv_heads, t_max = k_ref.shape[2], k_ref.shape[3]
@@ -299,7 +302,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
         if wgs == 2:
             pl.when(wg == 0)(staggered)
         if merge:   # the cluster's splits merged through distributed shared memory
-            merge_in_cluster((acc, m_i, l_i), o_smem, ml_smem, out_smem, outs[0], merge_barriers,
+            merge_in_cluster((acc, m_i, l_i), ml_smem, merge_smem, outs[0], merge_barriers,
                              split=split, num_splits=num_splits, bh=bh)
             return
         rows = pl.ds(row0, ROWS)
@@ -547,15 +550,15 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     swizzle = plgpu.SwizzleTransform(128)
     tiles = (plgpu.TilingTransform((8, 64)), swizzle)
     f32_tiles = (plgpu.TilingTransform((8, 32)), swizzle)
-    smem = (plgpu.SMEM((wgs, ROWS, d), dtype, transforms=tiles),
-            plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles),
-            plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles),
-            # untiled where the cluster's peers read slices of its rows
-            plgpu.SMEM((ROWS, d), jnp.float32, transforms=() if merge else f32_tiles),
-            plgpu.SMEM((2, wgs, ROWS), jnp.float32),
+    ring = plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles)
+    rings = ((plgpu.RefUnion((ring, ring), merge_scratch(ROWS, d, num_splits, dtype)), None)
+             if merge else (ring, ring))
+    smem = (plgpu.SMEM((wgs, ROWS, d), dtype, transforms=tiles), *rings,
+            None if merge else plgpu.SMEM((ROWS, d), jnp.float32, transforms=f32_tiles),
+            (plgpu.SMEM((ROWS,), jnp.float32),) * 2 if merge
+            else plgpu.SMEM((2, wgs, ROWS), jnp.float32),
             plgpu.SMEM((wgs, ROWS, tree_keys), dtype, transforms=tiles)
-            if tree is not None else None,
-            plgpu.SMEM((ROWS // num_splits, d), dtype) if merge else None)
+            if tree is not None else None)
     consumed = (functools.partial(plgpu.ClusterBarrier, collective_axes=("rt",)) if multicast
                 else plgpu.Barrier)
     barriers = ((plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
