@@ -6,9 +6,16 @@ failed to compile. Hopper only.
 
     python3 bench/cluster_merge_probe.py [--splits 2,4,8] [--pieces]
 
---pieces compiles two halves of the merge's last step alone instead (2 splits): `copy`, the
-local copy of the tile's row slices into their own refs (a WGMMA-layout store, then strided
-loads of the same ref), and `branch`, the remote loads under a branch a split.
+--pieces compiles parts of the merge alone instead (2 splits), to find which one Mosaic GPU's
+layout inference (jax 0.11) gives up on:
+  * `copy`: the local copy of the tile's row slices into their own refs (a WGMMA-layout store,
+    then strided loads of the same ref);
+  * `branch`: the remote loads of those refs under a branch a split, the output copied after;
+  * `branch_copy`: the same with the output's copy inside each branch;
+  * `scale`, `scale_copy`: the exchange of m, then the rescaled tile stored (and copied);
+  * `ml`: the exchange of m and l, their total and the division, as the merge does them.
+On an H200 (fiftieth set) copy, branch, scale and scale_copy compiled and ran; the whole merge
+did not.
 """
 from __future__ import annotations
 
@@ -46,12 +53,30 @@ def _kernel(o_ref, scoped, *, splits, union):
 
 
 def _piece(o_ref, scoped, *, which):
-    """One half of `cluster_merge.merge`'s last step, for --pieces."""
+    """One part of `cluster_merge.merge`, for --pieces (the module docstring names them)."""
     (o_smem, parts, out_smem), (m_smem, l_smem), barriers = scoped
     s, bh = lax.axis_index("split"), lax.axis_index("bh")
     rows = out_smem.shape[0]
     strided = plgpu.Layout.WG_STRIDED(out_smem.shape, vec_size=4)
-    if which in ("scale", "scale_copy"):   # step 2 of the merge, then a strided load
+    if which == "ml":
+        f = s.astype(jnp.float32)
+        row = plgpu.Layout.WGMMA.reduce(1)
+        acc = plgpu.layout_cast(jnp.full((ROWS, D), 1.0, jnp.float32) * (f + 1),
+                                plgpu.Layout.WGMMA)
+        m_i = plgpu.layout_cast(jnp.full((ROWS,), 0.5, jnp.float32) * f, row)
+        m_smem[...] = m_i
+        l_smem[...] = plgpu.layout_cast(jnp.full((ROWS,), 2.0, jnp.float32) + f, row)
+        cluster_merge._cluster_sync(barriers.at[0])
+        ms, ls = ([plgpu.load(plgpu.cluster_ref(ref, {"split": j}), (), layout=row)
+                   for j in range(len(parts))] for ref in (m_smem, l_smem))
+        top = jnp.maximum(ms[0], ms[1])
+        total = ls[0] * jnp.exp2(ms[0] - top) + ls[1] * jnp.exp2(ms[1] - top)
+        scale = jnp.exp2(m_i - top) / total
+        o_smem[...] = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
+        out_smem[...] = plgpu.load(o_smem.at[pl.ds(0, rows)], (), layout=strided).astype(
+            out_smem.dtype)
+        cluster_merge._cluster_sync(barriers.at[1])
+    elif which in ("scale", "scale_copy"):   # step 2 of the merge, then a strided load
         f = s.astype(jnp.float32)
         row = plgpu.Layout.WGMMA.reduce(1)
         acc = plgpu.layout_cast(jnp.full((ROWS, D), 1.0, jnp.float32) * (f + 1),
@@ -86,9 +111,13 @@ def _piece(o_ref, scoped, *, which):
                 tiles = [plgpu.load(plgpu.cluster_ref(part, {"split": j}), (), layout=strided)
                          for j in range(len(parts))]
                 out_smem[...] = (tiles[0] + tiles[1]).astype(out_smem.dtype)
+                if which == "branch_copy":
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem, o_ref.at[bh, pl.ds(i * rows, rows)])
         cluster_merge._cluster_sync(barriers.at[1])
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, o_ref.at[bh, pl.ds(0, rows)])
+    if which != "branch_copy":
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, o_ref.at[bh, pl.ds(0, rows)])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -120,7 +149,8 @@ def main():
     ap.add_argument("--splits", default="2,4,8")
     ap.add_argument("--pieces", action="store_true")
     a = ap.parse_args()
-    for piece in ("scale", "scale_copy") if a.pieces else ():
+    pieces = ("ml", "branch", "branch_copy", "copy", "scale", "scale_copy")
+    for piece in pieces if a.pieces else ():
         try:
             run(2, False, piece)
             print(f"piece {piece}: compiled and ran", flush=True)

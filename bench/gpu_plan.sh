@@ -75,10 +75,11 @@
 #                                      #   default and cuDNN (fortieth set: correct, 5-33% slower,
 #                                      #   ptxas had serialised it; forty-first: fixed, ties)
 #   bash bench/gpu_plan.sh cluster_merge  # issue 4: the Mosaic kernel's splits merged inside a
-#                                      #   thread-block cluster (no combine) checked 20 times
-#                                      #   each, then timed at batch 1-2 against the default
-#                                      #   (16 splits and the combine), 8 splits with the combine,
-#                                      #   and the backend rule's choice (Triton at N 1)
+#                                      #   thread-block cluster (no combine): the merge's parts
+#                                      #   and the whole alone, then checked 20 times each;
+#                                      #   `cluster_merge_times` times it at batch 1-2 against
+#                                      #   the default (16 splits and the combine), 8 splits
+#                                      #   with the combine, and the backend rule's choice
 #   bash bench/gpu_plan.sh lossweight  # issue 7: the shipped head fine-tuned twice from the same
 #                                      #   start, data (17.5K self-distilled ShareGPT answers,
 #                                      #   carry .gpu/train/ from `python -m bench.train_gpu
@@ -662,13 +663,20 @@ case "${1:-}" in
     run mosaic_tree 200 python3 bench/mosaic_tree_ab.py
     ;;
   cluster_merge)
-    # The checks alone first, under a short limit: a cluster barrier that never completes
-    # hangs the kernel.
-    V='{"merge8": {"num_splits": 8, "mosaic_cluster_merge": true}, "split8": {"num_splits": 8}, "auto": {"backend": null}}'
-    run merge_checks 200 python3 bench/kernel_ab.py --variants '{"merge": {"mosaic_cluster_merge": true}}' --shapes "" --repeats 20
-    if grep -q "'ok': True" "$OUT/merge_checks.log" && ! grep -q "'ok': False" "$OUT/merge_checks.log"; then
-      run merge_times 380 python3 bench/kernel_ab.py --variants "$V" --no-checks --device-time --shapes "${SHAPES:-1,1,8192;1,16,8192;1,1,16384;1,16,16384;1,1,32768;1,16,32768;2,16,8192}"
+    # The merge alone first (bench/cluster_merge_probe.py: its parts, then the whole, made-up
+    # partials against numpy); then the checks, under a short limit: a cluster barrier that
+    # never completes hangs the kernel.
+    run merge_probe 150 python3 bench/cluster_merge_probe.py --pieces
+    run merge_whole 100 python3 bench/cluster_merge_probe.py --splits 2,8
+    if grep -q "max err" "$OUT/merge_whole.log"; then
+      run merge_checks 250 python3 bench/kernel_ab.py --variants '{"merge": {"mosaic_cluster_merge": true}}' --shapes "" --repeats 20
     fi
+    ;;
+  cluster_merge_times)
+    # (after `cluster_merge`'s checks pass) the merge with 8 splits against the default (16
+    # splits and the combine), 8 splits with the combine, and the backend rule (Triton at N 1)
+    V='{"merge8": {"num_splits": 8, "mosaic_cluster_merge": true}, "split8": {"num_splits": 8}, "auto": {"backend": null}}'
+    run merge_times 560 python3 bench/kernel_ab.py --variants "$V" --no-checks --device-time --shapes "${SHAPES:-1,1,8192;1,16,8192;1,1,16384;1,16,16384;1,1,32768;1,16,32768;2,16,8192}"
     ;;
   overlap)
     # The Mosaic kernel's PV product behind the next block's scores (thirty-ninth set: its first

@@ -112,7 +112,7 @@ def merge(carry, ml_smem, scratch_refs, out_ref, barriers, *, split, num_splits,
                      for j in range(num_splits)]
             total = plgpu.layout_cast(functools.reduce(operator.add, tiles), strided)
             out_smem[...] = plgpu.layout_cast(total.astype(out_smem.dtype), strided)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[bh, pl.ds(s * rows, rows)])
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[bh, pl.ds(split * rows, rows)])
     _cluster_sync(barriers.at[2])   # no CTA leaves while a peer still reads its tile
     plgpu.wait_smem_to_gmem(0)

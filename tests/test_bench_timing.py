@@ -223,3 +223,30 @@ def test_any_module_runs_with_defaults_set(monkeypatch, tmp_path):
                                             "fused": 0}
     with pytest.raises(ValueError, match="expected NAME=VALUE"):
         with_defaults.main(["--kernel-default", "FUSED", "probe_mod"])
+
+
+def test_kernel_ab_checks_fail_runs_that_disagree(monkeypatch):
+    """`kernel_ab --repeats K`: a check runs the kernel K times at its own split count, and
+    fails unless every run gives the first's output bit for bit (here a stand-in that returns
+    the reference, once nudged in its third run), as a kernel whose CTAs race would."""
+    import numpy as np
+
+    from bench import kernel_ab
+    calls = []
+
+    def stand_in(q, kc, vc, layer, sl, kn, vn, mask, **kw):
+        calls.append(kw)
+        out = kernel_ab.ta.tree_attention_reference(q, kc, vc, layer, sl, kn, vn, mask,
+                                                    sm_scale=kw["sm_scale"])
+        return out + (1e-3 if nudge and len(calls) == 3 else 0.0)
+
+    monkeypatch.setattr(kernel_ab.ta, "tree_attention_pallas", stand_in)
+    monkeypatch.setitem(bk.RESULTS, "check", [])
+    for nudge, ok in ((True, False), (False, True)):
+        calls.clear()
+        kernel_ab.check(1, 1, 512, 8, 2, 64, 2, False, extra={"mosaic_cluster_merge": True},
+                        repeats=4)
+        row = bk.RESULTS["check"][-1]
+        assert row["ok"] is ok and np.isnan(row["rel_err"]) != ok and len(calls) == 4
+        assert all(kw["num_splits"] == 2 and kw["backend"] == "mosaic"
+                   and kw["mosaic_cluster_merge"] for kw in calls)
