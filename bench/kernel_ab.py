@@ -64,8 +64,8 @@ def check(b, n, t, hq, hkv, d, splits, packed, extra=None, repeats=1):
             raise AssertionError(f"runs {differ} of {repeats} differ from the first")
         return outs[0]
     bk.check_attention("tree_attention_mosaic_packed" if packed else "tree_attention_mosaic",
-                       run_all, ref, 1e-2, dict(b=b, n=n, t=t, hq=hq, hkv=hkv, d=d, splits=splits,
-                                            **(extra or {})))
+                       run_all, ref, 1e-2, dict(b=b, n=n, t=t, hq=hq, hkv=hkv, d=d,
+                                                splits=splits, **(extra or {})))
 
 
 def time_rows(shapes, fns, out, filename):

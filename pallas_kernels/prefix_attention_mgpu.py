@@ -39,11 +39,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels._compat import MASK_VALUE
 from pallas_kernels.cluster_merge import BARRIERS as MERGE_BARRIERS
 from pallas_kernels.cluster_merge import SIZES as MERGE_SIZES
 from pallas_kernels.cluster_merge import merge as merge_in_cluster
 from pallas_kernels.cluster_merge import scratch as merge_scratch
-from pallas_kernels._compat import MASK_VALUE
 
 try:  # Mosaic GPU's Pallas API (Hopper); absent from some jaxlib builds
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -517,7 +517,8 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     partials through distributed shared memory (`cluster_merge`) and write the output
     normalised, [B * Hkv, R, D] in q's dtype, with no combine pass. Taken with the tree, one
     warpgroup's 64 rows and 2, 4 or 8 splits (others keep the partials); the tree's block stays
-    in split 0. Device only, as multicast."""
+    in split 0. Device only, as multicast; not yet compiled by jax 0.11.2's Mosaic GPU (bench/
+    RESULTS.md, fiftieth set)."""
     b, hkv, r, d = q_rows.shape
     if tree_in_q:
         if tree is None or tree[0] is not None or tree[1] is not None:
