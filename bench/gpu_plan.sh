@@ -75,8 +75,8 @@
 #                                      #   default and cuDNN (fortieth set: correct, 5-33% slower,
 #                                      #   ptxas had serialised it; forty-first: fixed, ties)
 #   bash bench/gpu_plan.sh cluster_merge  # issue 4: the Mosaic kernel's splits merged inside a
-#                                      #   thread-block cluster (no combine): the merge's parts
-#                                      #   and the whole alone, then checked 20 times each;
+#                                      #   thread-block cluster (no combine): the merge alone,
+#                                      #   then the kernel checked 20 times a shape;
 #                                      #   `cluster_merge_times` times it at batch 1-2 against
 #                                      #   the default (16 splits and the combine), 8 splits
 #                                      #   with the combine, and the backend rule's choice
@@ -663,11 +663,10 @@ case "${1:-}" in
     run mosaic_tree 200 python3 bench/mosaic_tree_ab.py
     ;;
   cluster_merge)
-    # The merge alone first (bench/cluster_merge_probe.py: its parts, then the whole, made-up
-    # partials against numpy); then the checks, under a short limit: a cluster barrier that
-    # never completes hangs the kernel.
-    run merge_probe 150 python3 bench/cluster_merge_probe.py --pieces
-    run merge_whole 100 python3 bench/cluster_merge_probe.py --splits 2,8
+    # The merge alone first (bench/cluster_merge_probe.py: made-up partials against numpy);
+    # then the checks, under a short limit: a cluster barrier that never completes hangs the
+    # kernel.
+    run merge_whole 150 python3 bench/cluster_merge_probe.py --splits 2,4,8
     if grep -q "max err" "$OUT/merge_whole.log"; then
       run merge_checks 250 python3 bench/kernel_ab.py --variants '{"merge": {"mosaic_cluster_merge": true}}' --shapes "" --repeats 20
     fi

@@ -7,12 +7,14 @@ one cluster (S in 2, 4, 8; 8 is the portable cluster size). When their loops are
   2. every CTA reads all S of them through distributed shared memory, takes each row's common
      max M and total L = sum_s l_s 2^(m_s - M), and rescales its own accumulator to
      o_s 2^(m_s - M) / L, so that the output is the plain sum of the S rescaled tiles;
-  3. each CTA sums its own 64 / S rows of those tiles across the cluster and writes them.
+  3. each CTA sums its own D / S columns of those tiles across the cluster and writes them.
 
-A peer's view of a ref (`plgpu.cluster_ref`) lowers only for a whole ref, not for a slice of
-one, so each CTA leaves its tile as S refs of 64 / S rows, and picks its own rows' ref by a
-branch a split. The tiles share shared memory with the K and V ring, which is idle by then
-(`scratch`).
+Everything stays in the WGMMA register layout and in tiled, swizzled shared memory, with
+every layout given. Mosaic GPU's layout inference gave up on a first form that moved the
+tile's rows into a strided layout: the search ran out of its budget, with 10x the budget too
+(`bench/cluster_merge_probe.py`). A peer's view of a ref (`plgpu.cluster_ref`) lowers only for a
+whole ref, not for a slice of one. So each CTA leaves its tile as S refs of D / S columns, and
+picks the ref of its own columns by a branch a split.
 
 This is the combine pass's merge without its launch, and without the partials' round trip
 through global memory. At batch 1 over 8K a TMA read of a layer by 8 CTAs a KV head takes what
@@ -39,7 +41,7 @@ try:  # Mosaic GPU's Pallas API (Hopper); absent from some jaxlib builds
 except ImportError:  # pragma: no cover
     plgpu = None
 
-SIZES = (2, 4, 8)   # splits a cluster holds: they cut a 64-row tile into whole 8-row slices
+SIZES = (2, 4, 8)   # splits a cluster holds (8: the portable cluster size); D / S columns each
 BARRIERS = 3        # cluster barriers a merge passes: m and l out, tiles out, tiles read
 
 
@@ -66,53 +68,55 @@ def _cluster_sync(barrier):
     _fence(sync_first=False)
 
 
+def _tiles(cols, dtype):
+    """Shared-memory transforms for [64, cols] tiles in the WGMMA layout: 8-row tiles, swizzled
+    by the row's bytes up to 128."""
+    minor = min(cols, 128 // jnp.dtype(dtype).itemsize)
+    return (plgpu.TilingTransform((8, minor)),
+            plgpu.SwizzleTransform(minor * jnp.dtype(dtype).itemsize))
+
+
 def scratch(rows, head_dim, num_splits, dtype):
-    """The merge's shared memory, to alias the ring with (`plgpu.RefUnion`): the rescaled tile
-    [rows, D] f32, the same as `num_splits` refs of rows / S rows, and the output's staging
-    tile [rows / S, D]."""
-    part = rows // num_splits
-    return (plgpu.SMEM((rows, head_dim), jnp.float32),
-            tuple(plgpu.SMEM((part, head_dim), jnp.float32) for _ in range(num_splits)),
-            plgpu.SMEM((part, head_dim), dtype))
+    """The merge's shared memory: the rescaled tile [rows, D] f32 as `num_splits` refs of
+    D / S columns, and the output's staging tile [rows, D / S] in `dtype`."""
+    cols = head_dim // num_splits
+    return (tuple(plgpu.SMEM((rows, cols), jnp.float32, transforms=_tiles(cols, jnp.float32))
+                  for _ in range(num_splits)),
+            plgpu.SMEM((rows, cols), dtype, transforms=_tiles(cols, dtype)))
 
 
 def merge(carry, ml_smem, scratch_refs, out_ref, barriers, *, split, num_splits, bh,
           axis="split"):
-    """Write the normalised output rows of this cluster's (slot, KV head) to out_ref [BH, R, D].
+    """Write the normalised output of this cluster's (slot, KV head) to out_ref [BH, R, D],
+    D / S columns from each CTA.
 
     carry: this CTA's (acc [R, D] f32, m, l [R]) in the WGMMA layouts (R = 64); ml_smem: two
     [R] f32 refs; scratch_refs: `scratch`'s refs; barriers: `BARRIERS` cluster barriers."""
     acc, m_i, l_i = carry
     m_smem, l_smem = ml_smem
-    o_smem, parts, out_smem = scratch_refs
+    parts, out_smem = scratch_refs
+    cols = out_smem.shape[1]
+    row, wgmma = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA
     m_smem[...] = m_i
     l_smem[...] = l_i
     _cluster_sync(barriers.at[0])
-    # Every value's layout is given: Mosaic GPU's layout inference (jax 0.11) runs out of its
-    # search budget on this function otherwise, though each of its parts compiles alone.
-    row, wgmma = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA
-    rows = out_smem.shape[0]
-    strided = plgpu.Layout.WG_STRIDED(out_smem.shape, vec_size=4)
     ms, ls = ([plgpu.load(plgpu.cluster_ref(ref, {axis: j}), (), layout=row)
                for j in range(num_splits)] for ref in (m_smem, l_smem))
-    top = plgpu.layout_cast(functools.reduce(jnp.maximum, ms), row)
-    total = plgpu.layout_cast(functools.reduce(
-        operator.add, [l * jnp.exp2(m - top) for m, l in zip(ms, ls)]), row)
+    top = functools.reduce(jnp.maximum, ms)
+    total = functools.reduce(operator.add, [l * jnp.exp2(m - top) for m, l in zip(ms, ls)])
     # Every row has a live key somewhere (its own tree token), so total > 0.
-    scale = plgpu.layout_cast(jnp.exp2(m_i - top) / total, row)
-    o_smem[...] = plgpu.layout_cast(
-        acc * plgpu.layout_cast(lax.broadcast_in_dim(scale, acc.shape, [0]), wgmma), wgmma)
-    for s, part in enumerate(parts):   # (the WGMMA layout cannot be cut into 8-row slices)
-        part[...] = plgpu.load(o_smem.at[pl.ds(s * rows, rows)], (), layout=strided)
+    scale = jnp.exp2(m_i - top) / total
+    scaled = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
+    for s, part in enumerate(parts):
+        part[...] = scaled[:, s * cols:(s + 1) * cols]
     _cluster_sync(barriers.at[1])
     for s, part in enumerate(parts):
         @pl.when(split == s)
         def _():
-            tiles = [plgpu.load(plgpu.cluster_ref(part, {axis: j}), (), layout=strided)
+            tiles = [plgpu.load(plgpu.cluster_ref(part, {axis: j}), (), layout=wgmma)
                      for j in range(num_splits)]
-            total = plgpu.layout_cast(functools.reduce(operator.add, tiles), strided)
-            out_smem[...] = plgpu.layout_cast(total.astype(out_smem.dtype), strided)
+            out_smem[...] = functools.reduce(operator.add, tiles).astype(out_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[bh, pl.ds(split * rows, rows)])
-    _cluster_sync(barriers.at[2])   # no CTA leaves while a peer still reads its tile
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[bh, :, pl.ds(split * cols, cols)])
+    _cluster_sync(barriers.at[2])   # no CTA leaves while a peer still reads its tiles
     plgpu.wait_smem_to_gmem(0)

@@ -104,8 +104,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     outs, scoped = refs[(4 if tree_row0 else 6) if tree else 3:-1], refs[-1]
     (q_smem, k_smem, v_smem, o_smem, ml_smem, bias_smem), *barriers = scoped
     ready, consumed, sched, o_free, merge_barriers = barriers
-    if merge:   # the ring and the merge's tiles share memory (a union of the two)
-        (k_smem, v_smem), merge_smem = k_smem
+    merge_smem = o_smem   # (with `merge`, the merge's tiles: `cluster_merge.scratch`)
     k_ready, v_ready, q_ready = ready
     k_free, v_free = consumed
     num_kv_heads, t_max = k_ref.shape[2], k_ref.shape[3]
@@ -552,10 +551,9 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     tiles = (plgpu.TilingTransform((8, 64)), swizzle)
     f32_tiles = (plgpu.TilingTransform((8, 32)), swizzle)
     ring = plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles)
-    rings = ((plgpu.RefUnion((ring, ring), merge_scratch(ROWS, d, num_splits, dtype)), None)
-             if merge else (ring, ring))
-    smem = (plgpu.SMEM((wgs, ROWS, d), dtype, transforms=tiles), *rings,
-            None if merge else plgpu.SMEM((ROWS, d), jnp.float32, transforms=f32_tiles),
+    smem = (plgpu.SMEM((wgs, ROWS, d), dtype, transforms=tiles), ring, ring,
+            merge_scratch(ROWS, d, num_splits, dtype) if merge
+            else plgpu.SMEM((ROWS, d), jnp.float32, transforms=f32_tiles),
             (plgpu.SMEM((ROWS,), jnp.float32),) * 2 if merge
             else plgpu.SMEM((2, wgs, ROWS), jnp.float32),
             plgpu.SMEM((wgs, ROWS, tree_keys), dtype, transforms=tiles)

@@ -116,7 +116,7 @@ def test_cluster_merge_builds_a_cluster_program_for_the_device():
     the device program it lowers to: the splits as a cluster whose CTAs map each other's
     shared memory, with cluster-scope fences, and no combine kernel; where the shape does not
     allow it (3 splits, or two warpgroups' 128 rows) the partials and the combine as before;
-    interpret mode refuses it by name. It has not yet compiled on the device (bench/RESULTS.md,
+    interpret mode refuses it by name. It has not yet run on the device (bench/RESULTS.md,
     fiftieth set)."""
     t = 1024
     ks = jax.random.split(jax.random.key(9), 3)
@@ -140,6 +140,18 @@ def test_cluster_merge_builds_a_cluster_program_for_the_device():
     with pytest.raises(ValueError, match="cluster_merge needs thread-block clusters"):
         ta.tree_attention_pallas(*args, sm_scale=0.1, backend="mosaic", num_splits=2,
                                  mosaic_cluster_merge=True, interpret=True)
+
+
+@pytest.mark.parametrize("splits", [2, 4, 8])
+def test_cluster_merge_layouts_are_inferred(splits):
+    """The merge alone (bench/cluster_merge_probe.py) lowered for the GPU in Mosaic GPU's
+    Warpgroup semantics, where jax 0.10 runs the layout inference and the dialect lowering that
+    jax 0.11 runs on the attention kernel: they finish, with the peers' shared memory mapped
+    (mapa) and the cluster-scope fences in the program. A first form of the merge, which moved
+    the tile's rows into a strided layout, made that inference run out of its search budget."""
+    from bench.cluster_merge_probe import run
+    text = run(splits, lower_only=True)
+    assert "mapa" in text and "fence.acq_rel.cluster" in text
 
 
 @pytest.mark.parametrize("entry, splits, block_r, n, inside, overlap, tree_split", [
