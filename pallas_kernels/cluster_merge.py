@@ -42,6 +42,7 @@ except ImportError:  # pragma: no cover
     plgpu = None
 
 SIZES = (2, 4, 8)   # splits a cluster holds (8: the portable cluster size); D / S columns each
+MIN_COLS = 16       # columns a CTA writes, at least: a 32-byte swizzle of its bf16 rows
 BARRIERS = 3        # cluster barriers a merge passes: m and l out, tiles out, tiles read
 
 

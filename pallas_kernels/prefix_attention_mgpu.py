@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import MASK_VALUE
 from pallas_kernels.cluster_merge import BARRIERS as MERGE_BARRIERS
+from pallas_kernels.cluster_merge import MIN_COLS as MERGE_MIN_COLS
 from pallas_kernels.cluster_merge import SIZES as MERGE_SIZES
 from pallas_kernels.cluster_merge import merge as merge_in_cluster
 from pallas_kernels.cluster_merge import scratch as merge_scratch
@@ -515,9 +516,9 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     cluster_merge: the splits of one (slot, KV head) as one cluster of CTAs that merge their
     partials through distributed shared memory (`cluster_merge`) and write the output
     normalised, [B * Hkv, R, D] in q's dtype, with no combine pass. Taken with the tree, one
-    warpgroup's 64 rows and 2, 4 or 8 splits (others keep the partials); the tree's block stays
-    in split 0. Device only, as multicast; not yet run on the device (bench/RESULTS.md, fiftieth
-    set)."""
+    warpgroup's 64 rows, 2, 4 or 8 splits and D / S >= 16 (others keep the partials); the
+    tree's block stays in split 0. Device only, as multicast; not yet run on the device
+    (bench/RESULTS.md, fiftieth set)."""
     b, hkv, r, d = q_rows.shape
     if tree_in_q:
         if tree is None or tree[0] is not None or tree[1] is not None:
@@ -542,7 +543,7 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
         raise ValueError("multicast needs thread-block clusters, which interpret mode lacks")
     tree_split = tree_split and tree is not None
     merge = (cluster_merge and tree is not None and r == ROWS and not multicast
-             and num_splits in MERGE_SIZES)
+             and num_splits in MERGE_SIZES and d // num_splits >= MERGE_MIN_COLS)
     if merge and interpret:
         raise ValueError("cluster_merge needs thread-block clusters, which interpret mode lacks")
     tree_split = tree_split and not merge

@@ -115,16 +115,17 @@ def test_cluster_merge_builds_a_cluster_program_for_the_device():
     """cluster_merge has no interpreter either (no cluster barriers there), so the CPU checks
     the device program it lowers to: the splits as a cluster whose CTAs map each other's
     shared memory, with cluster-scope fences, and no combine kernel; where the shape does not
-    allow it (3 splits, or two warpgroups' 128 rows) the partials and the combine as before;
+    allow it (3 splits, two warpgroups' 128 rows, or 8 columns a CTA) the partials and the
+    combine as before;
     interpret mode refuses it by name. It has not yet run on the device (bench/RESULTS.md,
     fiftieth set)."""
     t = 1024
     ks = jax.random.split(jax.random.key(9), 3)
-    kc = jax.random.normal(ks[1], (1, 1, 8, t, 128), jnp.bfloat16)
 
-    def device_program(n, splits, merge):
-        q = jax.random.normal(ks[0], (1, n, 32, 128), jnp.bfloat16)
-        kn = jax.random.normal(ks[2], (1, 8, n, 128), jnp.bfloat16)
+    def device_program(n, splits, merge, d=128):
+        kc = jax.random.normal(ks[1], (1, 1, 8, t, d), jnp.bfloat16)
+        q = jax.random.normal(ks[0], (1, n, 32, d), jnp.bfloat16)
+        kn = jax.random.normal(ks[2], (1, 8, n, d), jnp.bfloat16)
         args = (q, kc, kc, jnp.int32(0), jnp.full((1,), t, jnp.int32), kn, kn,
                 jnp.tril(jnp.ones((1, n, n), bool)))
         run = jax.jit(lambda *a: ta.tree_attention_pallas(
@@ -134,8 +135,10 @@ def test_cluster_merge_builds_a_cluster_program_for_the_device():
     merged, args = device_program(1, 2, True)
     assert "cluster_block_id" in merged and "fence.acq_rel.cluster" in merged
     assert "tree_attention_combine" not in merged
-    for n, splits, merge in ((1, 2, False), (1, 3, True), (32, 2, True)):
-        text, _ = device_program(n, splits, merge)
+    # (8 splits of a 64-wide head would leave each CTA 8 columns, under `MIN_COLS`)
+    for n, splits, merge, d in ((1, 2, False, 128), (1, 3, True, 128), (32, 2, True, 128),
+                                (1, 8, True, 64)):
+        text, _ = device_program(n, splits, merge, d)
         assert "tree_attention_combine" in text and "fence.acq_rel.cluster" not in text
     with pytest.raises(ValueError, match="cluster_merge needs thread-block clusters"):
         ta.tree_attention_pallas(*args, sm_scale=0.1, backend="mosaic", num_splits=2,
