@@ -105,7 +105,6 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     outs, scoped = refs[(4 if tree_row0 else 6) if tree else 3:-1], refs[-1]
     (q_smem, k_smem, v_smem, o_smem, ml_smem, bias_smem), *barriers = scoped
     ready, consumed, sched, o_free, merge_barriers = barriers
-    merge_smem = o_smem   # (with `merge`, the merge's tiles: `cluster_merge.scratch`)
     k_ready, v_ready, q_ready = ready
     k_free, v_free = consumed
     num_kv_heads, t_max = k_ref.shape[2], k_ref.shape[3]
@@ -301,8 +300,9 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
         acc, m_i, l_i = carry
         if wgs == 2:
             pl.when(wg == 0)(staggered)
-        if merge:   # the cluster's splits merged through distributed shared memory
-            merge_in_cluster((acc, m_i, l_i), ml_smem, merge_smem, outs[0], merge_barriers,
+        if merge:   # the cluster's splits merged through distributed shared memory; o_smem
+            # holds the merge's tiles then (`cluster_merge.scratch`)
+            merge_in_cluster((acc, m_i, l_i), ml_smem, o_smem, outs[0], merge_barriers,
                              split=split, num_splits=num_splits, bh=bh)
             return
         rows = pl.ds(row0, ROWS)
@@ -541,12 +541,11 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     multicast = multicast and row_tiles in (2, 4, 8)
     if multicast and interpret:
         raise ValueError("multicast needs thread-block clusters, which interpret mode lacks")
-    tree_split = tree_split and tree is not None
     merge = (cluster_merge and tree is not None and r == ROWS and not multicast
              and num_splits in MERGE_SIZES and d // num_splits >= MERGE_MIN_COLS)
     if merge and interpret:
         raise ValueError("cluster_merge needs thread-block clusters, which interpret mode lacks")
-    tree_split = tree_split and not merge
+    tree_split = tree_split and tree is not None and not merge
     dtype = k_cache.dtype
     swizzle = plgpu.SwizzleTransform(128)
     tiles = (plgpu.TilingTransform((8, 64)), swizzle)

@@ -50,15 +50,11 @@ def vocab_top_k_reference(x, k: int):
     return lax.top_k(x, k)
 
 
-def _monotone(bits):
-    """int32 fp32 bits -> int32 keys in the values' order (a total order: negative values'
-    magnitude bits flipped)."""
-    return bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))
-
-
 def _keys(x):
-    """fp32 -> int32 keys in the same order as the values."""
-    return _monotone(lax.bitcast_convert_type(x, jnp.int32))
+    """fp32 -> int32 keys in the same order as the values (a total order on the bits: negative
+    values' magnitude bits flipped)."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return bits ^ ((bits >> 31) & jnp.int32(0x7FFFFFFF))
 
 
 def _picks(keys, live, k: int, kp: int):
