@@ -80,6 +80,9 @@
 #                                      #   `cluster_merge_times` times it at batch 1-2 against
 #                                      #   the default (16 splits and the combine), 8 splits
 #                                      #   with the combine, and the backend rule's choice
+#                                      #   (fifty-first set: right, and 3.4-4.0 us slower);
+#                                      #   `cluster_costs` times the merge's steps alone and
+#                                      #   clustered launches
 #   bash bench/gpu_plan.sh lossweight  # issue 7: the shipped head fine-tuned twice from the same
 #                                      #   start, data (17.5K self-distilled ShareGPT answers,
 #                                      #   carry .gpu/train/ from `python -m bench.train_gpu
@@ -676,6 +679,12 @@ case "${1:-}" in
     # splits and the combine), 8 splits with the combine, and the backend rule (Triton at N 1)
     V='{"merge8": {"num_splits": 8, "mosaic_cluster_merge": true}, "split8": {"num_splits": 8}, "auto": {"backend": null}}'
     run merge_times 560 python3 bench/kernel_ab.py --variants "$V" --no-checks --device-time --shapes "${SHAPES:-1,1,8192;1,16,8192;1,1,16384;1,16,16384;1,1,32768;1,16,32768;2,16,8192}"
+    ;;
+  cluster_costs)
+    # where the merge's time goes: the merge alone by its steps, then clustered launches of
+    # 128 CTAs (fifty-first set)
+    run merge_steps 120 python3 bench/cluster_merge_probe.py --time --splits 2,4,8
+    run cluster_launch 120 python3 bench/cluster_launch_probe.py
     ;;
   overlap)
     # The Mosaic kernel's PV product behind the next block's scores (thirty-ninth set: its first

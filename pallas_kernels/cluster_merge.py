@@ -20,6 +20,11 @@ This is the combine pass's merge without its launch, and without the partials' r
 through global memory. At batch 1 over 8K a TMA read of a layer by 8 CTAs a KV head takes what
 16 take (9.6 us, bench/RESULTS.md, fiftieth set), so a cluster can hold a head's splits.
 
+Measured on the device (fifty-first set), it is right and slower: 3.4-4.0 us more than the
+same splits with the combine at batch 1. The merge alone takes 5.8 us at 8 splits, 3.4 of
+them reading the peers' tiles, and a clustered launch costs 0.7 us more than a plain one. The
+attention kernel therefore leaves it off (`tree_attention._MOSAIC_CLUSTER_MERGE`).
+
 A cluster barrier orders the steps. Its arrive signals every CTA's barrier from one thread a
 CTA, so the warpgroup first meets at its own barrier, and a cluster-scope fence on each side
 makes the shared-memory writes before it visible to the peers' reads after it.

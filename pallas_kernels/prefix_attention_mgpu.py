@@ -517,8 +517,8 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     partials through distributed shared memory (`cluster_merge`) and write the output
     normalised, [B * Hkv, R, D] in q's dtype, with no combine pass. Taken with the tree, one
     warpgroup's 64 rows, 2, 4 or 8 splits and D / S >= 16 (others keep the partials); the
-    tree's block stays in split 0. Device only, as multicast; not yet run on the device
-    (bench/RESULTS.md, fiftieth set)."""
+    tree's block stays in split 0. Device only, as multicast; right there, and slower than
+    the combine (bench/RESULTS.md, fifty-first set)."""
     b, hkv, r, d = q_rows.shape
     if tree_in_q:
         if tree is None or tree[0] is not None or tree[1] is not None:

@@ -88,8 +88,8 @@ _MOSAIC_TREE_SPLIT = True
 _MOSAIC_TREE_IN_Q = True
 # The Mosaic kernel's splits of one (slot, KV head) as a thread-block cluster that merges them
 # through distributed shared memory, with no combine launch (`pallas_kernels/cluster_merge.py`;
-# one warpgroup's rows, 2, 4 or 8 splits). Off: not yet run on the device (bench/RESULTS.md,
-# fiftieth set: a first form did not compile there).
+# one warpgroup's rows, 2, 4 or 8 splits). Off: right on the device but slower, 3.4-4.0 us
+# more than its splits with the combine at batch 1 (bench/RESULTS.md, fifty-first set).
 _MOSAIC_CLUSTER_MERGE = False
 
 
