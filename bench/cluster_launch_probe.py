@@ -24,6 +24,7 @@ CTAS = 128
 
 
 def call(size, pad_kb=0):
+    """The probe kernel: CTAS // size clusters of `size` CTAs, each holding `pad_kb` KB more."""
     heads = CTAS // size
 
     def body(o_ref, smem, *pad):
@@ -42,14 +43,20 @@ def call(size, pad_kb=0):
                         cluster_names=("split",))
 
 
-use_device_time()
-for size, pad_kb in ((s, p) for p in (0, 176) for s in (1, 2, 4, 8, 16)):
-    try:
-        f = jax.jit(call(size, pad_kb))
-        out = np.asarray(f().astype(jnp.float32))[:, :, 0, 0]
-        want = np.arange(CTAS).reshape(CTAS // size, size)
-        busy = sorted(device_times(f, ())[0] for _ in range(3))[1]
-        print(f"cluster {size}, +{pad_kb} KB: ran, right={bool((out == want).all())}, {busy * 1e6:.2f} us",
-              flush=True)
-    except Exception as e:  # noqa: BLE001
-        print(f"cluster {size}, +{pad_kb} KB: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+def main():
+    use_device_time()
+    for size, pad_kb in ((s, p) for p in (0, 176) for s in (1, 2, 4, 8, 16)):
+        try:
+            f = jax.jit(call(size, pad_kb))
+            out = np.asarray(f().astype(jnp.float32))[:, :, 0, 0]
+            want = np.arange(CTAS).reshape(CTAS // size, size)
+            busy = sorted(device_times(f, ())[0] for _ in range(3))[1]
+            print(f"cluster {size}, +{pad_kb} KB: ran, right={bool((out == want).all())}, "
+                  f"{busy * 1e6:.2f} us", flush=True)
+        except Exception as e:  # noqa: BLE001  (each size's failure is the finding)
+            print(f"cluster {size}, +{pad_kb} KB: FAILED {type(e).__name__}: {str(e)[:400]}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -156,6 +156,25 @@ def test_cluster_merge_layouts_are_inferred(splits):
     assert "mapa" in text and "fence.acq_rel.cluster" in text
 
 
+def test_cluster_merge_probe_modes_lower():
+    """The probe's timing modes (`--time`) lower as they claim: unmerged writes with no sync
+    of their own, the merge's mbarrier syncs (peers mapped, cluster fences), and the
+    hardware's cluster barrier (a release arrive besides the launch's relaxed one)."""
+    import re
+
+    from bench import cluster_merge_probe as probe
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    semantics = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+    ops = {}
+    for mode in ("store", "syncs", "hw_syncs"):
+        text = (jax.jit(probe._call(4, mode, bh=2, params=dict(compiler_params=semantics)))
+                .trace().lower(lowering_platforms=("cuda",)).as_text())
+        ops[mode] = set(re.findall(r"nvvm\.cluster\.arrive\b(?!\.)|fence\.acq_rel\.cluster|mapa",
+                                   text))
+    assert ops == {"store": set(), "syncs": {"fence.acq_rel.cluster", "mapa"},
+                   "hw_syncs": {"nvvm.cluster.arrive"}}
+
+
 @pytest.mark.parametrize("entry, splits, block_r, n, inside, overlap, tree_split", [
     ("separate", 2, None, 7, True, False, False), ("packed", 2, None, 7, True, False, False),
     ("separate", 3, None, 7, True, False, False), ("separate", 1, None, 7, True, False, False),
