@@ -12,6 +12,8 @@ does not hold them), beside the tree kernel at N = 1 in the same run:
   * `tma_P_BK_S` (Hopper): P CTAs per (slot, KV head) copy their share by Mosaic GPU's TMA in
     BK-row blocks into a ring of S shared-memory slots, the Mosaic prefix kernel's memory
     skeleton (its wgmmas read the ring in place);
+  * `tree_n1_mosaic` (Hopper): the tree kernel at N = 1 on the Mosaic backend, which the
+    backend rule leaves to Triton there (`tree_n1`);
   * `xla_sum`: XLA's reduction of K + V over the rows, fused into one kernel;
   * `touch_stream_P`, `touch_tma_P`: the launch floor, the stream and TMA kernels with P
     programs (CTAs) per (slot, KV head) that read only one small block of rows each: what a
@@ -100,8 +102,8 @@ def stream_read(k_cache, v_cache, layer, *, splits, block, warps=4, rows=None,
 
 # (CTAs per slot and KV head, rows a copy, ring slots) of the TMA stream: from the Mosaic
 # prefix kernel's own (16 splits of 128-row blocks, one CTA an SM) to 512 CTAs of small rings.
-TMA_STREAMS = ((4, 128, 1), (8, 128, 3), (8, 64, 6), (16, 128, 3), (16, 64, 4), (32, 128, 2),
-               (32, 64, 2), (64, 64, 2), (64, 128, 1), (128, 64, 1))
+TMA_STREAMS = ((4, 128, 1), (8, 128, 3), (8, 64, 6), (16, 128, 3), (16, 128, 2), (16, 64, 4),
+               (32, 128, 2), (32, 64, 2), (64, 64, 2), (64, 128, 1), (128, 64, 1))
 
 
 def _tma_kernel(layer_ref, k_ref, v_ref, o_ref, scoped, *, chunk, block, steps, blocks):
@@ -174,6 +176,8 @@ def _jax_fns(t, smoke):
         fns[f"stream_{splits}_{block}_{warps}"] = (
             lambda q, kc, vc, layer, *_, s=splits, bl=block, w=warps:
             stream_read(kc, vc, layer, splits=s, block=bl, warps=w, interpret=smoke))
+    if pm.on_hopper():   # the Mosaic kernel too, which the backend rule leaves to Triton at N 1
+        fns["tree_n1_mosaic"] = bk.kernel_fn(backend="mosaic")
     if smoke or pm.on_hopper():
         for splits, block, steps in (s for s in TMA_STREAMS if t % (s[0] * s[1]) == 0):
             fns[f"tma_{splits}_{block}_{steps}"] = (
