@@ -52,8 +52,11 @@ def _unmerged(acc, scratch, o_ref, barriers, *, s, splits, bh, sync):
     parts, out_smem = scratch
     cols = D // splits
     for i in range(cluster_merge.BARRIERS if sync else 0):
-        cluster_merge._cluster_sync(barriers.at[i]) if sync == "mbarrier" else _hw_sync()
-    for j, part in enumerate(parts):
+        if sync == "mbarrier":
+            cluster_merge._cluster_sync(barriers.at[i])
+        else:
+            _hw_sync()
+    for j in range(len(parts)):   # a static slice of acc a split, as the merge takes
         @pl.when(s == j)
         def _():
             out_smem[...] = acc[:, j * cols:(j + 1) * cols].astype(out_smem.dtype)
