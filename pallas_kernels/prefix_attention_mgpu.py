@@ -96,7 +96,8 @@ def _bounds(seq_len, split, num_splits, block_kv):
 
 
 def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, wgs,
-            indirect, tree, interpret, overlap, multicast, tree_split_index, tree_row0, merge):
+            indirect, tree, interpret, overlap, multicast, tree_split_index, tree_row0, merge,
+            refill_apart=False):
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref = refs[:3]
     kn_ref, vn_ref, bias_ref = refs[3:6] if tree else (None, None, None)
@@ -366,15 +367,19 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
         # slot's values are released one block after its keys there, and a fetch waiting for
         # both held back the keys one warpgroup waited for while the other waited for it at
         # the schedule barrier (a deadlock at two warpgroups, in the interpreter as on the
-        # device). Without it, the order measured so far: both waits, then both copies.
+        # device). `refill_apart` does the same without the overlap: a block's keys are free
+        # after its scores, its values only after its softmax and PV product. Otherwise, the
+        # order measured so far: both waits, then both copies.
+        apart = overlap or refill_apart
+
         @pl.loop(0, jnp.maximum(total - steps, 0))
         def _(i):
             ring = lax.rem(i, steps)
             plgpu.barrier_wait(k_free.at[ring])
-            if overlap:
+            if apart:
                 fetch(i + steps, ring, (0,))
             plgpu.barrier_wait(v_free.at[ring])
-            fetch(i + steps, ring, (1,) if overlap else (0, 1))
+            fetch(i + steps, ring, (1,) if apart else (0, 1))
 
         # Observe each used slot's last release too: nothing is in flight when the CTA ends
         # (and the interpreter checks that every barrier phase was seen).
@@ -483,13 +488,13 @@ def active_splits(length, num_splits, block_kv) -> int:
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
                                              "overlap", "rows_adjacent", "multicast",
                                              "tree_split", "tree_in_q", "cluster_merge",
-                                             "interpret"))
+                                             "refill_apart", "interpret"))
 def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree=None, *,
                          scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
                          steps: int = STEPS, overlap: bool = False, rows_adjacent: bool = False,
                          multicast: bool = False, tree_split: bool = False,
                          tree_in_q: bool = False, cluster_merge: bool = False,
-                         interpret: bool = False):
+                         refill_apart: bool = False, interpret: bool = False):
     """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
     each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
     m, l [B * Hkv, S, R], f32. slots [B]: the cache slot of each row (None: row b is slot b).
@@ -518,7 +523,10 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     normalised, [B * Hkv, R, D] in q's dtype, with no combine pass. Taken with the tree, one
     warpgroup's 64 rows, 2, 4 or 8 splits and D / S >= 16 (others keep the partials); the
     tree's block stays in split 0. Device only, as multicast; right there, and slower than
-    the combine (bench/RESULTS.md, fifty-first set)."""
+    the combine (bench/RESULTS.md, fifty-first set).
+    refill_apart: the producer refills a ring slot's keys once they are free (after the
+    block's scores) and its values once those are (after its PV product); otherwise it waits
+    for both, then copies both (with `overlap` they are always refilled apart)."""
     b, hkv, r, d = q_rows.shape
     if tree_in_q:
         if tree is None or tree[0] is not None or tree[1] is not None:
@@ -573,7 +581,8 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                              tree=tree is not None, interpret=interpret, overlap=overlap,
                              multicast=multicast,
                              tree_split_index=num_splits if tree_split else 0,
-                             tree_row0=r if tree_in_q else 0, merge=merge)
+                             tree_row0=r if tree_in_q else 0, merge=merge,
+                             refill_apart=refill_apart)
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, *barriers,

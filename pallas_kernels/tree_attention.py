@@ -91,6 +91,9 @@ _MOSAIC_TREE_IN_Q = True
 # one warpgroup's rows, 2, 4 or 8 splits). Off: right on the device but slower, 3.4-4.0 us
 # more than its splits with the combine at batch 1 (bench/RESULTS.md, fifty-first set).
 _MOSAIC_CLUSTER_MERGE = False
+# The Mosaic kernel's producer refills a ring slot's keys as soon as they are free (after the
+# block's scores), not with its values (after the softmax and PV product). Not yet measured.
+_MOSAIC_REFILL_APART = False
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -408,7 +411,8 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
            "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
            "mosaic_ring", "mosaic_overlap", "mosaic_rows_adjacent", "mosaic_multicast",
-           "mosaic_tree_split", "mosaic_tree_in_q", "mosaic_cluster_merge")
+           "mosaic_tree_split", "mosaic_tree_in_q", "mosaic_cluster_merge",
+           "mosaic_refill_apart")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -464,7 +468,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
             skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
             mosaic_overlap=None, mosaic_rows_adjacent=None, mosaic_multicast=None,
-            mosaic_tree_split=None, mosaic_tree_in_q=None, mosaic_cluster_merge=None):
+            mosaic_tree_split=None, mosaic_tree_in_q=None, mosaic_cluster_merge=None,
+            mosaic_refill_apart=None):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -488,7 +493,9 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     mosaic_tree_in_q: the tree's keys and values passed to the Mosaic kernel in the query
     rows' array, after them (None: `_MOSAIC_TREE_IN_Q`).
     mosaic_cluster_merge: its splits merged inside a cluster, without the combine, where the
-    shape allows (None: `_MOSAIC_CLUSTER_MERGE`; never in interpret mode)."""
+    shape allows (None: `_MOSAIC_CLUSTER_MERGE`; never in interpret mode).
+    mosaic_refill_apart: a ring slot's keys refilled once its keys are free, before its values
+    are (None: `_MOSAIC_REFILL_APART`)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -540,7 +547,9 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                                          else mosaic_tree_in_q),
                               cluster_merge=(_MOSAIC_CLUSTER_MERGE and not interpret
                                              if mosaic_cluster_merge is None
-                                             else mosaic_cluster_merge))
+                                             else mosaic_cluster_merge),
+                              refill_apart=(_MOSAIC_REFILL_APART if mosaic_refill_apart is None
+                                            else mosaic_refill_apart))
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
@@ -564,7 +573,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
                    dtype, *, packed, block_r, params, num_splits, sm_scale, interpret,
                    kn_in, vn_in, tree_mask, mosaic_tree, ring, overlap, rows_adjacent,
-                   multicast, tree_split, tree_in_q, cluster_merge):
+                   multicast, tree_split, tree_in_q, cluster_merge, refill_apart):
     """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`). Trees of up
     to `_MOSAIC_TREE_KEYS` tokens go into that kernel too (then one launch, or two with the
     combine over several splits); larger ones take `kernel` (the Triton kernel, configured) for
@@ -588,7 +597,8 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
                                      block_kv=ring[0], steps=ring[1], overlap=overlap,
                                      rows_adjacent=rows_adjacent, multicast=multicast,
                                      tree_split=tree_split, tree_in_q=in_q,
-                                     cluster_merge=cluster_merge, interpret=interpret)
+                                     cluster_merge=cluster_merge, refill_apart=refill_apart,
+                                     interpret=interpret)
     if not isinstance(prefix, (tuple, list)):   # normalised rows [B * Hkv, R', D]
         o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)
         return o.transpose(0, 2, 1, 3, 4).reshape(q_shape).astype(dtype)

@@ -36,12 +36,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
+@pytest.mark.parametrize("mode", ["", "overlap", "refill_apart"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c[3]}s{c[5]}k{c[7]}")
-def test_partials_match_reference(case, overlap):
+def test_partials_match_reference(case, mode):
     """overlap: block i - 1's PV product behind block i's scores, the values' slots released a
     block after the keys' (its barrier sequence is what the interpreter checks: with the
-    producer waiting for both, two warpgroups deadlocked)."""
+    producer waiting for both, two warpgroups deadlocked). refill_apart: without the overlap,
+    a slot's keys refilled before its values are free."""
     b, hkv, t, rows, seq_lens, splits, block_kv, steps, slots = case
     ks = jax.random.split(jax.random.key(rows + t), 3)
     cache_slots = b if slots is None else 3
@@ -53,7 +54,8 @@ def test_partials_match_reference(case, overlap):
     kw = dict(scale_log2=0.18, num_splits=splits, block_kv=block_kv)
     ref = pm.prefix_partials_reference(q, kc, vc, 1, sl, slots=slots, **kw)
     out = pm.prefix_partials_mgpu(q, kc, vc, jnp.int32(1), sl, slots, steps=steps,
-                                  overlap=overlap, interpret=True, **kw)
+                                  overlap=mode == "overlap",
+                                  refill_apart=mode == "refill_apart", interpret=True, **kw)
     o, m, l = (np.asarray(x) for x in out)
     # m exact (the same max of the same f32 scores), l to f32 rounding, o to the bf16 rounding
     # of the probabilities fed to the second matmul.
