@@ -92,7 +92,10 @@ _MOSAIC_TREE_IN_Q = True
 # more than its splits with the combine at batch 1 (bench/RESULTS.md, fifty-first set).
 _MOSAIC_CLUSTER_MERGE = False
 # The Mosaic kernel's producer refills a ring slot's keys as soon as they are free (after the
-# block's scores), not with its values (after the softmax and PV product). Not yet measured.
+# block's scores), not with its values (after the softmax and PV product). Off: at batch 1 it
+# took 1.6 us (6.7%) off N 64 over 8K, tied N 1-16 over 8K and batch 8, and was 0.8 us (2%)
+# slower at N 16 over 32K; the arithmetic-bound large batches are not yet timed with it
+# (bench/RESULTS.md, fifty-first set).
 _MOSAIC_REFILL_APART = False
 
 
