@@ -83,6 +83,9 @@
 #                                      #   (fifty-first set: right, and 3.4-4.0 us slower);
 #                                      #   `cluster_costs` times the merge's steps alone and
 #                                      #   clustered launches
+#   bash bench/gpu_plan.sh refill_apart  # issue 4: the Mosaic kernel's ring slots refilled keys
+#                                      #   first (mosaic_refill_apart) on the table's Mosaic
+#                                      #   rows (fifty-first set: B 1, N 64, 8K 6.7% faster)
 #   bash bench/gpu_plan.sh lossweight  # issue 7: the shipped head fine-tuned twice from the same
 #                                      #   start, data (17.5K self-distilled ShareGPT answers,
 #                                      #   carry .gpu/train/ from `python -m bench.train_gpu
@@ -685,6 +688,12 @@ case "${1:-}" in
     # 128 CTAs (fifty-first set)
     run merge_steps 120 python3 bench/cluster_merge_probe.py --time --splits 2,4,8
     run cluster_launch 120 python3 bench/cluster_launch_probe.py
+    ;;
+  refill_apart)
+    # a ring slot's keys refilled before its values are free (fifty-first set: checks pass;
+    # -6.7% at B 1, N 64, 8K, +2% at B 1, N 16, 32K): the Mosaic rows of issue 4's table
+    V='{"apart": {"mosaic_refill_apart": true}}'
+    run refill_apart 560 python3 bench/kernel_ab.py --variants "$V" --no-checks --device-time --shapes "${SHAPES:-1,64,8192;8,64,8192;64,64,8192;64,16,8192;1,64,32768;8,64,32768;8,16,32768;1,16,8192}"
     ;;
   overlap)
     # The Mosaic kernel's PV product behind the next block's scores (thirty-ninth set: its first
