@@ -209,6 +209,12 @@ def device_times(f, args, execs=8, warm=8):
         return trace_times(trace.load_trace(d), execs)
 
 
+def median_kernel_us(f, args=(), traces=3):
+    """The median over `traces` calls of `device_times` of f(*args)'s kernel-busy time, in us
+    (the probes' figure: one trace can catch the clock mid-change)."""
+    return sorted(device_times(f, args)[0] for _ in range(traces))[traces // 2] * 1e6
+
+
 def trace_times(events, execs):
     """`device_times` from a trace's events: GPU kernels and copies (on the GPUs' processes)
     and the host's `command_buffer::update` spans, per execution, in s; (None, None, None)

@@ -17,7 +17,7 @@ from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
-from bench.bench_kernels import device_times, use_device_time  # noqa: E402
+from bench.bench_kernels import median_kernel_us, use_device_time  # noqa: E402
 
 
 CTAS = 128
@@ -50,9 +50,8 @@ def main():
             f = jax.jit(call(size, pad_kb))
             out = np.asarray(f().astype(jnp.float32))[:, :, 0, 0]
             want = np.arange(CTAS).reshape(CTAS // size, size)
-            busy = sorted(device_times(f, ())[0] for _ in range(3))[1]
             print(f"cluster {size}, +{pad_kb} KB: ran, right={bool((out == want).all())}, "
-                  f"{busy * 1e6:.2f} us", flush=True)
+                  f"{median_kernel_us(f):.2f} us", flush=True)
         except Exception as e:  # noqa: BLE001  (each size's failure is the finding)
             print(f"cluster {size}, +{pad_kb} KB: FAILED {type(e).__name__}: {str(e)[:400]}",
                   flush=True)

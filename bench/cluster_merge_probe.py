@@ -120,13 +120,12 @@ def expected(splits):
 def time_modes(splits, heads=8):
     """Kernel time (us, median of 3 traces of 8 executions) of each of MODES with `heads`
     clusters of `splits` CTAs; a mode that fails to compile or run gets its error."""
-    from bench.bench_kernels import device_times
+    from bench.bench_kernels import median_kernel_us
     row = {"splits": splits}
     for mode in MODES:
         try:
             f = jax.jit(_call(splits, mode, bh=heads))
-            busy = sorted(device_times(f, ())[0] for _ in range(3))[1]
-            row[f"{mode}_us"] = round(busy * 1e6, 2)
+            row[f"{mode}_us"] = round(median_kernel_us(f), 2)
         except Exception as e:  # noqa: BLE001  (each mode's failure is the finding)
             row[f"{mode}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     print("time", row, flush=True)

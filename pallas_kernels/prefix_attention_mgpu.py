@@ -97,7 +97,7 @@ def _bounds(seq_len, split, num_splits, block_kv):
 
 def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, wgs,
             indirect, tree, interpret, overlap, multicast, tree_split_index, tree_row0, merge,
-            refill_apart=False):
+            refill_apart):
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref = refs[:3]
     kn_ref, vn_ref, bias_ref = refs[3:6] if tree else (None, None, None)
