@@ -86,6 +86,9 @@
 #   bash bench/gpu_plan.sh refill_apart  # issue 4: the Mosaic kernel's ring slots refilled keys
 #                                      #   first (mosaic_refill_apart) on the table's Mosaic
 #                                      #   rows (fifty-first set: B 1, N 64, 8K 6.7% faster)
+#   bash bench/gpu_plan.sh refill_rule # issue 4: kernel_ab's checks on that rule (two compute
+#                                      #   warpgroups), then the 8B batch-1 cycle (6,10,60) with
+#                                      #   _MOSAIC_REFILL_APART False and True
 #   bash bench/gpu_plan.sh lossweight  # issue 7: the shipped head fine-tuned twice from the same
 #                                      #   start, data (17.5K self-distilled ShareGPT answers,
 #                                      #   carry .gpu/train/ from `python -m bench.train_gpu
@@ -694,6 +697,14 @@ case "${1:-}" in
     # -6.7% at B 1, N 64, 8K, +2% at B 1, N 16, 32K): the Mosaic rows of issue 4's table
     V='{"apart": {"mosaic_refill_apart": true}}'
     run refill_apart 560 python3 bench/kernel_ab.py --variants "$V" --no-checks --device-time --shapes "${SHAPES:-1,64,8192;8,64,8192;64,64,8192;64,16,8192;1,64,32768;8,64,32768;8,16,32768;1,16,8192}"
+    ;;
+  refill_rule)
+    # keys refilled apart at two compute warpgroups (the default since the fifty-second set):
+    # kernel_ab's checks on the rule, repeated, then the 8B batch-1 cycle with it off and on
+    run refill_rule_checks 200 python3 bench/kernel_ab.py --variants '{"rule": {"mosaic_refill_apart": null}}' --repeats 5 --shapes ""
+    for v in False True; do
+      run cycle_apart_$v 200 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "${SHAPES:-6,10,60}" --variants lean --kernel-default _MOSAIC_REFILL_APART=$v
+    done
     ;;
   overlap)
     # The Mosaic kernel's PV product behind the next block's scores (thirty-ninth set: its first

@@ -92,11 +92,12 @@ _MOSAIC_TREE_IN_Q = True
 # more than its splits with the combine at batch 1 (bench/RESULTS.md, fifty-first set).
 _MOSAIC_CLUSTER_MERGE = False
 # The Mosaic kernel's producer refills a ring slot's keys as soon as they are free (after the
-# block's scores), not with its values (after the softmax and PV product). Off: at batch 1 it
-# took 1.6 us (6.7%) off N 64 over 8K, tied N 1-16 over 8K and batch 8, and was 0.8 us (2%)
-# slower at N 16 over 32K; the arithmetic-bound large batches are not yet timed with it
-# (bench/RESULTS.md, fifty-first set).
-_MOSAIC_REFILL_APART = False
+# block's scores), not with its values (after the softmax and PV product), where a CTA has two
+# compute warpgroups (`pm.warpgroups`): the slot's values wait for the slower of the two, and
+# the keys the faster one needs next no longer wait with them. Kernel time, same call: N 32
+# 3-6% less (B 1-64, 8-32K), N 64 0.5-7% less; with one warpgroup (N 16, 48 at G 4) it tied
+# or lost up to 2% (bench/RESULTS.md, fifty-second set). False: never.
+_MOSAIC_REFILL_APART = True
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -498,7 +499,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     mosaic_cluster_merge: its splits merged inside a cluster, without the combine, where the
     shape allows (None: `_MOSAIC_CLUSTER_MERGE`; never in interpret mode).
     mosaic_refill_apart: a ring slot's keys refilled once its keys are free, before its values
-    are (None: `_MOSAIC_REFILL_APART`)."""
+    are (None: `_MOSAIC_REFILL_APART`'s rule, at two compute warpgroups)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -551,7 +552,9 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                               cluster_merge=(_MOSAIC_CLUSTER_MERGE and not interpret
                                              if mosaic_cluster_merge is None
                                              else mosaic_cluster_merge),
-                              refill_apart=(_MOSAIC_REFILL_APART if mosaic_refill_apart is None
+                              refill_apart=(_MOSAIC_REFILL_APART
+                                            and pm.warpgroups(pm.padded_rows(rows)) == 2
+                                            if mosaic_refill_apart is None
                                             else mosaic_refill_apart))
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]

@@ -242,6 +242,31 @@ def test_trees_past_64_tokens_keep_the_triton_tree_part(n, inside):
     assert ("tree_attention_merge" in jaxpr) != inside
 
 
+@pytest.mark.parametrize("n, hq, apart", [(16, 32, False), (32, 32, True), (48, 32, False),
+                                           (64, 32, True), (32, 9, True), (1, 32, False)])
+def test_keys_refilled_apart_at_two_warpgroups(monkeypatch, n, hq, apart):
+    """The default refills a ring slot's keys apart from its values where a CTA has two compute
+    warpgroups: N * G rows padded to 64 and a multiple of 128 (N 48 at G 4: three one-warpgroup
+    tiles; SmolLM2's 9/3 heads at N 32: 96 rows padded to 128). Traced, not run."""
+    seen = []
+    real = pm.prefix_partials_mgpu
+
+    def spy(*a, **kw):
+        seen.append(kw["refill_apart"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pm, "prefix_partials_mgpu", spy)
+    hkv = 8 if hq == 32 else 3
+    q = jax.ShapeDtypeStruct((1, n, hq, 128), jnp.bfloat16)
+    kc = jax.ShapeDtypeStruct((1, 1, hkv, 1024, 128), jnp.bfloat16)
+    kn = jax.ShapeDtypeStruct((1, hkv, n, 128), jnp.bfloat16)
+    jax.make_jaxpr(lambda q, kc, kn, sl, m: ta.tree_attention_pallas(
+        q, kc, kc, jnp.int32(0), sl, kn, kn, m, sm_scale=0.1, backend="mosaic", num_splits=2))(
+        q, kc, kn, jax.ShapeDtypeStruct((1,), jnp.int32),
+        jax.ShapeDtypeStruct((1, n, n), jnp.bool_))
+    assert seen == [apart]
+
+
 def test_tree_of_mosaic_rows_with_an_empty_prefix():
     """A slot with no prefix at all (seq_len 0): its rows see only tree keys, through the bias;
     one split writes the normalised rows."""
