@@ -95,8 +95,9 @@ _MOSAIC_CLUSTER_MERGE = False
 # block's scores), not with its values (after the softmax and PV product), where a CTA has two
 # compute warpgroups (`pm.warpgroups`): the slot's values wait for the slower of the two, and
 # the keys the faster one needs next no longer wait with them. Kernel time, same call: N 32
-# 3-6% less (B 1-64, 8-32K), N 64 0.5-7% less; with one warpgroup (N 16, 48 at G 4) it tied
-# or lost up to 2% (bench/RESULTS.md, fifty-second set). False: never.
+# 3-6% less (B 1-64, 8-32K), N 64 0.5-7% less, SmolLM2's N 32 (9/3/64) 4-11% from batch 8;
+# with one warpgroup (N 16, 48 at G 4) it tied or lost up to 2% (bench/RESULTS.md, fifty-second
+# set). False: never.
 _MOSAIC_REFILL_APART = True
 
 
