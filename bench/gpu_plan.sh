@@ -85,7 +85,9 @@
 #                                      #   clustered launches
 #   bash bench/gpu_plan.sh refill_apart  # issue 4: the Mosaic kernel's ring slots refilled keys
 #                                      #   first (mosaic_refill_apart) on the table's Mosaic
-#                                      #   rows (fifty-first set: B 1, N 64, 8K 6.7% faster)
+#                                      #   rows (fifty-first set: B 1, N 64, 8K 6.7% faster;
+#                                      #   the default at two warpgroups since the fifty-
+#                                      #   second, so the variant differs at one warpgroup)
 #   bash bench/gpu_plan.sh refill_rule # issue 4: kernel_ab's checks on that rule (two compute
 #                                      #   warpgroups), then the 8B batch-1 cycle (6,10,60) with
 #                                      #   _MOSAIC_REFILL_APART False and True
