@@ -380,6 +380,10 @@ def checks(only: str = ""):
     save()
 
 
+# Seconds the GPU idles before each function's traced burst (`time_calls`).
+DEVICE_PAUSE_S = 1.0
+
+
 def calls_per_program(kv_bytes):
     """Calls in one timed executable: enough to amortise dispatch (~1.5 ms of work at 2 TB/s),
     each on its own layer (identical calls would be merged by XLA's CSE, and rotating layers
@@ -398,6 +402,10 @@ def time_calls(calls, args, reps, row, device_time):
         row[name + "_spread"] = spread
         row[name + "_host_us"] = host / reps * 1e6   # dispatch; near the wall time: host-bound
         if device_time:
+            # An idle pause first: straight after the interleaved timing loop the clock is
+            # down, and the first name traced ran 13% slow on arithmetic-bound rows (B 64,
+            # N 64, 8K: 1071 against 948 us for the same program traced last; fifty-second set)
+            time.sleep(0 if SMOKE else DEVICE_PAUSE_S)
             times = device_times(calls[name], args)   # the executable just timed
             for suffix, x in zip(("_dev_us", "_span_us", "_update_us"), times):
                 row[name + suffix] = x and x / reps * 1e6
