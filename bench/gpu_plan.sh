@@ -6,8 +6,9 @@
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
 #   bash bench/gpu_plan.sh h200owed    # issues 3/4: the (6,10,60) cycle again (the thirty-fifth
 #                                      #   set timed it once on the H200), then the issue 4 kernel
-#                                      #   table and profile (the kernels part; no GGUF; at
-#                                      #   most 520 s in one call)
+#                                      #   table's 1K rows and profile (the kernels_short part;
+#                                      #   the 8K and 32K rows are the kernels part, a call of
+#                                      #   its own)
 #   bash bench/gpu_plan.sh mosaic      # issue 4: the Mosaic GPU prefix kernel against Triton on the
 #                                      #   wide tiles (backend sweep, then the 8K/32K table rows);
 #                                      #   mosaic_short, batch 1-32 over 1-4K prefixes, the rule
@@ -220,8 +221,10 @@
 #   bash bench/gpu_plan.sh decode      # issue 2: the engine's 8B decode program (LEAN), its GEMM rule against
 #                                      #   Triton GEMMs, SmolLM2 shape, the batch-64 step's profile
 #   bash bench/gpu_plan.sh cycle       # issues 3/4: 8B LEAN cycle table incl. (6,10,60), its profile
-#   bash bench/gpu_plan.sh kernels     # issue 4: kernel table (wall, host and kernel time) and the
-#                                      #   chained-call kernel profile
+#   bash bench/gpu_plan.sh kernels     # issue 4: the checks, then the kernel table's 8K and 32K rows
+#                                      #   (wall, host and kernel time)
+#   bash bench/gpu_plan.sh kernels_short # issue 4: the table's 1K rows and the chained-call kernel
+#                                      #   profile
 #   bash bench/gpu_plan.sh eagle3      # issue 7: train an EAGLE-3 head, tau vs the shipped EAGLE-1
 #                                      #   (carry .gpu/train/ and .gpu/run2/examples_sd.npz, the
 #                                      #   self-distilled answers of an earlier call, if present)
@@ -664,7 +667,7 @@ case "${1:-}" in
     ;;
   h200owed)
     run cycle_6x10x60 150 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 3 --shapes "6,10,60" --variants lean
-    bash "$0" kernels    # issue 4's table and kernel profile, as that part runs them
+    bash "$0" kernels_short    # the table's 1K rows and the kernel profile, as that part runs them
     ;;
   mosaic)
     run mosaic_sweep 300 python3 bench/bench_kernels.py --skip check,table,compact --sweep-grid backends
@@ -814,7 +817,16 @@ case "${1:-}" in
     done
     ;;
   kernels)
-    run kernels 440 python3 bench/bench_kernels.py --no-sweep --skip compact --device-time
+    # the goals' rows (L >= 8K) after the checks; with a cold compile cache the checks take
+    # 215 s, and the whole table did not fit beside them (fifty-third set)
+    LONG="1,1,8192;1,16,8192;1,64,8192;8,1,8192;8,16,8192;8,64,8192;64,1,8192;64,16,8192;64,64,8192"
+    LONG="$LONG;1,1,32768;1,16,32768;1,64,32768;8,1,32768;8,16,32768;8,64,32768;64,1,32768;64,16,32768;64,64,32768"
+    run kernels 560 python3 bench/bench_kernels.py --no-sweep --skip compact --device-time --table-shapes "$LONG"
+    ;;
+  kernels_short)
+    # the table's 1K rows, then the chained-call kernel profile
+    SHORT="1,1,1024;1,16,1024;1,64,1024;8,1,1024;8,16,1024;8,64,1024;64,1,1024;64,16,1024;64,64,1024"
+    run kernels_short 300 python3 bench/bench_kernels.py --no-sweep --skip check,compact --device-time --table-shapes "$SHORT"
     run kernels_profile 90 python3 -m bench.profile_cycle --attention --attn-shapes "1,1,1024;1,1,8192;1,1,32768;64,1,1024;1,60,1024"
     ;;
   eagle3)
