@@ -6,9 +6,8 @@
 # reuses shapes of an earlier one on the same machine start in seconds. In priority order:
 #   bash bench/gpu_plan.sh h200owed    # issues 3/4: the (6,10,60) cycle again (the thirty-fifth
 #                                      #   set timed it once on the H200), then the issue 4 kernel
-#                                      #   table's 1K rows and profile (the kernels_short part;
-#                                      #   the 8K and 32K rows are the kernels part, a call of
-#                                      #   its own)
+#                                      #   profile (the end of the kernels_rest part; the table
+#                                      #   is the kernels and kernels_rest parts, a call each)
 #   bash bench/gpu_plan.sh mosaic      # issue 4: the Mosaic GPU prefix kernel against Triton on the
 #                                      #   wide tiles (backend sweep, then the 8K/32K table rows);
 #                                      #   mosaic_short, batch 1-32 over 1-4K prefixes, the rule
@@ -221,10 +220,10 @@
 #   bash bench/gpu_plan.sh decode      # issue 2: the engine's 8B decode program (LEAN), its GEMM rule against
 #                                      #   Triton GEMMs, SmolLM2 shape, the batch-64 step's profile
 #   bash bench/gpu_plan.sh cycle       # issues 3/4: 8B LEAN cycle table incl. (6,10,60), its profile
-#   bash bench/gpu_plan.sh kernels     # issue 4: the checks, then the kernel table's 8K and 32K rows
-#                                      #   (wall, host and kernel time)
-#   bash bench/gpu_plan.sh kernels_short # issue 4: the table's 1K rows and the chained-call kernel
-#                                      #   profile
+#   bash bench/gpu_plan.sh kernels     # issue 4: the checks, then the kernel table's 8K rows (wall,
+#                                      #   host and kernel time)
+#   bash bench/gpu_plan.sh kernels_rest # issue 4: the table's 32K and 1K rows, then the
+#                                      #   chained-call kernel profile
 #   bash bench/gpu_plan.sh eagle3      # issue 7: train an EAGLE-3 head, tau vs the shipped EAGLE-1
 #                                      #   (carry .gpu/train/ and .gpu/run2/examples_sd.npz, the
 #                                      #   self-distilled answers of an earlier call, if present)
@@ -284,6 +283,8 @@ OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)   # absolute: part
 GGUF=${GGUF:-$HOME/models/smollm2.gguf}
 run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' | tee "$OUT/$name.log" | tail -24; }
 BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
+# issue 4: 32 chained layers a shape, the time split between the attention's kernels
+kernels_profile() { run kernels_profile 90 python3 -m bench.profile_cycle --attention --attn-shapes "1,1,1024;1,1,8192;1,1,32768;64,1,1024;1,60,1024"; }
 
 case "${1:-}" in
   lossweight)
@@ -667,7 +668,7 @@ case "${1:-}" in
     ;;
   h200owed)
     run cycle_6x10x60 150 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 3 --shapes "6,10,60" --variants lean
-    bash "$0" kernels_short    # the table's 1K rows and the kernel profile, as that part runs them
+    kernels_profile
     ;;
   mosaic)
     run mosaic_sweep 300 python3 bench/bench_kernels.py --skip check,table,compact --sweep-grid backends
@@ -817,17 +818,17 @@ case "${1:-}" in
     done
     ;;
   kernels)
-    # the goals' rows (L >= 8K) after the checks; with a cold compile cache the checks take
-    # 215 s, and the whole table did not fit beside them (fifty-third set)
-    LONG="1,1,8192;1,16,8192;1,64,8192;8,1,8192;8,16,8192;8,64,8192;64,1,8192;64,16,8192;64,64,8192"
-    LONG="$LONG;1,1,32768;1,16,32768;1,64,32768;8,1,32768;8,16,32768;8,64,32768;64,1,32768;64,16,32768;64,64,32768"
-    run kernels 560 python3 bench/bench_kernels.py --no-sweep --skip compact --device-time --table-shapes "$LONG"
+    # the checks, then the 8K rows; with a cold compile cache the checks take 215 s, and the
+    # whole table did not fit beside them in one call (fifty-third set)
+    ROWS="1,1,8192;1,16,8192;1,64,8192;8,1,8192;8,16,8192;8,64,8192;64,1,8192;64,16,8192;64,64,8192"
+    run kernels 500 python3 bench/bench_kernels.py --no-sweep --skip compact --device-time --table-shapes "$ROWS"
     ;;
-  kernels_short)
-    # the table's 1K rows, then the chained-call kernel profile
-    SHORT="1,1,1024;1,16,1024;1,64,1024;8,1,1024;8,16,1024;8,64,1024;64,1,1024;64,16,1024;64,64,1024"
-    run kernels_short 300 python3 bench/bench_kernels.py --no-sweep --skip check,compact --device-time --table-shapes "$SHORT"
-    run kernels_profile 90 python3 -m bench.profile_cycle --attention --attn-shapes "1,1,1024;1,1,8192;1,1,32768;64,1,1024;1,60,1024"
+  kernels_rest)
+    # the table's 32K and 1K rows, then the chained-call kernel profile
+    ROWS="1,1,32768;1,16,32768;1,64,32768;8,1,32768;8,16,32768;8,64,32768;64,1,32768;64,16,32768;64,64,32768"
+    ROWS="$ROWS;1,1,1024;1,16,1024;1,64,1024;8,1,1024;8,16,1024;8,64,1024;64,1,1024;64,16,1024;64,64,1024"
+    run kernels_rest 400 python3 bench/bench_kernels.py --no-sweep --skip check,compact --device-time --table-shapes "$ROWS"
+    kernels_profile
     ;;
   eagle3)
     SD=.gpu/run2/examples_sd.npz       # 16,680 self-distilled answers of an earlier call
