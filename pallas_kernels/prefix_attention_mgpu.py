@@ -97,7 +97,7 @@ def _bounds(seq_len, split, num_splits, block_kv):
 
 def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, wgs,
             indirect, tree, interpret, overlap, multicast, tree_split_index, tree_row0, merge,
-            refill_apart, tree_heads):
+            refill_apart):
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref = refs[:3]
     kn_ref, vn_ref, bias_ref = refs[3:6] if tree else (None, None, None)
@@ -109,37 +109,16 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     k_ready, v_ready, q_ready = ready
     k_free, v_free = consumed
     num_kv_heads, t_max = k_ref.shape[2], k_ref.shape[3]
-    rt = lax.axis_index("rt")
+    rt, split, bh = lax.axis_index("rt"), lax.axis_index("split"), lax.axis_index("bh")
+    b, h = lax.div(bh, num_kv_heads), lax.rem(bh, num_kv_heads)
+    slot = jnp.minimum(jnp.maximum(slots_ref[b], 0), k_ref.shape[1] - 1) if indirect else b
     layer = layer_ref[0]
-
-    def coords(split, bh):   # -> slot b, KV head h, cache slot, [start, end), blocks, total
-        b, h = lax.div(bh, num_kv_heads), lax.rem(bh, num_kv_heads)
-        slot = jnp.minimum(jnp.maximum(slots_ref[b], 0), k_ref.shape[1] - 1) if indirect else b
-        seq_len = jnp.minimum(jnp.maximum(seq_ref[b], 0), t_max)
-        start, end, full_blocks, blocks = _bounds(seq_len, split, num_splits, block_kv)
-        # With the tree, split `tree_split_index` takes one block more: the new keys (kn [B,
-        # Hkv, NT, D], NT <= the ring's rows) under the additive mask `bias` [B, R, NT], after
-        # its prefix blocks (none where it is the split past the prefix's: `_bounds` empty).
-        total = blocks + (split == tree_split_index).astype(jnp.int32) if tree else blocks
-        return b, h, slot, start, end, full_blocks, blocks, total
-
-    def for_heads(body):   # body(split, bh) for each (split, slot x KV head) of this CTA
-        if tree_heads == 1:
-            body(lax.axis_index("split"), lax.axis_index("bh"))
-            return
-        # One flat axis: the prefix's splits x (slot, KV head), then the tree's CTAs, each
-        # taking `tree_heads` (slot, KV head)s' tree blocks one after the other.
-        heads, cta = q_ref.shape[0] * num_kv_heads, lax.axis_index("cta")
-        prefix_ctas = num_splits * heads
-        pl.when(cta < prefix_ctas)(lambda: body(lax.div(cta, heads), lax.rem(cta, heads)))
-        first = (cta - prefix_ctas) * tree_heads
-
-        @pl.when(cta >= prefix_ctas)
-        def _():
-            @pl.loop(0, jnp.minimum(tree_heads, heads - first))
-            def _(i):
-                body(jnp.int32(tree_split_index), first + i)
-
+    seq_len = jnp.minimum(jnp.maximum(seq_ref[b], 0), t_max)
+    start, end, full_blocks, blocks = _bounds(seq_len, split, num_splits, block_kv)
+    # With the tree, split `tree_split_index` takes one block more: the new keys (kn [B, Hkv,
+    # NT, D], NT <= the ring's rows) under the additive mask `bias` [B, R, NT], after its prefix
+    # blocks (none where it is the split past the prefix's, whose `_bounds` are empty).
+    total = blocks + (split == tree_split_index).astype(jnp.int32) if tree else blocks
     tree_keys = bias_ref.shape[2] if tree else 0
     # The first rows of kn_ref and vn_ref that hold the tree's keys and values.
     new_rows = (tree_row0, tree_row0 + tree_keys) if tree_row0 else (0, 0)
@@ -151,8 +130,9 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(sched)
 
-    def compute(split, bh):
-        b, h, _, start, end, full_blocks, blocks, total = coords(split, bh)
+    @pl.when(wg < wgs)
+    def _compute():
+        plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
         row0 = (rt * wgs + wg) * ROWS
         q_tile = q_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row0, ROWS)], q_tile, q_ready.at[wg])
@@ -352,8 +332,9 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
                 plgpu.barrier_arrive(o_free)
         plgpu.wait_smem_to_gmem(0)
 
-    def memory(split, bh):
-        b, h, slot, start, _, _, blocks, total = coords(split, bh)
+    @pl.when(wg == wgs)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
 
         # With `multicast` the CTAs of a cluster (the row tiles of one split, slot and KV head)
         # each copy part of a block and TMA writes it into all of their rings.
@@ -407,16 +388,6 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             def _():
                 plgpu.barrier_wait(k_free.at[ring])
                 plgpu.barrier_wait(v_free.at[ring])
-
-    @pl.when(wg < wgs)
-    def _compute():
-        plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
-        for_heads(compute)
-
-    @pl.when(wg == wgs)
-    def _memory():
-        plgpu.set_max_registers(40, action="decrease")
-        for_heads(memory)
 
 
 def on_hopper() -> bool:
@@ -486,30 +457,19 @@ def _short_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms, cap) 
     return best
 
 
-def tree_split_pays(batch, num_kv_heads, rows, length, num_splits, block_kv, max_heads=1,
+def tree_split_pays(batch, num_kv_heads, rows, length, num_splits, block_kv,
                     num_sms=NUM_SMS) -> bool:
     """Whether the tree's block goes to a split of its own (`prefix_partials_mgpu(tree_split=)`):
     where the SMs the prefix's splits leave idle take all of the tree's CTAs at once. H200
     kernel time, own split against split 0's extra block: batch 1-2 over 1-2K (32-64 prefix
     CTAs) 4-10% faster; batch 1 over 8K (128 CTAs, 4 SMs idle for 8-16 tree CTAs) and batch 8
     over 8K 1-7% slower (bench/RESULTS.md, forty-seventh set). With one split the tree stays in
-    it (no combine to merge a second). max_heads: the most (slot, KV head)s a tree CTA may
-    take to fit (`tree_heads_to_fit`)."""
-    return (num_splits >= 2 and _split_blocks(length, num_splits, block_kv) <= TREE_SPLIT_BLOCKS
-            and tree_heads_to_fit(batch, num_kv_heads, rows, length, num_splits, block_kv,
-                                  max_heads, num_sms) > 0)
-
-
-def tree_heads_to_fit(batch, num_kv_heads, rows, length, num_splits, block_kv, max_heads=1,
-                      num_sms=NUM_SMS) -> int:
-    """The fewest (slot, KV head)s, up to max_heads, a CTA of the tree's own split takes
-    (`prefix_partials_mgpu(tree_heads=)`) for all of the tree's CTAs to fit on the SMs that
-    the prefix's busy CTAs leave idle; 0 where none does."""
+    it (no combine to merge a second)."""
+    if num_splits < 2:
+        return False
     busy = grid_ctas(batch, num_kv_heads, rows, active_splits(length, num_splits, block_kv))
-    for heads in range(1, max_heads + 1):
-        if busy + grid_ctas(1, 1, rows, -(-batch * num_kv_heads // heads)) <= num_sms:
-            return heads
-    return 0
+    return (_split_blocks(length, num_splits, block_kv) <= TREE_SPLIT_BLOCKS
+            and busy + grid_ctas(batch, num_kv_heads, rows, 1) <= num_sms)
 
 
 def _split_blocks(length, num_splits, block_kv) -> int:
@@ -528,14 +488,13 @@ def active_splits(length, num_splits, block_kv) -> int:
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
                                              "overlap", "rows_adjacent", "multicast",
                                              "tree_split", "tree_in_q", "cluster_merge",
-                                             "refill_apart", "tree_heads", "interpret"))
+                                             "refill_apart", "interpret"))
 def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree=None, *,
                          scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
                          steps: int = STEPS, overlap: bool = False, rows_adjacent: bool = False,
                          multicast: bool = False, tree_split: bool = False,
                          tree_in_q: bool = False, cluster_merge: bool = False,
-                         refill_apart: bool = False, tree_heads: int = 1,
-                         interpret: bool = False):
+                         refill_apart: bool = False, interpret: bool = False):
     """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
     each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
     m, l [B * Hkv, S, R], f32. slots [B]: the cache slot of each row (None: row b is slot b).
@@ -567,11 +526,7 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     the combine (bench/RESULTS.md, fifty-first set).
     refill_apart: the producer refills a ring slot's keys once they are free (after the
     block's scores) and its values once those are (after its PV product); otherwise it waits
-    for both, then copies both (with `overlap` they are always refilled apart).
-    tree_heads: with tree_split, the (slot, KV head)s whose tree blocks one CTA of the tree's
-    split takes, one after the other: ceil(B * Hkv / tree_heads) tree CTAs a row tile, where
-    one each would not all fit on the SMs the prefix's CTAs leave idle (`tree_heads_to_fit`).
-    The grid's split and slot x KV head axes are then one flat axis. Not with multicast."""
+    for both, then copies both (with `overlap` they are always refilled apart)."""
     b, hkv, r, d = q_rows.shape
     if tree_in_q:
         if tree is None or tree[0] is not None or tree[1] is not None:
@@ -599,9 +554,6 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     if merge and interpret:
         raise ValueError("cluster_merge needs thread-block clusters, which interpret mode lacks")
     tree_split = tree_split and tree is not None and not merge
-    if tree_heads < 1:
-        raise ValueError(f"{tree_heads=} must be at least 1")
-    tree_heads = min(tree_heads, b * hkv) if tree_split and not multicast else 1
     dtype = k_cache.dtype
     swizzle = plgpu.SwizzleTransform(128)
     tiles = (plgpu.TilingTransform((8, 64)), swizzle)
@@ -630,7 +582,7 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                              multicast=multicast,
                              tree_split_index=num_splits if tree_split else 0,
                              tree_row0=r if tree_in_q else 0, merge=merge,
-                             refill_apart=refill_apart, tree_heads=tree_heads)
+                             refill_apart=refill_apart)
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, *barriers,
@@ -645,8 +597,6 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                     jax.ShapeDtypeStruct((b * hkv, grid_splits, r), f32))
     params = dict(interpret=_interpret_params()) if interpret else {}
     axes = (("rt", row_tiles), ("split", grid_splits), ("bh", b * hkv))
-    if tree_heads > 1:   # the prefix's CTAs, then the tree's, on one axis (`_kernel`)
-        axes = (("rt", row_tiles), ("cta", num_splits * b * hkv + -(-b * hkv // tree_heads)))
     axes = axes[1:] + axes[:1] if rows_adjacent else axes
     cluster = {}
     if multicast:   # the row tiles are the cluster's axis, not the grid's

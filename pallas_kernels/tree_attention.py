@@ -81,10 +81,6 @@ _MOSAIC_MULTICAST = False
 # idle for all of its CTAs (`prefix_attention_mgpu.tree_split_pays`): split 0 no longer ends a
 # block after the others (batch 1-2 over 1-2K: 4-10% less kernel time, forty-seventh set).
 _MOSAIC_TREE_SPLIT = True
-# The most (slot, KV head)s whose tree blocks one CTA of the tree's own split takes, so that
-# the tree's CTAs fit on the SMs the prefix leaves idle where one each would not (batch 1 over
-# 8K: 128 prefix CTAs, 4 SMs idle for 8 tree CTAs). 1: one each, as measured so far.
-_MOSAIC_TREE_HEADS = 1
 # The tree's keys and values handed to the Mosaic kernel after the query rows, in one array:
 # XLA builds the kernel's inputs from the projection in one fusion a layer, where the query
 # rows and the tree's padded keys and values took two. The 8B batch-1 cycle: 72 kernels
@@ -421,7 +417,7 @@ _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stag
            "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
            "mosaic_ring", "mosaic_overlap", "mosaic_rows_adjacent", "mosaic_multicast",
            "mosaic_tree_split", "mosaic_tree_in_q", "mosaic_cluster_merge",
-           "mosaic_refill_apart", "mosaic_tree_heads")
+           "mosaic_refill_apart")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -478,7 +474,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
             mosaic_overlap=None, mosaic_rows_adjacent=None, mosaic_multicast=None,
             mosaic_tree_split=None, mosaic_tree_in_q=None, mosaic_cluster_merge=None,
-            mosaic_refill_apart=None, mosaic_tree_heads=None):
+            mosaic_refill_apart=None):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -504,9 +500,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     mosaic_cluster_merge: its splits merged inside a cluster, without the combine, where the
     shape allows (None: `_MOSAIC_CLUSTER_MERGE`; never in interpret mode).
     mosaic_refill_apart: a ring slot's keys refilled once its keys are free, before its values
-    are (None: `_MOSAIC_REFILL_APART`'s rule, at two compute warpgroups).
-    mosaic_tree_heads: with the tree's own split, the (slot, KV head)s one of its CTAs takes
-    (None: the fewest, up to `_MOSAIC_TREE_HEADS`, that let its CTAs fit on idle SMs)."""
+    are (None: `_MOSAIC_REFILL_APART`'s rule, at two compute warpgroups)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -522,11 +516,9 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
         num_splits = num_splits or mosaic_splits(b, hkv, rows, live_len, ring[0])
         if num_splits == 1 or num_splits > _FUSED_MERGE_SPLITS:   # (see _MOSAIC_TREE_TILE)
             cfg = (_MOSAIC_TREE_TILE[0], cfg[1], cfg[2], _MOSAIC_TREE_TILE[1], cfg[4])
-        fit = (b, hkv, pm.padded_rows(rows), live_len, num_splits, ring[0], _MOSAIC_TREE_HEADS)
         if mosaic_tree_split is None:
-            mosaic_tree_split = _MOSAIC_TREE_SPLIT and pm.tree_split_pays(*fit)
-        if mosaic_tree_heads is None:
-            mosaic_tree_heads = max(1, pm.tree_heads_to_fit(*fit))
+            mosaic_tree_split = _MOSAIC_TREE_SPLIT and pm.tree_split_pays(
+                b, hkv, pm.padded_rows(rows), live_len, num_splits, ring[0])
     block_r = block_r or cfg[0]
     block_k = block_k or cfg[1]
     num_warps = num_warps or cfg[3]
@@ -564,8 +556,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                               refill_apart=(_MOSAIC_REFILL_APART
                                             and pm.warpgroups(pm.padded_rows(rows)) == 2
                                             if mosaic_refill_apart is None
-                                            else mosaic_refill_apart),
-                              tree_heads=mosaic_tree_heads)
+                                            else mosaic_refill_apart))
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
@@ -589,7 +580,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
                    dtype, *, packed, block_r, params, num_splits, sm_scale, interpret,
                    kn_in, vn_in, tree_mask, mosaic_tree, ring, overlap, rows_adjacent,
-                   multicast, tree_split, tree_in_q, cluster_merge, refill_apart, tree_heads):
+                   multicast, tree_split, tree_in_q, cluster_merge, refill_apart):
     """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`). Trees of up
     to `_MOSAIC_TREE_KEYS` tokens go into that kernel too (then one launch, or two with the
     combine over several splits); larger ones take `kernel` (the Triton kernel, configured) for
@@ -614,7 +605,7 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
                                      rows_adjacent=rows_adjacent, multicast=multicast,
                                      tree_split=tree_split, tree_in_q=in_q,
                                      cluster_merge=cluster_merge, refill_apart=refill_apart,
-                                     tree_heads=tree_heads, interpret=interpret)
+                                     interpret=interpret)
     if not isinstance(prefix, (tuple, list)):   # normalised rows [B * Hkv, R', D]
         o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)
         return o.transpose(0, 2, 1, 3, 4).reshape(q_shape).astype(dtype)

@@ -350,45 +350,6 @@ def test_tree_split_where_idle_sms_take_the_tree(b, rows, length, splits, pays):
     assert pm.tree_split_pays(b, 8, rows, length, splits, 128) == pays
 
 
-def test_tree_ctas_taking_several_heads_give_the_same_partials():
-    """A CTA of the tree's own split taking the tree blocks of `heads` (slot, KV head)s in turn
-    (the flat grid: prefix CTAs, then ceil(B * Hkv / heads) tree CTAs, the last one short
-    where heads does not divide B * Hkv: here 3 and 1) writes the bits of one tree CTA each,
-    over two slots of different lengths."""
-    b, hkv, heads = 2, 2, 3
-    t, rows, d, nt, splits = 256, 64, 64, 64, 2
-    q, kc, vc, kn, vn = _normals(jax.random.key(13), (b, hkv, rows, d), (1, b, hkv, t, d),
-                                 (1, b, hkv, t, d), (b, hkv, nt, d), (b, hkv, nt, d))
-    seen = jax.random.bernoulli(jax.random.key(14), 0.5, (b, rows, nt)).at[:, :, 0].set(True)
-    bias = jnp.where(seen, 0.0, ta.MASK_VALUE).astype(jnp.bfloat16)
-    sl = jnp.asarray([200, 70][:b], jnp.int32)
-    kw = dict(scale_log2=0.18, num_splits=splits, block_kv=64, steps=2, tree_split=True,
-              interpret=True)
-    one, several = (pm.prefix_partials_mgpu(q, kc, vc, jnp.int32(0), sl, None, (kn, vn, bias),
-                                            tree_heads=k, **kw) for k in (1, heads))
-    assert one[0].shape == (b * hkv, splits + 1, rows, d)
-    for x, y in zip(one, several):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    assert np.abs(np.asarray(one[0][:, splits])).max() > 0   # the tree's split was written
-    with pytest.raises(ValueError, match="tree_heads"):
-        pm.prefix_partials_mgpu(q, kc, vc, jnp.int32(0), sl, None, (kn, vn, bias),
-                                tree_heads=0, **kw)
-
-
-@pytest.mark.parametrize("b, rows, length, splits, max_heads, heads", [
-    (1, 64, 8192, 16, 1, 0), (1, 64, 8192, 16, 4, 2), (1, 256, 8192, 8, 4, 4),
-    (1, 256, 8192, 8, 3, 0), (1, 64, 1024, 4, 4, 1), (8, 64, 8192, 2, 4, 0)])
-def test_tree_heads_to_fit_the_idle_sms(b, rows, length, splits, max_heads, heads):
-    """The fewest (slot, KV head)s a tree CTA takes for the tree's CTAs to fit beside the
-    prefix's on 132 SMs: batch 1 over 8K at 64 rows (128 prefix CTAs, 4 idle SMs) 2 for 8 KV
-    heads; at 256 rows (two row tiles, 128 prefix CTAs) 4, so 2 x 2 tree CTAs; over 1K one
-    each (32 prefix CTAs); batch 8 over 8K (128 prefix CTAs for 64 KV heads) none up to 4."""
-    assert pm.tree_heads_to_fit(b, 8, rows, length, splits, 128, max_heads) == heads
-    assert pm.tree_split_pays(b, 8, rows, length, splits, 128, max_heads) == (
-        heads > 0 and pm._split_blocks(length, splits, 128) <= pm.TREE_SPLIT_BLOCKS
-        and splits > 1)
-
-
 def test_tree_split_leaves_the_prefix_splits_to_the_prefix():
     """With tree_split the kernel's first S splits are the prefix's alone (the reference's
     partials, split 0 included) and split S holds the tree's keys only, under the bias: its
