@@ -88,9 +88,8 @@
 #                                      #   rows (fifty-first set: B 1, N 64, 8K 6.7% faster;
 #                                      #   the default at two warpgroups since the fifty-
 #                                      #   second, so the variant differs at one warpgroup)
-#   bash bench/gpu_plan.sh tree_heads  # issue 4: the tree's own split at batch 1 over 8K with
-#                                      #   its CTAs taking 2 or 4 KV heads' tree blocks each,
-#                                      #   against the default; tree_heads_checks: checks on it
+#   bash bench/gpu_plan.sh compaction  # issue 4: kv_compact alone and its share of the (6,10,60)
+#                                      #   cycle's kernels on the H200
 #   bash bench/gpu_plan.sh refill_rule # issue 4: kernel_ab's checks on that rule (two compute
 #                                      #   warpgroups), then the 8B batch-1 cycle (6,10,60) with
 #                                      #   _MOSAIC_REFILL_APART False and True
@@ -707,20 +706,12 @@ case "${1:-}" in
     V='{"apart": {"mosaic_refill_apart": true}}'
     run refill_apart 560 python3 bench/kernel_ab.py --variants "$V" --no-checks --device-time --shapes "${SHAPES:-1,64,8192;8,64,8192;64,64,8192;64,16,8192;1,64,32768;8,64,32768;8,16,32768;1,16,8192}"
     ;;
-  tree_heads)
-    # the tree's own split with each of its CTAs taking 2 or 4 (slot, KV head)s' tree blocks,
-    # so that they fit on the SMs batch 1 over 8K leaves idle (mosaic_tree_heads), against the
-    # default (split 0's extra block there); then (tree_heads_checks) kernel_ab's checks on
-    # both, repeated, and the same rows by the code before the change if old/ holds it
-    V='{"h2": {"mosaic_tree_split": true, "mosaic_tree_heads": 2}, "h4": {"mosaic_tree_split": true, "mosaic_tree_heads": 4}}'
-    run tree_heads 560 python3 bench/kernel_ab.py --variants "$V" --no-checks --device-time --shapes "${SHAPES:-1,16,8192;1,32,8192;1,64,8192;2,16,8192}"
-    ;;
-  tree_heads_checks)
-    V='{"h2": {"mosaic_tree_split": true, "mosaic_tree_heads": 2}, "h4": {"mosaic_tree_split": true, "mosaic_tree_heads": 4}}'
-    run tree_heads_checks 250 python3 bench/kernel_ab.py --variants "$V" --repeats 3 --shapes ""
-    if [ -d old/bench ]; then
-      run tree_heads_old 300 python3 old/bench/kernel_ab.py --variants '{}' --no-checks --device-time --shapes "${SHAPES:-1,16,8192;1,32,8192;1,64,8192;2,16,8192}"
-    fi
+  compaction)
+    # issue 4's compaction goal on the H200 (last timed on the H100, tenth set): kv_compact
+    # alone against XLA's scatter (32 layers, 16 chained calls), then its share of the kernels
+    # of the 8B-shaped (6,10,60) cycle and of the decode step
+    run compact 240 python3 bench/bench_kernels.py --no-sweep --skip check,table
+    run compact_cycle 300 python3 -m bench.profile_cycle --shapes "${SHAPES:-6,10,60}" --variant lean --top 30
     ;;
   refill_rule)
     # keys refilled apart at two compute warpgroups (the default since the fifty-second set):
