@@ -596,7 +596,7 @@ def bench_compact():
             def chain(kc, vc, kn, vn, src, cnt, fn=fn):
                 for i in range(reps):   # every call's rows inside the cache (rows past T
                     # are dropped, which would make the moved bytes a fiction)
-                    sl = jnp.full((b,), 100 + (i * m) % (t - m - 100), jnp.int32)
+                    sl = jnp.full((b,), 100 + (i * m) % max(t - m - 100, 1), jnp.int32)
                     kc, vc = fn(kc, vc, kn, vn, sl, src, cnt)
                 return kc, vc
             f = jax.jit(chain, donate_argnums=(0, 1))
