@@ -58,31 +58,16 @@
 #                                      #   read here which fusions each layer launches
 #   bash bench/gpu_plan.sh ncu         # issue 4: ncu's DRAM bytes, L2 hit rate and tensor-pipe
 #                                      #   activity of the Mosaic kernel at B 64, N 64, 8K, row
-#                                      #   tiles apart, side by side (default) and multicast
+#                                      #   tiles apart and side by side (default)
 #                                      #   (forty-first set: sections on 3 shapes ran past 280 s)
 #   bash bench/gpu_plan.sh rows_adjacent  # issue 4: the Mosaic kernel's row tiles launched apart
 #                                      #   (the grid's first axis, the old order) against the
 #                                      #   default, side by side (its last: Mosaic GPU launches
 #                                      #   the last axis fastest); forty-second set: side by
 #                                      #   side 4-17% faster at N 64, L2 serving the second read
-#   bash bench/gpu_plan.sh multicast   # issue 4: the Mosaic kernel's row tiles as a 2-CTA cluster
-#                                      #   reading each K/V block once (TMA multicast), with and
-#                                      #   without the overlap, and launched apart, against the
-#                                      #   default (side by side, sharing reads through L2);
-#                                      #   forty-second set on the H200: multicast ties
-#   bash bench/gpu_plan.sh overlap     # issue 4: the Mosaic kernel's intra-warpgroup overlap
-#                                      #   (mosaic_overlap) checked, then timed against the
-#                                      #   default and cuDNN (fortieth set: correct, 5-33% slower,
-#                                      #   ptxas had serialised it; forty-first: fixed, ties)
-#   bash bench/gpu_plan.sh cluster_merge  # issue 4: the Mosaic kernel's splits merged inside a
-#                                      #   thread-block cluster (no combine): the merge alone,
-#                                      #   then the kernel checked 20 times a shape;
-#                                      #   `cluster_merge_times` times it at batch 1-2 against
-#                                      #   the default (16 splits and the combine), 8 splits
-#                                      #   with the combine, and the backend rule's choice
-#                                      #   (fifty-first set: right, and 3.4-4.0 us slower);
-#                                      #   `cluster_costs` times the merge's steps alone and
-#                                      #   clustered launches
+#   bash bench/gpu_plan.sh cluster_costs  # issue 4: what launching 128 CTAs as thread-block
+#                                      #   clusters of 1-16 costs (fifty-first set: 2.0 us
+#                                      #   against 1.3 without clusters)
 #   bash bench/gpu_plan.sh refill_apart  # issue 4: the Mosaic kernel's ring slots refilled keys
 #                                      #   first (mosaic_refill_apart) on the table's Mosaic
 #                                      #   rows (fifty-first set: B 1, N 64, 8K 6.7% faster;
@@ -679,25 +664,8 @@ case "${1:-}" in
   mosaic_tree)
     run mosaic_tree 200 python3 bench/mosaic_tree_ab.py
     ;;
-  cluster_merge)
-    # The merge alone first (bench/cluster_merge_probe.py: made-up partials against numpy);
-    # then the checks, under a short limit: a cluster barrier that never completes hangs the
-    # kernel.
-    run merge_whole 150 python3 bench/cluster_merge_probe.py --splits 2,4,8
-    if grep -q ": ok, max rel err" "$OUT/merge_whole.log" && ! grep -q "FAILED\|WRONG" "$OUT/merge_whole.log"; then
-      run merge_checks 250 python3 bench/kernel_ab.py --variants '{"merge": {"mosaic_cluster_merge": true}}' --shapes "" --repeats 20
-    fi
-    ;;
-  cluster_merge_times)
-    # (after `cluster_merge`'s checks pass) the merge with 8 splits against the default (16
-    # splits and the combine), 8 splits with the combine, and the backend rule (Triton at N 1)
-    V='{"merge8": {"num_splits": 8, "mosaic_cluster_merge": true}, "split8": {"num_splits": 8}, "auto": {"backend": null}}'
-    run merge_times 560 python3 bench/kernel_ab.py --variants "$V" --no-checks --device-time --shapes "${SHAPES:-1,1,8192;1,16,8192;1,1,16384;1,16,16384;1,1,32768;1,16,32768;2,16,8192}"
-    ;;
   cluster_costs)
-    # where the merge's time goes: the merge alone by its steps, then clustered launches of
-    # 128 CTAs (fifty-first set)
-    run merge_steps 120 python3 bench/cluster_merge_probe.py --time --splits 2,4,8
+    # clustered launches of 128 CTAs (fifty-first set)
     run cluster_launch 120 python3 bench/cluster_launch_probe.py
     ;;
   refill_apart)
@@ -720,18 +688,6 @@ case "${1:-}" in
     for v in False True; do
       run cycle_apart_$v 200 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "${SHAPES:-6,10,60}" --variants lean --kernel-default _MOSAIC_REFILL_APART=$v
     done
-    ;;
-  overlap)
-    # The Mosaic kernel's PV product behind the next block's scores (thirty-ninth set: its first
-    # run hung on a producer deadlock, fixed since in the interpreter); checks first, then the
-    # N 16 and 64 rows against the default, and PyTorch's fused attention for the yardstick.
-    # The checks alone first, under a short limit: a hang costs 150 s, not the call.
-    V='{"overlap": {"mosaic_overlap": true}}'
-    run overlap_checks 150 python3 bench/kernel_ab.py --variants "$V" --shapes ""
-    if grep -q "'ok': True" "$OUT/overlap_checks.log" && ! grep -q "'ok': False" "$OUT/overlap_checks.log"; then
-      run overlap 400 python3 bench/kernel_ab.py --variants "$V" --no-checks
-    fi
-    run overlap_peers 120 python3 bench/peers/torch_attention.py --shapes "8,64,8192;64,64,8192;1,64,8192;64,16,8192"
     ;;
   mosaic_short)
     run mosaic_short 450 python3 bench/bench_kernels.py --device-time --skip check,table,compact --sweep-grid backends --sweep-shapes "${SHAPES:-8,16,1024;8,64,1024;16,16,1024;16,64,1024;32,64,1024;8,64,2048;16,64,4096;32,64,4096;1,64,4096}"
@@ -853,20 +809,15 @@ case "${1:-}" in
     run rows_adjacent 400 python3 bench/kernel_ab.py --variants '{"rows_apart": {"mosaic_rows_adjacent": false}}' \
       --shapes "64,64,8192;8,64,8192;64,64,32768;64,16,8192"
     ;;
-  multicast)
-    run multicast 300 python3 bench/kernel_ab.py --variants '{"mc": {"mosaic_multicast": true}, "ov_mc": {"mosaic_multicast": true, "mosaic_overlap": true}, "apart": {"mosaic_rows_adjacent": false}}' \
-      --shapes "64,64,8192;8,64,32768;16,64,4096;64,64,2048;64,16,8192;1,64,8192"
-    ;;
   ncu)
-    # four metrics (few replay passes) of the Mosaic kernel at B 64, N 64, 8K in three forms:
-    # row tiles apart, side by side (the default), and as a multicast cluster (which ncu failed
-    # to profile in the forty-second set), two launches each
+    # four metrics (few replay passes) of the Mosaic kernel at B 64, N 64, 8K in two forms:
+    # row tiles apart and side by side (the default), two launches each
     # (compile, then the second); ncu prints when the process exits, so the limit must cover it
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     run ncu 450 "$NCU" --kernel-name regex:entry_mosaic -c 6 --metrics \
       gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active \
       python3 bench/ncu_attention.py --shapes "64,64,8192" \
-      --variants '[{"mosaic_rows_adjacent": false}, {}, {"mosaic_multicast": true}]'
+      --variants '[{"mosaic_rows_adjacent": false}, {}]'
     ;;
   parallel_calls)
     run parallel_calls 250 python3 bench/bench_parallel.py --part dp --dp-impl calls --reps 3

@@ -2,7 +2,7 @@
 reference first (uneven prefixes, 1-4 splits, packed and separate inputs, SmolLM2's heads),
 then all timed with the bench_kernels harness (chained calls, 8 dispatched back to back).
 
-    python3 bench/kernel_ab.py --variants '{"overlap": {"mosaic_overlap": true}}' \\
+    python3 bench/kernel_ab.py --variants '{"apart": {"mosaic_refill_apart": true}}' \\
         [--base '{"backend": "mosaic"}'] [--shapes "B,N,L;..."] [--no-checks] [--device-time]
         [--heads "Hq,Hkv,D"] [--repeats K]
 Every variant is `base` updated with its own settings; "default" (base alone) is always
@@ -30,8 +30,7 @@ from pallas_kernels import tree_attention as ta  # noqa: E402
 CHECKS = [(8, 64, 1024, 32, 8, 128, 1, False), (3, 16, 1024, 32, 8, 128, 3, True),
           (2, 60, 2048, 32, 8, 128, 2, True), (3, 30, 1024, 9, 3, 64, 1, True),
           (1, 7, 512, 32, 8, 128, 4, False), (2, 64, 4096, 32, 8, 128, 3, False),
-          # 2, 4 and 8 splits of one warpgroup's rows (cluster_merge's shapes), one slot's
-          # splits mostly empty
+          # 2, 4 and 8 splits of one warpgroup's rows, one slot's splits mostly empty
           (1, 1, 8192, 32, 8, 128, 8, False), (2, 16, 2048, 32, 8, 128, 4, True),
           (1, 4, 1024, 32, 8, 128, 2, False), (2, 1, 512, 32, 8, 128, 8, False)]
 SHAPES = ("64,64,8192;8,64,8192;1,64,8192;8,64,2048;1,16,8192;8,16,8192;64,16,8192;"

@@ -3,7 +3,7 @@ bytes, L2 hit rate and tensor-pipe activity (Hq/Hkv 32/8, head dim 128, random b
 
     ncu --kernel-name regex:mosaic --metrics dram__bytes_read.sum,... \\
         python3 bench/ncu_attention.py --shapes "64,64,8192;64,16,8192" \\
-        [--variants '[{}, {"mosaic_multicast": true}]']
+        [--variants '[{}, {"mosaic_rows_adjacent": false}]']
 
 Each shape runs twice under each tuning of `--variants` (the first compiles); the profiler
 sees both launches, in that order.

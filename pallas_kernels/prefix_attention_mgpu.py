@@ -40,11 +40,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import MASK_VALUE
-from pallas_kernels.cluster_merge import BARRIERS as MERGE_BARRIERS
-from pallas_kernels.cluster_merge import MIN_COLS as MERGE_MIN_COLS
-from pallas_kernels.cluster_merge import SIZES as MERGE_SIZES
-from pallas_kernels.cluster_merge import merge as merge_in_cluster
-from pallas_kernels.cluster_merge import scratch as merge_scratch
 
 try:  # Mosaic GPU's Pallas API (Hopper); absent from some jaxlib builds
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -96,8 +91,7 @@ def _bounds(seq_len, split, num_splits, block_kv):
 
 
 def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, wgs,
-            indirect, tree, interpret, overlap, multicast, tree_split_index, tree_row0, merge,
-            refill_apart):
+            indirect, tree, interpret, tree_split_index, tree_row0, refill_apart):
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref = refs[:3]
     kn_ref, vn_ref, bias_ref = refs[3:6] if tree else (None, None, None)
@@ -105,7 +99,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
         kn_ref, vn_ref, bias_ref = q_ref, q_ref, refs[3]
     outs, scoped = refs[(4 if tree_row0 else 6) if tree else 3:-1], refs[-1]
     (q_smem, k_smem, v_smem, o_smem, ml_smem, bias_smem), *barriers = scoped
-    ready, consumed, sched, o_free, merge_barriers = barriers
+    ready, consumed, sched, o_free = barriers
     k_ready, v_ready, q_ready = ready
     k_free, v_free = consumed
     num_kv_heads, t_max = k_ref.shape[2], k_ref.shape[3]
@@ -217,95 +211,13 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             plgpu.barrier_arrive(v_free.at[ring])
             return acc, m_next, l_i
 
-        def overlapped(carry, acc_ref=None):
-            """The prefix blocks with block i - 1's PV product issued right behind block i's
-            scores, so that it runs on the tensor cores while this warpgroup does block i's
-            softmax (FlashAttention-3's intra-warpgroup overlap). acc_ref: the output
-            accumulator on the device (zero); the interpreter carries it instead and takes
-            both products as jnp dots, with the same barrier sequence. -> (acc, m, l).
-            Every step issues its product unconditionally (a wgmma under a branch would have
-            its registers waited for where the branches meet): step 0's multiplies zero
-            probabilities by block 0's values, whose arrival it waits for (step 1 then does not)."""
-            f32 = jnp.float32
-
-            def behind(i, ring, pv_slot, p_prev):   # -> block i's scores, the interpreter's pv
-                pl.when(i != 1)(lambda: plgpu.barrier_wait(v_ready.at[pv_slot]))
-                if interpret:   # (scores' jnp dot, then its turn at the schedule barrier)
-                    pv = jnp.dot(p_prev, v_smem.at[pv_slot][...], preferred_element_type=f32)
-                    return scores(k_smem.at[ring]), pv
-
-                def qk(s_ref):
-                    plgpu.wgmma(s_ref, q_tile, plgpu.transpose_ref(k_smem.at[ring], (1, 0)))
-                    plgpu.wgmma(acc_ref, p_prev, v_smem.at[pv_slot])
-                    staggered()
-                    return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)   # the scores only
-                return pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), f32)), None
-
-            def o_step(i, c, masked=False):
-                acc, m_i, l_i, p_prev = c   # acc: None on the device (it is in acc_ref)
-                ring = lax.rem(i, steps)
-                pv_slot = lax.rem(jnp.maximum(i - 1, 0), steps)   # block i - 1's (0 at i = 0)
-                s, pv = behind(i, ring, pv_slot, p_prev)
-                plgpu.barrier_arrive(k_free.at[ring])
-                p, m_next, alpha = softmax(s, i, m_i, masked)
-                l_next = l_i * alpha + p.sum(axis=1)
-                # Block i - 1's product is done (the device waits for it here).
-                acc_now = acc + pv if interpret else acc_ref[...]
-                pl.when(i > 0)(lambda: plgpu.barrier_arrive(v_free.at[pv_slot]))
-                acc_now = acc_now * lax.broadcast_in_dim(alpha, acc_now.shape, [0])
-                if not interpret:
-                    acc_ref[...] = acc_now
-                wait_next_k(i)
-                # The other warpgroup issues its products while this one did its softmax: a
-                # second turn at the barrier a step keeps the two half a step apart, as the
-                # default path's two turns do (with one, both would issue, then both wait).
-                staggered()
-                return acc_now if interpret else None, m_next, l_next, p.astype(dtype)
-
-            acc, m_i, l_i = carry
-            c = (acc if interpret else None, m_i, l_i,
-                 cast(jnp.zeros((ROWS, block_kv), dtype), plgpu.Layout.WGMMA))
-            c = lax.fori_loop(0, full_blocks, o_step, c)
-            acc, m_i, l_i, p_last = lax.fori_loop(full_blocks, blocks,
-                                                  functools.partial(o_step, masked=True), c)
-            last = lax.rem(jnp.maximum(blocks - 1, 0), steps)
-            # The last block's product (its values were waited for at step 0 if it was block 0).
-            pl.when(blocks > 1)(lambda: plgpu.barrier_wait(v_ready.at[last]))
-            if interpret:
-                acc = acc + lax.cond(blocks > 0, lambda: jnp.dot(
-                    p_last, v_smem.at[last][...], preferred_element_type=f32),
-                    lambda: jnp.zeros_like(acc))
-            else:
-                # The wait inside the branch: a wgmma still in flight where the branches meet
-                # has its accumulator's registers defined by the merge's moves, and ptxas then
-                # serialises every wgmma of the kernel (C7515: 25% slower, fortieth set).
-                @pl.when(blocks > 0)
-                def _():
-                    plgpu.wgmma(acc_ref, p_last, v_smem.at[last])
-                    plgpu.wgmma_wait(0)
-                acc = acc_ref[...]
-            pl.when(blocks > 0)(lambda: plgpu.barrier_arrive(v_free.at[last]))
-            return acc, m_i, l_i
-
-        if overlap and interpret:
-            carry = overlapped(carry)
-        elif overlap:
-            carry = pl.run_scoped(functools.partial(overlapped, carry),
-                                  plgpu.ACC((ROWS, head_dim), jnp.float32))
-        else:
-            carry = lax.fori_loop(0, full_blocks, step, carry)
-            carry = lax.fori_loop(full_blocks, blocks, functools.partial(step, masked=True),
-                                  carry)
+        carry = lax.fori_loop(0, full_blocks, step, carry)
+        carry = lax.fori_loop(full_blocks, blocks, functools.partial(step, masked=True), carry)
         if tree:   # (a loop of 0 or 1 trips: split `tree_split_index` only)
             carry = lax.fori_loop(blocks, total, functools.partial(step, new_keys=True), carry)
         acc, m_i, l_i = carry
         if wgs == 2:
             pl.when(wg == 0)(staggered)
-        if merge:   # the cluster's splits merged through distributed shared memory; o_smem
-            # holds the merge's tiles then (`cluster_merge.scratch`)
-            merge_in_cluster((acc, m_i, l_i), ml_smem, o_smem, outs[0], merge_barriers,
-                             split=split, num_splits=num_splits, bh=bh)
-            return
         rows = pl.ds(row0, ROWS)
         if len(outs) == 1:   # one split: normalised, in the q tile the matmuls are done with
             q_tile[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
@@ -336,10 +248,6 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
-        # With `multicast` the CTAs of a cluster (the row tiles of one split, slot and KV head)
-        # each copy part of a block and TMA writes it into all of their rings.
-        cast_to = dict(collective_axes="rt") if multicast else {}
-
         def fetch(i, ring, which=(0, 1)):   # block i's keys (0) and/or values (1) into `ring`
             copies = [(k_ref, kn_ref, k_smem, k_ready, new_rows[0]),
                       (v_ref, vn_ref, v_smem, v_ready, new_rows[1])]
@@ -349,8 +257,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             def _():
                 keys = (layer, slot, h, pl.ds(start + i * block_kv, block_kv))
                 for src, _, dst, ready, _ in copies:
-                    plgpu.copy_gmem_to_smem(src.at[keys], dst.at[ring], ready.at[ring],
-                                            **cast_to)
+                    plgpu.copy_gmem_to_smem(src.at[keys], dst.at[ring], ready.at[ring])
 
             if tree:
                 @pl.when(i == blocks)
@@ -358,28 +265,21 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
                     for _, src, dst, ready, row0 in copies:
                         plgpu.copy_gmem_to_smem(src.at[b, h, pl.ds(row0, tree_keys)],
                                                 dst.at[ring, pl.ds(0, tree_keys)],
-                                                ready.at[ring], **cast_to)
+                                                ready.at[ring])
 
         for i in range(steps):
             pl.when(i < total)(functools.partial(fetch, i, i))
 
-        # With `overlap` keys and values refill their slots each as soon as it is free: a
-        # slot's values are released one block after its keys there, and a fetch waiting for
-        # both held back the keys one warpgroup waited for while the other waited for it at
-        # the schedule barrier (a deadlock at two warpgroups, in the interpreter as on the
-        # device). `refill_apart` does the same without the overlap: a block's keys are free
-        # after its scores, its values only after its softmax and PV product. Otherwise, the
-        # order measured so far: both waits, then both copies.
-        apart = overlap or refill_apart
-
+        # `refill_apart`: a block's keys are free after its scores, its values only after its
+        # softmax and PV product, so the keys go first. Otherwise both waits, then both copies.
         @pl.loop(0, jnp.maximum(total - steps, 0))
         def _(i):
             ring = lax.rem(i, steps)
             plgpu.barrier_wait(k_free.at[ring])
-            if apart:
+            if refill_apart:
                 fetch(i + steps, ring, (0,))
             plgpu.barrier_wait(v_free.at[ring])
-            fetch(i + steps, ring, (1,) if apart else (0, 1))
+            fetch(i + steps, ring, (1,) if refill_apart else (0, 1))
 
         # Observe each used slot's last release too: nothing is in flight when the CTA ends
         # (and the interpreter checks that every barrier phase was seen).
@@ -486,14 +386,12 @@ def active_splits(length, num_splits, block_kv) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
-                                             "overlap", "rows_adjacent", "multicast",
-                                             "tree_split", "tree_in_q", "cluster_merge",
+                                             "rows_adjacent", "tree_split", "tree_in_q",
                                              "refill_apart", "interpret"))
 def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree=None, *,
                          scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
-                         steps: int = STEPS, overlap: bool = False, rows_adjacent: bool = False,
-                         multicast: bool = False, tree_split: bool = False,
-                         tree_in_q: bool = False, cluster_merge: bool = False,
+                         steps: int = STEPS, rows_adjacent: bool = False,
+                         tree_split: bool = False, tree_in_q: bool = False,
                          refill_apart: bool = False, interpret: bool = False):
     """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
     each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
@@ -507,10 +405,6 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     then run side by side, and L2 serves the second read: at B 64, N 64, 8K ncu counted 2.20 GB
     read from DRAM against 4.36 with the row tiles first, and the call ran 9-11% faster
     (up to 17% at N * G = 256; bench/RESULTS.md, forty-second set).
-    multicast: the row tiles of one (split, slot x KV head) as one cluster of CTAs that read
-    each key block once, by TMA multicast into every CTA's ring, whatever L2 holds; a ring slot
-    is refilled when the consumers of all of them have released it. With 2, 4 or 8 row tiles
-    (others keep the plain grid). Device only: Mosaic GPU's interpreter has no clusters.
     tree_split: the tree's block as a split of its own, after the prefix's (outputs of
     num_splits + 1 splits, never normalised), instead of one block more for split 0. Split 0
     otherwise ends last by that block; a split of its own runs beside it on SMs the prefix's
@@ -518,15 +412,9 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     tree_in_q: tree = (None, None, bias), and q_rows [B, Hkv, R + 2 NT, D] holds the tree's NT
     keys, then its NT values, after its R query rows (one XLA fusion then builds the kernel's
     inputs from the projection, where it took two).
-    cluster_merge: the splits of one (slot, KV head) as one cluster of CTAs that merge their
-    partials through distributed shared memory (`cluster_merge`) and write the output
-    normalised, [B * Hkv, R, D] in q's dtype, with no combine pass. Taken with the tree, one
-    warpgroup's 64 rows, 2, 4 or 8 splits and D / S >= 16 (others keep the partials); the
-    tree's block stays in split 0. Device only, as multicast; right there, and slower than
-    the combine (bench/RESULTS.md, fifty-first set).
     refill_apart: the producer refills a ring slot's keys once they are free (after the
     block's scores) and its values once those are (after its PV product); otherwise it waits
-    for both, then copies both (with `overlap` they are always refilled apart)."""
+    for both, then copies both."""
     b, hkv, r, d = q_rows.shape
     if tree_in_q:
         if tree is None or tree[0] is not None or tree[1] is not None:
@@ -545,51 +433,35 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                          f"and the bias {tree[2].shape} must be {(b, r, tree_keys)}")
     wgs = warpgroups(r)
     row_tiles = r // (wgs * ROWS)
-    # A multicast copy is cut into one part a CTA along the block's 16 tiles of 8 keys.
-    multicast = multicast and row_tiles in (2, 4, 8)
-    if multicast and interpret:
-        raise ValueError("multicast needs thread-block clusters, which interpret mode lacks")
-    merge = (cluster_merge and tree is not None and r == ROWS and not multicast
-             and num_splits in MERGE_SIZES and d // num_splits >= MERGE_MIN_COLS)
-    if merge and interpret:
-        raise ValueError("cluster_merge needs thread-block clusters, which interpret mode lacks")
-    tree_split = tree_split and tree is not None and not merge
+    tree_split = tree_split and tree is not None
     dtype = k_cache.dtype
     swizzle = plgpu.SwizzleTransform(128)
     tiles = (plgpu.TilingTransform((8, 64)), swizzle)
     f32_tiles = (plgpu.TilingTransform((8, 32)), swizzle)
     ring = plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles)
     smem = (plgpu.SMEM((wgs, ROWS, d), dtype, transforms=tiles), ring, ring,
-            merge_scratch(ROWS, d, num_splits, dtype) if merge
-            else plgpu.SMEM((ROWS, d), jnp.float32, transforms=f32_tiles),
-            (plgpu.SMEM((ROWS,), jnp.float32),) * 2 if merge
-            else plgpu.SMEM((2, wgs, ROWS), jnp.float32),
+            plgpu.SMEM((ROWS, d), jnp.float32, transforms=f32_tiles),
+            plgpu.SMEM((2, wgs, ROWS), jnp.float32),
             plgpu.SMEM((wgs, ROWS, tree_keys), dtype, transforms=tiles)
             if tree is not None else None)
-    consumed = (functools.partial(plgpu.ClusterBarrier, collective_axes=("rt",)) if multicast
-                else plgpu.Barrier)
     barriers = ((plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
                  plgpu.Barrier(num_barriers=2 * wgs)),
-                (consumed(num_arrivals=wgs, num_barriers=steps),) * 2,
-                plgpu.Barrier(num_arrivals=wgs), plgpu.Barrier(num_arrivals=1),
-                plgpu.ClusterBarrier(collective_axes=("split",), num_barriers=MERGE_BARRIERS)
-                if merge else None)
+                (plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),) * 2,
+                plgpu.Barrier(num_arrivals=wgs), plgpu.Barrier(num_arrivals=1))
     grid_splits = num_splits + tree_split
     indirect = slots is not None
     body = functools.partial(_kernel, scale_log2=scale_log2, num_splits=num_splits,
                              block_kv=block_kv, steps=steps, wgs=wgs, indirect=indirect,
-                             tree=tree is not None, interpret=interpret, overlap=overlap,
-                             multicast=multicast,
+                             tree=tree is not None, interpret=interpret,
                              tree_split_index=num_splits if tree_split else 0,
-                             tree_row0=r if tree_in_q else 0, merge=merge,
-                             refill_apart=refill_apart)
+                             tree_row0=r if tree_in_q else 0, refill_apart=refill_apart)
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, *barriers,
                       collective_axes="wg")
 
     f32 = jnp.float32
-    if tree is not None and (grid_splits == 1 or merge):
+    if tree is not None and grid_splits == 1:
         out_type = (jax.ShapeDtypeStruct((b * hkv, r, d), dtype),)
     else:
         out_type = (jax.ShapeDtypeStruct((b * hkv, grid_splits, r, d), f32),
@@ -598,17 +470,10 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     params = dict(interpret=_interpret_params()) if interpret else {}
     axes = (("rt", row_tiles), ("split", grid_splits), ("bh", b * hkv))
     axes = axes[1:] + axes[:1] if rows_adjacent else axes
-    cluster = {}
-    if multicast:   # the row tiles are the cluster's axis, not the grid's
-        axes = tuple(axis for axis in axes if axis[0] != "rt")
-        cluster = dict(cluster=(row_tiles,), cluster_names=("rt",))
-    elif merge:   # the splits are the cluster's axis
-        axes = tuple(axis for axis in axes if axis[0] != "split")
-        cluster = dict(cluster=(grid_splits,), cluster_names=("split",))
     call = plgpu.kernel(entry, out_type=out_type,
                         grid=tuple(x for _, x in axes),
                         grid_names=tuple(name for name, _ in axes), num_threads=wgs + 1,
-                        thread_name="wg", **cluster,
+                        thread_name="wg",
                         compiler_params=plgpu.CompilerParams(approx_math=True), **params)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
     extra = () if tree is None else tuple(x.astype(dtype) for x in tree if x is not None)

@@ -63,20 +63,12 @@ _FUSED_MERGE_SPLITS = 2
 # under their mask as an additive bias tile (8 KB a warpgroup: a 128-key tile would overflow
 # shared memory with two warpgroups); larger ones keep the Triton kernel's tree part.
 _MOSAIC_TREE_KEYS = 64
-# The Mosaic kernel's PV product of block i - 1 issued behind block i's scores (overlapped with
-# its softmax), as FlashAttention-3 does. Off: since ptxas no longer serialises it, it ties the
-# default on every measured row (bench/RESULTS.md, forty-first set).
-_MOSAIC_OVERLAP = False
 # The Mosaic kernel's row tiles launched next to each other: the two 128-row CTAs of one slot
 # and KV head (N * G > 128) run side by side, and the second reads the prefix the first brought
 # into L2 (ncu at B 64, N 64, 8K: 2.20 GB read from DRAM against 4.36 launched apart). Faster on
 # every N 64 row timed: B 64, 8K 1050-1087 us against 1156-1221, B 16, 4K 133.7 against
 # 155.9-156.7, batch 1 by 1-2% (bench/RESULTS.md, forty-second set).
 _MOSAIC_ROWS_ADJACENT = True
-# The Mosaic kernel's row tiles of one slot and KV head as a cluster that reads each key block
-# once and multicasts it into every row tile's ring (device only). It ties the adjacent row
-# tiles, which read the prefix once through L2 (forty-second set).
-_MOSAIC_MULTICAST = False
 # The tree's key block as a Mosaic split of its own where the prefix's splits leave enough SMs
 # idle for all of its CTAs (`prefix_attention_mgpu.tree_split_pays`): split 0 no longer ends a
 # block after the others (batch 1-2 over 1-2K: 4-10% less kernel time, forty-seventh set).
@@ -86,11 +78,6 @@ _MOSAIC_TREE_SPLIT = True
 # rows and the tree's padded keys and values took two. The 8B batch-1 cycle: 72 kernels
 # fewer, 7.615 ms against 7.702 (bench/RESULTS.md, forty-seventh set).
 _MOSAIC_TREE_IN_Q = True
-# The Mosaic kernel's splits of one (slot, KV head) as a thread-block cluster that merges them
-# through distributed shared memory, with no combine launch (`pallas_kernels/cluster_merge.py`;
-# one warpgroup's rows, 2, 4 or 8 splits). Off: right on the device but slower, 3.4-4.0 us
-# more than its splits with the combine at batch 1 (bench/RESULTS.md, fifty-first set).
-_MOSAIC_CLUSTER_MERGE = False
 # The Mosaic kernel's producer refills a ring slot's keys as soon as they are free (after the
 # block's scores), not with its values (after the softmax and PV product), where a CTA has two
 # compute warpgroups (`pm.warpgroups`): the slot's values wait for the slower of the two, and
@@ -415,8 +402,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
            "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
-           "mosaic_ring", "mosaic_overlap", "mosaic_rows_adjacent", "mosaic_multicast",
-           "mosaic_tree_split", "mosaic_tree_in_q", "mosaic_cluster_merge",
+           "mosaic_ring", "mosaic_rows_adjacent", "mosaic_tree_split", "mosaic_tree_in_q",
            "mosaic_refill_apart")
 
 
@@ -472,8 +458,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
             skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
-            mosaic_overlap=None, mosaic_rows_adjacent=None, mosaic_multicast=None,
-            mosaic_tree_split=None, mosaic_tree_in_q=None, mosaic_cluster_merge=None,
+            mosaic_rows_adjacent=None, mosaic_tree_split=None, mosaic_tree_in_q=None,
             mosaic_refill_apart=None):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
@@ -487,18 +472,13 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     to `_MOSAIC_TREE_KEYS` tokens), or None: `mosaic_serves` decides. mosaic_tree=False: the
     Triton kernel's tree part (and merge) beside Mosaic's prefix at any tree size (A/B runs).
     mosaic_ring: (keys a block, ring slots) of the Mosaic kernel (None: its defaults).
-    mosaic_overlap: its PV products behind the next block's scores (None: `_MOSAIC_OVERLAP`).
     mosaic_rows_adjacent: its row tiles launched next to each other, so the CTAs of one slot's
     rows share their reads of its prefix through L2 (None: `_MOSAIC_ROWS_ADJACENT`).
-    mosaic_multicast: those CTAs as one cluster that reads each key block once and multicasts
-    it (None: `_MOSAIC_MULTICAST`, and never in interpret mode).
     mosaic_tree_split: the tree's key block as a split of its own rather than one block more
     for split 0, where the prefix is split (None: `_MOSAIC_TREE_SPLIT` where
     `prefix_attention_mgpu.tree_split_pays`).
     mosaic_tree_in_q: the tree's keys and values passed to the Mosaic kernel in the query
     rows' array, after them (None: `_MOSAIC_TREE_IN_Q`).
-    mosaic_cluster_merge: its splits merged inside a cluster, without the combine, where the
-    shape allows (None: `_MOSAIC_CLUSTER_MERGE`; never in interpret mode).
     mosaic_refill_apart: a ring slot's keys refilled once its keys are free, before its values
     are (None: `_MOSAIC_REFILL_APART`'s rule, at two compute warpgroups)."""
     b, n, hq, d = q_shape
@@ -542,17 +522,11 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                               num_splits=num_splits, sm_scale=sm_scale, interpret=interpret,
                               kn_in=kn_in, vn_in=vn_in, tree_mask=tree_mask,
                               mosaic_tree=mosaic_tree, ring=ring,
-                              overlap=_MOSAIC_OVERLAP if mosaic_overlap is None else mosaic_overlap,
                               rows_adjacent=(_MOSAIC_ROWS_ADJACENT if mosaic_rows_adjacent is None
                                           else mosaic_rows_adjacent),
-                              multicast=(_MOSAIC_MULTICAST and not interpret
-                                         if mosaic_multicast is None else mosaic_multicast),
                               tree_split=bool(mosaic_tree_split) and num_splits > 1,
                               tree_in_q=(_MOSAIC_TREE_IN_Q if mosaic_tree_in_q is None
                                          else mosaic_tree_in_q),
-                              cluster_merge=(_MOSAIC_CLUSTER_MERGE and not interpret
-                                             if mosaic_cluster_merge is None
-                                             else mosaic_cluster_merge),
                               refill_apart=(_MOSAIC_REFILL_APART
                                             and pm.warpgroups(pm.padded_rows(rows)) == 2
                                             if mosaic_refill_apart is None
@@ -579,8 +553,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
                    dtype, *, packed, block_r, params, num_splits, sm_scale, interpret,
-                   kn_in, vn_in, tree_mask, mosaic_tree, ring, overlap, rows_adjacent,
-                   multicast, tree_split, tree_in_q, cluster_merge, refill_apart):
+                   kn_in, vn_in, tree_mask, mosaic_tree, ring, rows_adjacent, tree_split,
+                   tree_in_q, refill_apart):
     """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`). Trees of up
     to `_MOSAIC_TREE_KEYS` tokens go into that kernel too (then one launch, or two with the
     combine over several splits); larger ones take `kernel` (the Triton kernel, configured) for
@@ -601,10 +575,9 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
             tree = (None, None, tree[2])
     prefix = pm.prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots, tree,
                                      scale_log2=sm_scale * _LOG2E, num_splits=num_splits,
-                                     block_kv=ring[0], steps=ring[1], overlap=overlap,
-                                     rows_adjacent=rows_adjacent, multicast=multicast,
-                                     tree_split=tree_split, tree_in_q=in_q,
-                                     cluster_merge=cluster_merge, refill_apart=refill_apart,
+                                     block_kv=ring[0], steps=ring[1],
+                                     rows_adjacent=rows_adjacent, tree_split=tree_split,
+                                     tree_in_q=in_q, refill_apart=refill_apart,
                                      interpret=interpret)
     if not isinstance(prefix, (tuple, list)):   # normalised rows [B * Hkv, R', D]
         o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)

@@ -244,9 +244,9 @@ def test_kernel_ab_checks_fail_runs_that_disagree(monkeypatch):
     monkeypatch.setitem(bk.RESULTS, "check", [])
     for nudge, ok in ((True, False), (False, True)):
         calls.clear()
-        kernel_ab.check(1, 1, 512, 8, 2, 64, 2, False, extra={"mosaic_cluster_merge": True},
+        kernel_ab.check(1, 1, 512, 8, 2, 64, 2, False, extra={"mosaic_refill_apart": True},
                         repeats=4)
         row = bk.RESULTS["check"][-1]
         assert row["ok"] is ok and np.isnan(row["rel_err"]) != ok and len(calls) == 4
         assert all(kw["num_splits"] == 2 and kw["backend"] == "mosaic"
-                   and kw["mosaic_cluster_merge"] for kw in calls)
+                   and kw["mosaic_refill_apart"] for kw in calls)

@@ -36,13 +36,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["", "overlap", "refill_apart"])
+@pytest.mark.parametrize("mode", ["", "refill_apart"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c[3]}s{c[5]}k{c[7]}")
 def test_partials_match_reference(case, mode):
-    """overlap: block i - 1's PV product behind block i's scores, the values' slots released a
-    block after the keys' (its barrier sequence is what the interpreter checks: with the
-    producer waiting for both, two warpgroups deadlocked). refill_apart: without the overlap,
-    a slot's keys refilled before its values are free."""
+    """refill_apart: a slot's keys refilled before its values are free (the interpreter checks
+    the barrier sequence: every phase seen, none waited for twice)."""
     b, hkv, t, rows, seq_lens, splits, block_kv, steps, slots = case
     ks = jax.random.split(jax.random.key(rows + t), 3)
     cache_slots = b if slots is None else 3
@@ -54,7 +52,6 @@ def test_partials_match_reference(case, mode):
     kw = dict(scale_log2=0.18, num_splits=splits, block_kv=block_kv)
     ref = pm.prefix_partials_reference(q, kc, vc, 1, sl, slots=slots, **kw)
     out = pm.prefix_partials_mgpu(q, kc, vc, jnp.int32(1), sl, slots, steps=steps,
-                                  overlap=mode == "overlap",
                                   refill_apart=mode == "refill_apart", interpret=True, **kw)
     o, m, l = (np.asarray(x) for x in out)
     # m exact (the same max of the same f32 scores), l to f32 rounding, o to the bf16 rounding
@@ -85,108 +82,16 @@ def test_adjacent_row_tiles_give_the_same_partials():
     assert _max_rel(outs[1][0], ref[0]) < 5e-3 and _max_rel(outs[1][2], ref[2]) < 1e-5
 
 
-def test_multicast_builds_a_cluster_program_for_the_device():
-    """multicast has no interpreter (no clusters there), so the CPU checks what it can: the
-    device program lowers, with the row tiles as a cluster (the kernel reads its index in the
-    cluster) and TMA copies to several CTAs; the default program has no cluster; interpret
-    mode refuses it by name. Its results were checked on an H200 (bench/kernel_ab.py)."""
-    b, n, t = 2, 64, 512
-    ks = jax.random.split(jax.random.key(5), 4)
-    q = jax.random.normal(ks[0], (b, n, 32, 128), jnp.bfloat16)
-    kc = jax.random.normal(ks[1], (1, b, 8, t, 128), jnp.bfloat16)
-    kn = jax.random.normal(ks[2], (b, 8, n, 128), jnp.bfloat16)
-    mask = jnp.tril(jnp.ones((b, n, n), bool))
-    args = (q, kc, kc, jnp.int32(0), jnp.full((b,), t, jnp.int32), kn, kn, mask)
-
-    def device_program(multicast):
-        run = jax.jit(lambda *a: ta.tree_attention_pallas(
-            *a, sm_scale=0.1, backend="mosaic", num_splits=2, mosaic_multicast=multicast))
-        return run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-    assert "cluster_block_id" in device_program(True)
-    assert "cluster_block_id" not in device_program(False)
-    with pytest.raises(ValueError, match="multicast needs thread-block clusters"):
-        ta.tree_attention_pallas(*args, sm_scale=0.1, backend="mosaic", num_splits=2,
-                                 mosaic_multicast=True, interpret=True)
-    # Three row tiles (a 48-token tree) cannot share a block's copy evenly: the plain grid.
-    args = (q[:, :48], *args[1:5], kn[:, :, :48], kn[:, :, :48], mask[:, :48, :48])
-    assert "cluster_block_id" not in device_program(True)
-
-
-def test_cluster_merge_builds_a_cluster_program_for_the_device():
-    """cluster_merge has no interpreter either (no cluster barriers there), so the CPU checks
-    the device program it lowers to: the splits as a cluster whose CTAs map each other's
-    shared memory, with cluster-scope fences, and no combine kernel; where the shape does not
-    allow it (3 splits, two warpgroups' 128 rows, or 8 columns a CTA) the partials and the
-    combine as before; interpret mode refuses it by name. On the device it passes
-    `bench/kernel_ab.py`'s checks (bench/RESULTS.md, fifty-first set)."""
-    t = 1024
-    ks = jax.random.split(jax.random.key(9), 3)
-
-    def device_program(n, splits, merge, d=128):
-        kc = jax.random.normal(ks[1], (1, 1, 8, t, d), jnp.bfloat16)
-        q = jax.random.normal(ks[0], (1, n, 32, d), jnp.bfloat16)
-        kn = jax.random.normal(ks[2], (1, 8, n, d), jnp.bfloat16)
-        args = (q, kc, kc, jnp.int32(0), jnp.full((1,), t, jnp.int32), kn, kn,
-                jnp.tril(jnp.ones((1, n, n), bool)))
-        run = jax.jit(lambda *a: ta.tree_attention_pallas(
-            *a, sm_scale=0.1, backend="mosaic", num_splits=splits, mosaic_cluster_merge=merge))
-        return run.trace(*args).lower(lowering_platforms=("cuda",)).as_text(), args
-
-    merged, args = device_program(1, 2, True)
-    assert "cluster_block_id" in merged and "fence.acq_rel.cluster" in merged
-    assert "tree_attention_combine" not in merged
-    # (8 splits of a 64-wide head would leave each CTA 8 columns, under `MIN_COLS`)
-    for n, splits, merge, d in ((1, 2, False, 128), (1, 3, True, 128), (32, 2, True, 128),
-                                (1, 8, True, 64)):
-        text, _ = device_program(n, splits, merge, d)
-        assert "tree_attention_combine" in text and "fence.acq_rel.cluster" not in text
-    with pytest.raises(ValueError, match="cluster_merge needs thread-block clusters"):
-        ta.tree_attention_pallas(*args, sm_scale=0.1, backend="mosaic", num_splits=2,
-                                 mosaic_cluster_merge=True, interpret=True)
-
-
-@pytest.mark.parametrize("splits", [2, 4, 8])
-def test_cluster_merge_layouts_are_inferred(splits):
-    """The merge alone (bench/cluster_merge_probe.py) lowered for the GPU in Mosaic GPU's
-    Warpgroup semantics, where jax 0.10 runs the layout inference and the dialect lowering that
-    jax 0.11 runs on the attention kernel: they finish, with the peers' shared memory mapped
-    (mapa) and the cluster-scope fences in the program. A first form of the merge, which moved
-    the tile's rows into a strided layout, made that inference run out of its search budget."""
-    from bench.cluster_merge_probe import run
-    text = run(splits, lower_only=True)
-    assert "mapa" in text and "fence.acq_rel.cluster" in text
-
-
-def test_cluster_merge_probe_modes_lower():
-    """The probe's timing modes (`--time`) lower as they claim: unmerged writes with no sync
-    of their own, the merge's mbarrier syncs (peers mapped, cluster fences), and the
-    hardware's cluster barrier (a release arrive besides the launch's relaxed one)."""
-    import re
-
-    from bench import cluster_merge_probe as probe
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    semantics = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-    ops = {}
-    for mode in ("store", "syncs", "hw_syncs"):
-        text = (jax.jit(probe._call(4, mode, bh=2, params=dict(compiler_params=semantics)))
-                .trace().lower(lowering_platforms=("cuda",)).as_text())
-        ops[mode] = set(re.findall(r"nvvm\.cluster\.arrive\b(?!\.)|fence\.acq_rel\.cluster|mapa",
-                                   text))
-    assert ops == {"store": set(), "syncs": {"fence.acq_rel.cluster", "mapa"},
-                   "hw_syncs": {"nvvm.cluster.arrive"}}
-
-
-@pytest.mark.parametrize("entry, splits, block_r, n, inside, overlap, tree_split", [
-    ("separate", 2, None, 7, True, False, False), ("packed", 2, None, 7, True, False, False),
-    ("separate", 3, None, 7, True, False, False), ("separate", 1, None, 7, True, False, False),
-    ("separate", 2, None, 7, True, True, False), ("separate", 1, None, 16, True, True, False),
-    ("separate", 2, None, 7, False, False, False), ("packed", 2, 16, 7, False, False, False),
-    ("separate", 1, 128, 7, False, False, False), ("separate", 3, None, 7, False, False, False),
-    ("separate", 2, None, 48, True, False, False), ("separate", 3, None, 7, True, False, True),
-    ("packed", 2, None, 48, True, False, True), ("separate", 1, None, 7, True, False, True),
-    ("separate", 2, None, 7, True, False, "apart"), ("packed", 3, None, 48, True, False, "both")])
-def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, inside, overlap,
+@pytest.mark.parametrize("entry, splits, block_r, n, inside, tree_split", [
+    ("separate", 2, None, 7, True, False), ("packed", 2, None, 7, True, False),
+    ("separate", 3, None, 7, True, False), ("separate", 1, None, 7, True, False),
+    ("separate", 1, None, 16, True, False),
+    ("separate", 2, None, 7, False, False), ("packed", 2, 16, 7, False, False),
+    ("separate", 1, 128, 7, False, False), ("separate", 3, None, 7, False, False),
+    ("separate", 2, None, 48, True, False), ("separate", 3, None, 7, True, True),
+    ("packed", 2, None, 48, True, True), ("separate", 1, None, 7, True, True),
+    ("separate", 2, None, 7, True, "apart"), ("packed", 3, None, 48, True, "both")])
+def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, inside,
                                                     tree_split):
     """The whole backend="mosaic" path. Up to 64 tree tokens (inside) the Mosaic kernel attends
     to them too, as one more key block of split 0 under the mask as a bias: with 1 split it
@@ -196,7 +101,6 @@ def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, i
     and then on them on a 2-core CPU, in a barrier wait. Beside it (mosaic_tree=False, as
     for trees past 64 tokens) the Triton kernel adds the tree part: merging 1-2 splits itself
     (row tiles of 16, and of 128 past the partials' rows, masked) or before the combine (3).
-    overlap: the prefix with PV products behind the next block's scores (mosaic_overlap).
     48 tokens x 4 heads: three row tiles of one warpgroup, the tree inside, two splits.
     tree_split: the tree's block as a split of its own after the prefix's (mosaic_tree_split;
     with one prefix split it stays in that split). The tree's keys and values reach the kernel
@@ -212,7 +116,7 @@ def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, i
     scale = 1 / math.sqrt(d)
     ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, sm_scale=scale)
     kw = dict(sm_scale=scale, interpret=True, backend="mosaic", num_splits=splits,
-              block_r=block_r, mosaic_tree=None if inside else False, mosaic_overlap=overlap,
+              block_r=block_r, mosaic_tree=None if inside else False,
               mosaic_tree_split=tree_split, mosaic_tree_in_q=tree_in_q)
     if entry == "packed":
         qkv = jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], 2)
