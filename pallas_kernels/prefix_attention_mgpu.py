@@ -51,6 +51,9 @@ BLOCK_KV = 128    # keys per TMA copy (the example's best on the tree's shapes)
 STEPS = 2         # ring slots: two of 128 keys fill shared memory next to the tiles
 NUM_SMS = 132     # the H100's and the H200's
 TREE_SPLIT_BLOCKS = 4   # `tree_split_pays`: prefix splits of at most this many key blocks
+# The kernel's named regions: Mosaic GPU's profiler times each one a warpgroup (`profile`);
+# otherwise they only name the program's ops.
+region = jax.named_scope
 
 
 def prefix_partials_reference(q_rows, k_cache, v_cache, layer, seq_lens, *, scale_log2,
@@ -124,17 +127,45 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(sched)
 
+    def store(acc, m_i, l_i, row0, q_tile):   # a compute warpgroup's rows, o normalised or not
+        rows = pl.ds(row0, ROWS)
+        if len(outs) == 1:   # one split: normalised, in the q tile the matmuls are done with
+            q_tile[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_tile, outs[0].at[bh, rows])
+            plgpu.wait_smem_to_gmem(0)
+            return
+        o_ref, m_ref, l_ref = outs
+        # One f32 staging tile for o: two would overflow shared memory next to the ring. The
+        # trailing warpgroup (1) waits until the leading one's copy has read it.
+        if wgs == 2:
+            pl.when(wg == 1)(lambda: plgpu.barrier_wait(o_free))
+        o_smem[...] = acc
+        ml_smem.at[0, wg][...] = m_i
+        ml_smem.at[1, wg][...] = l_i
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[bh, split, rows])
+        plgpu.copy_smem_to_gmem(ml_smem.at[0, wg], m_ref.at[bh, split, rows])
+        plgpu.copy_smem_to_gmem(ml_smem.at[1, wg], l_ref.at[bh, split, rows])
+        if wgs == 2:
+            @pl.when(wg == 0)
+            def _():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.barrier_arrive(o_free)
+        plgpu.wait_smem_to_gmem(0)
+
     @pl.when(wg < wgs)
     def _compute():
         plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
         row0 = (rt * wgs + wg) * ROWS
         q_tile = q_smem.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row0, ROWS)], q_tile, q_ready.at[wg])
-        if tree:   # every split loads it (8 KB): no barrier phase to keep apart by split
-            plgpu.copy_gmem_to_smem(bias_ref.at[b, pl.ds(row0, ROWS)], bias_smem.at[wg],
-                                    q_ready.at[wgs + wg])
-            plgpu.barrier_wait(q_ready.at[wgs + wg])
-        plgpu.barrier_wait(q_ready.at[wg])
+        with region("q_wait"):
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row0, ROWS)], q_tile, q_ready.at[wg])
+            if tree:   # every split loads it (8 KB): no barrier phase to keep apart by split
+                plgpu.copy_gmem_to_smem(bias_ref.at[b, pl.ds(row0, ROWS)], bias_smem.at[wg],
+                                        q_ready.at[wgs + wg])
+                plgpu.barrier_wait(q_ready.at[wgs + wg])
+            plgpu.barrier_wait(q_ready.at[wg])
         head_dim = q_tile.shape[-1]
         # Register layouts are the device's business; the interpreter has none.
         cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
@@ -144,7 +175,8 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
 
         @pl.when(total > 0)
         def _():
-            plgpu.barrier_wait(k_ready.at[0])
+            with region("k_wait"):
+                plgpu.barrier_wait(k_ready.at[0])
 
         if wgs == 2:
             pl.when(wg == 1)(staggered)
@@ -152,7 +184,8 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
         def wait_next_k(i):   # the next block's keys, before the tensor cores need them
             @pl.when(i + 1 < total)
             def _():
-                plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, steps)])
+                with region("k_wait"):
+                    plgpu.barrier_wait(k_ready.at[lax.rem(i + 1, steps)])
 
         def scores(keys):   # q k^T [ROWS, keys rows], f32
             if interpret:   # the interpreter's wgmma takes no transposed operand: jnp's dot
@@ -193,22 +226,27 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             acc, m_i, l_i = carry
             ring = lax.rem(i, steps)
             new = pl.ds(0, tree_keys)
-            s = scores(k_smem.at[ring, new] if new_keys else k_smem.at[ring])
-            plgpu.barrier_arrive(k_free.at[ring])
-            if new_keys:   # the tree mask, as 0 or MASK_VALUE a score
-                s = s + bias_smem.at[wg][...].astype(jnp.float32)
-            p, m_next, alpha = softmax(s, i, m_i, masked)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha + p.sum(axis=1)
-            p16 = p.astype(dtype)
-            acc, l_i, m_next, p16 = lax.optimization_barrier((acc, l_i, m_next, p16))
-            if wgs == 2:
-                plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(v_ready.at[ring])
-            if wgs == 2:
-                plgpu.barrier_wait(sched)
-            acc = add_pv(acc, p16, v_smem.at[ring, new] if new_keys else v_smem.at[ring], i)
-            plgpu.barrier_arrive(v_free.at[ring])
+            with region("qk"):
+                s = scores(k_smem.at[ring, new] if new_keys else k_smem.at[ring])
+                plgpu.barrier_arrive(k_free.at[ring])
+            with region("softmax"):
+                if new_keys:   # the tree mask, as 0 or MASK_VALUE a score
+                    s = s + bias_smem.at[wg][...].astype(jnp.float32)
+                p, m_next, alpha = softmax(s, i, m_i, masked)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                acc, l_i, m_next, p16 = lax.optimization_barrier((acc, l_i, m_next, p16))
+            with region("v_wait"):
+                if wgs == 2:
+                    plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_ready.at[ring])
+                if wgs == 2:
+                    plgpu.barrier_wait(sched)
+            with region("pv"):
+                acc = add_pv(acc, p16, v_smem.at[ring, new] if new_keys else v_smem.at[ring],
+                             i)
+                plgpu.barrier_arrive(v_free.at[ring])
             return acc, m_next, l_i
 
         carry = lax.fori_loop(0, full_blocks, step, carry)
@@ -218,31 +256,8 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
         acc, m_i, l_i = carry
         if wgs == 2:
             pl.when(wg == 0)(staggered)
-        rows = pl.ds(row0, ROWS)
-        if len(outs) == 1:   # one split: normalised, in the q tile the matmuls are done with
-            q_tile[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_tile, outs[0].at[bh, rows])
-            plgpu.wait_smem_to_gmem(0)
-            return
-        o_ref, m_ref, l_ref = outs
-        # One f32 staging tile for o: two would overflow shared memory next to the ring. The
-        # trailing warpgroup (1) waits until the leading one's copy has read it.
-        if wgs == 2:
-            pl.when(wg == 1)(lambda: plgpu.barrier_wait(o_free))
-        o_smem[...] = acc
-        ml_smem.at[0, wg][...] = m_i
-        ml_smem.at[1, wg][...] = l_i
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[bh, split, rows])
-        plgpu.copy_smem_to_gmem(ml_smem.at[0, wg], m_ref.at[bh, split, rows])
-        plgpu.copy_smem_to_gmem(ml_smem.at[1, wg], l_ref.at[bh, split, rows])
-        if wgs == 2:
-            @pl.when(wg == 0)
-            def _():
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.barrier_arrive(o_free)
-        plgpu.wait_smem_to_gmem(0)
+        with region("store"):
+            store(acc, m_i, l_i, row0, q_tile)
 
     @pl.when(wg == wgs)
     def _memory():
@@ -267,18 +282,21 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
                                                 dst.at[ring, pl.ds(0, tree_keys)],
                                                 ready.at[ring])
 
-        for i in range(steps):
-            pl.when(i < total)(functools.partial(fetch, i, i))
+        with region("fetch"):
+            for i in range(steps):
+                pl.when(i < total)(functools.partial(fetch, i, i))
 
         # `refill_apart`: a block's keys are free after its scores, its values only after its
         # softmax and PV product, so the keys go first. Otherwise both waits, then both copies.
         @pl.loop(0, jnp.maximum(total - steps, 0))
         def _(i):
             ring = lax.rem(i, steps)
-            plgpu.barrier_wait(k_free.at[ring])
+            with region("k_free"):
+                plgpu.barrier_wait(k_free.at[ring])
             if refill_apart:
                 fetch(i + steps, ring, (0,))
-            plgpu.barrier_wait(v_free.at[ring])
+            with region("v_free"):
+                plgpu.barrier_wait(v_free.at[ring])
             fetch(i + steps, ring, (1,) if refill_apart else (0, 1))
 
         # Observe each used slot's last release too: nothing is in flight when the CTA ends
@@ -286,8 +304,9 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
         for ring in range(steps):
             @pl.when(ring < total)
             def _():
-                plgpu.barrier_wait(k_free.at[ring])
-                plgpu.barrier_wait(v_free.at[ring])
+                with region("drain"):
+                    plgpu.barrier_wait(k_free.at[ring])
+                    plgpu.barrier_wait(v_free.at[ring])
 
 
 def on_hopper() -> bool:
@@ -387,12 +406,13 @@ def active_splits(length, num_splits, block_kv) -> int:
 
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
                                              "rows_adjacent", "tree_split", "tree_in_q",
-                                             "refill_apart", "interpret"))
+                                             "refill_apart", "profile", "interpret"))
 def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree=None, *,
                          scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
                          steps: int = STEPS, rows_adjacent: bool = False,
                          tree_split: bool = False, tree_in_q: bool = False,
-                         refill_apart: bool = False, interpret: bool = False):
+                         refill_apart: bool = False, profile: str = "",
+                         interpret: bool = False):
     """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
     each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
     m, l [B * Hkv, S, R], f32. slots [B]: the cache slot of each row (None: row b is slot b).
@@ -414,7 +434,11 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     inputs from the projection, where it took two).
     refill_apart: the producer refills a ring slot's keys once they are free (after the
     block's scores) and its values once those are (after its PV product); otherwise it waits
-    for both, then copies both."""
+    for both, then copies both.
+    profile: a directory where Mosaic GPU's profiler writes each call's timeline of the
+    kernel's named regions (`region`), a Chrome trace a call: every warpgroup's start by the
+    GPU's global timer, its regions by the SM's clock (`bench/mosaic_timeline.py` reads it).
+    Device only; the regions' timestamps cost a shared-memory store each."""
     b, hkv, r, d = q_rows.shape
     if tree_in_q:
         if tree is None or tree[0] is not None or tree[1] is not None:
@@ -468,13 +492,19 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                     jax.ShapeDtypeStruct((b * hkv, grid_splits, r), f32),
                     jax.ShapeDtypeStruct((b * hkv, grid_splits, r), f32))
     params = dict(interpret=_interpret_params()) if interpret else {}
+    if profile:   # ranges a warpgroup: 6 a key block, the tree's too, and 8 more at most
+        if interpret:
+            raise ValueError("profile needs the device: interpret mode has no profiler")
+        ranges = 8 + 6 * (_split_blocks(t, num_splits, block_kv) + 1)
+        profile = dict(profile_space=ranges, profile_dir=profile)
     axes = (("rt", row_tiles), ("split", grid_splits), ("bh", b * hkv))
     axes = axes[1:] + axes[:1] if rows_adjacent else axes
     call = plgpu.kernel(entry, out_type=out_type,
                         grid=tuple(x for _, x in axes),
                         grid_names=tuple(name for name, _ in axes), num_threads=wgs + 1,
                         thread_name="wg",
-                        compiler_params=plgpu.CompilerParams(approx_math=True), **params)
+                        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                                             **(profile or {})), **params)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
     extra = () if tree is None else tuple(x.astype(dtype) for x in tree if x is not None)
     out = call(jnp.reshape(layer, (1,)).astype(jnp.int32), seq_lens.astype(jnp.int32),

@@ -403,7 +403,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
            "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
            "mosaic_ring", "mosaic_rows_adjacent", "mosaic_tree_split", "mosaic_tree_in_q",
-           "mosaic_refill_apart")
+           "mosaic_refill_apart", "mosaic_profile")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -459,7 +459,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
             skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
             mosaic_rows_adjacent=None, mosaic_tree_split=None, mosaic_tree_in_q=None,
-            mosaic_refill_apart=None):
+            mosaic_refill_apart=None, mosaic_profile=""):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -480,7 +480,9 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     mosaic_tree_in_q: the tree's keys and values passed to the Mosaic kernel in the query
     rows' array, after them (None: `_MOSAIC_TREE_IN_Q`).
     mosaic_refill_apart: a ring slot's keys refilled once its keys are free, before its values
-    are (None: `_MOSAIC_REFILL_APART`'s rule, at two compute warpgroups)."""
+    are (None: `_MOSAIC_REFILL_APART`'s rule, at two compute warpgroups).
+    mosaic_profile: a directory for the Mosaic kernel's timelines (`prefix_partials_mgpu`'s
+    `profile`; device only)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -530,7 +532,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                               refill_apart=(_MOSAIC_REFILL_APART
                                             and pm.warpgroups(pm.padded_rows(rows)) == 2
                                             if mosaic_refill_apart is None
-                                            else mosaic_refill_apart))
+                                            else mosaic_refill_apart),
+                              profile=mosaic_profile)
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
@@ -554,7 +557,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
                    dtype, *, packed, block_r, params, num_splits, sm_scale, interpret,
                    kn_in, vn_in, tree_mask, mosaic_tree, ring, rows_adjacent, tree_split,
-                   tree_in_q, refill_apart):
+                   tree_in_q, refill_apart, profile):
     """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`). Trees of up
     to `_MOSAIC_TREE_KEYS` tokens go into that kernel too (then one launch, or two with the
     combine over several splits); larger ones take `kernel` (the Triton kernel, configured) for
@@ -578,7 +581,7 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
                                      block_kv=ring[0], steps=ring[1],
                                      rows_adjacent=rows_adjacent, tree_split=tree_split,
                                      tree_in_q=in_q, refill_apart=refill_apart,
-                                     interpret=interpret)
+                                     profile=profile, interpret=interpret)
     if not isinstance(prefix, (tuple, list)):   # normalised rows [B * Hkv, R', D]
         o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)
         return o.transpose(0, 2, 1, 3, 4).reshape(q_shape).astype(dtype)

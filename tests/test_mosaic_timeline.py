@@ -1,0 +1,71 @@
+"""bench/mosaic_timeline.py's reading of Mosaic GPU's profiler dumps: a buffer laid out as the
+device writes it, dumped by jax's own `ProfilerSpec.dump`, read back to the regions' times."""
+import io
+import json
+
+import numpy as np
+import pytest
+
+from pallas_kernels import prefix_attention_mgpu as pm
+
+pytestmark = pytest.mark.skipif(pm.plgpu is None, reason="no Mosaic GPU in this jaxlib")
+
+# Two CTAs of a compute warpgroup and a producer: (name, begin, end) in cycles after the first
+# event, 20 apart at least as on the device (the dump's overhead estimate takes the least gap);
+# the compute one's "pv" holds the next block's "k_wait".
+COMPUTE = [("q_wait", 0, 1000), ("k_wait", 1020, 3000), ("qk", 3020, 3400),
+           ("softmax", 3420, 4000), ("v_wait", 4020, 4200), ("pv", 4220, 5000),
+           ("k_wait", 4400, 4800), ("store", 5020, 6000)]
+PRODUCER = [("fetch", 0, 200), ("k_free", 220, 3400), ("v_free", 3420, 5000),
+            ("drain", 5020, 5100)]
+STARTS = [10_000, 12_000]   # each CTA's global timer at its start, ns
+
+
+def _dump(compute, producer, starts):
+    """The trace `ProfilerSpec.dump` writes from a device buffer of these CTAs."""
+    from jax.experimental.mosaic.gpu import profiler
+    spec = profiler.ProfilerSpec(64)
+    buf = np.zeros((len(starts), 2, 64), np.uint32)
+    for cta, start in enumerate(starts):
+        for trace, spans in enumerate((compute, producer)):
+            events = sorted([(b, 0, n) for n, b, _ in spans] + [(e, 1, n) for n, _, e in spans],
+                            key=lambda x: (x[0], -x[1]))
+            words = []
+            for t, is_end, name in events:
+                words += [spec.intern_name(name) | (spec.EXIT if is_end else 0), 500 + t]
+            buf[cta, trace, :3] = (start, 7 + cta, len(words))
+            buf[cta, trace, 3:3 + len(words)] = words
+    f = io.StringIO()
+    spec.dump(buf.reshape(-1), f, grid=(len(starts),), block=(256,))
+    return json.loads(f.getvalue())
+
+
+def test_timeline_reads_the_profilers_dump():
+    from bench import mosaic_timeline as mt
+    clock = 2.0
+    lines = mt.warpgroup_timelines(_dump(COMPUTE, PRODUCER, STARTS), clock)
+    assert sorted(sm for sm, _, _ in lines.values()) == [7, 7, 8, 8]
+    s = mt.summarize(lines)
+    assert s["warpgroups"] == 2 and s["sms"] == 2
+    # The dump takes its per-event overhead estimate (11 cycles) off each later event.
+    tol = 11 * 16 / clock
+    assert s["start_ns"]["min"] == 0 and s["start_ns"]["max"] == 2000
+    assert s["end_ns"]["max"] == pytest.approx(2000 + 6000 / clock, abs=tol)
+    # the first key block arrives when the first k_wait ends
+    assert s["first_keys_ns"]["min"] == pytest.approx(3000 / clock, abs=tol)
+    # k_wait sums the first block's wait and the one inside pv
+    assert s["regions_ns"]["k_wait"]["median"] == pytest.approx(2380 / clock, abs=tol)
+    assert s["regions_ns"]["pv"]["max"] == pytest.approx(780 / clock, abs=tol)
+    assert s["producer_ns"]["k_free"]["median"] == pytest.approx(3180 / clock, abs=tol)
+
+
+def test_profile_is_refused_in_interpret_mode():
+    import jax
+    import jax.numpy as jnp
+    q = jnp.zeros((1, 1, 64, 64), jnp.bfloat16)
+    kc = jnp.zeros((1, 1, 1, 128, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="profile needs the device"):
+        pm.prefix_partials_mgpu(q, kc, kc, jnp.int32(0), jnp.full((1,), 128, jnp.int32),
+                                scale_log2=0.1, num_splits=1, profile="/tmp/x",
+                                interpret=True)
+    jax.clear_caches()
