@@ -61,8 +61,10 @@ def warpgroup_timelines(trace, clock_ghz):
 
 def summarize(timelines):
     """Per-CTA figures of the compute warpgroups (those with a "qk" region) and the producers:
-    starts and ends against the earliest start, the first key block's arrival, each region's
-    total a warpgroup (median, max over warpgroups)."""
+    starts and ends against the earliest start, the first key block's arrival and the last
+    values' (the end of the last "v_wait"), each region's total a warpgroup (median, max over
+    warpgroups), and the ends by the key blocks a warpgroup took (split 0 takes the tree's
+    block too)."""
     t0 = min(start for _, start, _ in timelines.values())
     compute = {k: v for k, v in timelines.items() if any(s[0] == "qk" for s in v[2])}
     producer = {k: v for k, v in timelines.items()
@@ -74,11 +76,16 @@ def summarize(timelines):
 
     starts = [start - t0 for _, start, _ in compute.values()]
     ends = [start - t0 + max(e for _, _, e in spans) for _, start, spans in compute.values()]
-    first_keys = []
+    first_keys, last_values, tails = [], [], []
+    ends_by_blocks = defaultdict(list)
     totals = defaultdict(list)
-    for _, start, spans in compute.values():
+    for (_, start, spans), end in zip(compute.values(), ends):
         keys = [s for s in spans if s[0] == "k_wait"]
+        values = [s for s in spans if s[0] == "v_wait"]
         first_keys.append(start - t0 + keys[0][2] if keys else np.nan)
+        last_values.append(start - t0 + values[-1][2] if values else np.nan)
+        tails.append(end - last_values[-1])
+        ends_by_blocks[sum(s[0] == "qk" for s in spans)].append(end)
         per = defaultdict(float)
         for name, b, e in spans:
             per[name] += e - b
@@ -93,6 +100,9 @@ def summarize(timelines):
             waits[name].append(per[name])
     return dict(warpgroups=len(compute), sms=len({sm for sm, _, _ in compute.values()}),
                 start_ns=pct(starts), end_ns=pct(ends), first_keys_ns=pct(first_keys),
+                last_values_ns=pct(last_values), tail_ns=pct(tails),
+                end_by_blocks_ns={k: dict(pct(v), ctas=len(v))
+                                  for k, v in sorted(ends_by_blocks.items())},
                 regions_ns={k: pct(v) for k, v in sorted(totals.items())},
                 producer_ns={k: pct(v) for k, v in waits.items() if v})
 
@@ -110,14 +120,15 @@ def profile_shape(b, n, length, tuning, calls, clock_ghz):
             (flush + layer).block_until_ready()
             jax.block_until_ready(run(q, kc, vc, jnp.int32(layer), sl, kn, vn, mask))
             jax.effects_barrier()   # the profile's dump is a host callback
-            files = sorted(glob.glob(os.path.join(prof_dir, "*-trace.json")),
-                           key=os.path.getmtime)
-            if layer == 0:   # the compiling call
-                continue
-            with open(files[-1]) as f:
+            # The dump's file name is fixed when the call is lowered, and it never overwrites:
+            # each call's file is read and removed before the next.
+            (path,) = glob.glob(os.path.join(prof_dir, "*-trace.json"))
+            with open(path) as f:
                 trace = json.load(f)
-            out.append(dict(layer=layer, trace=trace,
-                            summary=summarize(warpgroup_timelines(trace, clock_ghz))))
+            os.remove(path)
+            if layer:   # (not the compiling call)
+                out.append(dict(layer=layer,
+                                summary=summarize(warpgroup_timelines(trace, clock_ghz))))
     return out
 
 
@@ -125,8 +136,10 @@ def print_summary(shape, s):
     f = lambda d: f"{d['median'] / 1e3:6.2f} {d['max'] / 1e3:6.2f}"  # noqa: E731
     print(f"B,N,L {shape}: {s['warpgroups']} compute warpgroups on {s['sms']} SMs "
           "(us: median max)")
-    print(f"  start {f(s['start_ns'])}   first keys {f(s['first_keys_ns'])}   "
-          f"end {f(s['end_ns'])}")
+    print(f"  start {f(s['start_ns'])}   first keys {f(s['first_keys_ns'])}   last values "
+          f"{f(s['last_values_ns'])}   end {f(s['end_ns'])}   tail {f(s['tail_ns'])}")
+    print("  end by key blocks: " + "  ".join(f"{k} ({v['ctas']} CTAs) {f(v)}"
+                                              for k, v in s["end_by_blocks_ns"].items()))
     print("  " + "  ".join(f"{k} {f(v)}" for k, v in s["regions_ns"].items()))
     if s["producer_ns"]:
         print("  producer: " + "  ".join(f"{k} {f(v)}" for k, v in s["producer_ns"].items()))

@@ -94,7 +94,7 @@ def _bounds(seq_len, split, num_splits, block_kv):
 
 
 def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, wgs,
-            indirect, tree, interpret, tree_split_index, tree_row0, refill_apart):
+            indirect, tree, interpret, tree_split_index, tree_row0, refill_apart, tree_first):
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref = refs[:3]
     kn_ref, vn_ref, bias_ref = refs[3:6] if tree else (None, None, None)
@@ -114,8 +114,10 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     start, end, full_blocks, blocks = _bounds(seq_len, split, num_splits, block_kv)
     # With the tree, split `tree_split_index` takes one block more: the new keys (kn [B, Hkv,
     # NT, D], NT <= the ring's rows) under the additive mask `bias` [B, R, NT], after its prefix
-    # blocks (none where it is the split past the prefix's, whose `_bounds` are empty).
+    # blocks (none where it is the split past the prefix's, whose `_bounds` are empty), or with
+    # `tree_first` before them: `lead` steps (0 or 1) come before the prefix's blocks.
     total = blocks + (split == tree_split_index).astype(jnp.int32) if tree else blocks
+    lead = total - blocks if tree and tree_first else None
     tree_keys = bias_ref.shape[2] if tree else 0
     # The first rows of kn_ref and vn_ref that hold the tree's keys and values.
     new_rows = (tree_row0, tree_row0 + tree_keys) if tree_row0 else (0, 0)
@@ -222,7 +224,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_next, s.shape, [0]))
             return p, m_next, alpha
 
-        def step(i, carry, masked=False, new_keys=False):
+        def step(i, carry, masked=False, new_keys=False):   # ring step i (prefix block i - lead)
             acc, m_i, l_i = carry
             ring = lax.rem(i, steps)
             new = pl.ds(0, tree_keys)
@@ -232,7 +234,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             with region("softmax"):
                 if new_keys:   # the tree mask, as 0 or MASK_VALUE a score
                     s = s + bias_smem.at[wg][...].astype(jnp.float32)
-                p, m_next, alpha = softmax(s, i, m_i, masked)
+                p, m_next, alpha = softmax(s, i if lead is None else i - lead, m_i, masked)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l_i = l_i * alpha + p.sum(axis=1)
                 p16 = p.astype(dtype)
@@ -249,10 +251,18 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
                 plgpu.barrier_arrive(v_free.at[ring])
             return acc, m_next, l_i
 
-        carry = lax.fori_loop(0, full_blocks, step, carry)
-        carry = lax.fori_loop(full_blocks, blocks, functools.partial(step, masked=True), carry)
-        if tree:   # (a loop of 0 or 1 trips: split `tree_split_index` only)
-            carry = lax.fori_loop(blocks, total, functools.partial(step, new_keys=True), carry)
+        if lead is None:
+            carry = lax.fori_loop(0, full_blocks, step, carry)
+            carry = lax.fori_loop(full_blocks, blocks, functools.partial(step, masked=True),
+                                  carry)
+            if tree:   # (a loop of 0 or 1 trips: split `tree_split_index` only)
+                carry = lax.fori_loop(blocks, total, functools.partial(step, new_keys=True),
+                                      carry)
+        else:   # the tree's block first (0 or 1 trips), then the prefix's
+            carry = lax.fori_loop(0, lead, functools.partial(step, new_keys=True), carry)
+            carry = lax.fori_loop(lead, lead + full_blocks, step, carry)
+            carry = lax.fori_loop(lead + full_blocks, total, functools.partial(step, masked=True),
+                                  carry)
         acc, m_i, l_i = carry
         if wgs == 2:
             pl.when(wg == 0)(staggered)
@@ -263,19 +273,20 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
-        def fetch(i, ring, which=(0, 1)):   # block i's keys (0) and/or values (1) into `ring`
+        def fetch(i, ring, which=(0, 1)):   # step i's keys (0) and/or values (1) into `ring`
             copies = [(k_ref, kn_ref, k_smem, k_ready, new_rows[0]),
                       (v_ref, vn_ref, v_smem, v_ready, new_rows[1])]
             copies = [copies[w] for w in which]
+            j = i if lead is None else i - lead   # the prefix's block
 
-            @pl.when(i < blocks)
+            @pl.when((j < blocks) if lead is None else (i >= lead) & (j < blocks))
             def _():
-                keys = (layer, slot, h, pl.ds(start + i * block_kv, block_kv))
+                keys = (layer, slot, h, pl.ds(start + j * block_kv, block_kv))
                 for src, _, dst, ready, _ in copies:
                     plgpu.copy_gmem_to_smem(src.at[keys], dst.at[ring], ready.at[ring])
 
             if tree:
-                @pl.when(i == blocks)
+                @pl.when(i == blocks if lead is None else i < lead)
                 def _():
                     for _, src, dst, ready, row0 in copies:
                         plgpu.copy_gmem_to_smem(src.at[b, h, pl.ds(row0, tree_keys)],
@@ -406,12 +417,14 @@ def active_splits(length, num_splits, block_kv) -> int:
 
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
                                              "rows_adjacent", "tree_split", "tree_in_q",
-                                             "refill_apart", "profile", "interpret"))
+                                             "refill_apart", "tree_first", "profile",
+                                             "interpret"))
 def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree=None, *,
                          scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
                          steps: int = STEPS, rows_adjacent: bool = False,
                          tree_split: bool = False, tree_in_q: bool = False,
-                         refill_apart: bool = False, profile: str = "",
+                         refill_apart: bool = False, tree_first: bool = False,
+                         profile: str = "",
                          interpret: bool = False):
     """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
     each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
@@ -435,6 +448,7 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     refill_apart: the producer refills a ring slot's keys once they are free (after the
     block's scores) and its values once those are (after its PV product); otherwise it waits
     for both, then copies both.
+    tree_first: split 0 takes the tree's block before its prefix blocks, not after them.
     profile: a directory where Mosaic GPU's profiler writes each call's timeline of the
     kernel's named regions (`region`), a Chrome trace a call: every warpgroup's start by the
     GPU's global timer, its regions by the SM's clock (`bench/mosaic_timeline.py` reads it).
@@ -478,7 +492,8 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                              block_kv=block_kv, steps=steps, wgs=wgs, indirect=indirect,
                              tree=tree is not None, interpret=interpret,
                              tree_split_index=num_splits if tree_split else 0,
-                             tree_row0=r if tree_in_q else 0, refill_apart=refill_apart)
+                             tree_row0=r if tree_in_q else 0, refill_apart=refill_apart,
+                             tree_first=tree_first)
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, *barriers,

@@ -86,6 +86,10 @@ _MOSAIC_TREE_IN_Q = True
 # with one warpgroup (N 16, 48 at G 4) it tied or lost up to 2% (bench/RESULTS.md, fifty-second
 # set). False: never.
 _MOSAIC_REFILL_APART = True
+# Split 0 of the Mosaic kernel takes the tree's block before its prefix blocks. After them, its
+# copy was issued last and its latency came at split 0's end: at batch 1, N 16, 8K split 0's 8
+# CTAs ended 1.4 us after the median CTA (bench/mosaic_timeline.py).
+_MOSAIC_TREE_FIRST = False
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -403,7 +407,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
            "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
            "mosaic_ring", "mosaic_rows_adjacent", "mosaic_tree_split", "mosaic_tree_in_q",
-           "mosaic_refill_apart", "mosaic_profile")
+           "mosaic_refill_apart", "mosaic_tree_first", "mosaic_profile")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -459,7 +463,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
             skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
             mosaic_rows_adjacent=None, mosaic_tree_split=None, mosaic_tree_in_q=None,
-            mosaic_refill_apart=None, mosaic_profile=""):
+            mosaic_refill_apart=None, mosaic_tree_first=None, mosaic_profile=""):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -481,6 +485,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     rows' array, after them (None: `_MOSAIC_TREE_IN_Q`).
     mosaic_refill_apart: a ring slot's keys refilled once its keys are free, before its values
     are (None: `_MOSAIC_REFILL_APART`'s rule, at two compute warpgroups).
+    mosaic_tree_first: split 0 of the Mosaic kernel takes the tree's block before its prefix
+    blocks (None: `_MOSAIC_TREE_FIRST`).
     mosaic_profile: a directory for the Mosaic kernel's timelines (`prefix_partials_mgpu`'s
     `profile`; device only)."""
     b, n, hq, d = q_shape
@@ -533,6 +539,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                                             and pm.warpgroups(pm.padded_rows(rows)) == 2
                                             if mosaic_refill_apart is None
                                             else mosaic_refill_apart),
+                              tree_first=(_MOSAIC_TREE_FIRST if mosaic_tree_first is None
+                                          else mosaic_tree_first),
                               profile=mosaic_profile)
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
@@ -557,7 +565,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
                    dtype, *, packed, block_r, params, num_splits, sm_scale, interpret,
                    kn_in, vn_in, tree_mask, mosaic_tree, ring, rows_adjacent, tree_split,
-                   tree_in_q, refill_apart, profile):
+                   tree_in_q, refill_apart, tree_first, profile):
     """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`). Trees of up
     to `_MOSAIC_TREE_KEYS` tokens go into that kernel too (then one launch, or two with the
     combine over several splits); larger ones take `kernel` (the Triton kernel, configured) for
@@ -581,7 +589,8 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
                                      block_kv=ring[0], steps=ring[1],
                                      rows_adjacent=rows_adjacent, tree_split=tree_split,
                                      tree_in_q=in_q, refill_apart=refill_apart,
-                                     profile=profile, interpret=interpret)
+                                     tree_first=tree_first, profile=profile,
+                                     interpret=interpret)
     if not isinstance(prefix, (tuple, list)):   # normalised rows [B * Hkv, R', D]
         o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)
         return o.transpose(0, 2, 1, 3, 4).reshape(q_shape).astype(dtype)

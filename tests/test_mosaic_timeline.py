@@ -57,6 +57,9 @@ def test_timeline_reads_the_profilers_dump():
     assert s["regions_ns"]["k_wait"]["median"] == pytest.approx(2380 / clock, abs=tol)
     assert s["regions_ns"]["pv"]["max"] == pytest.approx(780 / clock, abs=tol)
     assert s["producer_ns"]["k_free"]["median"] == pytest.approx(3180 / clock, abs=tol)
+    assert s["last_values_ns"]["max"] == pytest.approx(2000 + 4200 / clock, abs=tol)
+    assert s["tail_ns"]["median"] == pytest.approx(1800 / clock, abs=tol)
+    assert list(s["end_by_blocks_ns"]) == [1] and s["end_by_blocks_ns"][1]["ctas"] == 2
 
 
 def test_profile_is_refused_in_interpret_mode():

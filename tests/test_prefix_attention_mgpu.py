@@ -90,7 +90,8 @@ def test_adjacent_row_tiles_give_the_same_partials():
     ("separate", 1, 128, 7, False, False), ("separate", 3, None, 7, False, False),
     ("separate", 2, None, 48, True, False), ("separate", 3, None, 7, True, True),
     ("packed", 2, None, 48, True, True), ("separate", 1, None, 7, True, True),
-    ("separate", 2, None, 7, True, "apart"), ("packed", 3, None, 48, True, "both")])
+    ("separate", 2, None, 7, True, "apart"), ("packed", 3, None, 48, True, "both"),
+    ("separate", 3, None, 7, True, "first"), ("packed", 2, None, 48, True, "first")])
 def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, inside,
                                                     tree_split):
     """The whole backend="mosaic" path. Up to 64 tree tokens (inside) the Mosaic kernel attends
@@ -105,7 +106,9 @@ def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, i
     tree_split: the tree's block as a split of its own after the prefix's (mosaic_tree_split;
     with one prefix split it stays in that split). The tree's keys and values reach the kernel
     after the query rows in one array (mosaic_tree_in_q) but for "apart" (their own arrays)
-    and "both" (their own arrays, the tree's own split)."""
+    and "both" (their own arrays, the tree's own split). "first": split 0 takes the tree's
+    block before its prefix blocks (mosaic_tree_first)."""
+    tree_first = tree_split == "first"
     tree_in_q = tree_split not in ("apart", "both")
     tree_split = tree_split in (True, "both")
     b, hq, hkv, d, t = 2, 8, 2, 64, 256
@@ -117,7 +120,8 @@ def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, i
     ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, sm_scale=scale)
     kw = dict(sm_scale=scale, interpret=True, backend="mosaic", num_splits=splits,
               block_r=block_r, mosaic_tree=None if inside else False,
-              mosaic_tree_split=tree_split, mosaic_tree_in_q=tree_in_q)
+              mosaic_tree_split=tree_split, mosaic_tree_in_q=tree_in_q,
+              mosaic_tree_first=tree_first)
     if entry == "packed":
         qkv = jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], 2)
         out = ta.tree_attention_packed_pallas(qkv, kc, vc, jnp.int32(1), sl, mask,
