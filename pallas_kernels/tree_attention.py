@@ -86,10 +86,13 @@ _MOSAIC_TREE_IN_Q = True
 # with one warpgroup (N 16, 48 at G 4) it tied or lost up to 2% (bench/RESULTS.md, fifty-second
 # set). False: never.
 _MOSAIC_REFILL_APART = True
-# Split 0 of the Mosaic kernel takes the tree's block before its prefix blocks. After them, its
-# copy was issued last and its latency came at split 0's end: at batch 1, N 16, 8K split 0's 8
-# CTAs ended 1.4 us after the median CTA (bench/mosaic_timeline.py).
-_MOSAIC_TREE_FIRST = False
+# Split 0 of the Mosaic kernel takes the tree's block before its prefix blocks, where the prefix
+# is split. After them, its copy was issued last and came at split 0's end: at batch 1, N 16, 8K
+# split 0's 8 CTAs ended 1.4 us after the median CTA, 0.7 us with the block first
+# (bench/mosaic_timeline.py). Kernel time, same call: batch 1-2 over 8K, N 16-32, 1-2.3% less
+# (B 1, N 16 14.8 against 15.1-15.2 us), ties elsewhere; with one split (B 8, N 64, 8K) 0.7%
+# more, so one split keeps the block last (bench/RESULTS.md, fifty-sixth set). False: never.
+_MOSAIC_TREE_FIRST = True
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -486,7 +489,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     mosaic_refill_apart: a ring slot's keys refilled once its keys are free, before its values
     are (None: `_MOSAIC_REFILL_APART`'s rule, at two compute warpgroups).
     mosaic_tree_first: split 0 of the Mosaic kernel takes the tree's block before its prefix
-    blocks (None: `_MOSAIC_TREE_FIRST`).
+    blocks (None: `_MOSAIC_TREE_FIRST`'s rule, where the prefix is split).
     mosaic_profile: a directory for the Mosaic kernel's timelines (`prefix_partials_mgpu`'s
     `profile`; device only)."""
     b, n, hq, d = q_shape
@@ -539,7 +542,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                                             and pm.warpgroups(pm.padded_rows(rows)) == 2
                                             if mosaic_refill_apart is None
                                             else mosaic_refill_apart),
-                              tree_first=(_MOSAIC_TREE_FIRST if mosaic_tree_first is None
+                              tree_first=(_MOSAIC_TREE_FIRST and num_splits > 1
+                                          if mosaic_tree_first is None
                                           else mosaic_tree_first),
                               profile=mosaic_profile)
     f32 = jnp.float32

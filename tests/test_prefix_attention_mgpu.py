@@ -175,6 +175,31 @@ def test_keys_refilled_apart_at_two_warpgroups(monkeypatch, n, hq, apart):
     assert seen == [apart]
 
 
+@pytest.mark.parametrize("splits, first", [(1, False), (2, True), (16, True)])
+def test_tree_block_first_where_the_prefix_is_split(monkeypatch, splits, first):
+    """The default puts the tree's block before split 0's prefix blocks where the prefix is
+    split (its copy no longer comes last, at that split's end), and after a single split's.
+    Traced, not run."""
+    seen = []
+    real = pm.prefix_partials_mgpu
+
+    def spy(*a, **kw):
+        seen.append(kw["tree_first"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pm, "prefix_partials_mgpu", spy)
+    n = 16
+    q = jax.ShapeDtypeStruct((1, n, 32, 128), jnp.bfloat16)
+    kc = jax.ShapeDtypeStruct((1, 1, 8, 8192, 128), jnp.bfloat16)
+    kn = jax.ShapeDtypeStruct((1, 8, n, 128), jnp.bfloat16)
+    jax.make_jaxpr(lambda q, kc, kn, sl, m: ta.tree_attention_pallas(
+        q, kc, kc, jnp.int32(0), sl, kn, kn, m, sm_scale=0.1, backend="mosaic",
+        num_splits=splits, mosaic_tree_split=False))(
+        q, kc, kn, jax.ShapeDtypeStruct((1,), jnp.int32),
+        jax.ShapeDtypeStruct((1, n, n), jnp.bool_))
+    assert seen == [first]
+
+
 def test_tree_of_mosaic_rows_with_an_empty_prefix():
     """A slot with no prefix at all (seq_len 0): its rows see only tree keys, through the bias;
     one split writes the normalised rows."""
