@@ -78,6 +78,10 @@
 #   bash bench/gpu_plan.sh refill_rule # issue 4: kernel_ab's checks on that rule (two compute
 #                                      #   warpgroups), then the 8B batch-1 cycle (6,10,60) with
 #                                      #   _MOSAIC_REFILL_APART False and True
+#   bash bench/gpu_plan.sh timeline    # issue 4: the Mosaic kernel's timeline (CTA starts, first
+#                                      #   keys, last values, ends, each region's time) at batch
+#                                      #   1 and 8 over 8K (fifty-sixth set), then the tree's
+#                                      #   block first against last, checked and timed
 #   bash bench/gpu_plan.sh lossweight  # issue 7: the shipped head fine-tuned twice from the same
 #                                      #   start, data (17.5K self-distilled ShareGPT answers,
 #                                      #   carry .gpu/train/ from `python -m bench.train_gpu
@@ -680,6 +684,10 @@ case "${1:-}" in
     # of the 8B-shaped (6,10,60) cycle and of the decode step
     run compact 240 python3 bench/bench_kernels.py --no-sweep --skip check,table
     run compact_cycle 300 python3 -m bench.profile_cycle --shapes "${SHAPES:-6,10,60}" --variant lean --top 30
+    ;;
+  timeline)
+    run timeline 240 python3 bench/mosaic_timeline.py --calls 3 --shapes "${SHAPES:-1,16,8192;1,1,8192;1,64,8192;8,16,8192}"
+    run tree_first 300 python3 bench/kernel_ab.py --variants '{"last": {"mosaic_tree_first": false}}' --repeats 2 --device-time --shapes "1,16,8192;1,32,8192;1,64,8192;2,16,8192;8,16,8192;8,64,8192;1,16,32768"
     ;;
   refill_rule)
     # keys refilled apart at two compute warpgroups (the default since the fifty-second set):
