@@ -15,7 +15,8 @@ set). This kernel is that design cut to the tree's job:
   * the live prefix of slot b (rows < seq_lens[b]) is cut into `num_splits` chunks of whole
     key blocks at run time, as in the Triton kernel; only the last block of a chunk is masked;
   * with the tree (up to 64 new keys): split 0 takes one more key block, the tree's keys and
-    values in the same ring, under the tree mask as an additive bias tile; or, where the
+    values in the same ring, under the tree mask as an additive bias tile (before its prefix
+    blocks with `tree_first`, so that its copy goes out first); or, where the
     prefix's splits leave SMs idle, that block is a split of its own (`tree_split`). The
     tree's keys and values may come in q's array, after the query rows (`tree_in_q`);
   * the output is the Triton kernel's split partials, unnormalised o [BH, S, R, D] and the
@@ -118,6 +119,9 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     # `tree_first` before them: `lead` steps (0 or 1) come before the prefix's blocks.
     total = blocks + (split == tree_split_index).astype(jnp.int32) if tree else blocks
     lead = total - blocks if tree and tree_first else None
+
+    def prefix_block(i):   # the prefix block of ring step i (the program unchanged without lead)
+        return i if lead is None else i - lead
     tree_keys = bias_ref.shape[2] if tree else 0
     # The first rows of kn_ref and vn_ref that hold the tree's keys and values.
     new_rows = (tree_row0, tree_row0 + tree_keys) if tree_row0 else (0, 0)
@@ -234,7 +238,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             with region("softmax"):
                 if new_keys:   # the tree mask, as 0 or MASK_VALUE a score
                     s = s + bias_smem.at[wg][...].astype(jnp.float32)
-                p, m_next, alpha = softmax(s, i if lead is None else i - lead, m_i, masked)
+                p, m_next, alpha = softmax(s, prefix_block(i), m_i, masked)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l_i = l_i * alpha + p.sum(axis=1)
                 p16 = p.astype(dtype)
@@ -277,7 +281,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             copies = [(k_ref, kn_ref, k_smem, k_ready, new_rows[0]),
                       (v_ref, vn_ref, v_smem, v_ready, new_rows[1])]
             copies = [copies[w] for w in which]
-            j = i if lead is None else i - lead   # the prefix's block
+            j = prefix_block(i)
 
             @pl.when((j < blocks) if lead is None else (i >= lead) & (j < blocks))
             def _():
