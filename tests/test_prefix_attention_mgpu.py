@@ -150,54 +150,45 @@ def test_trees_past_64_tokens_keep_the_triton_tree_part(n, inside):
     assert ("tree_attention_merge" in jaxpr) != inside
 
 
-@pytest.mark.parametrize("n, hq, apart", [(16, 32, False), (32, 32, True), (48, 32, False),
-                                           (64, 32, True), (32, 9, True), (1, 32, False)])
-def test_keys_refilled_apart_at_two_warpgroups(monkeypatch, n, hq, apart):
-    """The default refills a ring slot's keys apart from its values where a CTA has two compute
-    warpgroups: N * G rows padded to 64 and a multiple of 128 (N 48 at G 4: three one-warpgroup
-    tiles; SmolLM2's 9/3 heads at N 32: 96 rows padded to 128). Traced, not run."""
-    seen = []
-    real = pm.prefix_partials_mgpu
-
-    def spy(*a, **kw):
-        seen.append(kw["refill_apart"])
-        return real(*a, **kw)
-
-    monkeypatch.setattr(pm, "prefix_partials_mgpu", spy)
-    hkv = 8 if hq == 32 else 3
-    q = jax.ShapeDtypeStruct((1, n, hq, 128), jnp.bfloat16)
-    kc = jax.ShapeDtypeStruct((1, 1, hkv, 1024, 128), jnp.bfloat16)
-    kn = jax.ShapeDtypeStruct((1, hkv, n, 128), jnp.bfloat16)
-    jax.make_jaxpr(lambda q, kc, kn, sl, m: ta.tree_attention_pallas(
-        q, kc, kc, jnp.int32(0), sl, kn, kn, m, sm_scale=0.1, backend="mosaic", num_splits=2))(
-        q, kc, kn, jax.ShapeDtypeStruct((1,), jnp.int32),
-        jax.ShapeDtypeStruct((1, n, n), jnp.bool_))
-    assert seen == [apart]
-
-
-@pytest.mark.parametrize("splits, first", [(1, False), (2, True), (16, True)])
-def test_tree_block_first_where_the_prefix_is_split(monkeypatch, splits, first):
-    """The default puts the tree's block before split 0's prefix blocks where the prefix is
-    split (its copy no longer comes last, at that split's end), and after a single split's.
+def _mosaic_kwarg_seen(monkeypatch, name, n, hq, t, **tuning):
+    """The value of `prefix_partials_mgpu`'s keyword `name` that the default rules pass, with
+    `tuning`, for one slot's N-token tree over a T-row cache (Hkv 8 at Hq 32, else 3; D 128).
     Traced, not run."""
     seen = []
     real = pm.prefix_partials_mgpu
 
     def spy(*a, **kw):
-        seen.append(kw["tree_first"])
+        seen.append(kw[name])
         return real(*a, **kw)
 
     monkeypatch.setattr(pm, "prefix_partials_mgpu", spy)
-    n = 16
-    q = jax.ShapeDtypeStruct((1, n, 32, 128), jnp.bfloat16)
-    kc = jax.ShapeDtypeStruct((1, 1, 8, 8192, 128), jnp.bfloat16)
-    kn = jax.ShapeDtypeStruct((1, 8, n, 128), jnp.bfloat16)
+    hkv = 8 if hq == 32 else 3
+    q = jax.ShapeDtypeStruct((1, n, hq, 128), jnp.bfloat16)
+    kc = jax.ShapeDtypeStruct((1, 1, hkv, t, 128), jnp.bfloat16)
+    kn = jax.ShapeDtypeStruct((1, hkv, n, 128), jnp.bfloat16)
     jax.make_jaxpr(lambda q, kc, kn, sl, m: ta.tree_attention_pallas(
-        q, kc, kc, jnp.int32(0), sl, kn, kn, m, sm_scale=0.1, backend="mosaic",
-        num_splits=splits, mosaic_tree_split=False))(
+        q, kc, kc, jnp.int32(0), sl, kn, kn, m, sm_scale=0.1, backend="mosaic", **tuning))(
         q, kc, kn, jax.ShapeDtypeStruct((1,), jnp.int32),
         jax.ShapeDtypeStruct((1, n, n), jnp.bool_))
-    assert seen == [first]
+    (value,) = seen
+    return value
+
+
+@pytest.mark.parametrize("n, hq, apart", [(16, 32, False), (32, 32, True), (48, 32, False),
+                                           (64, 32, True), (32, 9, True), (1, 32, False)])
+def test_keys_refilled_apart_at_two_warpgroups(monkeypatch, n, hq, apart):
+    """The default refills a ring slot's keys apart from its values where a CTA has two compute
+    warpgroups: N * G rows padded to 64 and a multiple of 128 (N 48 at G 4: three one-warpgroup
+    tiles; SmolLM2's 9/3 heads at N 32: 96 rows padded to 128)."""
+    assert _mosaic_kwarg_seen(monkeypatch, "refill_apart", n, hq, 1024, num_splits=2) == apart
+
+
+@pytest.mark.parametrize("splits, first", [(1, False), (2, True), (16, True)])
+def test_tree_block_first_where_the_prefix_is_split(monkeypatch, splits, first):
+    """The default puts the tree's block before split 0's prefix blocks where the prefix is
+    split (its copy no longer comes last, at that split's end), and after a single split's."""
+    assert _mosaic_kwarg_seen(monkeypatch, "tree_first", 16, 32, 8192, num_splits=splits,
+                              mosaic_tree_split=False) == first
 
 
 def test_tree_of_mosaic_rows_with_an_empty_prefix():
