@@ -10,8 +10,8 @@ start, and what each region takes (median and max over the CTAs' compute warpgro
 Issue 4's harness shapes (Hq/Hkv 32/8, head dim 128, bf16; the prefix ends at the cache's last
 row); the Mosaic path is forced, so N 1 runs it too. Each call reads a layer that L2 does not
 hold (a 256 MB write runs before it). A CTA's start is the GPU's global timer (ns); its regions
-are the SM's clock cycles after that, converted at --clock-ghz. Writes the traces and the
-summary to $OUT/mosaic_timeline.json.
+are the SM's clock cycles after that, converted at --clock-ghz. Writes each call's summary to
+$OUT/mosaic_timeline.json.
 """
 from __future__ import annotations
 
