@@ -59,6 +59,14 @@ def warpgroup_timelines(trace, clock_ghz):
     return out
 
 
+def region_totals(spans):
+    """{region name: its total time} over one warpgroup's spans."""
+    totals = defaultdict(float)
+    for name, begin, end in spans:
+        totals[name] += end - begin
+    return totals
+
+
 def summarize(timelines):
     """Per-CTA figures of the compute warpgroups (those with a "qk" region) and the producers:
     starts and ends against the earliest start, the first key block's arrival and the last
@@ -86,16 +94,11 @@ def summarize(timelines):
         last_values.append(start - t0 + values[-1][2] if values else np.nan)
         tails.append(end - last_values[-1])
         ends_by_blocks[sum(s[0] == "qk" for s in spans)].append(end)
-        per = defaultdict(float)
-        for name, b, e in spans:
-            per[name] += e - b
-        for name in {s[0] for s in spans}:
-            totals[name].append(per[name])
+        for name, total in region_totals(spans).items():
+            totals[name].append(total)
     waits = defaultdict(list)
     for _, _, spans in producer.values():
-        per = defaultdict(float)
-        for name, b, e in spans:
-            per[name] += e - b
+        per = region_totals(spans)
         for name in PRODUCER_REGIONS:
             waits[name].append(per[name])
     return dict(warpgroups=len(compute), sms=len({sm for sm, _, _ in compute.values()}),
