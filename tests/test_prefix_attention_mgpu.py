@@ -40,7 +40,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c[3]}s{c[5]}k{c[7]}")
 def test_partials_match_reference(case, mode):
     """refill_apart: a slot's keys refilled before its values are free (the interpreter checks
-    the barrier sequence: every phase seen, none waited for twice)."""
+    that every barrier phase is seen)."""
     b, hkv, t, rows, seq_lens, splits, block_kv, steps, slots = case
     ks = jax.random.split(jax.random.key(rows + t), 3)
     cache_slots = b if slots is None else 3
