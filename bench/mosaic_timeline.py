@@ -2,7 +2,9 @@
 each warpgroup's named regions (`prefix_attention_mgpu.region`: the query tile's load, each
 key block's wait, QK, softmax, the values' wait, PV, the store; the producer's waits for free
 ring slots), and this prints, per shape, when the CTAs start and end against the earliest
-start, and what each region takes (median and max over the CTAs' compute warpgroups).
+start, and what each region takes (median and max over the CTAs' compute warpgroups); and, for
+consecutive calls, whether the same CTAs (by their place in the grid) or the same SMs were
+the late ones (`call_to_call`).
 
     python3 bench/mosaic_timeline.py [--shapes "B,N,L;..."] [--tuning '{"num_splits": 8}']
         [--clock-ghz 1.98] [--calls 3]
@@ -101,7 +103,10 @@ def summarize(timelines):
         per = region_totals(spans)
         for name in PRODUCER_REGIONS:
             waits[name].append(per[name])
+    per_wg = {tid: dict(sm=sm, end=end, last_values=lv)
+              for (tid, (sm, _, _)), end, lv in zip(compute.items(), ends, last_values)}
     return dict(warpgroups=len(compute), sms=len({sm for sm, _, _ in compute.values()}),
+                per_warpgroup=per_wg,
                 start_ns=pct(starts), end_ns=pct(ends), first_keys_ns=pct(first_keys),
                 last_values_ns=pct(last_values), tail_ns=pct(tails),
                 end_by_blocks_ns={k: dict(pct(v), ctas=len(v))
@@ -135,6 +140,27 @@ def profile_shape(b, n, length, tuning, calls, clock_ghz):
     return out
 
 
+def call_to_call(runs, key="last_values"):
+    """Whether the same CTAs, or the same SMs, are the late ones from call to call: the
+    correlation of each compute warpgroup's `key` time between consecutive calls, matched by
+    the warpgroup (its CTA's place in the grid) and by the SM it ran on, and the share of
+    warpgroups that kept their SM. -> [dict(by_cta, by_sm, same_sm)] a pair of calls."""
+    out = []
+    for a, b in zip(runs, runs[1:]):
+        pa, pb = a["summary"]["per_warpgroup"], b["summary"]["per_warpgroup"]
+        ctas = sorted(set(pa) & set(pb))
+        sm_a = {v["sm"]: v[key] for v in pa.values()}
+        sm_b = {v["sm"]: v[key] for v in pb.values()}
+        sms = sorted(set(sm_a) & set(sm_b))
+
+        def corr(x, y):
+            return float(np.corrcoef(x, y)[0, 1]) if len(x) > 2 else float("nan")
+        out.append(dict(by_cta=corr([pa[c][key] for c in ctas], [pb[c][key] for c in ctas]),
+                        by_sm=corr([sm_a[m] for m in sms], [sm_b[m] for m in sms]),
+                        same_sm=float(np.mean([pa[c]["sm"] == pb[c]["sm"] for c in ctas]))))
+    return out
+
+
 def print_summary(shape, s):
     f = lambda d: f"{d['median'] / 1e3:6.2f} {d['max'] / 1e3:6.2f}"  # noqa: E731
     print(f"B,N,L {shape}: {s['warpgroups']} compute warpgroups on {s['sms']} SMs "
@@ -164,6 +190,12 @@ def main():
         results["shapes"].append(dict(shape=shape, runs=runs))
         for r in runs:
             print_summary(shape, r["summary"])
+        for key in ("last_values", "end"):
+            pairs = call_to_call(runs, key)
+            results["shapes"][-1][f"call_to_call_{key}"] = pairs
+            print(f"  {key}, call to call: " + "; ".join(
+                f"r by CTA {p['by_cta']:.2f}, by SM {p['by_sm']:.2f}, same SM "
+                f"{p['same_sm']:.0%}" for p in pairs))
         with open(os.path.join(os.environ.get("OUT", "."), "mosaic_timeline.json"), "w") as f:
             json.dump(results, f)
 

@@ -62,6 +62,38 @@ def test_timeline_reads_the_profilers_dump():
     assert list(s["end_by_blocks_ns"]) == [1] and s["end_by_blocks_ns"][1]["ctas"] == 2
 
 
+def test_summary_keeps_each_warpgroups_sm_and_times():
+    from bench import mosaic_timeline as mt
+    clock = 2.0
+    s = mt.summarize(mt.warpgroup_timelines(_dump(COMPUTE, PRODUCER, STARTS), clock))
+    per = s["per_warpgroup"]
+    assert len(per) == 2 and sorted(v["sm"] for v in per.values()) == [7, 8]
+    assert max(v["end"] for v in per.values()) == s["end_ns"]["max"]
+    assert min(v["last_values"] for v in per.values()) == s["last_values_ns"]["min"]
+
+
+def _run(per):
+    """A call's summary holding only what `call_to_call` reads: {tid: (sm, last_values)}."""
+    return dict(summary=dict(per_warpgroup={t: dict(sm=sm, last_values=x, end=x + 1)
+                                            for t, (sm, x) in per.items()}))
+
+
+def test_call_to_call_tells_late_ctas_from_late_sms():
+    from bench import mosaic_timeline as mt
+    # Call 2 keeps every CTA's time but moves each CTA to another SM: late by CTA, not by SM.
+    a = _run({1: (10, 1.0), 2: (11, 2.0), 3: (12, 3.0), 4: (13, 4.0)})
+    b = _run({1: (13, 1.0), 2: (10, 2.0), 3: (11, 3.0), 4: (12, 4.0)})
+    # Call 3 keeps every SM's time with the CTAs moved: late by SM.
+    c = _run({1: (11, 2.0), 2: (12, 3.0), 3: (13, 4.0), 4: (10, 1.0)})
+    ab, bc = mt.call_to_call([a, b, c])
+    assert ab["by_cta"] == pytest.approx(1.0) and ab["same_sm"] == 0.0
+    assert ab["by_sm"] == pytest.approx(np.corrcoef([1, 2, 3, 4], [2, 3, 4, 1])[0, 1])
+    assert bc["by_sm"] == pytest.approx(np.corrcoef([2, 3, 4, 1], [1, 2, 3, 4])[0, 1])
+    (ac,) = mt.call_to_call([a, c])
+    assert ac["by_sm"] == pytest.approx(1.0) and ac["by_cta"] < 0.5
+    assert mt.call_to_call([a, a], "end")[0]["same_sm"] == 1.0
+
+
 def test_profile_is_refused_in_interpret_mode():
     import jax.numpy as jnp
     q = jnp.zeros((1, 1, 64, 64), jnp.bfloat16)
