@@ -21,8 +21,8 @@ set). This kernel is that design cut to the tree's job:
     tree's keys and values may come in q's array, after the query rows (`tree_in_q`);
   * the output is the Triton kernel's split partials, unnormalised o [BH, S, R, D] and the
     base-2 running max m and sum l [BH, S, R], merged by its combine pass (with the Triton
-    kernel's tree part where the tree is not here); with the tree and one split, the rows
-    normalised.
+    kernel's tree part where the tree is not here), o written from registers; with the tree and
+    one split, the rows normalised (through shared memory and TMA).
 
 A key block is copied whole, so a chunk's last block may read rows past seq_lens[b] (still
 inside the cache: the caller keeps T a multiple of the block); their scores are masked to
@@ -95,17 +95,15 @@ def _bounds(seq_len, split, num_splits, block_kv):
 
 
 def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, wgs,
-            indirect, tree, interpret, tree_split_index, tree_row0, refill_apart, tree_first,
-            store_direct):
+            indirect, tree, interpret, tree_split_index, tree_row0, refill_apart, tree_first):
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref = refs[:3]
     kn_ref, vn_ref, bias_ref = refs[3:6] if tree else (None, None, None)
     if tree_row0:   # the tree's keys, then values, in q's rows after its `tree_row0` query rows
         kn_ref, vn_ref, bias_ref = q_ref, q_ref, refs[3]
     outs, scoped = refs[(4 if tree_row0 else 6) if tree else 3:-1], refs[-1]
-    (q_smem, k_smem, v_smem, o_smem, ml_smem, bias_smem), *barriers = scoped
-    ready, consumed, sched = barriers[:3]
-    o_free = barriers[3] if len(barriers) > 3 else None
+    (q_smem, k_smem, v_smem, ml_smem, bias_smem), *barriers = scoped
+    ready, consumed, sched = barriers
     k_ready, v_ready, q_ready = ready
     k_free, v_free = consumed
     num_kv_heads, t_max = k_ref.shape[2], k_ref.shape[3]
@@ -137,39 +135,27 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
 
     def store(acc, m_i, l_i, row0, q_tile):   # a compute warpgroup's rows, o normalised or not
         rows = pl.ds(row0, ROWS)
-        if len(outs) == 1:   # one split: normalised, in the q tile the matmuls are done with
+        # One split: normalised, in the q tile the matmuls are done with, copied by TMA. Stored
+        # from registers instead, these bf16 rows took 1.5-10% longer a call (B 8-64, N 64;
+        # fifty-seventh set).
+        if len(outs) == 1:
             q_tile[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_tile, outs[0].at[bh, rows])
             plgpu.wait_smem_to_gmem(0)
             return
         o_ref, m_ref, l_ref = outs
-        if store_direct:   # o from registers to global memory; m and l through shared memory
-            o_ref.at[bh, split, rows][...] = acc
-            ml_smem.at[0, wg][...] = m_i
-            ml_smem.at[1, wg][...] = l_i
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(ml_smem.at[0, wg], m_ref.at[bh, split, rows])
-            plgpu.copy_smem_to_gmem(ml_smem.at[1, wg], l_ref.at[bh, split, rows])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            return
-        # One f32 staging tile for o: two would overflow shared memory next to the ring. The
-        # trailing warpgroup (1) waits until the leading one's copy has read it.
-        if wgs == 2:
-            pl.when(wg == 1)(lambda: plgpu.barrier_wait(o_free))
-        o_smem[...] = acc
+        # o (f32) from registers straight to global memory: staged in shared memory and copied
+        # by TMA it took a CTA 0.7 us, 0.5 of them waiting for the copy (bench/RESULTS.md,
+        # fifty-seventh set). m and l, a row each, still go by TMA; the CTA waits only until
+        # that copy has read them (the kernel's end makes the writes visible).
+        o_ref.at[bh, split, rows][...] = acc
         ml_smem.at[0, wg][...] = m_i
         ml_smem.at[1, wg][...] = l_i
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[bh, split, rows])
         plgpu.copy_smem_to_gmem(ml_smem.at[0, wg], m_ref.at[bh, split, rows])
         plgpu.copy_smem_to_gmem(ml_smem.at[1, wg], l_ref.at[bh, split, rows])
-        if wgs == 2:
-            @pl.when(wg == 0)
-            def _():
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.barrier_arrive(o_free)
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg < wgs)
     def _compute():
@@ -433,13 +419,13 @@ def active_splits(length, num_splits, block_kv) -> int:
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
                                              "rows_adjacent", "tree_split", "tree_in_q",
                                              "refill_apart", "tree_first", "profile",
-                                             "store_direct", "interpret"))
+                                             "interpret"))
 def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree=None, *,
                          scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
                          steps: int = STEPS, rows_adjacent: bool = False,
                          tree_split: bool = False, tree_in_q: bool = False,
                          refill_apart: bool = False, tree_first: bool = False,
-                         profile: str = "", store_direct: bool = False,
+                         profile: str = "",
                          interpret: bool = False):
     """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
     each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
@@ -464,8 +450,6 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     block's scores) and its values once those are (after its PV product); otherwise it waits
     for both, then copies both.
     tree_first: split 0 takes the tree's block before its prefix blocks, not after them.
-    store_direct: the partials' o written from registers, not staged in shared memory and
-    copied by TMA (the normalised rows of one split are staged either way).
     profile: a directory where Mosaic GPU's profiler writes each call's timeline of the
     kernel's named regions (`region`), a Chrome trace a call: every warpgroup's start by the
     GPU's global timer, its regions by the SM's clock (`bench/mosaic_timeline.py` reads it).
@@ -492,18 +476,15 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     dtype = k_cache.dtype
     swizzle = plgpu.SwizzleTransform(128)
     tiles = (plgpu.TilingTransform((8, 64)), swizzle)
-    f32_tiles = (plgpu.TilingTransform((8, 32)), swizzle)
     ring = plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles)
     smem = (plgpu.SMEM((wgs, ROWS, d), dtype, transforms=tiles), ring, ring,
-            None if store_direct else plgpu.SMEM((ROWS, d), jnp.float32, transforms=f32_tiles),
             plgpu.SMEM((2, wgs, ROWS), jnp.float32),
             plgpu.SMEM((wgs, ROWS, tree_keys), dtype, transforms=tiles)
             if tree is not None else None)
     barriers = ((plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
                  plgpu.Barrier(num_barriers=2 * wgs)),
                 (plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),) * 2,
-                plgpu.Barrier(num_arrivals=wgs)) + (
-                    () if store_direct else (plgpu.Barrier(num_arrivals=1),))
+                plgpu.Barrier(num_arrivals=wgs))
     grid_splits = num_splits + tree_split
     indirect = slots is not None
     body = functools.partial(_kernel, scale_log2=scale_log2, num_splits=num_splits,
@@ -511,7 +492,7 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                              tree=tree is not None, interpret=interpret,
                              tree_split_index=num_splits if tree_split else 0,
                              tree_row0=r if tree_in_q else 0, refill_apart=refill_apart,
-                             tree_first=tree_first, store_direct=store_direct)
+                             tree_first=tree_first)
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, *barriers,

@@ -93,10 +93,6 @@ _MOSAIC_REFILL_APART = True
 # (B 1, N 16 14.8 against 15.1-15.2 us), ties elsewhere; with one split (B 8, N 64, 8K) 0.7%
 # more, so one split keeps the block last (bench/RESULTS.md, fifty-sixth set). False: never.
 _MOSAIC_TREE_FIRST = True
-# The Mosaic kernel's partial o goes from registers to global memory, not through an f32
-# shared-memory tile and a TMA copy: batch 1-2 1-2.7% less kernel time (bench/RESULTS.md,
-# fifty-seventh set).
-_MOSAIC_STORE_DIRECT = True
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -414,7 +410,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
            "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
            "mosaic_ring", "mosaic_rows_adjacent", "mosaic_tree_split", "mosaic_tree_in_q",
-           "mosaic_refill_apart", "mosaic_tree_first", "mosaic_profile", "mosaic_store_direct")
+           "mosaic_refill_apart", "mosaic_tree_first", "mosaic_profile")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -470,8 +466,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
             skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
             mosaic_rows_adjacent=None, mosaic_tree_split=None, mosaic_tree_in_q=None,
-            mosaic_refill_apart=None, mosaic_tree_first=None, mosaic_profile="",
-            mosaic_store_direct=None):
+            mosaic_refill_apart=None, mosaic_tree_first=None, mosaic_profile=""):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -496,9 +491,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     mosaic_tree_first: split 0 of the Mosaic kernel takes the tree's block before its prefix
     blocks (None: `_MOSAIC_TREE_FIRST`'s rule, where the prefix is split).
     mosaic_profile: a directory for the Mosaic kernel's timelines (`prefix_partials_mgpu`'s
-    `profile`; device only).
-    mosaic_store_direct: the Mosaic kernel's partials written from registers, not staged in
-    shared memory (None: `_MOSAIC_STORE_DIRECT`)."""
+    `profile`; device only)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -552,9 +545,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
                               tree_first=(_MOSAIC_TREE_FIRST and num_splits > 1
                                           if mosaic_tree_first is None
                                           else mosaic_tree_first),
-                              profile=mosaic_profile,
-                              store_direct=(_MOSAIC_STORE_DIRECT if mosaic_store_direct is None
-                                            else mosaic_store_direct))
+                              profile=mosaic_profile)
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
@@ -578,7 +569,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
                    dtype, *, packed, block_r, params, num_splits, sm_scale, interpret,
                    kn_in, vn_in, tree_mask, mosaic_tree, ring, rows_adjacent, tree_split,
-                   tree_in_q, refill_apart, tree_first, profile, store_direct):
+                   tree_in_q, refill_apart, tree_first, profile):
     """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`). Trees of up
     to `_MOSAIC_TREE_KEYS` tokens go into that kernel too (then one launch, or two with the
     combine over several splits); larger ones take `kernel` (the Triton kernel, configured) for
@@ -603,7 +594,7 @@ def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, sl
                                      rows_adjacent=rows_adjacent, tree_split=tree_split,
                                      tree_in_q=in_q, refill_apart=refill_apart,
                                      tree_first=tree_first, profile=profile,
-                                     store_direct=store_direct, interpret=interpret)
+                                     interpret=interpret)
     if not isinstance(prefix, (tuple, list)):   # normalised rows [B * Hkv, R', D]
         o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)
         return o.transpose(0, 2, 1, 3, 4).reshape(q_shape).astype(dtype)
