@@ -32,7 +32,6 @@ def test_agreement_simulation_equals_the_measured_chain():
     """The head's training passes, walked cycle by cycle over the chain's own answers, give the
     accept lengths the cycle measured (fp32, a tiny target and a head built to agree)."""
     import jax
-    import jax.numpy as jnp
     from draft_models import agreeing_pair
     from bench.bench_accept import agreement_table, chain_agreement, simulate_chain
     from jaxspec.config import ModelConfig

@@ -28,7 +28,6 @@ def hf_greedy(model, prompt, n):
 
 
 def test_greedy_32_tokens_equal_hf_transformers(llm, hf_smollm2):
-    import torch
     model, _ = hf_smollm2
     chats = [[{"role": "user", "content": "What is the capital of France?"}],
              [{"role": "user", "content": "Write a haiku about the sea, please."}]]

@@ -1,6 +1,5 @@
 """Self-instruct prompts (the target writes the queries, then answers them): the chat template's
 user-turn opening, reproducible draws, the filters, and `jaxspec train-eagle --self-instruct`."""
-import dataclasses
 import functools
 import json
 

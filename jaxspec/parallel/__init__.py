@@ -12,3 +12,8 @@ from jaxspec.parallel.data_parallel import (DataParallelPlainRunner, DataParalle
 from jaxspec.parallel.tensor_parallel import (TensorParallelSpecRunner, check_shardable, on_mesh,
                                               make_mesh, shard_draft_params, shard_params,
                                               shard_backend, shard_state, state_shardings)
+
+__all__ = ["DataParallelPlainRunner", "DataParallelSpecRunner", "local_devices", "replicate",
+           "spread", "TensorParallelSpecRunner", "check_shardable", "on_mesh", "make_mesh",
+           "shard_draft_params", "shard_params", "shard_backend", "shard_state",
+           "state_shardings"]
