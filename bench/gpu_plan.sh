@@ -80,8 +80,10 @@
 #                                      #   _MOSAIC_REFILL_APART False and True
 #   bash bench/gpu_plan.sh timeline    # issue 4: the Mosaic kernel's timeline (CTA starts, first
 #                                      #   keys, last values, ends, each region's time) at batch
-#                                      #   1 and 8 over 8K (fifty-sixth set), then the tree's
-#                                      #   block first against last, checked and timed
+#                                      #   1 and 8 over 8K (fifty-sixth set), and whether the
+#                                      #   same CTAs or SMs end late call after call (fifty-
+#                                      #   seventh), then the tree's block first against last,
+#                                      #   checked and timed
 #   bash bench/gpu_plan.sh lossweight  # issue 7: the shipped head fine-tuned twice from the same
 #                                      #   start, data (17.5K self-distilled ShareGPT answers,
 #                                      #   carry .gpu/train/ from `python -m bench.train_gpu
