@@ -136,7 +136,7 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     def store(acc, m_i, l_i, row0, q_tile):   # a compute warpgroup's rows, o normalised or not
         rows = pl.ds(row0, ROWS)
         # One split: normalised, in the q tile the matmuls are done with, copied by TMA. Stored
-        # from registers instead, these bf16 rows took 1.5-10% longer a call (B 8-64, N 64;
+        # from registers instead, these bf16 rows took 1.5-11% longer a call (B 8-64, N 16-64;
         # fifty-seventh set).
         if len(outs) == 1:
             q_tile[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
