@@ -143,14 +143,20 @@ def profile_shape(b, n, length, tuning, calls, clock_ghz):
 def call_to_call(runs, key="last_values"):
     """Whether the same CTAs, or the same SMs, are the late ones from call to call: the
     correlation of each compute warpgroup's `key` time between consecutive calls, matched by
-    the warpgroup (its CTA's place in the grid) and by the SM it ran on, and the share of
-    warpgroups that kept their SM. -> [dict(by_cta, by_sm, same_sm)] a pair of calls."""
+    the warpgroup (its CTA's place in the grid) and by the SM it ran on (an SM's time: its
+    latest warpgroup's, where a CTA has two), and the share of warpgroups that kept their SM.
+    -> [dict(by_cta, by_sm, same_sm)] a pair of calls."""
+    def by_sm(per):
+        out = defaultdict(lambda: -np.inf)
+        for v in per.values():
+            out[v["sm"]] = max(out[v["sm"]], v[key])
+        return out
+
     out = []
     for a, b in zip(runs, runs[1:]):
         pa, pb = a["summary"]["per_warpgroup"], b["summary"]["per_warpgroup"]
         ctas = sorted(set(pa) & set(pb))
-        sm_a = {v["sm"]: v[key] for v in pa.values()}
-        sm_b = {v["sm"]: v[key] for v in pb.values()}
+        sm_a, sm_b = by_sm(pa), by_sm(pb)
         sms = sorted(set(sm_a) & set(sm_b))
 
         def corr(x, y):

@@ -92,6 +92,11 @@ def test_call_to_call_tells_late_ctas_from_late_sms():
     (ac,) = mt.call_to_call([a, c])
     assert ac["by_sm"] == pytest.approx(1.0) and ac["by_cta"] < 0.5
     assert mt.call_to_call([a, a], "end")[0]["same_sm"] == 1.0
+    # Two warpgroups on one SM (a CTA of two): the SM's time is the later one's.
+    d = _run({1: (10, 1.0), 2: (10, 5.0), 3: (11, 2.0), 4: (12, 3.0)})
+    e = _run({1: (10, 4.0), 2: (10, 2.0), 3: (11, 5.0), 4: (12, 3.0)})
+    (de,) = mt.call_to_call([d, e])
+    assert de["by_sm"] == pytest.approx(np.corrcoef([5, 2, 3], [4, 5, 3])[0, 1])
 
 
 def test_profile_is_refused_in_interpret_mode():
