@@ -805,6 +805,24 @@ case "${1:-}" in
     run kernels_rest 400 python3 bench/bench_kernels.py --no-sweep --skip check,compact --device-time --table-shapes "$ROWS"
     kernels_profile
     ;;
+  h100_32k)
+    # issue 4 on the H100 (the issue's named device): the table's 32K rows, cuDNN and
+    # FlashAttention-2 on the N = 64 rows (the tensor-bound ones), and batch 1's bare-read floor
+    ROWS="1,1,32768;1,16,32768;1,64,32768;8,1,32768;8,16,32768;8,64,32768;64,1,32768;64,16,32768;64,64,32768"
+    run kernels_32k 330 python3 bench/bench_kernels.py --no-sweep --skip check,compact --device-time --table-shapes "$ROWS"
+    run torch_peers 90 python3 bench/peers/torch_attention.py --shapes "1,64,8192;8,64,8192;64,64,8192;1,64,32768;8,64,32768;64,64,32768"
+    run read_floor_h100 120 python3 bench/read_floor.py --device-time --sizes "1,8192;1,32768"
+    ;;
+  kernels_1k)
+    ROWS="1,1,1024;1,16,1024;1,64,1024;8,1,1024;8,16,1024;8,64,1024;64,1,1024;64,16,1024;64,64,1024"
+    run kernels_1k 250 python3 bench/bench_kernels.py --no-sweep --skip check,compact --device-time --table-shapes "$ROWS"
+    ;;
+  h100_b1)
+    # batch 1 over 8K on the H100: the Triton kernel's splits and key blocks, and Mosaic's split
+    # count around its rule, by kernel time (the rules were last chosen on the H200)
+    run b1_splits 200 python3 bench/bench_kernels.py --device-time --skip check,table,compact --sweep-grid splits --sweep-shapes "1,1,8192;1,16,8192"
+    run b1_mosaic 200 python3 bench/bench_kernels.py --device-time --skip check,table,compact --sweep-grid mosaic_splits --sweep-shapes "1,16,8192;1,64,8192"
+    ;;
   eagle3)
     SD=.gpu/run2/examples_sd.npz       # 16,680 self-distilled answers of an earlier call
     if [ -f "$SD" ]; then DATA="--sd-data $SD --train-seconds 420"
