@@ -217,6 +217,9 @@
 #                                      #   host and kernel time)
 #   bash bench/gpu_plan.sh kernels_rest # issue 4: the table's 32K and 1K rows, then the
 #                                      #   chained-call kernel profile
+#   bash bench/gpu_plan.sh h100_32k    # issue 4 on the H100: the 32K rows, cuDNN on the N 64 rows,
+#                                      #   batch 1's read floor (then kernels_1k: the 1K rows;
+#                                      #   h100_b1: batch 1's splits at 8K; fifty-eighth set)
 #   bash bench/gpu_plan.sh eagle3      # issue 7: train an EAGLE-3 head, tau vs the shipped EAGLE-1
 #                                      #   (carry .gpu/train/ and .gpu/run2/examples_sd.npz, the
 #                                      #   self-distilled answers of an earlier call, if present)
@@ -277,6 +280,9 @@ GGUF=${GGUF:-$HOME/models/smollm2.gguf}
 run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]' | tee "$OUT/$name.log" | tail -24; }
 BENCH="python3 -m jaxspec.bench_cli --model $GGUF --quiet"
 # issue 4: 32 chained layers a shape, the time split between the attention's kernels
+# issue 4: the table's 32K and 1K rows (kernels_rest; h100_32k and kernels_1k)
+ROWS_32K="1,1,32768;1,16,32768;1,64,32768;8,1,32768;8,16,32768;8,64,32768;64,1,32768;64,16,32768;64,64,32768"
+ROWS_1K="1,1,1024;1,16,1024;1,64,1024;8,1,1024;8,16,1024;8,64,1024;64,1,1024;64,16,1024;64,64,1024"
 kernels_profile() { run kernels_profile 90 python3 -m bench.profile_cycle --attention --attn-shapes "1,1,1024;1,1,8192;1,1,32768;64,1,1024;1,60,1024"; }
 
 case "${1:-}" in
@@ -800,22 +806,20 @@ case "${1:-}" in
     ;;
   kernels_rest)
     # the table's 32K and 1K rows, then the chained-call kernel profile
-    ROWS="1,1,32768;1,16,32768;1,64,32768;8,1,32768;8,16,32768;8,64,32768;64,1,32768;64,16,32768;64,64,32768"
-    ROWS="$ROWS;1,1,1024;1,16,1024;1,64,1024;8,1,1024;8,16,1024;8,64,1024;64,1,1024;64,16,1024;64,64,1024"
+    ROWS="$ROWS_32K;$ROWS_1K"
     run kernels_rest 400 python3 bench/bench_kernels.py --no-sweep --skip check,compact --device-time --table-shapes "$ROWS"
     kernels_profile
     ;;
   h100_32k)
     # issue 4 on the H100 (the issue's named device): the table's 32K rows, cuDNN and
     # FlashAttention-2 on the N = 64 rows (the tensor-bound ones), and batch 1's bare-read floor
-    ROWS="1,1,32768;1,16,32768;1,64,32768;8,1,32768;8,16,32768;8,64,32768;64,1,32768;64,16,32768;64,64,32768"
-    run kernels_32k 330 python3 bench/bench_kernels.py --no-sweep --skip check,compact --device-time --table-shapes "$ROWS"
+    run kernels_32k 330 python3 bench/bench_kernels.py --no-sweep --skip check,compact --device-time --table-shapes "$ROWS_32K"
     run torch_peers 90 python3 bench/peers/torch_attention.py --shapes "1,64,8192;8,64,8192;64,64,8192;1,64,32768;8,64,32768;64,64,32768"
     run read_floor_h100 120 python3 bench/read_floor.py --device-time --sizes "1,8192;1,32768"
     ;;
   kernels_1k)
-    ROWS="1,1,1024;1,16,1024;1,64,1024;8,1,1024;8,16,1024;8,64,1024;64,1,1024;64,16,1024;64,64,1024"
-    run kernels_1k 250 python3 bench/bench_kernels.py --no-sweep --skip check,compact --device-time --table-shapes "$ROWS"
+    # issue 4: the table's 1K rows alone (the H100's third call)
+    run kernels_1k 250 python3 bench/bench_kernels.py --no-sweep --skip check,compact --device-time --table-shapes "$ROWS_1K"
     ;;
   h100_b1)
     # batch 1 over 8K on the H100: the Triton kernel's splits and key blocks, and Mosaic's split
