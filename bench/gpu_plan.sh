@@ -267,6 +267,9 @@
 #                                      #   3x2x4:4 with --profile on the working tree and on .base
 #                                      #   (bash bench/ab_prepare.sh 9dbd651; carry .base and
 #                                      #   .gpu/sharegpt_heldout.jsonl)
+#   bash bench/gpu_plan.sh h200_short  # issue 4: the H100's two under-8K findings on the H200
+#                                      #   (N 16 from batch 32; one-block splits at batch 1; and
+#                                      #   h200_short2, the rest of the splits sweep)
 #   bash bench/gpu_plan.sh packrows    # issue 8: packs of 2, 3, 4, 6, 8 rows (--prefill-pack-rows
 #                                      #   fine) against 2, 4, 8, batch 64, held-out ShareGPT
 #                                      #   (carry it), alternated; arithmetic on its lengths: 1.27x
@@ -826,6 +829,17 @@ case "${1:-}" in
     # count around its rule, by kernel time (the rules were last chosen on the H200)
     run b1_splits 200 python3 bench/bench_kernels.py --device-time --skip check,table,compact --sweep-grid splits --sweep-shapes "1,1,8192;1,16,8192"
     run b1_mosaic 200 python3 bench/bench_kernels.py --device-time --skip check,table,compact --sweep-grid mosaic_splits --sweep-shapes "1,16,8192;1,64,8192"
+    ;;
+  h200_short|h200_short2)
+    # under 8K on the H200: the two places the H100 differed (fifty-eighth set). Call 1: N 16
+    # from batch 32 over 1-4K, Triton against Mosaic, then Mosaic's splits at batch 1 over 1K
+    # (one key block a split is 8); call 2 (h200_short2): the rest of the splits sweep
+    if [ "$1" = h200_short ]; then
+      run short_n16 240 python3 bench/bench_kernels.py --device-time --skip check,table,compact --sweep-grid backends --sweep-shapes "32,16,1024;64,16,1024;32,16,2048;64,16,2048;64,16,4096"
+      run b1_1k_splits 300 python3 bench/bench_kernels.py --device-time --skip check,table,compact --sweep-grid mosaic_splits --sweep-shapes "1,16,1024;1,32,1024;1,60,1024"
+    else
+      run b1_1k_splits2 520 python3 bench/bench_kernels.py --device-time --skip check,table,compact --sweep-grid mosaic_splits --sweep-shapes "1,64,1024;2,16,1024;1,16,2048;1,64,2048;2,64,1024"
+    fi
     ;;
   eagle3)
     SD=.gpu/run2/examples_sd.npz       # 16,680 self-distilled answers of an earlier call
