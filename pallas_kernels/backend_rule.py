@@ -1,7 +1,8 @@
 """Which Pallas GPU backend serves a tree-attention tile: the Triton kernel, or Mosaic GPU's
 prefix kernel (`prefix_attention_mgpu`) on Hopper, by the rule measured on the H200
-(bench/RESULTS.md, thirty-seventh, forty-third and forty-fifth sets; bench/KERNELS.md). Pure
-Python: the rule is tested on any machine with `prefix_attention_mgpu.on_hopper` patched.
+(bench/RESULTS.md, thirty-seventh, forty-third and forty-fifth sets; bench/KERNELS.md) with one
+exception the H100 measured (fifty-eighth set). Pure Python: the rule is tested on any machine
+with `prefix_attention_mgpu.on_hopper` (and `device_kind`) patched.
 """
 from __future__ import annotations
 
@@ -31,17 +32,25 @@ _MOSAIC_MIN_LIVE = 8192
 #   * head dim 64 (SmolLM2's) from batch 8 over 1K+: 1.04-1.22x at B 8-64 (B 64, N 32, 2K: 58.5
 #     against 71.5-72.1 us), tied or won at 512. Batch 1-4 tied, or lost (B 1, N 32, 2K).
 _MOSAIC_SHORT = {128: ((1, 1024),), 64: ((8, 1024),)}
+# On the H100 (not the H200) tiles of one warpgroup's rows from batch 32 over prefixes under
+# 4K took Triton's kernel: kernel us, Triton against Mosaic, N 16 over 8 KV heads: B 32, 1K
+# 56.1 / 61.0; B 64, 1K 107.1 / 115.6; B 64, 2K 194.3 / 201.3; 4K a tie (370.9 / 375.0), 8K
+# Mosaic's (723.5 / 731.0), and batch 8-16 Mosaic's (B 16, 1K 31.9 against 39.3;
+# bench/RESULTS.md, fifty-eighth set). The H200 had Mosaic ahead at all of them (fifty-ninth
+# set: B 64, 1K 86.5 / 89.6; B 64, 2K 145.0 / 164.1). (rows up to, from batch, under rows).
+_H100_TRITON = (64, 32, 4096)
 
 
 def mosaic_serves(rows, live_len, cache_len, head_dim, dtype, *, batch=1) -> bool:
     """Whether `backend=None` takes Mosaic GPU's prefix kernel: on Hopper, for tiles of
     `_MOSAIC_ROWS` rows over a cache of whole key blocks, in 16-bit floats, over prefixes long
     enough for the batch (`_mosaic_prefix_long_enough`; bench/RESULTS.md, thirty-seventh and
-    forty-third sets)."""
+    forty-third sets), but for the H100's own exception (`_H100_TRITON`)."""
     if os.environ.get("JAXSPEC_MOSAIC", "1") == "0":   # A/B runs: Triton's prefix everywhere
         return False
     return (_MOSAIC_ROWS[0] <= rows <= _MOSAIC_ROWS[1]
             and _mosaic_prefix_long_enough(live_len, head_dim, batch)
+            and not _h100_triton_tile(rows, live_len, batch)
             and cache_len % pm.BLOCK_KV == 0 and head_dim in (64, 128)
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and pm.on_hopper())
@@ -53,6 +62,13 @@ def _mosaic_prefix_long_enough(live_len, head_dim, batch) -> bool:
         return True
     return any(batch >= from_batch and live_len >= min_live
                for from_batch, min_live in _MOSAIC_SHORT.get(head_dim, ()))
+
+
+def _h100_triton_tile(rows, live_len, batch) -> bool:
+    """One warpgroup's rows at a large batch over a short prefix, on an H100 (`_H100_TRITON`)."""
+    max_rows, from_batch, under_live = _H100_TRITON
+    return (rows <= max_rows and batch >= from_batch and live_len < under_live
+            and "H100" in pm.device_kind())
 
 
 def mosaic_splits(batch, num_kv_heads, rows, live_len, block_kv=pm.BLOCK_KV) -> int:

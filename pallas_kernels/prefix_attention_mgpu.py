@@ -52,6 +52,13 @@ BLOCK_KV = 128    # keys per TMA copy (the example's best on the tree's shapes)
 STEPS = 2         # ring slots: two of 128 keys fill shared memory next to the tiles
 NUM_SMS = 132     # the H100's and the H200's
 TREE_SPLIT_BLOCKS = 4   # `tree_split_pays`: prefix splits of at most this many key blocks
+# `_short_splits`: one key block a split where that grid fills at most this share of the SMs.
+# Batch 1, 8 KV heads, one row tile over 1K (64 CTAs), kernel us, 8 splits against 4: H200
+# N 16 7.0 / 7.8, N 32 8.9 / 10.0; H100 7.3 / 7.9-8.1, 9.3 / 10.0. Two row tiles (N 60-64,
+# 128 CTAs) tied or lost on both (H200 10.5 / 10.5 and 10.7 / 10.5; H100 N 60 11.2 / 10.7),
+# as did 16 splits over 2K on the H100 (9.1 / 8.7) and batch 2 there (bench/RESULTS.md,
+# fifty-eighth and fifty-ninth sets).
+ONE_BLOCK_MAX_SM_SHARE = 0.5
 # The kernel's named regions: Mosaic GPU's profiler times each one a warpgroup (`profile`);
 # otherwise they only name the program's ops.
 region = jax.named_scope
@@ -329,6 +336,14 @@ def on_hopper() -> bool:
     return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
 
 
+def device_kind() -> str:
+    """The first device's name as jax reports it ("NVIDIA H100 80GB HBM3", "NVIDIA H200"), for
+    rules measured to differ between Hopper parts; "" without a GPU."""
+    if jax.default_backend() != "gpu":
+        return ""
+    return str(getattr(jax.devices()[0], "device_kind", ""))
+
+
 def _interpret_params():
     """Mosaic GPU's interpret mode (a CPU simulation of its threads, TMA and barriers)."""
     params = getattr(plgpu, "InterpretParams", None)
@@ -379,13 +394,17 @@ def _short_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms, cap) 
     12.9 (8 splits), batch 2 over 1K at N 16/32 11.2/14.7 against 9.7/12.3, batch 4, N 16, 1K
     12.0 against 11.3, SmolLM2's heads at batch 8, N 32, 1K 11.7 against 10.1 (4 splits); past
     one wave it lost (SmolLM2's B 8, N 32, 2K: 8 splits 16.2 against 4's 13.0; forty-fourth
-    set)."""
+    set). Splits of one block where even those keep the grid within half the SMs
+    (`ONE_BLOCK_MAX_SM_SHARE`)."""
     best, best_busy = cap, grid_ctas(batch, num_kv_heads, rows, active_splits(cache_len, cap,
                                                                                block_kv))
     for splits in range(cap + 1, cache_len // (2 * block_kv) + 1):
         busy = grid_ctas(batch, num_kv_heads, rows, active_splits(cache_len, splits, block_kv))
         if best_busy < busy <= num_sms:
             best, best_busy = splits, busy
+    blocks = cache_len // block_kv
+    if grid_ctas(batch, num_kv_heads, rows, blocks) <= ONE_BLOCK_MAX_SM_SHARE * num_sms:
+        return max(best, blocks)
     return best
 
 

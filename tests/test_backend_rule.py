@@ -103,8 +103,9 @@ _KERNEL_TIMES = [
     (128, 8, 64, 1024, 1, 25.3, 42.9), (64, 8, 32, 1024, 4, 10.1, 12.6),
     (64, 8, 32, 2048, 4, 13.0, 14.9),
     # forty-fifth set, call 5: batch 1 over 1K, which the rule now sends to Mosaic
-    (128, 1, 16, 1024, 4, 9.2, 12.2), (128, 1, 32, 1024, 4, 11.5, 13.4),
-    (128, 1, 64, 1024, 4, 11.6, 14.8)]
+    (128, 1, 64, 1024, 4, 11.6, 14.8),
+    # fifty-ninth set, call 1: batch 1, one row tile over 1K in splits of one key block
+    (128, 1, 16, 1024, 8, 7.0, 12.2), (128, 1, 32, 1024, 8, 8.9, 13.3)]
 _KERNEL_WINS = {t[:4] for t in _KERNEL_TIMES if t[5] < t[6]}
 # Same call, at half the batch-1 bound: kernel time (Mosaic at its default count, Triton). The
 # rule takes a bound only where Mosaic won at half of it too.
@@ -128,9 +129,59 @@ def test_rule_and_split_count_match_the_kernel_times(monkeypatch, d, b, n, live,
 def test_batch_one_bound_is_taken_where_mosaic_won_at_half_of_it(monkeypatch, d, b, n, live,
                                                                  splits, mosaic_us, triton_us):
     """At half the batch-1 bound Triton still serves, Mosaic's kernel time there (at the split
-    count it would take) was under Triton's, and twice that many rows go to Mosaic."""
+    count it then took; it takes one-block splits now, faster still at N 16-32: fifty-ninth
+    set) was under Triton's, and twice that many rows go to Mosaic."""
     monkeypatch.setattr(pm, "on_hopper", lambda: True)
     g, hkv = _heads(d)
     assert not _serves(d, b, n, live) and _serves(d, b, n, 2 * live)
-    assert rule.mosaic_splits(b, hkv, g * n, live) == splits
+    assert rule.mosaic_splits(b, hkv, g * n, live) >= splits
     assert mosaic_us < triton_us
+
+
+# (batch, N, live rows, the rule's split count, its kernel us, the previous rule's count, its
+# kernel us): H200, same call (bench/RESULTS.md, fifty-ninth set, `kernel_ab.py`), 8 KV heads.
+_ONE_BLOCK_SPLITS = [(1, 16, 1024, 8, 7.0, 4, 8.0), (1, 32, 1024, 8, 8.8, 4, 9.8),
+                     (1, 16, 512, 4, 6.4, 2, 7.6), (1, 32, 512, 4, 8.0, 2, 9.7)]
+
+
+@pytest.mark.parametrize("b,n,live,splits,us,before,before_us", _ONE_BLOCK_SPLITS)
+def test_one_block_splits_where_their_grid_fills_half_the_sms(b, n, live, splits, us, before,
+                                                              before_us):
+    """One row tile at batch 1 takes a split a key block (64 CTAs at most, half the SMs), where
+    the same call timed it faster than the 2-block splits of before."""
+    assert rule.mosaic_splits(b, 8, 4 * n, live) == splits == live // pm.BLOCK_KV
+    assert pm.grid_ctas(b, 8, pm.padded_rows(4 * n), splits) <= pm.NUM_SMS // 2
+    assert us < before_us and rule.mosaic_splits(b, 8, 4 * n, live) != before
+
+
+@pytest.mark.parametrize("b,n,live", [(1, 64, 1024), (1, 60, 1024), (2, 16, 1024),
+                                      (1, 16, 2048)])
+def test_two_block_splits_where_one_block_splits_would_fill_more(b, n, live):
+    """Where splits of one block would take 128 CTAs they tied or lost on both devices (H200
+    N 64 10.7 against 10.5 us, batch 2 8.1 against 8.5 but a tie on the H100, 2K a loss there):
+    the 2-block splits stay."""
+    chosen = rule.mosaic_splits(b, 8, 4 * n, live)
+    assert pm.grid_ctas(b, 8, pm.padded_rows(4 * n), live // pm.BLOCK_KV) > pm.NUM_SMS // 2
+    assert live // chosen >= 2 * pm.BLOCK_KV
+
+
+# N 16 (one warpgroup's rows) over 8 KV heads, kernel us (Triton, Mosaic) in the same call on
+# the H100 (fifty-eighth set) and the H200 (fifty-ninth set).
+_H100_N16 = [(32, 1024, 56.1, 61.0), (64, 1024, 107.1, 115.6), (64, 2048, 194.3, 201.3)]
+_H100_N16_MOSAIC = [(16, 1024, 39.3, 31.9), (64, 8192, 731.0, 723.5)]
+_H200_N16 = [(32, 1024, 47.0, 46.1), (64, 1024, 89.6, 86.5), (32, 2048, 84.2, 75.3),
+             (64, 2048, 164.1, 145.0), (64, 4096, 310.8, 261.0)]
+
+
+@pytest.mark.parametrize("kind", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+def test_one_warpgroup_tiles_at_large_batch_follow_each_device(monkeypatch, kind):
+    """On the H100, N 16 from batch 32 under 4K takes Triton, where Triton was faster there;
+    batch 16 and 8K keep Mosaic on both, and the H200 keeps Mosaic where it was faster."""
+    monkeypatch.setattr(pm, "on_hopper", lambda: True)
+    monkeypatch.setattr(pm, "device_kind", lambda: kind)
+    h100 = "H100" in kind
+    for b, live, triton_us, mosaic_us in (_H100_N16 if h100 else _H200_N16):
+        assert _serves(128, b, 16, live) == (mosaic_us < triton_us)
+    for b, live, triton_us, mosaic_us in _H100_N16_MOSAIC:
+        assert _serves(128, b, 16, live) and mosaic_us < triton_us
+    assert _serves(128, 64, 64, 1024)    # N 64 (two row tiles) keeps Mosaic on both
