@@ -54,10 +54,11 @@ NUM_SMS = 132     # the H100's and the H200's
 TREE_SPLIT_BLOCKS = 4   # `tree_split_pays`: prefix splits of at most this many key blocks
 # `_short_splits`: one key block a split where that grid fills at most this share of the SMs.
 # Batch 1, 8 KV heads, one row tile over 1K (64 CTAs), kernel us, 8 splits against 4: H200
-# N 16 7.0 / 7.8, N 32 8.9 / 10.0; H100 7.3 / 7.9-8.1, 9.3 / 10.0. Two row tiles (N 60-64,
-# 128 CTAs) tied or lost on both (H200 10.5 / 10.5 and 10.7 / 10.5; H100 N 60 11.2 / 10.7),
-# as did 16 splits over 2K on the H100 (9.1 / 8.7) and batch 2 there (bench/RESULTS.md,
-# fifty-eighth and fifty-ninth sets).
+# N 16 7.0 / 7.8, N 32 8.9 / 10.0; H100 7.3 / 7.9-8.1, 9.3 / 10.0; the H200's other 64-CTA
+# grids too (512 rows, 4 splits against 2: batch 1, N 64 8.7 / 10.0; batch 2, N 16 7.1 / 8.1).
+# 128 CTAs over 1K (two row tiles at N 60-64) tied or lost on both (H200 10.5 / 10.5 and
+# 10.7 / 10.5; H100 N 60 11.2 / 10.7), as did 16 splits over 2K on the H100 (9.1 / 8.7) and
+# batch 2 over 1K there (bench/RESULTS.md, fifty-eighth and fifty-ninth sets).
 ONE_BLOCK_MAX_SM_SHARE = 0.5
 # The kernel's named regions: Mosaic GPU's profiler times each one a warpgroup (`profile`);
 # otherwise they only name the program's ops.

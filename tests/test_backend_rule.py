@@ -141,14 +141,17 @@ def test_batch_one_bound_is_taken_where_mosaic_won_at_half_of_it(monkeypatch, d,
 # (batch, N, live rows, the rule's split count, its kernel us, the previous rule's count, its
 # kernel us): H200, same call (bench/RESULTS.md, fifty-ninth set, `kernel_ab.py`), 8 KV heads.
 _ONE_BLOCK_SPLITS = [(1, 16, 1024, 8, 7.0, 4, 8.0), (1, 32, 1024, 8, 8.8, 4, 9.8),
-                     (1, 16, 512, 4, 6.4, 2, 7.6), (1, 32, 512, 4, 8.0, 2, 9.7)]
+                     (1, 16, 512, 4, 6.4, 2, 7.6), (1, 32, 512, 4, 8.0, 2, 9.7),
+                     (1, 64, 512, 4, 8.7, 2, 10.0), (2, 16, 512, 4, 7.1, 2, 8.1),
+                     (2, 32, 512, 4, 9.2, 2, 10.4)]
 
 
 @pytest.mark.parametrize("b,n,live,splits,us,before,before_us", _ONE_BLOCK_SPLITS)
 def test_one_block_splits_where_their_grid_fills_half_the_sms(b, n, live, splits, us, before,
                                                               before_us):
-    """One row tile at batch 1 takes a split a key block (64 CTAs at most, half the SMs), where
-    the same call timed it faster than the 2-block splits of before."""
+    """A split a key block where that makes 64 CTAs at most (half the SMs: batch 1-2, one or
+    two row tiles, 8 KV heads), where the same call timed it faster than the 2-block splits of
+    before."""
     assert rule.mosaic_splits(b, 8, 4 * n, live) == splits == live // pm.BLOCK_KV
     assert pm.grid_ctas(b, 8, pm.padded_rows(4 * n), splits) <= pm.NUM_SMS // 2
     assert us < before_us and rule.mosaic_splits(b, 8, 4 * n, live) != before
