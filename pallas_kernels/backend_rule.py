@@ -37,7 +37,7 @@ _MOSAIC_SHORT = {128: ((1, 1024),), 64: ((8, 1024),)}
 # 56.1 / 61.0; B 64, 1K 107.1 / 115.6; B 64, 2K 194.3 / 201.3; 4K a tie (370.9 / 375.0), 8K
 # Mosaic's (723.5 / 731.0), and batch 8-16 Mosaic's (B 16, 1K 31.9 against 39.3;
 # bench/RESULTS.md, fifty-eighth set). The H200 had Mosaic ahead at all of them (fifty-ninth
-# set: B 64, 1K 86.5 / 89.6; B 64, 2K 145.0 / 164.1). (rows up to, from batch, under rows).
+# set: B 64, 1K 86.5 / 89.6; B 64, 2K 145.0 / 164.1). (Rows up to, from batch, under live rows).
 _H100_TRITON = (64, 32, 4096)
 
 
