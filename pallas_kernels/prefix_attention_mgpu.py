@@ -397,15 +397,15 @@ def _short_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms, cap) 
     one wave it lost (SmolLM2's B 8, N 32, 2K: 8 splits 16.2 against 4's 13.0; forty-fourth
     set). Splits of one block where even those keep the grid within half the SMs
     (`ONE_BLOCK_MAX_SM_SHARE`)."""
+    blocks = -(-cache_len // block_kv)
+    if grid_ctas(batch, num_kv_heads, rows, blocks) <= ONE_BLOCK_MAX_SM_SHARE * num_sms:
+        return blocks
     best, best_busy = cap, grid_ctas(batch, num_kv_heads, rows, active_splits(cache_len, cap,
                                                                                block_kv))
     for splits in range(cap + 1, cache_len // (2 * block_kv) + 1):
         busy = grid_ctas(batch, num_kv_heads, rows, active_splits(cache_len, splits, block_kv))
         if best_busy < busy <= num_sms:
             best, best_busy = splits, busy
-    blocks = cache_len // block_kv
-    if grid_ctas(batch, num_kv_heads, rows, blocks) <= ONE_BLOCK_MAX_SM_SHARE * num_sms:
-        return max(best, blocks)
     return best
 
 

@@ -157,6 +157,12 @@ def test_one_block_splits_where_their_grid_fills_half_the_sms(b, n, live, splits
     assert us < before_us and rule.mosaic_splits(b, 8, 4 * n, live) != before
 
 
+def test_one_block_splits_cover_a_last_partial_block():
+    """Live rows that end inside a key block (`ModelConfig.live_rows`) count that block, so
+    every split holds keys: 1,000 rows are 8 blocks, 8 splits, all busy."""
+    assert rule.mosaic_splits(1, 8, 64, 1000) == 8 == pm.active_splits(1000, 8, pm.BLOCK_KV)
+
+
 @pytest.mark.parametrize("b,n,live", [(1, 64, 1024), (1, 60, 1024), (2, 16, 1024),
                                       (1, 16, 2048)])
 def test_two_block_splits_where_one_block_splits_would_fill_more(b, n, live):
