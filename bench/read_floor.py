@@ -276,7 +276,9 @@ def print_row(r, copy_bw):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--sizes", default=SIZES, help='"B,L;..." (heads 32/8/128)')
+    p.add_argument("--sizes", default=SIZES, help='"B,L;..."')
+    p.add_argument("--heads", default="", help='"Hq,Hkv,D" in place of 32,8,128 (SmolLM2: '
+                                                '"9,3,64")')
     p.add_argument("--device-time", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny, interpret mode (CPU)")
     p.add_argument("--only", default=".*", help="a regex: the JAX functions it names")
@@ -289,6 +291,8 @@ def main():
     a = p.parse_args()
     if a.device_time:
         bk.use_device_time()
+    if a.heads:
+        bk.set_heads(a.heads)
     sizes = [tuple(int(x) for x in s.split(",")) for s in a.sizes.split(";") if s]
     if a.smoke:
         bk.SMOKE, bk.HQ, bk.HKV, sizes = True, 8, 2, [(1, 512)]
