@@ -93,8 +93,6 @@ _MOSAIC_REFILL_APART = True
 # (B 1, N 16 14.8 against 15.1-15.2 us), ties elsewhere; with one split (B 8, N 64, 8K) 0.7%
 # more, so one split keeps the block last (bench/RESULTS.md, fifty-sixth set). False: never.
 _MOSAIC_TREE_FIRST = True
-# The Triton kernel's split 0 loads a tree of one key block before its prefix loop, not after.
-_TREE_EARLY = False
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -185,7 +183,6 @@ def _tree_attention_kernel(
     indirect: bool = False,
     merge_in: bool = False,
     new_only: bool = False,
-    tree_early: bool = False,
 ):
     # No slot map unless asked for: even a constant one costs an iota kernel per call.
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
@@ -230,13 +227,18 @@ def _tree_attention_kernel(
                   other=0.0)
         return _flash_step(q, k, v, live[None, :], carry, scale_log2)
 
+    if merge_in:   # the prefix was done by another kernel: start from its merged splits
+        carry = _merge_partials(*refs[6:9], bh, rows, row_live)
+    elif not new_only:   # (new_only: the prefix's partials are merged by the combine pass)
+        carry = lax.fori_loop(0, num_blocks, prefix_body, carry)
+
     # Rows past the last query read the last query's mask row; they are never stored.
     query = jnp.minimum(r // group, num_new - 1)
     new_iota = jnp.arange(block_n)
 
-    def load_new(j, take=True):   # new-key block j: keys, values, which rows see which keys
+    def new_body(j, carry):
         m0 = j * block_n
-        key_live = ((m0 + new_iota) < num_new) & take   # take False: nothing is read
+        key_live = (m0 + new_iota) < num_new
         if packed:   # k heads follow the Hq query heads, v heads follow the k heads
             kh = num_kv_heads * group + h
             k = _load(kn_ref.at[b, pl.ds(m0, block_n), kh, :], mask=key_live[:, None], other=0.0)
@@ -247,20 +249,8 @@ def _tree_attention_kernel(
             v = _load(vn_ref.at[b, h, pl.ds(m0, block_n), :], mask=key_live[:, None], other=0.0)
         # Index arrays on both axes (a gather): interpret mode cannot mix them with slices.
         cols = jnp.minimum(m0 + new_iota, num_new - 1)
-        seen = jnp.broadcast_to(key_live[None, :], (block_r, block_n))
-        allowed = _load(mask_ref.at[b, query[:, None], cols[None, :]], mask=seen, other=0) != 0
-        return k, v, allowed & seen
-
-    # tree_early (one new-key block): its loads go out before the prefix's, on split 0 only, so
-    # their latency passes under the prefix loop instead of after it.
-    early = load_new(0, split == 0) if tree_early else None
-    if merge_in:   # the prefix was done by another kernel: start from its merged splits
-        carry = _merge_partials(*refs[6:9], bh, rows, row_live)
-    elif not new_only:   # (new_only: the prefix's partials are merged by the combine pass)
-        carry = lax.fori_loop(0, num_blocks, prefix_body, carry)
-
-    def new_body(j, carry):
-        return _flash_step(q, *(early or load_new(j)), carry, scale_log2)
+        allowed = _load(mask_ref.at[b, query[:, None], cols[None, :]]) != 0
+        return _flash_step(q, k, v, allowed & key_live[None, :], carry, scale_log2)
 
     # Explicit int32: a select of two Python ints lowered to i1 under the Triton backend.
     num_new_blocks = (split == 0).astype(jnp.int32) * jnp.int32(pl.cdiv(num_new, block_n))
@@ -420,7 +410,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
            "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
            "mosaic_ring", "mosaic_rows_adjacent", "mosaic_tree_split", "mosaic_tree_in_q",
-           "mosaic_refill_apart", "mosaic_tree_first", "mosaic_profile", "tree_early")
+           "mosaic_refill_apart", "mosaic_tree_first", "mosaic_profile")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -476,8 +466,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
             skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
             mosaic_rows_adjacent=None, mosaic_tree_split=None, mosaic_tree_in_q=None,
-            mosaic_refill_apart=None, mosaic_tree_first=None, mosaic_profile="",
-            tree_early=None):
+            mosaic_refill_apart=None, mosaic_tree_first=None, mosaic_profile=""):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -502,9 +491,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     mosaic_tree_first: split 0 of the Mosaic kernel takes the tree's block before its prefix
     blocks (None: `_MOSAIC_TREE_FIRST`'s rule, where the prefix is split).
     mosaic_profile: a directory for the Mosaic kernel's timelines (`prefix_partials_mgpu`'s
-    `profile`; device only).
-    tree_early: the Triton kernel loads a one-block tree before its prefix loop (None:
-    `_TREE_EARLY`)."""
+    `profile`; device only)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -535,8 +522,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     kernel = functools.partial(
         _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv, group=g,
         num_new=n, block_r=block_r, block_k=block_k, block_n=block_n, packed=packed,
-        causal=causal, skip_before=skip_before, indirect=slots is not None,
-        tree_early=(_TREE_EARLY if tree_early is None else tree_early) and n <= block_n)
+        causal=causal, skip_before=skip_before, indirect=slots is not None)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
     operands = (layer, seq_lens.astype(jnp.int32), *slot_map, q_in, k_cache, v_cache, kn_in,
                 vn_in, tree_mask.astype(jnp.int8))

@@ -1,5 +1,4 @@
 """Tree attention kernel (Pallas interpret mode on CPU) against the jnp reference."""
-import itertools
 import math
 
 import jax
@@ -203,37 +202,6 @@ def test_default_config_splits_stay_whole_and_fill(b, n, t):
     programs = b * 8 * -(-n * 4 // block_r)
     assert splits == 1 or t // splits >= 4 * block_k      # no split shorter than 4 key blocks
     assert programs * splits >= min(64, programs * max(1, t // (4 * block_k)))
-
-
-@pytest.mark.parametrize("entry", ["separate", "packed"])
-@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"b{c[0]}n{c[1]}g{c[2] // c[3]}")
-def test_tree_loaded_early_gives_the_same_bits(case, entry):
-    """tree_early: split 0 loads the tree's one key block before its prefix loop (other splits
-    load nothing). The arithmetic is the same in the same order, so the output must equal the
-    kernel's without it bit for bit, with one split and with three (the combine)."""
-    b, n, hq, hkv, d, t, seq_lens = case
-    q, kc, vc, sl, kn, vn, mask = _inputs(5, b, n, hq, hkv, d, t, 2, jnp.float32, seq_lens)
-    ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, sm_scale=0.125)
-
-    @jax.jit
-    def run(q, kc, vc, sl, kn, vn, mask):
-        outs = []
-        for splits, early in itertools.product((1, 3), (False, True)):
-            tune = dict(sm_scale=0.125, block_k=16, num_splits=splits, interpret=True,
-                        tree_early=early)
-            if entry == "packed":
-                outs.append(ta.tree_attention_packed_pallas(_pack(q, kn, vn), kc, vc,
-                                                            jnp.int32(1), sl, mask,
-                                                            num_heads=hq, **tune))
-            else:
-                outs.append(ta.tree_attention_pallas(q, kc, vc, jnp.int32(1), sl, kn, vn, mask,
-                                                     **tune))
-        return outs
-
-    late1, early1, late3, early3 = (np.asarray(o) for o in run(q, kc, vc, sl, kn, vn, mask))
-    np.testing.assert_array_equal(early1, late1)
-    np.testing.assert_array_equal(early3, late3)
-    np.testing.assert_allclose(early3, np.asarray(ref), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("entry", ["separate", "packed"])
