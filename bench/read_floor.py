@@ -21,8 +21,8 @@ does not hold them), beside the tree kernel at N = 1 in the same run:
   * `torch_sum`, `torch_copy`: torch's reduction of the layer to one number, and a copy of it
     (twice the bytes moved), the same calls captured in one CUDA graph.
 
-    python3 bench/read_floor.py [--sizes "B,L;..."] [--device-time] [--only REGEX] [--release]
-                                [--copies] [--loop] [--smoke]
+    python3 bench/read_floor.py [--sizes "B,L;..."] [--heads "Hq,Hkv,D"] [--device-time]
+                                [--only REGEX] [--release] [--copies] [--loop] [--smoke]
 
 Bandwidths count the bytes read (K and V of the layer); % of copy is against torch's 1 GiB
 copy (read + written) in the same run. Writes $OUT/read_floor.json.
@@ -305,7 +305,7 @@ def main():
     os.makedirs(bk.OUT, exist_ok=True)
     with open(os.path.join(bk.OUT, "read_floor.json"), "w") as f:
         json.dump(dict(copy_TBs=copy_bw and copy_bw / 1e12, device=str(jax.devices()[0]),
-                       rows=rows), f, indent=1)
+                       heads=[bk.HQ, bk.HKV, bk.D], rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
