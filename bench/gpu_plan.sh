@@ -270,6 +270,10 @@
 #   bash bench/gpu_plan.sh h200_short  # issue 4: the H100's two under-8K findings on the H200
 #                                      #   (N 16 from batch 32; one-block splits at batch 1; and
 #                                      #   h200_short2, the rest of the splits sweep)
+#   bash bench/gpu_plan.sh decode_warps # issue 4: the Triton kernel's decode tiles (N 1-4) at 1
+#                                      #   and 2 warps a program against the default 4, SmolLM2's
+#                                      #   heads at batch 64 over 256-1K rows and the 8B rows at
+#                                      #   N 1 (sixtieth set: not yet run)
 #   bash bench/gpu_plan.sh packrows    # issue 8: packs of 2, 3, 4, 6, 8 rows (--prefill-pack-rows
 #                                      #   fine) against 2, 4, 8, batch 64, held-out ShareGPT
 #                                      #   (carry it), alternated; arithmetic on its lengths: 1.27x
@@ -829,6 +833,12 @@ case "${1:-}" in
     # count around its rule, by kernel time (the rules were last chosen on the H200)
     run b1_splits 200 python3 bench/bench_kernels.py --device-time --skip check,table,compact --sweep-grid splits --sweep-shapes "1,1,8192;1,16,8192"
     run b1_mosaic 200 python3 bench/bench_kernels.py --device-time --skip check,table,compact --sweep-grid mosaic_splits --sweep-shapes "1,16,8192;1,64,8192"
+    ;;
+  decode_warps)
+    W='{"w1": {"num_warps": 1}, "w2": {"num_warps": 2}, "w1k128": {"num_warps": 1, "block_k": 128}}'
+    run warps_smollm2 280 python3 bench/kernel_ab.py --heads 9,3,64 --base '{}' --no-checks --device-time --shapes "64,1,256;64,1,512;64,4,256;64,4,512;64,1,1024;1,1,512" --variants "$W"
+    cp "$OUT/kernel_ab.json" "$OUT/kernel_ab_smollm2.json"
+    run warps_8b 280 python3 bench/kernel_ab.py --base '{}' --no-checks --device-time --shapes "1,1,8192;1,1,1024;8,1,8192;1,1,32768;64,1,8192;8,1,1024" --variants "$W"
     ;;
   h200_short|h200_short2)
     # under 8K on the H200: the two places the H100 differed (fifty-eighth set). Call 1: N 16
