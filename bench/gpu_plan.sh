@@ -273,7 +273,8 @@
 #   bash bench/gpu_plan.sh decode_warps # issue 4: the Triton kernel's decode tiles (N 1-4) at 1
 #                                      #   and 2 warps a program against the default 4, SmolLM2's
 #                                      #   heads at batch 64 over 256-1K rows and the 8B rows at
-#                                      #   N 1 (sixtieth set: not yet run)
+#                                      #   N 1 (sixtieth set timed part of it: 1 warp slower,
+#                                      #   2 warps 2-3% faster at SmolLM2's heads)
 #   bash bench/gpu_plan.sh packrows    # issue 8: packs of 2, 3, 4, 6, 8 rows (--prefill-pack-rows
 #                                      #   fine) against 2, 4, 8, batch 64, held-out ShareGPT
 #                                      #   (carry it), alternated; arithmetic on its lengths: 1.27x
