@@ -275,6 +275,9 @@
 #                                      #   heads at batch 64 over 256-1K rows and the 8B rows at
 #                                      #   N 1 (sixtieth set timed part of it: 1 warp slower,
 #                                      #   2 warps 2-3% faster at SmolLM2's heads)
+#   bash bench/gpu_plan.sh ncu_decode  # issue 4: ncu's warp states and memory sections of the
+#                                      #   Triton kernel at SmolLM2's heads, batch 64, N 1, 256
+#                                      #   rows: where its 3-4 us over a bare read go (sixtieth set)
 #   bash bench/gpu_plan.sh packrows    # issue 8: packs of 2, 3, 4, 6, 8 rows (--prefill-pack-rows
 #                                      #   fine) against 2, 4, 8, batch 64, held-out ShareGPT
 #                                      #   (carry it), alternated; arithmetic on its lengths: 1.27x
@@ -834,6 +837,13 @@ case "${1:-}" in
     # count around its rule, by kernel time (the rules were last chosen on the H200)
     run b1_splits 200 python3 bench/bench_kernels.py --device-time --skip check,table,compact --sweep-grid splits --sweep-shapes "1,1,8192;1,16,8192"
     run b1_mosaic 200 python3 bench/bench_kernels.py --device-time --skip check,table,compact --sweep-grid mosaic_splits --sweep-shapes "1,16,8192;1,64,8192"
+    ;;
+  ncu_decode)
+    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    run ncu_decode 400 "$NCU" --kernel-name regex:tree_attention -c 2 --section SpeedOfLight \
+      --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      --section LaunchStats --section Occupancy \
+      python3 bench/ncu_attention.py --heads 9,3,64 --backend triton --shapes "64,1,256"
     ;;
   decode_warps)
     W='{"w1": {"num_warps": 1}, "w2": {"num_warps": 2}, "w1k128": {"num_warps": 1, "block_k": 128}}'

@@ -1,9 +1,11 @@
 """One tree-attention call per shape, for a hardware profiler to read the Mosaic kernel's DRAM
-bytes, L2 hit rate and tensor-pipe activity (Hq/Hkv 32/8, head dim 128, random bf16):
+bytes, L2 hit rate and tensor-pipe activity (Hq/Hkv 32/8, head dim 128, random bf16), or the
+Triton kernel's (`--backend triton`; `--heads 9,3,64` for SmolLM2's):
 
     ncu --kernel-name regex:mosaic --metrics dram__bytes_read.sum,... \\
         python3 bench/ncu_attention.py --shapes "64,64,8192;64,16,8192" \\
-        [--variants '[{}, {"mosaic_rows_adjacent": false}]']
+        [--variants '[{}, {"mosaic_rows_adjacent": false}]'] [--heads "Hq,Hkv,D"]
+        [--backend mosaic|triton|default]
 
 Each shape runs twice under each tuning of `--variants` (the first compiles); the profiler
 sees both launches, in that order.
@@ -29,12 +31,18 @@ def main(argv=None):
     ap.add_argument("--shapes", default="64,64,8192")
     ap.add_argument("--variants", default="[{}]",
                     help="JSON list of tree_attention tunings, each run on every shape")
+    ap.add_argument("--heads", default="", help='"Hq,Hkv,D" in place of 32,8,128')
+    ap.add_argument("--backend", default="mosaic", choices=("mosaic", "triton", "default"),
+                    help="the prefix's kernel (default: the backend rule's choice)")
     args = ap.parse_args(argv)
+    if args.heads:
+        bk.set_heads(args.heads)
+    backend = None if args.backend == "default" else args.backend
     for b, n, length in bk.parse_shapes(args.shapes):
         q, kc, vc, sl, kn, vn, mask = bk.make_inputs(jax.random.key(7), b, n, length, 1)
         for tuning in json.loads(args.variants):
             run = jax.jit(lambda *a, tuning=tuning: ta.tree_attention_pallas(
-                *a, sm_scale=1 / math.sqrt(q.shape[-1]), backend="mosaic", **tuning))
+                *a, sm_scale=1 / math.sqrt(q.shape[-1]), backend=backend, **tuning))
             for _ in range(2):
                 jax.block_until_ready(run(q, kc, vc, jnp.int32(0), sl, kn, vn, mask))
             print("ran", b, n, length, tuning, flush=True)
