@@ -164,6 +164,12 @@ class Alternate:
         return self.compiled[self.turn](*args)
 
 
+def add_heads_argument(parser):
+    """`--heads`, the timed rows' heads (`set_heads`), shared by the kernel benchmarks."""
+    parser.add_argument("--heads", default="",
+                        help='"Hq,Hkv,D" in place of 32,8,128 (SmolLM2: "9,3,64")')
+
+
 def set_heads(spec: str):
     """The timed rows' heads, "Hq,Hkv,D" (default 32,8,128; SmolLM2's "9,3,64")."""
     global HQ, HKV, D, SM_SCALE
@@ -693,8 +699,7 @@ def main():
                    help="time each configuration's samples back to back, not interleaved")
     p.add_argument("--device-time", action="store_true",
                    help="also each configuration's kernel time from a profiler trace")
-    p.add_argument("--heads", default="",
-                   help='"Hq,Hkv,D" in place of 32,8,128 (SmolLM2: "9,3,64")')
+    add_heads_argument(p)
     a = p.parse_args()
     global SMOKE, HQ, HKV, INTERLEAVE
     INTERLEAVE = not a.sequential

@@ -87,8 +87,7 @@ def main():
     ap.add_argument("--no-checks", action="store_true", help="time only (checked before)")
     ap.add_argument("--device-time", action="store_true",
                     help="also each one's kernel time from a profiler trace")
-    ap.add_argument("--heads", default="",
-                    help='"Hq,Hkv,D" of the timed rows in place of 32,8,128 (SmolLM2: "9,3,64")')
+    bk.add_heads_argument(ap)
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of each check, all to agree bit for bit")
     a = ap.parse_args()

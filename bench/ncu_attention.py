@@ -31,7 +31,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default="64,64,8192")
     ap.add_argument("--variants", default="[{}]",
                     help="JSON list of tree_attention tunings, each run on every shape")
-    ap.add_argument("--heads", default="", help='"Hq,Hkv,D" in place of 32,8,128')
+    bk.add_heads_argument(ap)
     ap.add_argument("--backend", default="mosaic", choices=("mosaic", "triton", "default"),
                     help="the prefix's kernel (default: the backend rule's choice)")
     args = ap.parse_args(argv)

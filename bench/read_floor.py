@@ -277,8 +277,7 @@ def print_row(r, copy_bw):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", default=SIZES, help='"B,L;..."')
-    p.add_argument("--heads", default="", help='"Hq,Hkv,D" in place of 32,8,128 (SmolLM2: '
-                                                '"9,3,64")')
+    bk.add_heads_argument(p)
     p.add_argument("--device-time", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny, interpret mode (CPU)")
     p.add_argument("--only", default=".*", help="a regex: the JAX functions it names")
