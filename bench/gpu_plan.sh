@@ -839,11 +839,25 @@ case "${1:-}" in
     run b1_mosaic 200 python3 bench/bench_kernels.py --device-time --skip check,table,compact --sweep-grid mosaic_splits --sweep-shapes "1,16,8192;1,64,8192"
     ;;
   ncu_decode)
-    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-    run ncu_decode 400 "$NCU" --kernel-name regex:tree_attention -c 2 --section SpeedOfLight \
-      --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-      --section LaunchStats --section Occupancy \
-      python3 bench/ncu_attention.py --heads 9,3,64 --backend triton --shapes "64,1,256"
+    # Every section (--set full, with the SASS's stall samples) of the Triton kernel at 256 and
+    # 1K rows, then XLA's fused sum of the same K and V at 256 rows, the floor beside it.
+    NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu) --clock-control none --set full"
+    run ncu_decode 300 $NCU --import-source yes --kernel-name regex:tree -c 4 \
+      -o "$OUT/decode" -f python3 bench/ncu_attention.py --heads 9,3,64 --backend triton \
+      --shapes "64,1,256;64,1,1024"
+    run ncu_xla 200 $NCU --kernel-name regex:fusion -c 2 -o "$OUT/xla_sum" -f python3 -c "
+import jax, jax.numpy as jnp, numpy as np   # host-made data: no other fusions to catch
+kc, vc = (jax.device_put(np.random.default_rng(i).standard_normal((2, 64, 3, 256, 64))
+          .astype(jnp.bfloat16)) for i in (1, 2))
+f = jax.jit(lambda k, v, i: (k[i].astype(jnp.float32) + v[i].astype(jnp.float32)).sum(2))
+for _ in range(2): jax.block_until_ready(f(kc, vc, 1))"
+    for r in decode xla_sum; do
+      ${NCU%% *} -i "$OUT/$r.ncu-rep" --page details > "$OUT/$r.details.txt" 2>&1
+    done
+    ${NCU%% *} -i "$OUT/decode.ncu-rep" --page source --print-source sass --csv \
+      > "$OUT/decode_sass.csv" 2>&1
+    grep -E "Duration|DRAM Throughput|Stall|Achieved Occupancy|Registers Per|Waves" \
+      "$OUT/decode.details.txt" "$OUT/xla_sum.details.txt" | head -60
     ;;
   decode_warps)
     W='{"w1": {"num_warps": 1}, "w2": {"num_warps": 2}, "w1k128": {"num_warps": 1, "block_k": 128}}'
