@@ -183,7 +183,6 @@ def _tree_attention_kernel(
     indirect: bool = False,
     merge_in: bool = False,
     new_only: bool = False,
-    chains: int = 1,
 ):
     # No slot map unless asked for: even a constant one costs an iota kernel per call.
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
@@ -230,10 +229,8 @@ def _tree_attention_kernel(
 
     if merge_in:   # the prefix was done by another kernel: start from its merged splits
         carry = _merge_partials(*refs[6:9], bh, rows, row_live)
-    elif not new_only and chains == 1:   # (new_only: the combine pass merges the prefix)
+    elif not new_only:   # (new_only: the prefix's partials are merged by the combine pass)
         carry = lax.fori_loop(0, num_blocks, prefix_body, carry)
-    elif not new_only:
-        carry = _prefix_chains(prefix_body, num_blocks, carry, chains)
 
     # Rows past the last query read the last query's mask row; they are never stored.
     query = jnp.minimum(r // group, num_new - 1)
@@ -280,31 +277,6 @@ def _tree_attention_kernel(
         _store(o_ref.at[bh, split, rows, :], o, mask=row_live[:, None])
         _store(m_ref.at[bh, split, rows], m, mask=row_live)
         _store(l_ref.at[bh, split, rows], l, mask=row_live)
-
-
-def _merge_two(a, b):
-    """One (o, m, l) of two online-softmax carries over disjoint keys (base-2 log-sum-exp)."""
-    (oa, ma, la), (ob, mb, lb) = a, b
-    m = jnp.maximum(ma, mb)
-    wa, wb = jnp.exp2(ma - m), jnp.exp2(mb - m)
-    return wa[:, None] * oa + wb[:, None] * ob, m, wa * la + wb * lb
-
-
-def _prefix_chains(prefix_body, num_blocks, carry, chains):
-    """The prefix loop as `chains` independent online softmaxes, chain c taking key blocks
-    c, c + chains, ...; merged at the end. A program with few key blocks (short prefixes, many
-    splits) runs its blocks' arithmetic as one dependent chain of reductions and barriers; in
-    independent chains the scheduler can interleave them. A chain's block past the end is all
-    masked: it leaves a chain with keys unchanged, and a chain with none weighs nothing in the
-    merge beside chain 0, which always has keys when the split has any."""
-    def body(i, cs):
-        return tuple(prefix_body(i * chains + c, cs[c]) for c in range(chains))
-
-    cs = lax.fori_loop(0, pl.cdiv(num_blocks, chains), body, (carry,) * chains)
-    out = cs[0]
-    for c in cs[1:]:
-        out = _merge_two(out, c)
-    return out
 
 
 def _merge_partials(po_ref, pm_ref, pl_ref, bh, rows, row_live):
@@ -436,9 +408,9 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
-           "interpret", "causal", "skip_before", "live_rows", "chains", "backend",
-           "mosaic_tree", "mosaic_ring", "mosaic_rows_adjacent", "mosaic_tree_split",
-           "mosaic_tree_in_q", "mosaic_refill_apart", "mosaic_tree_first", "mosaic_profile")
+           "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
+           "mosaic_ring", "mosaic_rows_adjacent", "mosaic_tree_split", "mosaic_tree_in_q",
+           "mosaic_refill_apart", "mosaic_tree_first", "mosaic_profile")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -492,10 +464,9 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             slots, *,
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
-            skip_before=False, live_rows=0, chains=1, backend=None, mosaic_tree=None,
-            mosaic_ring=None, mosaic_rows_adjacent=None, mosaic_tree_split=None,
-            mosaic_tree_in_q=None, mosaic_refill_apart=None, mosaic_tree_first=None,
-            mosaic_profile=""):
+            skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
+            mosaic_rows_adjacent=None, mosaic_tree_split=None, mosaic_tree_in_q=None,
+            mosaic_refill_apart=None, mosaic_tree_first=None, mosaic_profile=""):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -504,8 +475,6 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     sees (one mask row read per program) instead of at key 0.
     live_rows: no slot's prefix is longer while this program runs (0: the cache's length); the
     default split count is sized for it. Only speed depends on it.
-    chains: the Triton kernel's prefix loop as that many independent online softmaxes over
-    interleaved key blocks, merged at its end (`_prefix_chains`).
     backend: "triton", "mosaic" (the prefix by `prefix_attention_mgpu`, and the tree part too up
     to `_MOSAIC_TREE_KEYS` tokens), or None: `mosaic_serves` decides. mosaic_tree=False: the
     Triton kernel's tree part (and merge) beside Mosaic's prefix at any tree size (A/B runs).
@@ -553,7 +522,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     kernel = functools.partial(
         _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv, group=g,
         num_new=n, block_r=block_r, block_k=block_k, block_n=block_n, packed=packed,
-        causal=causal, skip_before=skip_before, indirect=slots is not None, chains=chains)
+        causal=causal, skip_before=skip_before, indirect=slots is not None)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
     operands = (layer, seq_lens.astype(jnp.int32), *slot_map, q_in, k_cache, v_cache, kn_in,
                 vn_in, tree_mask.astype(jnp.int8))

@@ -1,5 +1,4 @@
 """Tree attention kernel (Pallas interpret mode on CPU) against the jnp reference."""
-import itertools
 import math
 
 import jax
@@ -203,32 +202,6 @@ def test_default_config_splits_stay_whole_and_fill(b, n, t):
     programs = b * 8 * -(-n * 4 // block_r)
     assert splits == 1 or t // splits >= 4 * block_k      # no split shorter than 4 key blocks
     assert programs * splits >= min(64, programs * max(1, t // (4 * block_k)))
-
-
-@pytest.mark.parametrize("chains", [2, 3])
-@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"b{c[0]}n{c[1]}g{c[2] // c[3]}")
-def test_prefix_chains_match_one_chain(case, chains):
-    """chains=C: the prefix loop as C independent online softmaxes over interleaved key blocks,
-    merged at the end. The cases hold splits with no keys, with fewer blocks than chains (a
-    chain of fully masked blocks only) and with a last partial block; with one split and with
-    three (the combine), the output must match the reference and the one-chain kernel."""
-    b, n, hq, hkv, d, t, seq_lens = case
-    q, kc, vc, sl, kn, vn, mask = _inputs(6, b, n, hq, hkv, d, t, 2, jnp.float32, seq_lens)
-    ref = np.asarray(ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask,
-                                                  sm_scale=0.125))
-
-    @jax.jit
-    def run(q, kc, vc, sl, kn, vn, mask):
-        return [ta.tree_attention_pallas(q, kc, vc, jnp.int32(1), sl, kn, vn, mask,
-                                         sm_scale=0.125, block_k=16, num_splits=splits,
-                                         interpret=True, chains=c)
-                for splits, c in itertools.product((1, 3), (1, chains))]
-
-    outs = [np.asarray(o) for o in run(q, kc, vc, sl, kn, vn, mask)]
-    assert all(np.isfinite(o).all() for o in outs)
-    for one, many in (outs[:2], outs[2:]):
-        np.testing.assert_allclose(many, ref, rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(many, one, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("entry", ["separate", "packed"])
