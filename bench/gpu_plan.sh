@@ -841,6 +841,8 @@ case "${1:-}" in
   ncu_decode)
     # Every section (--set full, with the SASS's stall samples) of the Triton kernel at 256 and
     # 1K rows, then XLA's fused sum of the same K and V at 256 rows, the floor beside it.
+    # Without preallocation: ncu saves and restores the device's allocated memory every pass.
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false
     NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu) --clock-control none --set full"
     run ncu_decode 300 $NCU --import-source yes --kernel-name regex:tree -c 4 \
       -o "$OUT/decode" -f python3 bench/ncu_attention.py --heads 9,3,64 --backend triton \
