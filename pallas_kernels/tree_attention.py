@@ -95,6 +95,10 @@ _MOSAIC_REFILL_APART = True
 _MOSAIC_TREE_FIRST = True
 
 
+# A tree of one token (decoding) folded in by a vector step (no dots), not a 16-row key block.
+_TREE_VECTOR = False
+
+
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
 from pallas_kernels._compat import CompilerParams as _CompilerParams
 from pallas_kernels._compat import load as _load
@@ -152,6 +156,19 @@ def _flash_step(q, k, v, valid, carry, scale_log2):
     return o_next, m_next, l_next
 
 
+def _vector_step(q, k, v, seen, carry, scale_log2):
+    """`_flash_step` over one key: k, v [D], seen a scalar bool. Products and sums on the
+    vector units: a 16-row dot's block costs a decode tile about as much as a prefix block
+    (its layout changes and barriers), for one key."""
+    o, m, l = carry
+    f32 = jnp.float32
+    s = jnp.sum(q.astype(f32) * k.astype(f32)[None, :], axis=1) * scale_log2
+    s = jnp.where(seen, s, MASK_VALUE)
+    m_next = jnp.maximum(m, s)
+    corr, p = jnp.exp2(m - m_next), jnp.exp2(s - m_next)
+    return corr[:, None] * o + p[:, None] * v.astype(f32)[None, :], m_next, corr * l + p
+
+
 def _store_rows(out_ref, o, b, h, r, live, group, col0=0):
     """Store rows r = n * G + g of KV head h to out[b, n, h * G + g, col0:] (final layout)."""
     col = col0 + jnp.arange(o.shape[-1])[None, :]
@@ -183,6 +200,7 @@ def _tree_attention_kernel(
     indirect: bool = False,
     merge_in: bool = False,
     new_only: bool = False,
+    tree_vector: bool = False,
 ):
     # No slot map unless asked for: even a constant one costs an iota kernel per call.
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
@@ -236,7 +254,7 @@ def _tree_attention_kernel(
     query = jnp.minimum(r // group, num_new - 1)
     new_iota = jnp.arange(block_n)
 
-    def new_body(j, carry):
+    def block_body(j, carry):
         m0 = j * block_n
         key_live = (m0 + new_iota) < num_new
         if packed:   # k heads follow the Hq query heads, v heads follow the k heads
@@ -251,6 +269,14 @@ def _tree_attention_kernel(
         cols = jnp.minimum(m0 + new_iota, num_new - 1)
         allowed = _load(mask_ref.at[b, query[:, None], cols[None, :]]) != 0
         return _flash_step(q, k, v, allowed & key_live[None, :], carry, scale_log2)
+
+    def vector_body(j, carry):   # num_new == 1: one key, one value row, one mask bit
+        kh = num_kv_heads * group + h   # (packed: the k and v heads after the query heads)
+        k, v = ((kn_ref[b, 0, kh, :], vn_ref[b, 0, kh + num_kv_heads, :]) if packed
+                else (kn_ref[b, h, 0, :], vn_ref[b, h, 0, :]))
+        return _vector_step(q, k, v, mask_ref[b, 0, 0] != 0, carry, scale_log2)
+
+    new_body = vector_body if tree_vector else block_body
 
     # Explicit int32: a select of two Python ints lowered to i1 under the Triton backend.
     num_new_blocks = (split == 0).astype(jnp.int32) * jnp.int32(pl.cdiv(num_new, block_n))
@@ -408,9 +434,9 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
-           "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_tree",
-           "mosaic_ring", "mosaic_rows_adjacent", "mosaic_tree_split", "mosaic_tree_in_q",
-           "mosaic_refill_apart", "mosaic_tree_first", "mosaic_profile")
+           "interpret", "causal", "skip_before", "live_rows", "tree_vector", "backend",
+           "mosaic_tree", "mosaic_ring", "mosaic_rows_adjacent", "mosaic_tree_split",
+           "mosaic_tree_in_q", "mosaic_refill_apart", "mosaic_tree_first", "mosaic_profile")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -464,9 +490,10 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             slots, *,
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
-            skip_before=False, live_rows=0, backend=None, mosaic_tree=None, mosaic_ring=None,
-            mosaic_rows_adjacent=None, mosaic_tree_split=None, mosaic_tree_in_q=None,
-            mosaic_refill_apart=None, mosaic_tree_first=None, mosaic_profile=""):
+            skip_before=False, live_rows=0, tree_vector=None, backend=None, mosaic_tree=None,
+            mosaic_ring=None, mosaic_rows_adjacent=None, mosaic_tree_split=None,
+            mosaic_tree_in_q=None, mosaic_refill_apart=None, mosaic_tree_first=None,
+            mosaic_profile=""):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -475,6 +502,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     sees (one mask row read per program) instead of at key 0.
     live_rows: no slot's prefix is longer while this program runs (0: the cache's length); the
     default split count is sized for it. Only speed depends on it.
+    tree_vector: a tree of one token by `_vector_step` (None: `_TREE_VECTOR`).
     backend: "triton", "mosaic" (the prefix by `prefix_attention_mgpu`, and the tree part too up
     to `_MOSAIC_TREE_KEYS` tokens), or None: `mosaic_serves` decides. mosaic_tree=False: the
     Triton kernel's tree part (and merge) beside Mosaic's prefix at any tree size (A/B runs).
@@ -522,7 +550,8 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     kernel = functools.partial(
         _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv, group=g,
         num_new=n, block_r=block_r, block_k=block_k, block_n=block_n, packed=packed,
-        causal=causal, skip_before=skip_before, indirect=slots is not None)
+        causal=causal, skip_before=skip_before, indirect=slots is not None,
+        tree_vector=(_TREE_VECTOR if tree_vector is None else tree_vector) and n == 1)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
     operands = (layer, seq_lens.astype(jnp.int32), *slot_map, q_in, k_cache, v_cache, kn_in,
                 vn_in, tree_mask.astype(jnp.int8))
