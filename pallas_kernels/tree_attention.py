@@ -97,8 +97,9 @@ _MOSAIC_TREE_FIRST = True
 
 # A tree of one token (decoding) folded in by a vector step (no dots), not a 16-row key block:
 # SmolLM2's heads 0.5-0.7 us a call faster (batch 1 and 64, 256-2K rows: 5.9 against 5.4 us at
-# batch 1 over 512, 7.8 against 7.3 at batch 64 over 256); a tie at head dim 128 (H200,
-# bench/RESULTS.md, sixty-first set). False: the block step at every tree size.
+# batch 1 over 512, 7.8 against 7.3 at batch 64 over 256), the engine's SmolLM2 decoding step
+# 1.0-2.2% faster; a tie at head dim 128 (H200, bench/RESULTS.md, sixty-first set). False: the
+# block step at every tree size.
 _TREE_VECTOR = True
 
 
