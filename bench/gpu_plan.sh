@@ -278,6 +278,10 @@
 #   bash bench/gpu_plan.sh ncu_decode  # issue 4: ncu's warp states and memory sections of the
 #                                      #   Triton kernel at SmolLM2's heads, batch 64, N 1, 256
 #                                      #   rows: where its 3-4 us over a bare read go (sixtieth set)
+#   bash bench/gpu_plan.sh tree_vector # issue 4: decoding's one new key by the vector step
+#                                      #   against the block step, the kernel at both head
+#                                      #   shapes, then the engine's SmolLM2 decoding step on,
+#                                      #   off, on (sixty-first set)
 #   bash bench/gpu_plan.sh packrows    # issue 8: packs of 2, 3, 4, 6, 8 rows (--prefill-pack-rows
 #                                      #   fine) against 2, 4, 8, batch 64, held-out ShareGPT
 #                                      #   (carry it), alternated; arithmetic on its lengths: 1.27x
@@ -860,6 +864,18 @@ for _ in range(2): jax.block_until_ready(f(kc, vc, 1))"
       > "$OUT/decode_sass.csv" 2>&1
     grep -E "Duration|DRAM Throughput|Stall|Achieved Occupancy|Registers Per|Waves" \
       "$OUT/decode.details.txt" "$OUT/xla_sum.details.txt" | head -60
+    ;;
+  tree_vector)
+    V='{"block": {"tree_vector": false}}'
+    run vec_smollm2 200 python3 bench/kernel_ab.py --heads 9,3,64 --base '{"backend":"triton"}' --no-checks --device-time --shapes "64,1,256;64,1,512;64,1,1024;1,1,512;1,1,2048" --variants "$V"
+    cp "$OUT/kernel_ab.json" "$OUT/kernel_ab_smollm2.json"
+    run vec_8b 200 python3 bench/kernel_ab.py --base '{"backend":"triton"}' --device-time --shapes "1,1,8192;1,1,32768;8,1,8192;64,1,8192;1,1,1024" --variants "$V"
+    for v in True False True; do   # the module's default set before the bench builds its program
+      run "vec_decode_$v" 60 python3 -c "import runpy, sys; import pallas_kernels.tree_attention as ta
+ta._TREE_VECTOR = $v
+sys.argv = 'bench_decode --layouts static --only smollm2-135m --program engine --batches 1,64'.split()
+runpy.run_module('bench.bench_decode', run_name='__main__')"
+    done
     ;;
   decode_warps)
     W='{"w1": {"num_warps": 1}, "w2": {"num_warps": 2}, "w1k128": {"num_warps": 1, "block_k": 128}}'
