@@ -257,12 +257,12 @@ def _tree_attention_kernel(
     # Rows past the last query read the last query's mask row; they are never stored.
     query = jnp.minimum(r // group, num_new - 1)
     new_iota = jnp.arange(block_n)
+    kh = num_kv_heads * group + h   # packed: k heads follow the Hq query heads, v heads the k's
 
     def block_body(j, carry):
         m0 = j * block_n
         key_live = (m0 + new_iota) < num_new
-        if packed:   # k heads follow the Hq query heads, v heads follow the k heads
-            kh = num_kv_heads * group + h
+        if packed:
             k = _load(kn_ref.at[b, pl.ds(m0, block_n), kh, :], mask=key_live[:, None], other=0.0)
             v = _load(vn_ref.at[b, pl.ds(m0, block_n), kh + num_kv_heads, :],
                       mask=key_live[:, None], other=0.0)
@@ -275,7 +275,6 @@ def _tree_attention_kernel(
         return _flash_step(q, k, v, allowed & key_live[None, :], carry, scale_log2)
 
     def vector_body(j, carry):   # num_new == 1: one key, one value row, one mask bit
-        kh = num_kv_heads * group + h   # (packed: the k and v heads after the query heads)
         k, v = ((kn_ref[b, 0, kh, :], vn_ref[b, 0, kh + num_kv_heads, :]) if packed
                 else (kn_ref[b, h, 0, :], vn_ref[b, h, 0, :]))
         return _vector_step(q, k, v, mask_ref[b, 0, 0] != 0, carry, scale_log2)

@@ -29,6 +29,14 @@ def _pack(q, kn, vn):
     return jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], axis=2)
 
 
+def _kernel(entry, q, kc, vc, layer, sl, kn, vn, mask, slots=None, **tune):
+    """The Pallas kernel by its separate-input entry or its packed one (`_pack`)."""
+    if entry == "packed":
+        return ta.tree_attention_packed_pallas(_pack(q, kn, vn), kc, vc, layer, sl, mask, slots,
+                                               num_heads=q.shape[2], **tune)
+    return ta.tree_attention_pallas(q, kc, vc, layer, sl, kn, vn, mask, slots, **tune)
+
+
 def _rel_err(out, ref):
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     return np.linalg.norm(out - ref) / np.linalg.norm(ref)
@@ -63,12 +71,8 @@ def test_kernel_matches_reference(case, dtype, entry):
     def both(q, kc, vc, sl, kn, vn, mask):
         outs = []
         for splits in (1, 3):
-            tune = dict(sm_scale=scale, block_k=16, num_splits=splits, interpret=True)
-            if entry == "packed":
-                outs.append(ta.tree_attention_packed_pallas(_pack(q, kn, vn), kc, vc, layer, sl,
-                                                            mask, num_heads=hq, **tune))
-            else:
-                outs.append(ta.tree_attention_pallas(q, kc, vc, layer, sl, kn, vn, mask, **tune))
+            outs.append(_kernel(entry, q, kc, vc, layer, sl, kn, vn, mask, sm_scale=scale,
+                                block_k=16, num_splits=splits, interpret=True))
         return outs
 
     outs = both(q, kc, vc, sl, kn, vn, mask)
@@ -97,12 +101,8 @@ def test_rows_read_their_slots_of_a_larger_cache(entry):
                                             slots=slots)
     np.testing.assert_allclose(np.asarray(ref_slots), np.asarray(ref), rtol=1e-6, atol=1e-6)
     for splits in (1, 3):
-        tune = dict(sm_scale=scale, block_k=16, num_splits=splits, interpret=True)
-        if entry == "packed":
-            out = ta.tree_attention_packed_pallas(_pack(q, kn, vn), kc, vc, layer, sl, mask,
-                                                  slots, num_heads=hq, **tune)
-        else:
-            out = ta.tree_attention_pallas(q, kc, vc, layer, sl, kn, vn, mask, slots, **tune)
+        out = _kernel(entry, q, kc, vc, layer, sl, kn, vn, mask, slots, sm_scale=scale,
+                      block_k=16, num_splits=splits, interpret=True)
         assert _rel_err(out, ref) < TOL[jnp.float32]
     # A wrong slot map reads other caches: the check can fail.
     wrong = ta.tree_attention_reference(q, kc, vc, layer, sl, kn, vn, mask, sm_scale=scale,
@@ -223,15 +223,9 @@ def test_one_token_tree_by_vector_step(heads, dtype, entry):
     def run(q, kc, vc, sl, kn, vn, mask):
         outs = []
         for splits, vector in itertools.product((1, 3), (False, True)):
-            tune = dict(sm_scale=0.125, block_k=16, num_splits=splits, interpret=True,
-                        tree_vector=vector)
-            if entry == "packed":
-                outs.append(ta.tree_attention_packed_pallas(_pack(q, kn, vn), kc, vc,
-                                                            jnp.int32(1), sl, mask,
-                                                            num_heads=hq, **tune))
-            else:
-                outs.append(ta.tree_attention_pallas(q, kc, vc, jnp.int32(1), sl, kn, vn, mask,
-                                                     **tune))
+            outs.append(_kernel(entry, q, kc, vc, jnp.int32(1), sl, kn, vn, mask,
+                                sm_scale=0.125, block_k=16, num_splits=splits, interpret=True,
+                                tree_vector=vector))
         return outs
 
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
@@ -258,13 +252,9 @@ def test_causal_bound_keeps_every_key_a_query_sees(entry):
     ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=0.125)
     for block_r, block_n, skip in ((16, 16, False), (32, 8, False), (64, 32, False),
                                    (16, 16, True), (32, 8, True), (16, 8, True)):
-        tune = dict(sm_scale=0.125, block_r=block_r, block_k=16, block_n=block_n,
-                    interpret=True, causal=True, skip_before=skip)
-        if entry == "packed":
-            out = ta.tree_attention_packed_pallas(_pack(q, kn, vn), kc, vc, jnp.int32(0), sl,
-                                                  mask, num_heads=hq, **tune)
-        else:
-            out = ta.tree_attention_pallas(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, **tune)
+        out = _kernel(entry, q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=0.125,
+                      block_r=block_r, block_k=16, block_n=block_n, interpret=True,
+                      causal=True, skip_before=skip)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
     # A mask that lets an early query see a late key is outside the contract: the bound drops
     # that key, so the result differs (this is what the option promises callers to avoid).
