@@ -282,9 +282,6 @@
 #                                      #   against the block step, the kernel at both head
 #                                      #   shapes, then the engine's SmolLM2 decoding step on,
 #                                      #   off, on (sixty-first set)
-#   bash bench/gpu_plan.sh prefix_vector # issue 4: decoding's prefix blocks on the vector
-#                                      #   units in tiles of G rows (`_vector_block`) against
-#                                      #   the dots' 16-row tiles, at both head shapes
 #   bash bench/gpu_plan.sh packrows    # issue 8: packs of 2, 3, 4, 6, 8 rows (--prefill-pack-rows
 #                                      #   fine) against 2, 4, 8, batch 64, held-out ShareGPT
 #                                      #   (carry it), alternated; arithmetic on its lengths: 1.27x
@@ -879,13 +876,6 @@ ta._TREE_VECTOR = $v
 sys.argv = 'bench_decode --layouts static --only smollm2-135m --program engine --batches 1,64'.split()
 runpy.run_module('bench.bench_decode', run_name='__main__')"
     done
-    ;;
-  prefix_vector)
-    # decoding's prefix blocks on the vector units, tiles of G rows (`_vector_block`)
-    V='{"pv": {"prefix_vector": true}, "pv_k32": {"prefix_vector": true, "block_k": 32}, "pv_k16": {"prefix_vector": true, "block_k": 16}, "pv_w2": {"prefix_vector": true, "num_warps": 2}, "pv_w8": {"prefix_vector": true, "num_warps": 8}}'
-    run pv_smollm2 300 python3 bench/kernel_ab.py --heads 9,3,64 --base '{"backend":"triton"}' --no-checks --device-time --shapes "64,1,256;64,1,1024;1,1,512;1,1,2048" --variants "$V"
-    cp "$OUT/kernel_ab.json" "$OUT/kernel_ab_smollm2.json"
-    run pv_8b 280 python3 bench/kernel_ab.py --base '{"backend":"triton"}' --device-time --shapes "1,1,8192;64,1,8192;1,1,1024" --variants "${V8:-$V}"
     ;;
   decode_warps)
     W='{"w1": {"num_warps": 1}, "w2": {"num_warps": 2}, "w1k128": {"num_warps": 1, "block_k": 128}}'

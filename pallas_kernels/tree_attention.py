@@ -101,9 +101,6 @@ _MOSAIC_TREE_FIRST = True
 # 1.0-2.2% faster; a tie at head dim 128 (H200, bench/RESULTS.md, sixty-first set). False: the
 # block step at every tree size.
 _TREE_VECTOR = True
-# Decoding's prefix blocks on the vector units too (`_vector_block`), in tiles of the G rows
-# alone rather than a dot's 16 (A/B runs; bench/RESULTS.md, sixty-second set).
-_PREFIX_VECTOR = False
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -176,20 +173,6 @@ def _vector_step(q, k, v, seen, carry, scale_log2):
     return corr[:, None] * o + p[:, None] * v.astype(f32)[None, :], m_next, corr * l + p
 
 
-def _vector_block(q, k, v, live, carry, scale_log2):
-    """`_flash_step` on the vector units: q [R, D], k, v [K, D], live [K]. No dot, so R may be
-    under a dot's 16 rows (decoding's G query heads of one KV head)."""
-    o, m, l = carry
-    f32 = jnp.float32
-    s = jnp.sum(q.astype(f32)[:, None, :] * k.astype(f32)[None, :, :], axis=2) * scale_log2
-    s = jnp.where(live[None, :], s, MASK_VALUE)
-    m_next = jnp.maximum(m, s.max(axis=-1))
-    corr = jnp.exp2(m - m_next)
-    p = jnp.exp2(s - m_next[:, None])
-    pv = jnp.sum(p[:, :, None] * v.astype(f32)[None, :, :], axis=1)
-    return corr[:, None] * o + pv, m_next, corr * l + p.sum(axis=-1)
-
-
 def _store_rows(out_ref, o, b, h, r, live, group, col0=0):
     """Store rows r = n * G + g of KV head h to out[b, n, h * G + g, col0:] (final layout)."""
     col = col0 + jnp.arange(o.shape[-1])[None, :]
@@ -222,7 +205,6 @@ def _tree_attention_kernel(
     merge_in: bool = False,
     new_only: bool = False,
     tree_vector: bool = False,
-    prefix_vector: bool = False,
 ):
     # No slot map unless asked for: even a constant one costs an iota kernel per call.
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
@@ -265,8 +247,6 @@ def _tree_attention_kernel(
                   other=0.0)
         v = _load(v_ref.at[layer, slot, h, pl.ds(t0, block_k), :], mask=live[:, None],
                   other=0.0)
-        if prefix_vector:
-            return _vector_block(q, k, v, live, carry, scale_log2)
         return _flash_step(q, k, v, live[None, :], carry, scale_log2)
 
     if merge_in:   # the prefix was done by another kernel: start from its merged splits
@@ -457,8 +437,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
-           "interpret", "causal", "skip_before", "live_rows", "tree_vector", "prefix_vector",
-           "backend",
+           "interpret", "causal", "skip_before", "live_rows", "tree_vector", "backend",
            "mosaic_tree", "mosaic_ring", "mosaic_rows_adjacent", "mosaic_tree_split",
            "mosaic_tree_in_q", "mosaic_refill_apart", "mosaic_tree_first", "mosaic_profile")
 
@@ -514,8 +493,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             slots, *,
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
-            skip_before=False, live_rows=0, tree_vector=None, prefix_vector=None, backend=None,
-            mosaic_tree=None,
+            skip_before=False, live_rows=0, tree_vector=None, backend=None, mosaic_tree=None,
             mosaic_ring=None, mosaic_rows_adjacent=None, mosaic_tree_split=None,
             mosaic_tree_in_q=None, mosaic_refill_apart=None, mosaic_tree_first=None,
             mosaic_profile=""):
@@ -528,9 +506,6 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     live_rows: no slot's prefix is longer while this program runs (0: the cache's length); the
     default split count is sized for it. Only speed depends on it.
     tree_vector: a tree of one token by `_vector_step` (None: `_TREE_VECTOR`).
-    prefix_vector: with a tree of one token, the Triton kernel's prefix blocks by
-    `_vector_block` and its new key by `_vector_step`: no dots, so a tile takes the G rows
-    alone (block_r defaults to G rounded up to a power of 2, not 16; None: `_PREFIX_VECTOR`).
     backend: "triton", "mosaic" (the prefix by `prefix_attention_mgpu`, and the tree part too up
     to `_MOSAIC_TREE_KEYS` tokens), or None: `mosaic_serves` decides. mosaic_tree=False: the
     Triton kernel's tree part (and merge) beside Mosaic's prefix at any tree size (A/B runs).
@@ -566,11 +541,6 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
         if mosaic_tree_split is None:
             mosaic_tree_split = _MOSAIC_TREE_SPLIT and pm.tree_split_pays(
                 b, hkv, pm.padded_rows(rows), live_len, num_splits, ring[0])
-    prefix_vector = ((_PREFIX_VECTOR if prefix_vector is None else prefix_vector) and n == 1
-                     and not mosaic)
-    if prefix_vector:
-        tree_vector = True
-        cfg = (min(_next_pow2(rows), cfg[0]),) + cfg[1:]
     block_r = block_r or cfg[0]
     block_k = block_k or cfg[1]
     num_warps = num_warps or cfg[3]
@@ -584,8 +554,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
         _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv, group=g,
         num_new=n, block_r=block_r, block_k=block_k, block_n=block_n, packed=packed,
         causal=causal, skip_before=skip_before, indirect=slots is not None,
-        tree_vector=(_TREE_VECTOR if tree_vector is None else tree_vector) and n == 1,
-        prefix_vector=prefix_vector)
+        tree_vector=(_TREE_VECTOR if tree_vector is None else tree_vector) and n == 1)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
     operands = (layer, seq_lens.astype(jnp.int32), *slot_map, q_in, k_cache, v_cache, kn_in,
                 vn_in, tree_mask.astype(jnp.int8))

@@ -210,32 +210,31 @@ def test_default_config_splits_stay_whole_and_fill(b, n, t):
 @pytest.mark.parametrize("heads", [(8, 2), (9, 3), (8, 8)], ids=lambda h: f"g{h[0] // h[1]}")
 def test_one_token_tree_by_vector_step(heads, dtype, entry):
     """tree_vector: decoding's one new key folded in by `_vector_step` rather than a 16-row
-    key block; prefix_vector: the prefix's blocks too (`_vector_block`), in tiles of the G rows
-    alone. Against the reference and the block step, with one split and with three (the
-    combine), an empty prefix, a full one, one that ends inside a key block, and a slot whose
-    new token is masked out."""
+    key block. Against the reference and the block step, with one split and with three (the
+    combine), an empty prefix, a full one, and a slot whose new token is masked out."""
     hq, hkv = heads
     b, d, t = 3, 64, 48
     q, kc, vc, sl, kn, vn, mask = _inputs(7, b, 1, hq, hkv, d, t, 2, dtype, [0, t, 17])
     mask = mask.at[2].set(False)   # slot 2 attends to its prefix only
     ref = np.asarray(ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask,
                                                  sm_scale=0.125), np.float64)
-    modes = ({"tree_vector": False}, {"tree_vector": True}, {"prefix_vector": True})
 
     @jax.jit
     def run(q, kc, vc, sl, kn, vn, mask):
-        return [_kernel(entry, q, kc, vc, jnp.int32(1), sl, kn, vn, mask, sm_scale=0.125,
-                        block_k=16, num_splits=splits, interpret=True, **mode)
-                for splits, mode in itertools.product((1, 3), modes)]
+        outs = []
+        for splits, vector in itertools.product((1, 3), (False, True)):
+            outs.append(_kernel(entry, q, kc, vc, jnp.int32(1), sl, kn, vn, mask,
+                                sm_scale=0.125, block_k=16, num_splits=splits, interpret=True,
+                                tree_vector=vector))
+        return outs
 
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
-    block1, vector1, prefix1, block3, vector3, prefix3 = (
-        np.asarray(o, np.float64) for o in run(q, kc, vc, sl, kn, vn, mask))
-    for out in (vector1, vector3, prefix1, prefix3):
+    block1, vector1, block3, vector3 = (np.asarray(o, np.float64)
+                                        for o in run(q, kc, vc, sl, kn, vn, mask))
+    for out in (vector1, vector3):
         np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
-    for out, block in ((vector1, block1), (vector3, block3), (prefix1, block1),
-                       (prefix3, block3)):
-        np.testing.assert_allclose(out, block, rtol=tol, atol=tol)
+    np.testing.assert_allclose(vector1, block1, rtol=tol, atol=tol)
+    np.testing.assert_allclose(vector3, block3, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("entry", ["separate", "packed"])
