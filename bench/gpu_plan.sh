@@ -282,10 +282,6 @@
 #                                      #   against the block step, the kernel at both head
 #                                      #   shapes, then the engine's SmolLM2 decoding step on,
 #                                      #   off, on (sixty-first set)
-#   bash bench/gpu_plan.sh tree_vector_small # issue 4: trees of 2-8 tokens by the vector
-#                                      #   step key by key against the 16-row key block, both
-#                                      #   head shapes; tree_vector_cycle: the 8B-shape batch-1
-#                                      #   chain cycle (SHAPES, 3,1,4) with it and without
 #   bash bench/gpu_plan.sh packrows    # issue 8: packs of 2, 3, 4, 6, 8 rows (--prefill-pack-rows
 #                                      #   fine) against 2, 4, 8, batch 64, held-out ShareGPT
 #                                      #   (carry it), alternated; arithmetic on its lengths: 1.27x
@@ -879,20 +875,6 @@ for _ in range(2): jax.block_until_ready(f(kc, vc, 1))"
 ta._TREE_VECTOR = $v
 sys.argv = 'bench_decode --layouts static --only smollm2-135m --program engine --batches 1,64'.split()
 runpy.run_module('bench.bench_decode', run_name='__main__')"
-    done
-    ;;
-  tree_vector_small)
-    # small trees' keys one at a time by the vector step, against the 16-row key block
-    V='{"vec": {"tree_vector": true}}'
-    run tvs_smollm2 250 python3 bench/kernel_ab.py --heads 9,3,64 --base '{"backend":"triton"}' --no-checks --device-time --shapes "1,2,512;1,3,512;1,4,512;1,5,512;1,8,512;1,4,2048;64,2,256;64,4,256;64,4,1024" --variants "$V"
-    cp "$OUT/kernel_ab.json" "$OUT/kernel_ab_smollm2.json"
-    run tvs_8b 250 python3 bench/kernel_ab.py --base '{"backend":"triton"}' --device-time --shapes "1,2,8192;1,4,8192;8,4,8192;1,2,1024;1,4,1024;1,8,1024" --variants "$V"
-    ;;
-  tree_vector_cycle)
-    # the 8B-shape batch-1 chain cycle with small trees by the vector step (KEYS) and without
-    for k in ${KEYS:-4} 1 ${KEYS:-4}; do
-      run "tvc_$k" 150 python3 bench/bench_cycle.py --shapes "${SHAPES:-3,1,4}" --no-ablation --kernel-default _TREE_VECTOR_KEYS=$k
-      cp "$OUT/bench_cycle.json" "$OUT/bench_cycle_$k.json" 2>/dev/null
     done
     ;;
   decode_warps)

@@ -101,7 +101,6 @@ _MOSAIC_TREE_FIRST = True
 # 1.0-2.2% faster; a tie at head dim 128 (H200, bench/RESULTS.md, sixty-first set). False: the
 # block step at every tree size.
 _TREE_VECTOR = True
-_TREE_VECTOR_KEYS = 1
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -275,12 +274,10 @@ def _tree_attention_kernel(
         allowed = _load(mask_ref.at[b, query[:, None], cols[None, :]]) != 0
         return _flash_step(q, k, v, allowed & key_live[None, :], carry, scale_log2)
 
-    def vector_body(j, carry):   # small trees (block_n == 1): key j, its value row, mask bits
-        k, v = ((kn_ref[b, j, kh, :], vn_ref[b, j, kh + num_kv_heads, :]) if packed
-                else (kn_ref[b, h, j, :], vn_ref[b, h, j, :]))
-        # One token: one bit for every row; more: each row's query's bit for key j.
-        seen = (mask_ref[b, 0, 0] if num_new == 1 else _load(mask_ref.at[b, query, j])) != 0
-        return _vector_step(q, k, v, seen, carry, scale_log2)
+    def vector_body(j, carry):   # num_new == 1: one key, one value row, one mask bit
+        k, v = ((kn_ref[b, 0, kh, :], vn_ref[b, 0, kh + num_kv_heads, :]) if packed
+                else (kn_ref[b, h, 0, :], vn_ref[b, h, 0, :]))
+        return _vector_step(q, k, v, mask_ref[b, 0, 0] != 0, carry, scale_log2)
 
     new_body = vector_body if tree_vector else block_body
 
@@ -508,8 +505,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     sees (one mask row read per program) instead of at key 0.
     live_rows: no slot's prefix is longer while this program runs (0: the cache's length); the
     default split count is sized for it. Only speed depends on it.
-    tree_vector: the tree's keys one at a time by `_vector_step` (None: `_TREE_VECTOR`, for
-    trees of up to `_TREE_VECTOR_KEYS` tokens).
+    tree_vector: a tree of one token by `_vector_step` (None: `_TREE_VECTOR`).
     backend: "triton", "mosaic" (the prefix by `prefix_attention_mgpu`, and the tree part too up
     to `_MOSAIC_TREE_KEYS` tokens), or None: `mosaic_serves` decides. mosaic_tree=False: the
     Triton kernel's tree part (and merge) beside Mosaic's prefix at any tree size (A/B runs).
@@ -550,11 +546,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     num_warps = num_warps or cfg[3]
     num_stages = num_stages or cfg[4]
     # Causal chunks take 128-key blocks: half the loop trips, 8-9% faster on packs (H100).
-    if tree_vector is None:
-        tree_vector = _TREE_VECTOR and n <= _TREE_VECTOR_KEYS
-    # The vector step takes one key a loop trip: blocks of one key.
-    block_n = 1 if tree_vector else block_n or (
-        128 if causal and n >= 128 else min(64, max(16, _next_pow2(n))))
+    block_n = block_n or (128 if causal and n >= 128 else min(64, max(16, _next_pow2(n))))
     assert block_r == _next_pow2(block_r) and block_k == _next_pow2(block_k), (
         f"{block_r=} and {block_k=} must be powers of 2")
     layer = jnp.reshape(layer, (1,)).astype(jnp.int32)
@@ -562,7 +554,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
         _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv, group=g,
         num_new=n, block_r=block_r, block_k=block_k, block_n=block_n, packed=packed,
         causal=causal, skip_before=skip_before, indirect=slots is not None,
-        tree_vector=tree_vector)
+        tree_vector=(_TREE_VECTOR if tree_vector is None else tree_vector) and n == 1)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
     operands = (layer, seq_lens.astype(jnp.int32), *slot_map, q_in, k_cache, v_cache, kn_in,
                 vn_in, tree_mask.astype(jnp.int8))

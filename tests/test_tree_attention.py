@@ -207,16 +207,14 @@ def test_default_config_splits_stay_whole_and_fill(b, n, t):
 
 @pytest.mark.parametrize("entry", ["separate", "packed"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("heads,n", [((8, 2), 1), ((9, 3), 1), ((8, 8), 1), ((9, 3), 3),
-                                     ((8, 2), 4)], ids=lambda x: str(x))
-def test_small_tree_by_vector_step(heads, n, dtype, entry):
-    """tree_vector: a small tree's keys folded in one at a time by `_vector_step` rather than a
-    16-row key block (each row under its own query's mask bit). Against the reference and the
-    block step, with one split and with three (the combine), an empty prefix, a full one, and
-    a slot whose new tokens are all masked out."""
+@pytest.mark.parametrize("heads", [(8, 2), (9, 3), (8, 8)], ids=lambda h: f"g{h[0] // h[1]}")
+def test_one_token_tree_by_vector_step(heads, dtype, entry):
+    """tree_vector: decoding's one new key folded in by `_vector_step` rather than a 16-row
+    key block. Against the reference and the block step, with one split and with three (the
+    combine), an empty prefix, a full one, and a slot whose new token is masked out."""
     hq, hkv = heads
     b, d, t = 3, 64, 48
-    q, kc, vc, sl, kn, vn, mask = _inputs(7, b, n, hq, hkv, d, t, 2, dtype, [0, t, 17])
+    q, kc, vc, sl, kn, vn, mask = _inputs(7, b, 1, hq, hkv, d, t, 2, dtype, [0, t, 17])
     mask = mask.at[2].set(False)   # slot 2 attends to its prefix only
     ref = np.asarray(ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask,
                                                  sm_scale=0.125), np.float64)
