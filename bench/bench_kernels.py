@@ -290,7 +290,7 @@ def rel_err(out, ref):
 def multi_call(fn, reps):
     """One executable holding `reps` independent calls, one per layer (amortises dispatch)."""
     def f(q, kc, vc, sl, kn, vn, mask):
-        return [fn(q, kc, vc, np.int32(i), sl, kn, vn, mask) for i in range(reps)]
+        return [fn(q, kc, vc, jnp.int32(i), sl, kn, vn, mask) for i in range(reps)]
     return jax.jit(f)
 
 
@@ -438,11 +438,8 @@ def bench_attention(b, n, length, fns, key):
 
 def kernel_fn(**cfg):
     def fn(q, kc, vc, layer, sl, kn, vn, mask):
-        tune = cfg
-        if cfg.get("static_layer") is True:   # probe: the call's layer baked into the kernel
-            tune = dict(cfg, static_layer=int(layer))
         return ta.tree_attention_pallas(q, kc, vc, layer, sl, kn, vn, mask, sm_scale=SM_SCALE,
-                                        interpret=SMOKE, **tune)
+                                        interpret=SMOKE, **cfg)
     return fn
 
 

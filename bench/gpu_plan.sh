@@ -877,14 +877,6 @@ sys.argv = 'bench_decode --layouts static --only smollm2-135m --program engine -
 runpy.run_module('bench.bench_decode', run_name='__main__')"
     done
     ;;
-  static_scalars)
-    # probes: the layer baked into the kernel (sl), and with it every prefix taken as full
-    # (slf: no scalar load before the first key's address and the loop's trip count)
-    V='{"sl": {"static_layer": true}, "slf": {"static_layer": true, "probe_full": true}}'
-    run ss_smollm2 200 python3 bench/kernel_ab.py --heads 9,3,64 --base '{"backend":"triton"}' --no-checks --device-time --shapes "64,1,256;64,1,1024;1,1,512;1,1,2048;64,4,256" --variants "$V"
-    cp "$OUT/kernel_ab.json" "$OUT/kernel_ab_smollm2.json"
-    run ss_8b 200 python3 bench/kernel_ab.py --base '{"backend":"triton"}' --no-checks --device-time --shapes "1,1,8192;8,1,8192;1,1,1024;1,4,8192" --variants "$V"
-    ;;
   decode_warps)
     W='{"w1": {"num_warps": 1}, "w2": {"num_warps": 2}, "w1k128": {"num_warps": 1, "block_k": 128}}'
     run warps_smollm2 280 python3 bench/kernel_ab.py --heads 9,3,64 --base '{}' --no-checks --device-time --shapes "64,1,256;64,1,512;64,4,256;64,4,512;64,1,1024;1,1,512" --variants "$W"

@@ -205,8 +205,6 @@ def _tree_attention_kernel(
     merge_in: bool = False,
     new_only: bool = False,
     tree_vector: bool = False,
-    static_layer: int | None = None,
-    probe_full: bool = False,
 ):
     # No slot map unless asked for: even a constant one costs an iota kernel per call.
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
@@ -216,9 +214,9 @@ def _tree_attention_kernel(
     b, h = bh // num_kv_heads, bh % num_kv_heads
     t_max = k_ref.shape[3]
     num_rows = num_new * group
-    layer = layer_ref[0] if static_layer is None else jnp.int32(static_layer)
+    layer = layer_ref[0]
     slot = jnp.clip(slots_ref[b], 0, k_ref.shape[1] - 1) if indirect else b
-    seq_len = t_max if probe_full else jnp.clip(seq_lens_ref[b], 0, t_max)
+    seq_len = jnp.clip(seq_lens_ref[b], 0, t_max)
     # This split's share of the live prefix, a whole number of key blocks.
     chunk = pl.cdiv(pl.cdiv(seq_len, num_splits), block_k) * block_k
     start = split * chunk
@@ -439,8 +437,7 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
 
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
-           "interpret", "causal", "skip_before", "live_rows", "tree_vector", "static_layer",
-           "probe_full", "backend",
+           "interpret", "causal", "skip_before", "live_rows", "tree_vector", "backend",
            "mosaic_tree", "mosaic_ring", "mosaic_rows_adjacent", "mosaic_tree_split",
            "mosaic_tree_in_q", "mosaic_refill_apart", "mosaic_tree_first", "mosaic_profile")
 
@@ -496,8 +493,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             slots, *,
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
-            skip_before=False, live_rows=0, tree_vector=None, static_layer=None,
-            probe_full=False, backend=None, mosaic_tree=None,
+            skip_before=False, live_rows=0, tree_vector=None, backend=None, mosaic_tree=None,
             mosaic_ring=None, mosaic_rows_adjacent=None, mosaic_tree_split=None,
             mosaic_tree_in_q=None, mosaic_refill_apart=None, mosaic_tree_first=None,
             mosaic_profile=""):
@@ -558,8 +554,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
         _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv, group=g,
         num_new=n, block_r=block_r, block_k=block_k, block_n=block_n, packed=packed,
         causal=causal, skip_before=skip_before, indirect=slots is not None,
-        tree_vector=(_TREE_VECTOR if tree_vector is None else tree_vector) and n == 1,
-        static_layer=static_layer, probe_full=probe_full)
+        tree_vector=(_TREE_VECTOR if tree_vector is None else tree_vector) and n == 1)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
     operands = (layer, seq_lens.astype(jnp.int32), *slot_map, q_in, k_cache, v_cache, kn_in,
                 vn_in, tree_mask.astype(jnp.int8))
