@@ -67,10 +67,10 @@ def write_json(name: str, obj) -> None:
 def set_kernel_defaults(pairs) -> dict:
     """Sets module defaults before any program is traced, so one process times the cycle as it
     runs with another default (the forty-seventh set's A/B runs). Each pair is "NAME=VALUE",
-    VALUE a Python literal, NAME one of tree_attention's `_MOSAIC_*` or `_TREE_VECTOR*` constants,
-    "topk.NAME" for an upper-case constant of jaxspec.spec.topk (its top-k policy) or
-    "vocab_topk.NAME" for one of pallas_kernels.vocab_topk (the top-k kernel's form). -> the
-    settings, by the names given."""
+    VALUE a Python literal, NAME one of tree_attention's `_MOSAIC_*` constants or
+    `_TREE_VECTOR`, "topk.NAME" for an upper-case constant of jaxspec.spec.topk (its top-k
+    policy) or "vocab_topk.NAME" for one of pallas_kernels.vocab_topk (the top-k kernel's
+    form). -> the settings, by the names given."""
     import ast
 
     from jaxspec.spec import topk
@@ -96,8 +96,9 @@ def set_kernel_defaults(pairs) -> dict:
 def add_kernel_default(ap) -> None:
     """`--kernel-default NAME=VALUE` on a benchmark's parser (`set_kernel_defaults`)."""
     ap.add_argument("--kernel-default", action="append", default=[], metavar="NAME=VALUE",
-                    help="a tree_attention _MOSAIC_* or _TREE_VECTOR* default, topk.NAME (the top-k policy) or "
-                         "vocab_topk.NAME (the top-k kernel), for this run (repeatable)")
+                    help="a tree_attention _MOSAIC_* or _TREE_VECTOR default, topk.NAME (the "
+                         "top-k policy) or vocab_topk.NAME (the top-k kernel), for this run "
+                         "(repeatable)")
 
 
 def apply_kernel_defaults(args) -> dict:

@@ -128,14 +128,18 @@ def test_alternate_takes_its_compiled_copies_in_turn():
 
 def test_kernel_defaults_set_for_one_run(monkeypatch):
     """`--kernel-default` (bench_cycle, profile_cycle, bench_engine): a tree_attention _MOSAIC_*
-    constant set from a literal before the run; anything else is refused by name."""
+    constant or _TREE_VECTOR set from a literal before the run; anything else is refused by
+    name."""
     from bench.common import set_kernel_defaults
     from pallas_kernels import tree_attention as ta
     monkeypatch.setattr(ta, "_MOSAIC_TREE_IN_Q", ta._MOSAIC_TREE_IN_Q)   # restored after
     monkeypatch.setattr(ta, "_MOSAIC_TREE_SPLIT", ta._MOSAIC_TREE_SPLIT)
-    assert set_kernel_defaults(["_MOSAIC_TREE_IN_Q=False", "_MOSAIC_TREE_SPLIT=0"]) == {
-        "_MOSAIC_TREE_IN_Q": False, "_MOSAIC_TREE_SPLIT": 0}
+    monkeypatch.setattr(ta, "_TREE_VECTOR", ta._TREE_VECTOR)
+    assert set_kernel_defaults(["_MOSAIC_TREE_IN_Q=False", "_MOSAIC_TREE_SPLIT=0",
+                                "_TREE_VECTOR=False"]) == {
+        "_MOSAIC_TREE_IN_Q": False, "_MOSAIC_TREE_SPLIT": 0, "_TREE_VECTOR": False}
     assert ta._MOSAIC_TREE_IN_Q is False and ta._MOSAIC_TREE_SPLIT == 0
+    assert ta._TREE_VECTOR is False
     with pytest.raises(ValueError, match="_MOSAIC_TREE_IN_Q"):   # the known names are listed
         set_kernel_defaults(["_SPLIT_KEYS=3"])
     with pytest.raises(ValueError, match="not a Python literal"):
