@@ -883,6 +883,12 @@ runpy.run_module('bench.bench_decode', run_name='__main__')"
     S='{"s5": {"num_stages": 5}, "k32s5": {"block_k": 32, "num_stages": 5}, "k32s8": {"block_k": 32, "num_stages": 8}, "k128s2": {"block_k": 128, "num_stages": 2}}'
     run stages_smollm2 280 python3 bench/kernel_ab.py --heads 9,3,64 --base '{"backend":"triton"}' --no-checks --device-time --shapes "64,1,256;64,1,512;64,4,256;64,4,512;1,1,512" --variants "$S"
     ;;
+  splits_smollm2)
+    # SmolLM2's batch 64 over 256-1K rows split in 2-4 (a combine launch, and a program's
+    # chain of key blocks halved or quartered); the default keeps one split under 512 keys
+    S='{"sp2": {"num_splits": 2}, "sp4": {"num_splits": 4}, "sp2k32": {"num_splits": 2, "block_k": 32}}'
+    run splits_smollm2 280 python3 bench/kernel_ab.py --heads 9,3,64 --base '{"backend":"triton"}' --no-checks --device-time --shapes "64,1,256;64,1,512;64,1,1024;64,4,256;64,4,512;16,1,512" --variants "$S"
+    ;;
   decode_warps)
     W='{"w1": {"num_warps": 1}, "w2": {"num_warps": 2}, "w1k128": {"num_warps": 1, "block_k": 128}}'
     run warps_smollm2 280 python3 bench/kernel_ab.py --heads 9,3,64 --base '{}' --no-checks --device-time --shapes "64,1,256;64,1,512;64,4,256;64,4,512;64,1,1024;1,1,512" --variants "$W"
