@@ -275,6 +275,11 @@
 #                                      #   heads at batch 64 over 256-1K rows and the 8B rows at
 #                                      #   N 1 (sixtieth set timed part of it: 1 warp slower,
 #                                      #   2 warps 2-3% faster at SmolLM2's heads)
+#   bash bench/gpu_plan.sh stages_smollm2 # issue 4: every key block of a program in flight
+#                                      #   (deeper pipelines) at SmolLM2's heads, batch 64
+#                                      #   over 256-512 rows (sixty-third set: all slower)
+#   bash bench/gpu_plan.sh splits_smollm2 # issue 4: the same rows split in 2-4 (sixty-third
+#                                      #   set: slower or a tie)
 #   bash bench/gpu_plan.sh ncu_decode  # issue 4: ncu's warp states and memory sections of the
 #                                      #   Triton kernel at SmolLM2's heads, batch 64, N 1, 256
 #                                      #   rows: where its 3-4 us over a bare read go (sixtieth set)
