@@ -280,6 +280,9 @@
 #                                      #   over 256-512 rows (sixty-third set: all slower)
 #   bash bench/gpu_plan.sh splits_smollm2 # issue 4: the same rows split in 2-4 (sixty-third
 #                                      #   set: slower or a tie)
+#   bash bench/gpu_plan.sh pdl         # issue 4: a Mosaic GPU kernel after the tree kernel,
+#                                      #   with and without griddepcontrol.wait (does this
+#                                      #   runtime launch it early?), bench/pdl_probe.py
 #   bash bench/gpu_plan.sh ncu_decode  # issue 4: ncu's warp states and memory sections of the
 #                                      #   Triton kernel at SmolLM2's heads, batch 64, N 1, 256
 #                                      #   rows: where its 3-4 us over a bare read go (sixtieth set)
@@ -893,6 +896,13 @@ runpy.run_module('bench.bench_decode', run_name='__main__')"
     # chain of key blocks halved or quartered); the default keeps one split under 512 keys
     S='{"sp2": {"num_splits": 2}, "sp4": {"num_splits": 4}, "sp2k32": {"num_splits": 2, "block_k": 32}}'
     run splits_smollm2 280 python3 bench/kernel_ab.py --heads 9,3,64 --base '{"backend":"triton"}' --no-checks --device-time --shapes "64,1,256;64,1,512;64,1,1024;64,4,256;64,4,512;16,1,512" --variants "$S"
+    ;;
+  pdl)
+    # whether this jax launches a Mosaic GPU kernel that waits on griddepcontrol as a
+    # programmatic dependent launch, and what it takes off a layer after the tree kernel
+    D=$(python3 -c "import jax, os; print(os.path.dirname(jax.__file__))")
+    grep -rn -i "uses_pdl\|griddepcontrol" "$D" --include=*.py | grep -v _test | head -20
+    run pdl_probe 300 python3 bench/pdl_probe.py --reps 32 --shapes "1,1,8192;1,16,8192"
     ;;
   decode_warps)
     W='{"w1": {"num_warps": 1}, "w2": {"num_warps": 2}, "w1k128": {"num_warps": 1, "block_k": 128}}'

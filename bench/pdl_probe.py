@@ -1,0 +1,114 @@
+"""Does a Mosaic GPU kernel that starts with `griddepcontrol.wait` get a programmatic dependent
+launch after the tree kernel, and what does that take off a call?
+
+The combine's launch after the main kernel costs batch 1 over 8K about 1.7 us of the 13.2 a
+call (bench/RESULTS.md, sixty-fourth set). jaxlib launches Pallas Triton kernels without
+launch attributes, so they cannot start early; newer Mosaic GPU runtimes launch a kernel
+with `programmaticStreamSerializationAllowed` when its module uses the grid-dependency
+instructions. This probe times, at batch 1, N 1 (and 16) over 8K, `reps` chained layers of
+the tree kernel each followed by a small Mosaic GPU kernel (the attention's output doubled:
+TMA in, one multiply, TMA out), with and without `griddepcontrol.wait` at its start. With a
+dependent launch the small kernel's CTAs start before the tree kernel ends, so its own
+duration grows (it waits) while the call's first-to-last time shrinks; without one, the two
+variants time the same. Outputs of both are checked equal.
+
+    python3 bench/pdl_probe.py [--reps 32] [--shapes "1,1,8192;1,16,8192"]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
+
+from bench import bench_kernels as bk  # noqa: E402
+from jaxspec.benchmark import trace  # noqa: E402
+
+
+def doubled(x, wait: bool):
+    """x [R, D] (R * D a multiple of 128) -> 2 * x by one Mosaic GPU CTA; `wait`: first
+    `griddepcontrol.wait` (no read of x before the kernels it depends on are done)."""
+    def body(x_ref, o_ref, smem, bar):
+        if wait:
+            plgpu.griddepcontrol_wait()
+        plgpu.copy_gmem_to_smem(x_ref, smem, bar)
+        plgpu.barrier_wait(bar)
+        smem[...] = smem[...] * 2
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem, o_ref)
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        scratch_types=(plgpu.SMEM(x.shape, x.dtype), plgpu.Barrier()),
+                        grid=(1,), grid_names=("g",))(x)
+
+
+def chain(reps, tail):
+    """`reps` layers: the tree kernel on layer i, then `tail` (None, "plain", "wait")."""
+    attn = bk.kernel_fn()
+
+    def f(q, kc, vc, sl, kn, vn, mask):
+        outs = []
+        for i in range(reps):
+            o = attn(q, kc, vc, jnp.int32(i), sl, kn, vn, mask)
+            o = o.reshape(-1, o.shape[-1])
+            outs.append(o if tail is None else doubled(o, tail == "wait"))
+        return outs
+    return jax.jit(f)
+
+
+def kernel_times(f, args, execs=8):
+    """Per execution: {kernel name: summed us}, kernel-busy us, first-to-last us."""
+    jax.block_until_ready([f(*args) for _ in range(4)])
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            jax.block_until_ready([f(*args) for _ in range(execs)])
+        spans = trace.gpu_spans(trace.load_trace(d))
+    by_name = collections.defaultdict(float)
+    for name, _, dur in spans:
+        by_name[name] += dur / execs
+    busy = sum(dur for _, _, dur in spans) / execs
+    first = min(t for _, t, _ in spans)
+    last = max(t + dur for _, t, dur in spans)
+    return dict(by_name), busy, (last - first) / execs
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=32)
+    ap.add_argument("--shapes", default="1,1,8192;1,16,8192")
+    args = ap.parse_args()
+    print("jax", jax.__version__, jax.devices()[0].device_kind)
+    for b, n, length in bk.parse_shapes(args.shapes):
+        inputs = bk.make_inputs(jax.random.PRNGKey(0), b, n, length, args.reps)
+        q, kc, vc, sl, kn, vn, mask = inputs
+        call = (q, kc, vc, sl, kn, vn, mask)
+        outs = {}
+        for tail in (None, "plain", "wait", "plain", "wait"):
+            f = chain(args.reps, tail)
+            try:
+                res = f(*call)
+                names, busy, span = kernel_times(f, call)
+            except Exception as e:   # a runtime without the instruction: say so, go on
+                print(f"{b},{n},{length} tail={tail}: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            outs[tail] = [np.asarray(x.astype(jnp.float32)) for x in res]
+            per = {k: round(v / args.reps, 2) for k, v in sorted(names.items())}
+            print(f"{b},{n},{length} tail={tail}: a layer {busy / args.reps:.2f} us busy, "
+                  f"{span / args.reps:.2f} us first-to-last; kernels {per}")
+        if "plain" in outs and "wait" in outs:
+            same = all(np.array_equal(a, c) for a, c in zip(outs["plain"], outs["wait"]))
+            print(f"{b},{n},{length}: outputs with and without the wait equal: {same}")
+
+
+if __name__ == "__main__":
+    main()
