@@ -31,11 +31,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 from bench import bench_kernels as bk  # noqa: E402
 from jaxspec.benchmark import trace  # noqa: E402
+from pallas_kernels import prefix_attention_mgpu as pm  # noqa: E402
 
 
-def doubled(x, wait: bool):
+def doubled(x, wait: bool, interpret: bool = False):
     """x [R, D] (R * D a multiple of 128) -> 2 * x by one Mosaic GPU CTA; `wait`: first
-    `griddepcontrol.wait` (no read of x before the kernels it depends on are done)."""
+    `griddepcontrol.wait` (no read of x before the kernels it depends on are done; the
+    interpreter has no rule for it)."""
+    params = dict(interpret=pm._interpret_params()) if interpret else {}
+
     def body(x_ref, o_ref, smem, bar):
         if wait:
             plgpu.griddepcontrol_wait()
@@ -48,7 +52,7 @@ def doubled(x, wait: bool):
 
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
                         scratch_types=(plgpu.SMEM(x.shape, x.dtype), plgpu.Barrier()),
-                        grid=(1,), grid_names=("g",))(x)
+                        grid=(1,), grid_names=("g",), **params)(x)
 
 
 def chain(reps, tail):
