@@ -55,6 +55,35 @@ def doubled(x, wait: bool, interpret: bool = False):
                         grid=(1,), grid_names=("g",), **params)(x)
 
 
+def streamed(x, trigger: bool, interpret: bool = False):
+    """x [C, R, D] (R <= 256) -> 2 * x, a CTA a chunk; `trigger`: each CTA first lets the
+    kernels that wait on this one launch (`griddepcontrol.launch_dependents`)."""
+    params = dict(interpret=pm._interpret_params()) if interpret else {}
+
+    def body(x_ref, o_ref, smem, bar):
+        if trigger:
+            plgpu.griddepcontrol_launch_dependents()
+        c = jax.lax.axis_index("c")
+        plgpu.copy_gmem_to_smem(x_ref.at[c], smem, bar)
+        plgpu.barrier_wait(bar)
+        smem[...] = smem[...] * 2
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem, o_ref.at[c])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        scratch_types=(plgpu.SMEM(x.shape[1:], x.dtype), plgpu.Barrier()),
+                        grid=(x.shape[0],), grid_names=("c",), **params)(x)
+
+
+def _tma_rows(size, cols=128):
+    """Rows of a [rows, cols] view of `size` elements with at most 256 rows (a TMA box)."""
+    rows = size // cols
+    while rows > 256:
+        rows, cols = rows // 2, cols * 2
+    return rows
+
+
 def chain(reps, tail):
     """`reps` layers: the tree kernel on layer i, then `tail` (None, "plain", "wait")."""
     attn = bk.kernel_fn()
@@ -63,10 +92,38 @@ def chain(reps, tail):
         outs = []
         for i in range(reps):
             o = attn(q, kc, vc, jnp.int32(i), sl, kn, vn, mask)
-            o = o.reshape(-1, o.shape[-1])
+            o = o.reshape(_tma_rows(o.size), -1)
             outs.append(o if tail is None else doubled(o, tail == "wait"))
         return outs
     return jax.jit(f)
+
+
+def pair_chain(reps, trigger, wait):
+    """`reps` pairs: `streamed` over chunk array i (its CTAs triggering or not), then `doubled`
+    of its first chunk (waiting or not). Each pair's result is 4 x[i][0]."""
+    def f(xs):
+        return [doubled(streamed(xs[i], trigger)[0], wait) for i in range(reps)]
+    return jax.jit(f)
+
+
+def pairs(reps, chunks=512):
+    """The launch itself, between two Mosaic GPU kernels: with a dependent launch and the first
+    kernel's early trigger, the second's CTAs start while the first still runs, so its kernel
+    time grows by what it waits; the results must not change."""
+    xs = jax.random.normal(jax.random.PRNGKey(1), (reps, chunks, 256, 128), jnp.bfloat16)
+    want = [np.asarray(xs[i, 0].astype(jnp.float32)) * 4 for i in range(reps)]
+    for trigger, wait in ((False, False), (False, True), (True, True), (False, False)):
+        f = pair_chain(reps, trigger, wait)
+        try:
+            got = f(xs)
+            names, busy, span = kernel_times(f, (xs,))
+        except Exception as e:
+            print(f"pairs trigger={trigger} wait={wait}: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        ok = all(np.array_equal(np.asarray(g.astype(jnp.float32)), w) for g, w in zip(got, want))
+        per = {k: round(v / reps, 2) for k, v in sorted(names.items())}
+        print(f"pairs trigger={trigger} wait={wait}: a pair {busy / reps:.2f} us busy, "
+              f"{span / reps:.2f} us first-to-last; kernels {per}; results right: {ok}")
 
 
 def kernel_times(f, args, execs=8):
@@ -91,6 +148,7 @@ def main():
     ap.add_argument("--shapes", default="1,1,8192;1,16,8192")
     args = ap.parse_args()
     print("jax", jax.__version__, jax.devices()[0].device_kind)
+    pairs(args.reps)
     for b, n, length in bk.parse_shapes(args.shapes):
         inputs = bk.make_inputs(jax.random.PRNGKey(0), b, n, length, args.reps)
         q, kc, vc, sl, kn, vn, mask = inputs
