@@ -146,9 +146,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=32)
     ap.add_argument("--shapes", default="1,1,8192;1,16,8192")
+    ap.add_argument("--chunks", type=int, default=512,
+                    help="64 KB chunks the first kernel of `pairs` reads (512: about 20 us)")
     args = ap.parse_args()
     print("jax", jax.__version__, jax.devices()[0].device_kind)
-    pairs(args.reps)
+    pairs(args.reps, args.chunks)
     for b, n, length in bk.parse_shapes(args.shapes):
         inputs = bk.make_inputs(jax.random.PRNGKey(0), b, n, length, args.reps)
         q, kc, vc, sl, kn, vn, mask = inputs
