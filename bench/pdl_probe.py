@@ -12,7 +12,13 @@ dependent launch the small kernel's CTAs start before the tree kernel ends, so i
 duration grows (it waits) while the call's first-to-last time shrinks; without one, the two
 variants time the same. Outputs of both are checked equal.
 
-    python3 bench/pdl_probe.py [--reps 32] [--shapes "1,1,8192;1,16,8192"]
+First (`pairs`), the launch alone: two Mosaic GPU kernels a pair, the first (`streamed`, a CTA
+a 64 KB chunk) letting its dependents launch as its CTAs start, the second (`doubled`)
+waiting. The host must be ahead of the device for any launch to come early, so `--chunks`
+sizes the first kernel (512: about 20 us, which the host did not outrun on the H200; bench/
+RESULTS.md, sixty-fifth set).
+
+    python3 bench/pdl_probe.py [--reps 32] [--chunks 512] [--shapes "1,1,8192;1,16,8192"]
 """
 from __future__ import annotations
 
