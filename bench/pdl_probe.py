@@ -7,13 +7,12 @@ launch attributes, so they cannot start early; newer Mosaic GPU runtimes launch 
 with `programmaticStreamSerializationAllowed` when its module uses the grid-dependency
 instructions. This probe times, at batch 1, N 1 (and 16) over 8K, `reps` chained layers of
 the tree kernel each followed by a small Mosaic GPU kernel (the attention's output doubled:
-TMA in, one multiply, TMA out), with and without `griddepcontrol.wait` at its start. With a
-dependent launch the small kernel's CTAs start before the tree kernel ends, so its own
-duration grows (it waits) while the call's first-to-last time shrinks; without one, the two
-variants time the same. Outputs of both are checked equal.
+TMA in, one multiply, TMA out), with and without `griddepcontrol.wait` at its start. It
+follows the Triton combine, which cannot let it launch early, so at most its launch overlaps
+the combine's end; outputs of both are checked equal.
 
-First (`pairs`), the launch alone: two Mosaic GPU kernels a pair, the first (`streamed`, a CTA
-a 64 KB chunk) letting its dependents launch as its CTAs start, the second (`doubled`)
+First (`pairs`), the launch alone: two Mosaic GPU kernels a pair, the first (`doubled_chunks`,
+a CTA a 64 KB chunk) letting its dependents launch as its CTAs start, the second (`doubled`)
 waiting. The host must be ahead of the device for any launch to come early, so `--chunks`
 sizes the first kernel (512: about 20 us, which the host did not outrun on the H200; bench/
 RESULTS.md, sixty-fifth set).
@@ -40,35 +39,19 @@ from jaxspec.benchmark import trace  # noqa: E402
 from pallas_kernels import prefix_attention_mgpu as pm  # noqa: E402
 
 
-def doubled(x, wait: bool, interpret: bool = False):
-    """x [R, D] (R * D a multiple of 128) -> 2 * x by one Mosaic GPU CTA; `wait`: first
-    `griddepcontrol.wait` (no read of x before the kernels it depends on are done; the
-    interpreter has no rule for it)."""
-    params = dict(interpret=pm._interpret_params()) if interpret else {}
-
-    def body(x_ref, o_ref, smem, bar):
-        if wait:
-            plgpu.griddepcontrol_wait()
-        plgpu.copy_gmem_to_smem(x_ref, smem, bar)
-        plgpu.barrier_wait(bar)
-        smem[...] = smem[...] * 2
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(smem, o_ref)
-        plgpu.wait_smem_to_gmem(0)
-
-    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        scratch_types=(plgpu.SMEM(x.shape, x.dtype), plgpu.Barrier()),
-                        grid=(1,), grid_names=("g",), **params)(x)
-
-
-def streamed(x, trigger: bool, interpret: bool = False):
-    """x [C, R, D] (R <= 256) -> 2 * x, a CTA a chunk; `trigger`: each CTA first lets the
-    kernels that wait on this one launch (`griddepcontrol.launch_dependents`)."""
+def doubled_chunks(x, trigger: bool = False, wait: bool = False, interpret: bool = False):
+    """x [C, R, D] (R <= 256, R * D a multiple of 128) -> 2 * x, a Mosaic GPU CTA a chunk.
+    `trigger`: each CTA first lets the kernels that wait on this one launch
+    (`griddepcontrol.launch_dependents`); `wait`: each CTA first waits for the kernels this one
+    depends on (`griddepcontrol.wait`, so no read of x before they are done). The interpreter
+    has no rule for either."""
     params = dict(interpret=pm._interpret_params()) if interpret else {}
 
     def body(x_ref, o_ref, smem, bar):
         if trigger:
             plgpu.griddepcontrol_launch_dependents()
+        if wait:
+            plgpu.griddepcontrol_wait()
         c = jax.lax.axis_index("c")
         plgpu.copy_gmem_to_smem(x_ref.at[c], smem, bar)
         plgpu.barrier_wait(bar)
@@ -80,6 +63,11 @@ def streamed(x, trigger: bool, interpret: bool = False):
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
                         scratch_types=(plgpu.SMEM(x.shape[1:], x.dtype), plgpu.Barrier()),
                         grid=(x.shape[0],), grid_names=("c",), **params)(x)
+
+
+def doubled(x, wait: bool, interpret: bool = False):
+    """x [R, D] -> 2 * x by one CTA (`doubled_chunks` of one chunk)."""
+    return doubled_chunks(x[None], wait=wait, interpret=interpret)[0]
 
 
 def _tma_rows(size, cols=128):
@@ -105,10 +93,10 @@ def chain(reps, tail):
 
 
 def pair_chain(reps, trigger, wait):
-    """`reps` pairs: `streamed` over chunk array i (its CTAs triggering or not), then `doubled`
-    of its first chunk (waiting or not). Each pair's result is 4 x[i][0]."""
+    """`reps` pairs: `doubled_chunks` over chunk array i (its CTAs triggering or not), then
+    `doubled` of its first chunk (waiting or not). Each pair's result is 4 x[i][0]."""
     def f(xs):
-        return [doubled(streamed(xs[i], trigger)[0], wait) for i in range(reps)]
+        return [doubled(doubled_chunks(xs[i], trigger)[0], wait) for i in range(reps)]
     return jax.jit(f)
 
 
@@ -119,33 +107,38 @@ def pairs(reps, chunks=512):
     xs = jax.random.normal(jax.random.PRNGKey(1), (reps, chunks, 256, 128), jnp.bfloat16)
     want = [np.asarray(xs[i, 0].astype(jnp.float32)) * 4 for i in range(reps)]
     for trigger, wait in ((False, False), (False, True), (True, True), (False, False)):
-        f = pair_chain(reps, trigger, wait)
-        try:
-            got = f(xs)
-            names, busy, span = kernel_times(f, (xs,))
-        except Exception as e:
-            print(f"pairs trigger={trigger} wait={wait}: {type(e).__name__}: {str(e)[:300]}")
-            continue
-        ok = all(np.array_equal(np.asarray(g.astype(jnp.float32)), w) for g, w in zip(got, want))
-        per = {k: round(v / reps, 2) for k, v in sorted(names.items())}
-        print(f"pairs trigger={trigger} wait={wait}: a pair {busy / reps:.2f} us busy, "
-              f"{span / reps:.2f} us first-to-last; kernels {per}; results right: {ok}")
+        got = timed_variant(f"pairs trigger={trigger} wait={wait}", "a pair",
+                            pair_chain(reps, trigger, wait), (xs,), reps)
+        if got is not None:
+            print(f"  results right: {all(np.array_equal(g, w) for g, w in zip(got, want))}")
 
 
-def kernel_times(f, args, execs=8):
-    """Per execution: {kernel name: summed us}, kernel-busy us, first-to-last us."""
-    jax.block_until_ready([f(*args) for _ in range(4)])
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            jax.block_until_ready([f(*args) for _ in range(execs)])
-        spans = trace.gpu_spans(trace.load_trace(d))
-    by_name = collections.defaultdict(float)
-    for name, _, dur in spans:
-        by_name[name] += dur / execs
-    busy = sum(dur for _, _, dur in spans) / execs
-    first = min(t for _, t, _ in spans)
-    last = max(t + dur for _, t, dur in spans)
-    return dict(by_name), busy, (last - first) / execs
+def timed_variant(label, unit, f, args, reps, execs=8):
+    """Runs f(*args), prints its kernel-busy and first-to-last us and each kernel's us per
+    `unit` (of `reps` in a call) from a trace of `execs` calls, and returns its outputs as f32
+    arrays; None, said, where the runtime refuses it (a primitive it lacks)."""
+    try:
+        outs = f(*args)
+        jax.block_until_ready([f(*args) for _ in range(3)])
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d):
+                jax.block_until_ready([f(*args) for _ in range(execs)])
+            events = trace.load_trace(d)
+    except Exception as e:
+        print(f"{label}: {type(e).__name__}: {str(e)[:300]}")
+        return None
+    busy, span, _ = bk.trace_times(events, execs * reps)
+    outs = [np.asarray(x.astype(jnp.float32)) for x in outs]
+    if busy is None:
+        print(f"{label}: no GPU kernels in the trace")
+        return outs
+    per = collections.defaultdict(float)
+    for name, _, dur in trace.gpu_spans(events):
+        per[name] += dur / (execs * reps)
+    per = {k: round(v, 2) for k, v in sorted(per.items())}
+    print(f"{label}: {unit} {busy * 1e6:.2f} us busy, {span * 1e6:.2f} us first-to-last; "
+          f"kernels {per}")
+    return outs
 
 
 def main():
@@ -158,22 +151,13 @@ def main():
     print("jax", jax.__version__, jax.devices()[0].device_kind)
     pairs(args.reps, args.chunks)
     for b, n, length in bk.parse_shapes(args.shapes):
-        inputs = bk.make_inputs(jax.random.PRNGKey(0), b, n, length, args.reps)
-        q, kc, vc, sl, kn, vn, mask = inputs
-        call = (q, kc, vc, sl, kn, vn, mask)
+        call = bk.make_inputs(jax.random.PRNGKey(0), b, n, length, args.reps)
         outs = {}
         for tail in (None, "plain", "wait", "plain", "wait"):
-            f = chain(args.reps, tail)
-            try:
-                res = f(*call)
-                names, busy, span = kernel_times(f, call)
-            except Exception as e:   # a runtime without the instruction: say so, go on
-                print(f"{b},{n},{length} tail={tail}: {type(e).__name__}: {str(e)[:300]}")
-                continue
-            outs[tail] = [np.asarray(x.astype(jnp.float32)) for x in res]
-            per = {k: round(v / args.reps, 2) for k, v in sorted(names.items())}
-            print(f"{b},{n},{length} tail={tail}: a layer {busy / args.reps:.2f} us busy, "
-                  f"{span / args.reps:.2f} us first-to-last; kernels {per}")
+            got = timed_variant(f"{b},{n},{length} tail={tail}", "a layer",
+                                chain(args.reps, tail), call, args.reps)
+            if got is not None:
+                outs[tail] = got
         if "plain" in outs and "wait" in outs:
             same = all(np.array_equal(a, c) for a, c in zip(outs["plain"], outs["wait"]))
             print(f"{b},{n},{length}: outputs with and without the wait equal: {same}")

@@ -14,8 +14,24 @@ def test_doubled_is_twice_its_input():
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(x * 2, np.float32))
 
 
-def test_streamed_doubles_every_chunk():
-    from bench.pdl_probe import streamed
+def test_doubled_chunks_doubles_every_chunk():
+    from bench.pdl_probe import doubled_chunks
     x = jax.random.normal(jax.random.key(5), (3, 32, 128), jnp.bfloat16)
-    got = streamed(x, trigger=False, interpret=True)
+    got = doubled_chunks(x, interpret=True)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(x * 2, np.float32))
+
+
+def test_timed_variant_returns_outputs_and_says_what_it_could_not_time(capsys):
+    """On a machine with no GPU kernels in its trace the variant's outputs still come back (as
+    f32), and the line says there was nothing to time; a refused variant gives None, said."""
+    from bench.pdl_probe import timed_variant
+    x = jnp.arange(4, dtype=jnp.bfloat16)
+    got = timed_variant("cpu", "a call", jax.jit(lambda a: [a * 2]), (x,), reps=1, execs=1)
+    np.testing.assert_array_equal(got[0], np.arange(4, dtype=np.float32) * 2)
+
+    def refuse(a):
+        raise NotImplementedError("no rule for griddepcontrol_wait")
+    assert timed_variant("refused", "a call", refuse, (x,), reps=1) is None
+    out = capsys.readouterr().out
+    assert "cpu: no GPU kernels in the trace" in out
+    assert "refused: NotImplementedError: no rule for griddepcontrol_wait" in out
