@@ -12,8 +12,8 @@ follows the Triton combine, which cannot let it launch early, so at most its lau
 the combine's end; outputs of both are checked equal.
 
 First (`pairs`), the launch alone: two Mosaic GPU kernels a pair, the first (`doubled_chunks`,
-a CTA a 64 KB chunk) letting its dependents launch as its CTAs start, the second (`doubled`)
-waiting. The host must be ahead of the device for any launch to come early, so `--chunks`
+a CTA a 64 KB chunk) letting its dependents launch as its CTAs start, the second (one CTA on
+the first's chunk 0) waiting. The host must be ahead of the device for any launch to come early, so `--chunks`
 sizes the first kernel (512: about 20 us, which the host did not outrun on the H200; bench/
 RESULTS.md, sixty-fifth set).
 
@@ -39,8 +39,11 @@ from jaxspec.benchmark import trace  # noqa: E402
 from pallas_kernels import prefix_attention_mgpu as pm  # noqa: E402
 
 
-def doubled_chunks(x, trigger: bool = False, wait: bool = False, interpret: bool = False):
-    """x [C, R, D] (R <= 256, R * D a multiple of 128) -> 2 * x, a Mosaic GPU CTA a chunk.
+def doubled_chunks(x, trigger: bool = False, wait: bool = False, interpret: bool = False,
+                   ctas: int | None = None):
+    """x [C, R, D] (R <= 256, R * D a multiple of 128) -> 2 * x[:ctas] [ctas, R, D], a Mosaic
+    GPU CTA a chunk (all C chunks by default); reading x whole, so that no slicing kernel
+    comes between this kernel and the one that made x.
     `trigger`: each CTA first lets the kernels that wait on this one launch
     (`griddepcontrol.launch_dependents`); `wait`: each CTA first waits for the kernels this one
     depends on (`griddepcontrol.wait`, so no read of x before they are done). The interpreter
@@ -60,9 +63,10 @@ def doubled_chunks(x, trigger: bool = False, wait: bool = False, interpret: bool
         plgpu.copy_smem_to_gmem(smem, o_ref.at[c])
         plgpu.wait_smem_to_gmem(0)
 
-    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+    ctas = x.shape[0] if ctas is None else ctas
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((ctas,) + x.shape[1:], x.dtype),
                         scratch_types=(plgpu.SMEM(x.shape[1:], x.dtype), plgpu.Barrier()),
-                        grid=(x.shape[0],), grid_names=("c",), **params)(x)
+                        grid=(ctas,), grid_names=("c",), **params)(x)
 
 
 def doubled(x, wait: bool, interpret: bool = False):
@@ -94,9 +98,11 @@ def chain(reps, tail):
 
 def pair_chain(reps, trigger, wait):
     """`reps` pairs: `doubled_chunks` over chunk array i (its CTAs triggering or not), then
-    `doubled` of its first chunk (waiting or not). Each pair's result is 4 x[i][0]."""
+    one CTA doubling the first chunk of its output (waiting or not), nothing between the two.
+    Each pair's result is 4 x[i][0]."""
     def f(xs):
-        return [doubled(doubled_chunks(xs[i], trigger)[0], wait) for i in range(reps)]
+        return [doubled_chunks(doubled_chunks(xs[i], trigger), wait=wait, ctas=1)[0]
+                for i in range(reps)]
     return jax.jit(f)
 
 

@@ -35,3 +35,12 @@ def test_timed_variant_returns_outputs_and_says_what_it_could_not_time(capsys):
     out = capsys.readouterr().out
     assert "cpu: no GPU kernels in the trace" in out
     assert "refused: NotImplementedError: no rule for griddepcontrol_wait" in out
+
+
+def test_doubled_chunks_of_fewer_ctas_doubles_the_leading_chunks():
+    """The pair's second kernel: one CTA over the first chunk of a whole [C, R, D] input."""
+    from bench.pdl_probe import doubled_chunks
+    x = jax.random.normal(jax.random.key(7), (3, 32, 128), jnp.bfloat16)
+    got = doubled_chunks(x, ctas=1, interpret=True)
+    assert got.shape == (1, 32, 128)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(x[:1] * 2, np.float32))
