@@ -902,7 +902,7 @@ runpy.run_module('bench.bench_decode', run_name='__main__')"
     # programmatic dependent launch, and what it takes off a layer after the tree kernel
     D=$(python3 -c "import jax, os; print(os.path.dirname(jax.__file__))")
     grep -rn -i "uses_pdl\|griddepcontrol" "$D" --include=*.py | grep -v _test | head -20
-    run pdl_probe 300 python3 bench/pdl_probe.py --reps ${REPS:-8} --chunks ${CHUNKS:-512} --shapes "${SHAPES:-1,1,8192;1,16,8192}"
+    run pdl_probe 300 python3 bench/pdl_probe.py --reps ${REPS:-8} --chunks ${CHUNKS:-512} --loops ${LOOPS:-1} --shapes "${SHAPES:-1,1,8192;1,16,8192}"
     ;;
   decode_warps)
     W='{"w1": {"num_warps": 1}, "w2": {"num_warps": 2}, "w1k128": {"num_warps": 1, "block_k": 128}}'

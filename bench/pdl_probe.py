@@ -12,12 +12,13 @@ follows the Triton combine, which cannot let it launch early, so at most its lau
 the combine's end; outputs of both are checked equal.
 
 First (`pairs`), the launch alone: two Mosaic GPU kernels a pair, the first (`doubled_chunks`,
-a CTA a 64 KB chunk) letting its dependents launch as its CTAs start, the second (one CTA on
+a CTA a 64 KB chunk, or `--loops` of them in turn) letting its dependents launch as its CTAs
+start, the second (one CTA on
 the first's chunk 0) waiting. The host must be ahead of the device for any launch to come early, so `--chunks`
 sizes the first kernel (512: about 20 us, which the host did not outrun on the H200; bench/
 RESULTS.md, sixty-fifth set).
 
-    python3 bench/pdl_probe.py [--reps 32] [--chunks 512] [--shapes "1,1,8192;1,16,8192"]
+    python3 bench/pdl_probe.py [--reps 32] [--chunks 512] [--loops 1] [--shapes "1,1,8192;1,16,8192"]
 """
 from __future__ import annotations
 
@@ -40,33 +41,39 @@ from pallas_kernels import prefix_attention_mgpu as pm  # noqa: E402
 
 
 def doubled_chunks(x, trigger: bool = False, wait: bool = False, interpret: bool = False,
-                   ctas: int | None = None):
-    """x [C, R, D] (R <= 256, R * D a multiple of 128) -> 2 * x[:ctas] [ctas, R, D], a Mosaic
-    GPU CTA a chunk (all C chunks by default); reading x whole, so that no slicing kernel
-    comes between this kernel and the one that made x.
+                   ctas: int | None = None, loops: int = 1):
+    """x [C, R, D] (R <= 256, R * D a multiple of 128) -> 2 * x[:ctas * loops], a Mosaic GPU
+    CTA doubling chunks c, c + ctas, ... (`loops` of them; all C chunks by default), reading x
+    whole so that no slicing kernel comes between this kernel and the one that made x.
     `trigger`: each CTA first lets the kernels that wait on this one launch
-    (`griddepcontrol.launch_dependents`); `wait`: each CTA first waits for the kernels this one
-    depends on (`griddepcontrol.wait`, so no read of x before they are done). The interpreter
-    has no rule for either."""
+    (`griddepcontrol.launch_dependents`; a dependent launches once every CTA has done so or
+    ended, so only a grid of one wave lets it launch at the kernel's start); `wait`: each CTA
+    first waits for the kernels this one depends on (`griddepcontrol.wait`, so no read of x
+    before they are done). The interpreter has no rule for either."""
     params = dict(interpret=pm._interpret_params()) if interpret else {}
+    ctas = x.shape[0] // loops if ctas is None else ctas
 
     def body(x_ref, o_ref, smem, bar):
         if trigger:
             plgpu.griddepcontrol_launch_dependents()
         if wait:
             plgpu.griddepcontrol_wait()
-        c = jax.lax.axis_index("c")
-        plgpu.copy_gmem_to_smem(x_ref.at[c], smem, bar)
-        plgpu.barrier_wait(bar)
-        smem[...] = smem[...] * 2
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(smem, o_ref.at[c])
-        plgpu.wait_smem_to_gmem(0)
 
-    ctas = x.shape[0] if ctas is None else ctas
-    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((ctas,) + x.shape[1:], x.dtype),
-                        scratch_types=(plgpu.SMEM(x.shape[1:], x.dtype), plgpu.Barrier()),
-                        grid=(ctas,), grid_names=("c",), **params)(x)
+        def one(i, carry):
+            c = jax.lax.axis_index("c") + i * ctas
+            plgpu.copy_gmem_to_smem(x_ref.at[c], smem, bar)
+            plgpu.barrier_wait(bar)
+            smem[...] = smem[...] * 2
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(smem, o_ref.at[c])
+            plgpu.wait_smem_to_gmem(0)     # smem is read again by the next chunk's copy
+            return carry
+        jax.lax.fori_loop(0, loops, one, 0)
+
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((ctas * loops,) + x.shape[1:], x.dtype),
+        scratch_types=(plgpu.SMEM(x.shape[1:], x.dtype), plgpu.Barrier()),
+        grid=(ctas,), grid_names=("c",), **params)(x)
 
 
 def doubled(x, wait: bool, interpret: bool = False):
@@ -96,25 +103,26 @@ def chain(reps, tail):
     return jax.jit(f)
 
 
-def pair_chain(reps, trigger, wait):
-    """`reps` pairs: `doubled_chunks` over chunk array i (its CTAs triggering or not), then
-    one CTA doubling the first chunk of its output (waiting or not), nothing between the two.
-    Each pair's result is 4 x[i][0]."""
+def pair_chain(reps, trigger, wait, loops=1):
+    """`reps` pairs: `doubled_chunks` over chunk array i (its CTAs triggering or not, each
+    doubling `loops` chunks), then one CTA doubling the first chunk of its output (waiting or
+    not), nothing between the two. Each pair's result is 4 x[i][0]."""
     def f(xs):
-        return [doubled_chunks(doubled_chunks(xs[i], trigger), wait=wait, ctas=1)[0]
-                for i in range(reps)]
+        return [doubled_chunks(doubled_chunks(xs[i], trigger, loops=loops), wait=wait,
+                               ctas=1)[0] for i in range(reps)]
     return jax.jit(f)
 
 
-def pairs(reps, chunks=512):
+def pairs(reps, chunks=512, loops=1):
     """The launch itself, between two Mosaic GPU kernels: with a dependent launch and the first
-    kernel's early trigger, the second's CTAs start while the first still runs, so its kernel
-    time grows by what it waits; the results must not change."""
+    kernel's early trigger, the second's CTAs start while the first still runs, so the kernels'
+    summed time grows past the busy time by what the second waits; the results must not
+    change."""
     xs = jax.random.normal(jax.random.PRNGKey(1), (reps, chunks, 256, 128), jnp.bfloat16)
     want = [np.asarray(xs[i, 0].astype(jnp.float32)) * 4 for i in range(reps)]
     for trigger, wait in ((False, False), (False, True), (True, True), (False, False)):
         got = timed_variant(f"pairs trigger={trigger} wait={wait}", "a pair",
-                            pair_chain(reps, trigger, wait), (xs,), reps)
+                            pair_chain(reps, trigger, wait, loops), (xs,), reps)
         if got is not None:
             print(f"  results right: {all(np.array_equal(g, w) for g, w in zip(got, want))}")
 
@@ -142,8 +150,8 @@ def timed_variant(label, unit, f, args, reps, execs=8):
     for name, _, dur in trace.gpu_spans(events):
         per[name] += dur / (execs * reps)
     per = {k: round(v, 2) for k, v in sorted(per.items())}
-    print(f"{label}: {unit} {busy * 1e6:.2f} us busy, {span * 1e6:.2f} us first-to-last; "
-          f"kernels {per}")
+    print(f"{label}: {unit} {busy * 1e6:.2f} us busy, {span * 1e6:.2f} us first-to-last, "
+          f"{sum(per.values()):.2f} us of kernels summed; kernels {per}")
     return outs
 
 
@@ -153,9 +161,11 @@ def main():
     ap.add_argument("--shapes", default="1,1,8192;1,16,8192")
     ap.add_argument("--chunks", type=int, default=512,
                     help="64 KB chunks the first kernel of `pairs` reads (512: about 20 us)")
+    ap.add_argument("--loops", type=int, default=1,
+                    help="chunks a CTA of that kernel doubles in turn (chunks / loops CTAs)")
     args = ap.parse_args()
     print("jax", jax.__version__, jax.devices()[0].device_kind)
-    pairs(args.reps, args.chunks)
+    pairs(args.reps, args.chunks, args.loops)
     for b, n, length in bk.parse_shapes(args.shapes):
         call = bk.make_inputs(jax.random.PRNGKey(0), b, n, length, args.reps)
         outs = {}

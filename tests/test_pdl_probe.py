@@ -44,3 +44,11 @@ def test_doubled_chunks_of_fewer_ctas_doubles_the_leading_chunks():
     got = doubled_chunks(x, ctas=1, interpret=True)
     assert got.shape == (1, 32, 128)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(x[:1] * 2, np.float32))
+
+
+def test_doubled_chunks_in_loops_doubles_every_chunk_once():
+    """A CTA doubling chunks c, c + ctas, ... in turn: 2 CTAs of 3 chunks cover all 6."""
+    from bench.pdl_probe import doubled_chunks
+    x = jax.random.normal(jax.random.key(9), (6, 32, 128), jnp.bfloat16)
+    got = doubled_chunks(x, loops=3, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(x * 2, np.float32))
