@@ -280,6 +280,8 @@
 #                                      #   over 256-512 rows (sixty-third set: all slower)
 #   bash bench/gpu_plan.sh splits_smollm2 # issue 4: the same rows split in 2-4 (sixty-third
 #                                      #   set: slower or a tie)
+#   bash bench/gpu_plan.sh kernels_e2e # issue 4: the engine's decode step and the 8B cycle with
+#                                      #   the Pallas kernels in, out (JAXSPEC_KERNELS=0), in
 #   bash bench/gpu_plan.sh pdl         # issue 4: a Mosaic GPU kernel after the tree kernel,
 #                                      #   with and without griddepcontrol.wait (does this
 #                                      #   runtime launch it early?), bench/pdl_probe.py
@@ -896,6 +898,18 @@ runpy.run_module('bench.bench_decode', run_name='__main__')"
     # chain of key blocks halved or quartered); the default keeps one split under 512 keys
     S='{"sp2": {"num_splits": 2}, "sp4": {"num_splits": 4}, "sp2k32": {"num_splits": 2, "block_k": 32}}'
     run splits_smollm2 280 python3 bench/kernel_ab.py --heads 9,3,64 --base '{"backend":"triton"}' --no-checks --device-time --shapes "64,1,256;64,1,512;64,1,1024;64,4,256;64,4,512;16,1,512" --variants "$S"
+    ;;
+  kernels_e2e)
+    # issue 4's end-to-end figure on the current kernels: the engine's decode step (8B shape,
+    # batch 1 and 64, SmolLM2 batch 1) and the 8B speculative cycle, Pallas kernels in, then all
+    # of them out (the jnp references: JAXSPEC_KERNELS=0), then in again; E2E=decode or cycle
+    # runs one half (a call each: the two take about 10 minutes together)
+    [ "${E2E:-decode}" = decode ] && for k in 1 0 1; do
+      run decode_k$k 170 env JAXSPEC_KERNELS=$k python3 -m bench.bench_decode --layouts static --only llama3-8b,smollm2-135m --program engine --batches 1,64
+    done
+    [ "${E2E:-decode}" = cycle ] && for k in 1 0 1; do
+      run cycle_k$k 200 env JAXSPEC_KERNELS=$k python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 3 --shapes "3,1,4;6,10,60" --variants lean
+    done
     ;;
   pdl)
     # whether this jax launches a Mosaic GPU kernel that waits on griddepcontrol as a
