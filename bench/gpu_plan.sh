@@ -904,11 +904,11 @@ runpy.run_module('bench.bench_decode', run_name='__main__')"
     # batch 1 and 64, SmolLM2 batch 1) and the 8B speculative cycle, Pallas kernels in, then all
     # of them out (the jnp references: JAXSPEC_KERNELS=0), then in again; E2E=decode or cycle
     # runs one half (a call each: the two take about 10 minutes together)
-    [ "${E2E:-decode}" = decode ] && for k in 1 0 1; do
-      run decode_k$k 170 env JAXSPEC_KERNELS=$k python3 -m bench.bench_decode --layouts static --only llama3-8b,smollm2-135m --program engine --batches 1,64
+    i=0; [ "${E2E:-decode}" = decode ] && for k in 1 0 1; do i=$((i + 1))
+      run decode${i}_k$k 170 env JAXSPEC_KERNELS=$k python3 -m bench.bench_decode --layouts static --only llama3-8b,smollm2-135m --program engine --batches 1,64
     done
-    [ "${E2E:-decode}" = cycle ] && for k in 1 0 1; do
-      run cycle_k$k 200 env JAXSPEC_KERNELS=$k python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 3 --shapes "3,1,4;6,10,60" --variants lean
+    i=0; [ "${E2E:-decode}" = cycle ] && for k in 1 0 1; do i=$((i + 1))
+      run cycle${i}_k$k 190 env JAXSPEC_KERNELS=$k python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 3 --shapes "3,1,4;6,10,60" --variants lean
     done
     ;;
   pdl)
