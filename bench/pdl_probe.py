@@ -13,12 +13,16 @@ the combine's end; outputs of both are checked equal.
 
 First (`pairs`), the launch alone: two Mosaic GPU kernels a pair, the first (`doubled_chunks`,
 a CTA a 64 KB chunk, or `--loops` of them in turn) letting its dependents launch as its CTAs
-start, the second (one CTA on
-the first's chunk 0) waiting. The host must be ahead of the device for any launch to come early, so `--chunks`
-sizes the first kernel (512: about 20 us, which the host did not outrun on the H200; bench/
-RESULTS.md, sixty-fifth set).
+start, the second (one CTA on the first's chunk 0) waiting. A dependent launches once every
+CTA of the first kernel has triggered, and only if the host is ahead of the device: so a
+first kernel of one wave and about 300 us (`--chunks 8192 --loops 64`). A second kernel that
+starts early makes the pair's kernel time (summed) exceed its first-to-last span.
 
-    python3 bench/pdl_probe.py [--reps 32] [--chunks 512] [--loops 1] [--shapes "1,1,8192;1,16,8192"]
+On the H200 (bench/RESULTS.md, sixty-sixth set) it started early only with XLA's command
+buffers off (`XLA_FLAGS=--xla_gpu_enable_command_buffer=`); inside them, never.
+
+    python3 bench/pdl_probe.py [--reps 32] [--chunks 512] [--loops 1]
+                               [--shapes "1,1,8192;1,16,8192"]
 """
 from __future__ import annotations
 
@@ -115,9 +119,9 @@ def pair_chain(reps, trigger, wait, loops=1):
 
 def pairs(reps, chunks=512, loops=1):
     """The launch itself, between two Mosaic GPU kernels: with a dependent launch and the first
-    kernel's early trigger, the second's CTAs start while the first still runs, so the kernels'
-    summed time grows past the busy time by what the second waits; the results must not
-    change."""
+    kernel's early trigger, the second's CTAs start while the first still runs, so the pair's
+    summed kernel time grows past its first-to-last span by what the second waits; the
+    results must not change."""
     xs = jax.random.normal(jax.random.PRNGKey(1), (reps, chunks, 256, 128), jnp.bfloat16)
     want = [np.asarray(xs[i, 0].astype(jnp.float32)) * 4 for i in range(reps)]
     for trigger, wait in ((False, False), (False, True), (True, True), (False, False)):
@@ -128,7 +132,7 @@ def pairs(reps, chunks=512, loops=1):
 
 
 def timed_variant(label, unit, f, args, reps, execs=8):
-    """Runs f(*args), prints its kernel-busy and first-to-last us and each kernel's us per
+    """Runs f(*args), prints its summed kernel and first-to-last us and each kernel's us per
     `unit` (of `reps` in a call) from a trace of `execs` calls, and returns its outputs as f32
     arrays; None, said, where the runtime refuses it (a primitive it lacks)."""
     try:
@@ -150,8 +154,8 @@ def timed_variant(label, unit, f, args, reps, execs=8):
     for name, _, dur in trace.gpu_spans(events):
         per[name] += dur / (execs * reps)
     per = {k: round(v, 2) for k, v in sorted(per.items())}
-    print(f"{label}: {unit} {busy * 1e6:.2f} us busy, {span * 1e6:.2f} us first-to-last, "
-          f"{sum(per.values()):.2f} us of kernels summed; kernels {per}")
+    print(f"{label}: {unit} {busy * 1e6:.2f} us of kernels summed, {span * 1e6:.2f} us "
+          f"first-to-last; kernels {per}")
     return outs
 
 
