@@ -900,15 +900,17 @@ runpy.run_module('bench.bench_decode', run_name='__main__')"
     run splits_smollm2 280 python3 bench/kernel_ab.py --heads 9,3,64 --base '{"backend":"triton"}' --no-checks --device-time --shapes "64,1,256;64,1,512;64,1,1024;64,4,256;64,4,512;16,1,512" --variants "$S"
     ;;
   kernels_e2e)
-    # issue 4's end-to-end figure on the current kernels: the engine's decode step (8B shape,
-    # batch 1 and 64, SmolLM2 batch 1) and the 8B speculative cycle, Pallas kernels in, then all
-    # of them out (the jnp references: JAXSPEC_KERNELS=0), then in again; E2E=decode or cycle
-    # runs one half (a call each: the two take about 10 minutes together)
-    i=0; [ "${E2E:-decode}" = decode ] && for k in 1 0 1; do i=$((i + 1))
-      run decode${i}_k$k 170 env JAXSPEC_KERNELS=$k python3 -m bench.bench_decode --layouts static --only llama3-8b,smollm2-135m --program engine --batches 1,64
-    done
-    i=0; [ "${E2E:-decode}" = cycle ] && for k in 1 0 1; do i=$((i + 1))
-      run cycle${i}_k$k 190 env JAXSPEC_KERNELS=$k python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 3 --shapes "3,1,4;6,10,60" --variants lean
+    # issue 4's end-to-end figure on the current kernels: the engine's decode step (8B shape and
+    # SmolLM2's, batch 1 and 64) or the 8B speculative cycle (E2E=decode or cycle, a call each:
+    # the two take about 10 minutes together), Pallas kernels in, then all of them out (the jnp
+    # references: JAXSPEC_KERNELS=0), then in again
+    case ${E2E:-decode} in
+      decode) LIMIT=170 CMD="python3 -m bench.bench_decode --layouts static --only llama3-8b,smollm2-135m --program engine --batches 1,64" ;;
+      cycle) LIMIT=190 CMD="python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 3 --shapes 3,1,4;6,10,60 --variants lean" ;;
+      *) echo "E2E must be decode or cycle, not $E2E"; exit 2 ;;
+    esac
+    i=0; for k in 1 0 1; do i=$((i + 1))
+      run ${E2E:-decode}${i}_k$k $LIMIT env JAXSPEC_KERNELS=$k $CMD
     done
     ;;
   pdl)

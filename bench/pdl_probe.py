@@ -145,16 +145,16 @@ def timed_variant(label, unit, f, args, reps, execs=8):
     except Exception as e:
         print(f"{label}: {type(e).__name__}: {str(e)[:300]}")
         return None
-    busy, span, _ = bk.trace_times(events, execs * reps)
+    summed, span, _ = bk.trace_times(events, execs * reps)
     outs = [np.asarray(x.astype(jnp.float32)) for x in outs]
-    if busy is None:
+    if summed is None:
         print(f"{label}: no GPU kernels in the trace")
         return outs
     per = collections.defaultdict(float)
     for name, _, dur in trace.gpu_spans(events):
         per[name] += dur / (execs * reps)
     per = {k: round(v, 2) for k, v in sorted(per.items())}
-    print(f"{label}: {unit} {busy * 1e6:.2f} us of kernels summed, {span * 1e6:.2f} us "
+    print(f"{label}: {unit} {summed * 1e6:.2f} us of kernels summed, {span * 1e6:.2f} us "
           f"first-to-last; kernels {per}")
     return outs
 

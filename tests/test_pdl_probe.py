@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.pdl_probe import doubled
+from bench.pdl_probe import doubled, doubled_chunks, timed_variant
 
 
 def test_doubled_is_twice_its_input():
@@ -15,7 +15,6 @@ def test_doubled_is_twice_its_input():
 
 
 def test_doubled_chunks_doubles_every_chunk():
-    from bench.pdl_probe import doubled_chunks
     x = jax.random.normal(jax.random.key(5), (3, 32, 128), jnp.bfloat16)
     got = doubled_chunks(x, interpret=True)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(x * 2, np.float32))
@@ -24,7 +23,6 @@ def test_doubled_chunks_doubles_every_chunk():
 def test_timed_variant_returns_outputs_and_says_what_it_could_not_time(capsys):
     """On a machine with no GPU kernels in its trace the variant's outputs still come back (as
     f32), and the line says there was nothing to time; a refused variant gives None, said."""
-    from bench.pdl_probe import timed_variant
     x = jnp.arange(4, dtype=jnp.bfloat16)
     got = timed_variant("cpu", "a call", jax.jit(lambda a: [a * 2]), (x,), reps=1, execs=1)
     np.testing.assert_array_equal(got[0], np.arange(4, dtype=np.float32) * 2)
@@ -39,7 +37,6 @@ def test_timed_variant_returns_outputs_and_says_what_it_could_not_time(capsys):
 
 def test_doubled_chunks_of_fewer_ctas_doubles_the_leading_chunks():
     """The pair's second kernel: one CTA over the first chunk of a whole [C, R, D] input."""
-    from bench.pdl_probe import doubled_chunks
     x = jax.random.normal(jax.random.key(7), (3, 32, 128), jnp.bfloat16)
     got = doubled_chunks(x, ctas=1, interpret=True)
     assert got.shape == (1, 32, 128)
@@ -48,7 +45,6 @@ def test_doubled_chunks_of_fewer_ctas_doubles_the_leading_chunks():
 
 def test_doubled_chunks_in_loops_doubles_every_chunk_once():
     """A CTA doubling chunks c, c + ctas, ... in turn: 2 CTAs of 3 chunks cover all 6."""
-    from bench.pdl_probe import doubled_chunks
     x = jax.random.normal(jax.random.key(9), (6, 32, 128), jnp.bfloat16)
     got = doubled_chunks(x, loops=3, interpret=True)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(x * 2, np.float32))
