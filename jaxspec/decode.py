@@ -1,25 +1,23 @@
-"""Plain (non-speculative) decoding: chunked prefill and multi-step decode, all on device.
+"""Plain (non-speculative) decoding on device: multi-step decode and the plain backend's state.
 
-The host dispatches `decode_steps` chunks back to back and reads a chunk's tokens only after the
-next chunk is already queued, so the GPU never waits on the host (JAX dispatch is asynchronous).
+Prompts are prefilled by the engine's admission programs (`engine.admission`); `plain_cycle` is
+the plain backend's program, `decode_steps` the bare greedy loop the benchmarks time.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import time
-from typing import Dict, List, Optional, Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from flax import struct
 
 from jaxspec.config import ModelConfig
-from jaxspec.kv import KVCache
+from jaxspec.kv import KVCache, init_cache
 from jaxspec.models import llama
-from jaxspec.sampling import (MAX_LOGPROBS, Emitted, Features, SamplingParams, SlotSampling,
-                              TokenCounts, apply_penalties, cond, logprob_dicts, sample,
-                              sample_slots, slot_keys, split_slot_keys, token_logprobs)
+from jaxspec.sampling import (MAX_LOGPROBS, Emitted, Features, SlotSampling, TokenCounts,
+                              apply_penalties, cond, no_logprobs, sample, sample_slots,
+                              split_slot_keys, token_logprobs)
 from jaxspec.xla_options import jit
 from pallas_kernels.kv_compact import kv_compact
 
@@ -30,27 +28,6 @@ def _append(cache: KVCache, k_new, v_new, count) -> KVCache:
     src = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
     k, v = kv_compact(cache.k, cache.v, k_new, v_new, cache.lens, src, count)
     return KVCache(k, v, cache.lens + count)
-
-
-@functools.partial(jit, static_argnums=(1,), donate_argnums=(2,))
-def prefill_chunk(params, cfg: ModelConfig, cache: KVCache, tokens, n_valid):
-    """tokens [B, C] (padded), n_valid [B] -> (cache, hidden of each slot's last valid row [B, H]).
-
-    Extends each slot's cache by n_valid[b] rows (0 leaves a slot untouched).
-    """
-    b, c = tokens.shape
-    positions = cache.lens[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
-    mask = llama.causal_mask(b, c, n_valid)
-    hidden, k_new, v_new, _ = llama.forward(params, cfg.for_prefill(), tokens, positions,
-                                            cache.k, cache.v, cache.lens, mask)
-    last = jnp.take_along_axis(hidden, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
-    return _append(cache, k_new, v_new, n_valid), last
-
-
-@functools.partial(jit, static_argnums=(1,))
-def sample_from_hidden(params, cfg: ModelConfig, hidden, sp: SlotSampling, key):
-    """hidden [B, H] (before the final norm) -> next tokens [B]."""
-    return sample(llama.lm_head(params, cfg, hidden), sp, key)
 
 
 def loop_params(params, cfg: ModelConfig, n_steps: int):
@@ -179,116 +156,42 @@ def sample_steps(params, cfg: ModelConfig, cache: KVCache, tokens, sp: SlotSampl
                        num_top=num_top)
 
 
-def prefill_bucket(n: int, chunk: int) -> int:
-    """Padded prefill width: the next power of two >= n (at least 16), capped at chunk."""
-    return min(chunk, max(16, 1 << (max(n, 1) - 1).bit_length()))
+@struct.dataclass
+class PlainState:
+    """The plain backend's batch state; its fields are the ones an admission writes
+    (`engine.admission`), named as in `spec.cycle.SpecState`.
+
+    target    KVCache [L, B, Hkv, T, D]
+    root      [B] next input token (no KV yet, already counted)
+    sampling  SlotSampling [B]; rng [B, 2] per-slot keys; history TokenCounts [B, V]
+    """
+    target: KVCache
+    root: jax.Array
+    sampling: SlotSampling
+    rng: jax.Array
+    history: TokenCounts
 
 
-@dataclasses.dataclass
-class Generation:
-    token_ids: List[int]
-    finish_reason: str       # "stop" (EOS / stop token, included) or "length"
-    ttft_s: float
-    latency_s: float
-    logprobs: Optional[List[Dict[int, float]]] = None   # per token, when the request asked
+def init_plain_state(cfg: ModelConfig, slots: int, max_len: int, dtype) -> PlainState:
+    return PlainState(init_cache(cfg, slots, max_len, dtype), jnp.zeros((slots,), jnp.int32),
+                      SlotSampling.greedy(slots), jnp.zeros((slots, 2), jnp.uint32),
+                      TokenCounts.zeros(slots, cfg.vocab_size))
 
 
-def finish(tokens: Sequence[int], max_tokens: int, stop_ids) -> tuple[list, str | None]:
-    """Cuts a token stream at the first stop token (kept) or at max_tokens."""
-    for i, t in enumerate(tokens[:max_tokens]):
-        if t in stop_ids:
-            return list(tokens[:i + 1]), "stop"
-    if len(tokens) >= max_tokens:
-        return list(tokens[:max_tokens]), "length"
-    return list(tokens), None
+def plain_cycle(params, draft_params, state: PlainState, active, *, cfg: ModelConfig,
+                n_steps: int, features: Optional[Features] = None):
+    """n_steps decode steps for the active slots (`decode_scan`: penalties, per-slot keys,
+    logprobs); idle slots write no KV rows and change nothing. draft_params: unused (every
+    backend program takes the same leading arguments).
 
-
-class PlainRunner:
-    """Batched plain decoding over a fixed set of slots."""
-
-    def __init__(self, cfg: ModelConfig, params, cache: KVCache, *, prefill_chunk_size=512,
-                 decode_chunk=16, seed=0):
-        self.cfg, self.params, self.cache = cfg, params, cache
-        self.prefill_chunk_size, self.decode_chunk = prefill_chunk_size, decode_chunk
-        self.key = jax.random.PRNGKey(seed)
-
-    @property
-    def slots(self) -> int:
-        return self.cache.lens.shape[0]
-
-    def prefill(self, prompts: Sequence[Sequence[int]]):
-        """Resets the cache and prefills prompts into slots 0..len-1; returns last hidden [B, H]."""
-        b, c = self.slots, self.prefill_chunk_size
-        self.cache = dataclasses.replace(self.cache, lens=jnp.zeros((b,), jnp.int32))
-        lens = np.zeros(b, np.int64)
-        lens[:len(prompts)] = [len(p) for p in prompts]
-        width = prefill_bucket(int(lens.max()), c)
-        last = None
-        for start in range(0, int(lens.max()), width):
-            toks = np.zeros((b, width), np.int32)
-            for i, p in enumerate(prompts):
-                seg = p[start:start + width]
-                toks[i, :len(seg)] = seg
-            n_valid = np.clip(lens - start, 0, width).astype(np.int32)
-            self.cache, h = prefill_chunk(self.params, self.cfg, self.cache, jnp.asarray(toks),
-                                          jnp.asarray(n_valid))
-            last = h if last is None else jnp.where(jnp.asarray(n_valid > 0)[:, None], h, last)
-        return last
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-                 stop_ids: Sequence[set]) -> List[Generation]:
-        t0 = time.perf_counter()
-        b = self.slots
-        sp = SlotSampling.from_params(params, b)
-        self.key, sub = jax.random.split(self.key)
-        keys = slot_keys(params, b, sub)
-        hist = TokenCounts.from_prompts(*_padded(prompts, b), self.cfg.vocab_size)
-        last = self.prefill(prompts)
-        em, hist, keys = first_token(self.params, self.cfg, last, sp, hist, keys)
-        tok = em.tokens
-        first = jax.device_get(jax.tree_util.tree_map(lambda x: x[:, None], em))
-        ttft = time.perf_counter() - t0
-        streams = [[] for _ in prompts]
-        lps: List[list] = [[] for _ in prompts]
-        results: List[Generation | None] = [None] * len(prompts)
-        pending = []
-
-        def absorb(out: Emitted):
-            for i, s in enumerate(streams):
-                if results[i] is None:
-                    s.extend(out.tokens[i].tolist())
-                    if params[i].logprobs is not None:
-                        lps[i] += logprob_dicts(out.tokens[i], out.logprob[i], out.top_ids[i],
-                                                out.top_logprobs[i], params[i].logprobs)
-            self._settle(streams, lps, results, params, stop_ids, ttft,
-                         time.perf_counter() - t0)
-
-        absorb(first)
-        while any(r is None for r in results):
-            self.cache, hist, keys, out = sample_steps(self.params, self.cfg, self.cache, tok, sp,
-                                                       hist, keys, n_steps=self.decode_chunk)
-            tok = out.tokens[:, -1]
-            pending.append(out)
-            if len(pending) > 1:   # read the previous chunk while this one runs
-                absorb(jax.device_get(pending.pop(0)))
-        return results
-
-    @staticmethod
-    def _settle(streams, lps, results, params, stop_ids, ttft, elapsed):
-        for i, s in enumerate(streams):
-            if results[i] is None:
-                toks, reason = finish(s, params[i].max_tokens, stop_ids[i])
-                if reason:
-                    lp = lps[i][:len(toks)] if params[i].logprobs is not None else None
-                    results[i] = Generation(toks, reason, ttft, elapsed, lp)
-
-
-def _padded(prompts: Sequence[Sequence[int]], slots: int):
-    """-> (tokens [slots, P] int32 zero-padded, lens [slots] int32) as device arrays."""
-    p = max(len(x) for x in prompts)
-    toks = np.zeros((slots, p), np.int32)
-    lens = np.zeros((slots,), np.int32)
-    for i, x in enumerate(prompts):
-        toks[i, :len(x)] = x
-        lens[i] = len(x)
-    return jnp.asarray(toks), jnp.asarray(lens)
+    Returns (state, Emitted with tokens [B, n_steps] (-1 for idle slots))."""
+    del draft_params
+    cache, hist, keys, em = decode_scan(params, cfg, state.target, state.root, state.sampling,
+                                        state.history, state.rng, active=active,
+                                        n_steps=n_steps, features=features)
+    root = jnp.where(active, em.tokens[:, -1], state.root)
+    new = PlainState(cache, root, state.sampling, keys, hist)
+    lp = (em.logprob, em.top_ids, em.top_logprobs)
+    if features is not None and not features.logprobs:
+        lp = no_logprobs(root.shape[0])      # the steps' zeros are then never written
+    return new, Emitted(jnp.where(active[:, None], em.tokens, -1), *lp)

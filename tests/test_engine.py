@@ -12,7 +12,7 @@ import pytest
 
 from draft_models import agreeing_pair as _agreeing_pair
 from jaxspec.config import ModelConfig
-from jaxspec.engine import Engine, PlainBackend, SpecBackend
+from jaxspec.engine import Engine, EngineConfig, PlainBackend, SpecBackend
 from jaxspec.kv import init_cache
 from jaxspec.models import llama
 from jaxspec.sampling import LEAN, SamplingParams
@@ -99,8 +99,11 @@ def make_engine(kind, kv_budget=None, eos=(), detokenize=None, short_rows=None, 
     else:
         backend = PlainBackend(CFG, params, SLOTS, MAX_MODEL_LEN + 2 * PLAIN_STEPS,
                                n_steps=PLAIN_STEPS, short_rows=short_rows)
-    return Engine(backend, max_model_len=MAX_MODEL_LEN, vocab_size=CFG.vocab_size, eos_ids=eos,
-                  kv_budget=kv_budget, chunk=CHUNK, detokenize=detokenize, **kw)
+    decoder = kw.pop("stream_decoder", None)
+    conf = EngineConfig(max_model_len=MAX_MODEL_LEN, kv_budget=kv_budget, prefill_chunk=CHUNK,
+                        **kw)
+    return Engine(backend, conf, vocab_size=CFG.vocab_size, eos_ids=eos, detokenize=detokenize,
+                  stream_decoder=decoder)
 
 
 class CompileCounter:

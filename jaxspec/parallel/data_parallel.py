@@ -1,42 +1,36 @@
-"""Data parallel: one replica of the target and the draft per local device, `jax.pmap`.
+"""Data parallel: the engine's slots split over N local devices, each running the one-device
+programs on its own slots.
 
-Each replica owns `slots` slots; a group of up to `replicas * slots` requests is spread evenly
-over the replicas, prefilled and decoded in lockstep (one pmapped call per cycle for all of them),
-and the results come back in input order. Per-replica state is stacked on a leading device axis
-[D, ...]; the weights are put on every device once (a replicated sharding) and passed with
-`in_axes=None`, so no call copies them again.
-
-Why pmap: it is what the users run, and since jax 0.8 `jax.pmap` is itself a jit of a shard_map
-over a one-axis mesh, so it is the jit-with-sharding program anyway, without a mesh to manage. The
-replicas never communicate: there is no collective in the compiled program.
-
-Every replica runs the same compiled function as the single-device runners (`spec.cycle.cycle`,
-`decode.sample_steps`), so greedy outputs equal theirs token for token.
+`DataParallel` is a placement (`parallel.placement`): a backend built over it holds its state
+split along the slot axis (each device S of the N x S slots) and the weights once on every
+device, and each of its programs runs per device on that device's share. The programs hold no
+collective, and the engine above does not change: it sees N x S slots and admits requests into
+any free one. Two implementations of "per device", the same results:
+  "shard_map"  a jit of a `shard_map` of the one-device program over a one-axis mesh; the state
+               is one global array per leaf, outputs come back concatenated over the devices
+  "pmap"       `jax.pmap` of the same program; the state and outputs carry a leading device
+               axis [N, S, ...]
+Admission: each device's newcomers are admitted on their own, the devices' argument tuples
+stacked into one call ([N, ...] arguments), so no device prefills another's rows. Slot indices
+stay global; each device maps them to its own slots (others' become padding).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-import time
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxspec.config import ConfigError, ModelConfig
-from jaxspec.decode import Generation, finish, first_token, prefill_bucket, prefill_chunk, \
-    sample_steps
-from jaxspec.engine.backends import MaskCache
-from jaxspec.kv import init_cache
-from jaxspec.sampling import (VARIANTS, Features, SamplingParams, SlotSampling, TokenCounts,
-                              logprob_dicts, slot_keys)
-from jaxspec.spec.config import SpecConfig, check_vocab, resolve_spec
-from jaxspec.spec import context_vocab
-from jaxspec.spec.cycle import cycle, init_state, prefill
-from jaxspec.spec.runner import SpecResult, _Request, check_requests, prompt_bucket
+from jaxspec.config import ConfigError
+from jaxspec.parallel.placement import MaskCache
+from jaxspec.xla_options import jit
 
-AXIS = "replica"
+AXIS = "data"
+IMPLS = ("shard_map", "pmap")
 
 
 def local_devices(replicas: Optional[int] = None) -> Tuple[jax.Device, ...]:
@@ -49,282 +43,120 @@ def local_devices(replicas: Optional[int] = None) -> Tuple[jax.Device, ...]:
     return tuple(devs[:n])
 
 
-def replicate(tree, devices: Sequence[jax.Device]):
-    """One copy of every leaf on each device (a fully replicated sharding): pmapped calls with
-    in_axes=None read it in place."""
-    mesh = Mesh(np.asarray(devices), (AXIS,))
-    return jax.device_put(tree, NamedSharding(mesh, P()))
+def _local_slots(slot_idx, per_device: int):
+    """Global slot indices [A] -> this device's (padding, per_device, where another owns it)."""
+    local = slot_idx - jax.lax.axis_index(AXIS) * per_device
+    return jnp.where((local >= 0) & (local < per_device), local, per_device).astype(slot_idx.dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def sharded_put(devices: Tuple[jax.Device, ...]):
-    """Host arrays [D, ...] (a pytree) -> arrays split over `devices` on the leading axis, as a
-    pmapped call takes them. A numpy argument to the call itself would be copied inside it, and
-    on the GPU that copy waits for the work already queued (`engine.backends.MaskCache`)."""
-    return jax.pmap(lambda x: x, AXIS, devices=devices)
+class DataParallel:
+    """A placement over `devices`, the slots split evenly (see the module docstring)."""
+
+    def __init__(self, devices: Sequence[jax.Device], impl: str = "shard_map"):
+        if impl not in IMPLS:
+            raise ConfigError(f"data_parallel_impl must be one of {IMPLS}, got {impl!r}")
+        self.devices, self.impl = tuple(devices), impl
+        self.replicas = len(self.devices)
+        self.mesh = Mesh(np.asarray(self.devices), (AXIS,))
+        self.per = None               # slots per device, set by `state`
+        self._spec = None             # the state's PartitionSpecs (shard_map)
+        split = NamedSharding(self.mesh, P(AXIS))
+        if impl == "pmap":
+            put = jax.pmap(lambda x: x, AXIS, devices=self.devices)
+            self.put_mask = MaskCache(lambda m: put(m.reshape(self.replicas, -1)))
+        else:
+            self.put_mask = MaskCache(lambda m: jax.device_put(m, split))
+
+    def weights(self, params, draft_params):
+        # On every device once: left on one, each call would copy them to the others.
+        return jax.device_put((params, draft_params), NamedSharding(self.mesh, P()))
+
+    def state(self, make, slots: int, axes):
+        if slots % self.replicas:
+            raise ConfigError(f"{slots} slots do not split over {self.replicas} devices")
+        self.per = slots // self.replicas
+        if self.impl == "pmap":
+            init = jax.pmap(lambda _: make(self.per), AXIS, devices=self.devices)
+            return init(np.arange(self.replicas))
+        self._spec = jax.tree_util.tree_map(lambda ax: P(*([None] * ax), AXIS), axes)
+        shard = jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), self._spec)
+        return jax.jit(lambda: make(slots), out_shardings=shard)()
+
+    def stack(self, parts):
+        return jax.tree_util.tree_map(lambda *x: np.stack(x), *parts)
+
+    def host(self, x) -> np.ndarray:
+        x = np.asarray(x)
+        return x.reshape((-1,) + x.shape[2:]) if self.impl == "pmap" else x
+
+    def scope(self):
+        return contextlib.nullcontext()
+
+    def program(self, jitted, kind: str):
+        """The per-device form of a backend program (weights, draft weights, donated state,
+        then kind's arguments)."""
+        inner, per = jitted.__wrapped__, self.per
+        local = {"cycle": inner,
+                 "admit": functools.partial(_admit_local, inner, per, self.impl == "pmap"),
+                 "advance": functools.partial(_advance_local, inner, per)}[kind]
+        if self.impl == "pmap":
+            return self._pmap(local, kind)
+        rows = getattr(jitted, "gemm_rows", None)
+        rows = None if rows is None else rows // self.replicas
+        donate = 0 if kind == "advance" else 2
+        return jit(self._shard_map(local, kind), rows=rows, donate_argnums=(donate,))
+
+    def _pmap(self, local, kind: str):
+        if kind == "cycle":
+            axes = (None, None, 0, 0)
+        elif kind == "advance":
+            axes = (0, None, None)
+        else:
+            axes = None                 # set per call: weights None, the rest 0, the key None
+        donate = 0 if kind == "advance" else 2
+        if axes is not None:
+            return jax.pmap(local, AXIS, in_axes=axes, donate_argnums=(donate,),
+                            devices=self.devices)
+
+        @functools.lru_cache(maxsize=None)
+        def mapped(n_args: int):
+            ax = (None, None) + (0,) * (n_args - 3) + (None,)
+            return jax.pmap(local, AXIS, in_axes=ax, donate_argnums=(2,), devices=self.devices)
+
+        class _Admit:
+            def __call__(self, *args):
+                return mapped(len(args))(*args)
+
+            def lower(self, *args):
+                return mapped(len(args)).lower(*args)
+        return _Admit()
+
+    def _shard_map(self, local, kind: str):
+        st = self._spec
+
+        def smap(fn, in_specs, out_specs):
+            return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                                 check_vma=False)
+        if kind == "cycle":
+            return smap(local, (P(), P(), st, P(AXIS)), (st, P(AXIS)))
+        if kind == "advance":
+            return smap(local, (st, P(), P()), st)
+
+        def call(*args):
+            specs = (P(), P(), st) + (P(AXIS),) * (len(args) - 4) + (P(),)
+            return smap(local, specs, (st, P(AXIS)))(*args)
+        return call
 
 
-def spread(indices: Sequence[int], replicas: int, slots: int) -> List[List[List[int]]]:
-    """Groups of at most replicas * slots requests, each split as evenly as possible over the
-    replicas: -> groups[g][replica] = request indices (contiguous, in order)."""
-    per_group = replicas * slots
-    out = []
-    for g in range(0, len(indices), per_group):
-        chunk = list(indices[g:g + per_group])
-        out.append([list(x) for x in np.array_split(np.asarray(chunk, np.int64), replicas)])
-    return out
+def _admit_local(inner, per: int, pmapped: bool, params, draft, state, *args):
+    """One device's admission: its slice of the stacked arguments, global slot indices mapped
+    to its own slots (`_local_slots`)."""
+    stacked, key = args[:-1], args[-1]
+    if not pmapped:             # shard_map hands each device a [1, ...] slice
+        stacked = jax.tree_util.tree_map(lambda x: x[0], stacked)
+    idx = _local_slots(stacked[0], per)
+    return inner(params, draft, state, idx, *stacked[1:], key)
 
 
-def _stack(trees):
-    return jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *trees)
-
-
-# ---------------------------------------------------------------------------------- speculative
-
-
-@functools.lru_cache(maxsize=None)
-def pmap_spec(cfg: ModelConfig, spec: SpecConfig, devices: Tuple[jax.Device, ...],
-              slots: int, max_len: int, dtype, context: int = 0):
-    """(init, prefill, cycle) pmapped over `devices`; weights in_axes=None, state donated.
-
-    init(dummy [D]) -> state [D, ...]
-    prefill(params, draft, state, tokens [D, B, P], lens [D, B], sampling [D, B], keys [D, B, 2])
-    cycle[features](params, draft, state, active [D, B]): one per `sampling.VARIANTS`
-    """
-    init = jax.pmap(lambda _: init_state(cfg, spec, slots, max_len, dtype, context=context), AXIS,
-                    devices=devices)
-    pre = jax.pmap(functools.partial(prefill, cfg=cfg, spec=spec, with_logprobs=True), AXIS,
-                   in_axes=(None, None, 0, 0, 0, 0, 0), donate_argnums=(2,), devices=devices)
-    cyc = {f: jax.pmap(functools.partial(cycle, cfg=cfg, spec=spec, features=f), AXIS,
-                       in_axes=(None, None, 0, 0), donate_argnums=(2,), devices=devices)
-           for f in VARIANTS}
-    return init, pre, cyc
-
-
-class DataParallelSpecRunner:
-    """`SpecRunner` over `replicas` local devices, `slots` slots each (same `generate`; max_len
-    leaves room for 2 * spec.max_emit rows past prompt + max_tokens)."""
-
-    def __init__(self, cfg: ModelConfig, params, draft_params, spec: Union[SpecConfig, str],
-                 slots: int, max_len: int, replicas: Optional[int] = None, seed: int = 0):
-        self.spec = resolve_spec(spec)
-        check_vocab(self.spec, cfg.vocab_size)
-        if slots < 1:
-            raise ConfigError(f"slots={slots} must be >= 1")
-        self.devices = local_devices(replicas)
-        self.cfg, self.slots, self.max_len = cfg, slots, max_len
-        self.dtype = params["embed"].dtype
-        self.params = replicate(params, self.devices)
-        self.draft_params = replicate(draft_params, self.devices)
-        self._init, self._prefill, self._cycle = pmap_spec(
-            cfg, self.spec, self.devices, slots, max_len, jnp.dtype(self.dtype),
-            context_vocab.size(draft_params))
-        self._state = None
-        self.key = jax.random.PRNGKey(seed)
-        self._active = MaskCache(sharded_put(self.devices))    # [D, B] masks on the devices
-
-    @property
-    def replicas(self) -> int:
-        return len(self.devices)
-
-    def generate(self, prompts: Sequence[Sequence[int]],
-                 sampling: Sequence[Union[SamplingParams, int]], eos_ids: Tuple[int, ...] = (),
-                 detokenize: Optional[Callable[[List[int]], str]] = None) -> List[SpecResult]:
-        # Two cycles' rows of slack: the last useful one and the overlap cycle after it.
-        sps = check_requests(prompts, sampling, self.max_len, 2 * self.spec.max_emit)
-        results: List[Optional[SpecResult]] = [None] * len(prompts)
-        for group in spread(range(len(prompts)), self.replicas, self.slots):
-            reqs = self._run_group([[prompts[i] for i in g] for g in group],
-                                   [[sps[i] for i in g] for g in group], set(eos_ids), detokenize)
-            for g, rs in zip(group, reqs):
-                for i, r in zip(g, rs):
-                    results[i] = r.result()
-        return results
-
-    def _run_group(self, prompts, sps, eos, detokenize) -> List[List[_Request]]:
-        """prompts[r], sps[r]: the requests of replica r (at most `slots` each)."""
-        d, b = self.replicas, self.slots
-        p = prompt_bucket(max(len(x) for xs in prompts for x in xs), self.max_len)
-        tokens = np.zeros((d, b, p), np.int32)
-        lens = np.zeros((d, b), np.int32)
-        for r, xs in enumerate(prompts):
-            for j, x in enumerate(xs):
-                tokens[r, j, :len(x)] = x
-                lens[r, j] = len(x)
-        if self._state is None:
-            self._state = self._init(np.zeros((d,), np.int32))
-        self.key, *subs = jax.random.split(self.key, d + 1)
-        sampling = _stack([SlotSampling.from_params(sps[r], b) for r in range(d)])
-        keys = np.stack([np.asarray(slot_keys(sps[r], b, subs[r])) for r in range(d)])
-        self._state, first = self._prefill(self.params, self.draft_params, self._state, tokens,
-                                           lens, sampling, keys)
-        reqs = [[_Request(sp, eos, detokenize) for sp in sps[r]] for r in range(d)]
-        first = jax.device_get(first)
-        for r in range(d):
-            for j, req in enumerate(reqs[r]):
-                req.absorb([first.tokens[r, j]], [first.logprob[r, j]], [first.top_ids[r, j]],
-                           [first.top_logprobs[r, j]])
-        # Cycle n+1 is dispatched before cycle n's tokens are read, so the device never waits on
-        # the host; a slot that finishes in cycle n runs one more cycle, whose tokens are dropped
-        # (its rows are the slack counted in `generate`).
-        pending = None
-        run_cycle = self._cycle[Features.of([sp for r in sps for sp in r])]
-        while True:
-            active = np.array([[j < len(reqs[r]) and reqs[r][j].reason is None
-                                for j in range(b)] for r in range(d)])
-            nxt = None
-            if active.any():
-                self._state, co = run_cycle(self.params, self.draft_params, self._state,
-                                            self._active(active))
-                nxt = (co, active)
-            elif pending is None:
-                break
-            if pending is not None:
-                _absorb_cycle(reqs, *pending)
-            pending = nxt
-        return reqs
-
-
-def _absorb_cycle(reqs, co, active):
-    co = jax.device_get(co)
-    for r, j in zip(*np.nonzero(active)):
-        req, k = reqs[r][j], int(co.accept_len[r, j]) + 1
-        if req.reason is not None:      # finished in the cycle before: an overlap cycle
-            continue
-        req.accepts.append(k - 1)
-        req.absorb(co.tokens[r, j, :k], co.logprob[r, j, :k], co.top_ids[r, j, :k],
-                   co.top_logprobs[r, j, :k])
-
-
-# ---------------------------------------------------------------------------------------- plain
-
-
-@functools.lru_cache(maxsize=None)
-def pmap_plain(cfg: ModelConfig, devices: Tuple[jax.Device, ...], slots: int, max_len: int,
-               dtype, n_steps: int):
-    """(init, prefill_chunk, first_token, sample_steps) of `decode`, pmapped over `devices`."""
-    init = jax.pmap(lambda _: init_cache(cfg, slots, max_len, dtype), AXIS, devices=devices)
-    pre = jax.pmap(lambda params, cache, toks, n: prefill_chunk(params, cfg, cache, toks, n),
-                   AXIS, in_axes=(None, 0, 0, 0), donate_argnums=(1,), devices=devices)
-    first = jax.pmap(lambda params, h, sp, hist, keys: first_token(params, cfg, h, sp, hist, keys),
-                     AXIS, in_axes=(None, 0, 0, 0, 0), devices=devices)
-    steps = jax.pmap(lambda params, cache, tok, sp, hist, keys: sample_steps(
-        params, cfg, cache, tok, sp, hist, keys, n_steps=n_steps),
-        AXIS, in_axes=(None, 0, 0, 0, 0, 0), donate_argnums=(1, 4), devices=devices)
-    return init, pre, first, steps
-
-
-class DataParallelPlainRunner:
-    """`decode.PlainRunner` over `replicas` local devices, `slots` slots each (same `generate`)."""
-
-    def __init__(self, cfg: ModelConfig, params, slots: int, max_len: int,
-                 replicas: Optional[int] = None, *, prefill_chunk_size: int = 512,
-                 decode_chunk: int = 16, seed: int = 0):
-        if slots < 1:
-            raise ConfigError(f"slots={slots} must be >= 1")
-        self.devices = local_devices(replicas)
-        self.cfg, self.slots, self.max_len = cfg, slots, max_len
-        self.prefill_chunk_size, self.decode_chunk = prefill_chunk_size, decode_chunk
-        dtype = jnp.dtype(params["embed"].dtype)
-        self.params = replicate(params, self.devices)
-        self._init, self._prefill, self._first, self._steps = pmap_plain(
-            cfg, self.devices, slots, max_len, dtype, decode_chunk)
-        self.key = jax.random.PRNGKey(seed)
-
-    @property
-    def replicas(self) -> int:
-        return len(self.devices)
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-                 stop_ids: Sequence[set]) -> List[Generation]:
-        """As PlainRunner.generate, for any number of prompts (groups of replicas * slots)."""
-        out: List[Optional[Generation]] = [None] * len(prompts)
-        for group in spread(range(len(prompts)), self.replicas, self.slots):
-            gens = self._run_group([[prompts[i] for i in g] for g in group],
-                                   [[params[i] for i in g] for g in group],
-                                   [[stop_ids[i] for i in g] for g in group])
-            for g, gs in zip(group, gens):
-                for i, x in zip(g, gs):
-                    out[i] = x
-        return out
-
-    def _prefill_all(self, prompts):
-        d, b, c = self.replicas, self.slots, self.prefill_chunk_size
-        cache = self._init(np.zeros((d,), np.int32))
-        lens = np.zeros((d, b), np.int64)
-        for r, xs in enumerate(prompts):
-            lens[r, :len(xs)] = [len(x) for x in xs]
-        width = prefill_bucket(int(lens.max()), c)
-        last = None
-        for start in range(0, int(lens.max()), width):
-            toks = np.zeros((d, b, width), np.int32)
-            for r, xs in enumerate(prompts):
-                for j, x in enumerate(xs):
-                    seg = x[start:start + width]
-                    toks[r, j, :len(seg)] = seg
-            n_valid = np.clip(lens - start, 0, width).astype(np.int32)
-            cache, h = self._prefill(self.params, cache, toks, n_valid)
-            last = h if last is None else jnp.where((n_valid > 0)[..., None], h, last)
-        return cache, last
-
-    def _run_group(self, prompts, params, stop_ids) -> List[List[Generation]]:
-        t0 = time.perf_counter()
-        d, b = self.replicas, self.slots
-        sp = sharded_put(self.devices)(_stack([SlotSampling.from_params(params[r], b)
-                                               for r in range(d)]))
-        self.key, *subs = jax.random.split(self.key, d + 1)
-        keys = np.stack([np.asarray(slot_keys(params[r], b, subs[r])) for r in range(d)])
-        hist = _stack([_prompt_counts(prompts[r], b, self.cfg.vocab_size) for r in range(d)])
-        cache, last = self._prefill_all(prompts)
-        em, hist, keys = self._first(self.params, last, sp, hist, keys)
-        tok = em.tokens
-        first = jax.device_get(jax.tree_util.tree_map(lambda x: x[..., None], em))
-        ttft = time.perf_counter() - t0
-        flat = [(r, j) for r in range(d) for j in range(len(prompts[r]))]
-        streams = {rj: [] for rj in flat}
-        lps = {rj: [] for rj in flat}
-        done = {}
-
-        def absorb(o):
-            for r, j in flat:
-                if (r, j) in done:
-                    continue
-                streams[r, j].extend(o.tokens[r, j].tolist())
-                p = params[r][j]
-                if p.logprobs is not None:
-                    lps[r, j] += logprob_dicts(o.tokens[r, j], o.logprob[r, j], o.top_ids[r, j],
-                                               o.top_logprobs[r, j], p.logprobs)
-                toks, reason = finish(streams[r, j], p.max_tokens, stop_ids[r][j])
-                if reason:
-                    lp = lps[r, j][:len(toks)] if p.logprobs is not None else None
-                    done[r, j] = Generation(toks, reason, ttft, time.perf_counter() - t0, lp)
-
-        absorb(first)
-        pending = []
-        while len(done) < len(flat):
-            cache, hist, keys, o = self._steps(self.params, cache, tok, sp, hist, keys)
-            tok = o.tokens[..., -1]
-            pending.append(o)
-            if len(pending) > 1:   # read the previous chunk while this one runs
-                absorb(jax.device_get(pending.pop(0)))
-            elif len(done) < len(flat) and len(pending) == 1 and _last_chunk(streams, done,
-                                                                              params, flat,
-                                                                              self.decode_chunk):
-                absorb(jax.device_get(pending.pop(0)))
-        return [[done[r, j] for j in range(len(prompts[r]))] for r in range(d)]
-
-
-def _last_chunk(streams, done, params, flat, chunk) -> bool:
-    """Every unfinished stream reaches max_tokens with the chunk in flight: read it now rather
-    than dispatch one more."""
-    return all(len(streams[r, j]) + chunk >= params[r][j].max_tokens
-               for r, j in flat if (r, j) not in done)
-
-
-def _prompt_counts(prompts, slots: int, vocab: int) -> TokenCounts:
-    toks = np.zeros((slots, max((len(x) for x in prompts), default=1)), np.int32)
-    lens = np.zeros((slots,), np.int32)
-    for j, x in enumerate(prompts):
-        toks[j, :len(x)] = x
-        lens[j] = len(x)
-    return TokenCounts.from_prompts(jnp.asarray(toks), jnp.asarray(lens), vocab)
+def _advance_local(inner, per: int, state, slot_idx, advance):
+    return inner(state, _local_slots(slot_idx, per), advance)

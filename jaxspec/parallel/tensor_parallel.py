@@ -1,7 +1,7 @@
 """Tensor parallel: target and draft weights and KV caches sharded over a `Mesh` model axis.
 
 The model code is unchanged: `shard_params` places each weight with a `NamedSharding` and the
-jitted functions (`spec.cycle.jit_cycle`, `decode.*`) are compiled by GSPMD, which inserts the
+jitted programs (`spec.cycle.jit_cycle`, `decode.plain_cycle`, the admissions) are compiled by GSPMD, which inserts the
 collectives (Megatron style: one all-reduce after the attention output projection and one after
 the MLP down projection per layer, plus the vocab reductions of the lm_head).
 
@@ -33,7 +33,7 @@ Requirements: num_kv_heads % M == 0 (then num_heads too) and intermediate_size %
 
 Kernels: the Pallas kernels (tree attention, KV compaction) are custom calls that GSPMD cannot
 split; given sharded operands it would gather them (the whole KV cache) around each call. The
-functions here trace under `jax.set_mesh(mesh)` (`on_mesh`), and under a mesh with a "model" axis
+programs of a backend placed by `TensorParallel` trace under `jax.set_mesh(mesh)`, and under a mesh with a "model" axis
 the kernel dispatchers run per shard of the kv heads in a `shard_map`
 (`pallas_kernels/head_sharding.py`): no communication, on GPU and on CPU alike (the references).
 `jit_cycle` called without the mesh context is still correct (GSPMD around the references on
@@ -43,8 +43,7 @@ Multi-host: see `jaxspec.parallel.distributed`.
 """
 from __future__ import annotations
 
-import functools
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,9 +51,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxspec.config import ConfigError, ModelConfig
-from jaxspec.spec.config import SpecConfig
-from jaxspec.spec.runner import SpecRunner
-from jaxspec.xla_options import jit
+from jaxspec.parallel.placement import MaskCache
 
 AXIS = "model"
 
@@ -220,19 +217,6 @@ def shard_state(state, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS):
 # ------------------------------------------------------------------------------ jitted entries
 
 
-def on_mesh(fn, mesh: Mesh):
-    """fn called (so traced) under `jax.set_mesh(mesh)`: the kernels then run per head shard.
-    Positional arguments are the arrays (made global across processes); keyword arguments are
-    options (lower=, features=) and pass as they are."""
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        if jax.process_count() > 1:
-            args = _global_inputs(args, mesh)
-        with jax.set_mesh(mesh):
-            return fn(*args, **kwargs)
-    return call
-
-
 def _global_inputs(tree, mesh: Mesh):
     """Host values (numpy, or arrays on this process's devices only), identical on every
     process, -> global arrays replicated over the mesh; arrays already on it pass through."""
@@ -248,53 +232,58 @@ def _global_inputs(tree, mesh: Mesh):
     return jax.tree_util.tree_map(glob, tree)
 
 
-def tp_cycle(cfg: ModelConfig, spec: SpecConfig, mesh: Mesh, state, greedy_only: bool = False):
-    """jit of spec.cycle.cycle whose state keeps its sharding across calls (KV on kv heads) and
-    whose CycleOut comes back replicated (the host reads it); the state is donated."""
-    from jaxspec.spec.cycle import cycle
-    rep = NamedSharding(mesh, P())
-    st = state_shardings(state, cfg, mesh)
-    return on_mesh(jit(functools.partial(cycle, cfg=cfg, spec=spec, greedy_only=greedy_only),
-                       out_shardings=(st, rep), donate_argnums=(2,)), mesh)
+class TensorParallel:
+    """A placement (`parallel.placement`) over a one-axis model mesh: weights sharded by the
+    layout above, the state's KV caches on kv heads, the programs traced and run under the mesh
+    (the kernels per head shard). The draft head must be an EAGLE-1 head (a Llama layer)."""
+    replicas = 1
 
-
-def tp_prefill(cfg: ModelConfig, spec: SpecConfig, mesh: Mesh, state,
-               with_logprobs: bool = True):
-    from jaxspec.spec.cycle import prefill
-    rep = NamedSharding(mesh, P())
-    st = state_shardings(state, cfg, mesh)
-    return on_mesh(jit(functools.partial(prefill, cfg=cfg, spec=spec,
-                                         with_logprobs=with_logprobs),
-                           out_shardings=(st, rep), donate_argnums=(2,)), mesh)
-
-
-class TensorParallelSpecRunner(SpecRunner):
-    """`SpecRunner` with target, draft and state sharded over mesh[axis] (same `generate`)."""
-
-    def __init__(self, cfg: ModelConfig, params, draft_params, spec: Union[SpecConfig, str],
-                 max_slots: int, max_len: int, mesh: Mesh, seed: int = 0, vocab: str = "auto"):
-        from jaxspec.spec.cycle import init_state
+    def __init__(self, mesh: Mesh, cfg: ModelConfig, vocab: str = "auto"):
         check_shardable(cfg, mesh.shape[AXIS])
-        super().__init__(cfg, params, draft_params, spec, max_slots, max_len, seed)
-        self.mesh = mesh
-        self.params = shard_params(params, cfg, mesh, vocab=vocab)
-        self.draft_params = shard_draft_params(draft_params, cfg, mesh)
-        state = shard_state(init_state(cfg, self.spec, max_slots, max_len, self.dtype,
-                                       draft_params), cfg, mesh)
-        self._state = state
-        self._cycle = tp_cycle(cfg, self.spec, mesh, state)
-        self._prefill = tp_prefill(cfg, self.spec, mesh, state)
+        self.mesh, self.cfg, self.vocab = mesh, cfg, vocab
+        self.put_mask = MaskCache(lambda m: jax.device_put(m, NamedSharding(mesh, P())))
+
+    def weights(self, params, draft_params):
+        from jaxspec.models.eagle3 import is_eagle3
+        if draft_params is not None and is_eagle3(draft_params):
+            raise ConfigError("tensor_parallel > 1 with an EAGLE-3 head is not supported; use "
+                              "an EAGLE-1 head or tensor_parallel=1")
+        params = shard_params(params, self.cfg, self.mesh, vocab=self.vocab)
+        if draft_params is not None:
+            draft_params = shard_draft_params(draft_params, self.cfg, self.mesh)
+        return params, draft_params
+
+    def state(self, make, slots: int, axes):
+        return shard_state(make(slots), self.cfg, self.mesh)
+
+    def program(self, jitted, kind: str):
+        return _OnMesh(jitted, self.mesh)
+
+    def stack(self, parts):
+        part, = parts
+        return part
+
+    def host(self, x) -> np.ndarray:
+        return np.asarray(x)
+
+    def scope(self):
+        return jax.set_mesh(self.mesh)
 
 
-def shard_backend(backend, cfg: ModelConfig, mesh: Mesh):
-    """An engine backend (`engine.SpecBackend` / `PlainBackend`, built with params from
-    `shard_params` / `shard_draft_params`) made tensor parallel in place: its state starts
-    sharded (KV on kv heads) and its jitted calls trace under the mesh (kernels per head shard).
-    Returns the backend."""
-    init, admit, cyc, adv = (backend.init_state, backend.admit, backend.cycle,
-                             backend.advance_keys)
-    backend.init_state = lambda: shard_state(init(), cfg, mesh)
-    backend.admit = on_mesh(admit, mesh)
-    backend.cycle = on_mesh(cyc, mesh)
-    backend.advance_keys = on_mesh(adv, mesh)
-    return backend
+class _OnMesh:
+    """A jitted program called and lowered under the mesh, its host arguments made global
+    (identical on every process) when several processes share the mesh."""
+
+    def __init__(self, jitted, mesh: Mesh):
+        self.jitted, self.mesh = jitted, mesh
+
+    def _args(self, args):
+        return _global_inputs(args, self.mesh) if jax.process_count() > 1 else args
+
+    def __call__(self, *args):
+        with jax.set_mesh(self.mesh):
+            return self.jitted(*self._args(args))
+
+    def lower(self, *args):
+        with jax.set_mesh(self.mesh):
+            return self.jitted.lower(*self._args(args))

@@ -1,7 +1,6 @@
-"""EAGLE speculative decoding: configuration, drafting, tree, verify, the jitted cycle, runner."""
+"""EAGLE speculative decoding: configuration, drafting, tree, verify and the jitted cycle."""
 from jaxspec.spec.config import PRESETS, SpecConfig, resolve_spec
-from jaxspec.spec.cycle import CycleOut, SpecState, cycle, init_state, jit_cycle, jit_prefill, prefill
-from jaxspec.spec.runner import SpecResult, SpecRunner
+from jaxspec.spec.cycle import CycleOut, SpecState, cycle, init_state, jit_cycle
 
 __all__ = ["PRESETS", "SpecConfig", "resolve_spec", "CycleOut", "SpecState", "cycle", "init_state",
-           "jit_cycle", "jit_prefill", "prefill", "SpecResult", "SpecRunner"]
+           "jit_cycle"]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
+from typing import Optional, Union
 
 from jaxspec.config import ConfigError
 
@@ -88,3 +88,30 @@ def resolve_spec(spec: Union[SpecConfig, str]) -> SpecConfig:
 def check_vocab(spec: SpecConfig, vocab_size: int) -> None:
     if spec.topk > vocab_size:
         raise ConfigError(f"topk={spec.topk} exceeds the vocabulary size {vocab_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """How the draft head scores tokens (EAGLE-1 heads; an EAGLE-3 head has its own vocabulary).
+
+    draft_vocab          draft only the K most frequent tokens of a ranking (FR-Spec): the
+                         draft's lm_head reads K columns instead of V; the output is unchanged,
+                         tokens outside the K are never drafted. 0: the whole vocabulary.
+                         None: the shipped head's default (`defaults.DRAFT_VOCAB`), else all.
+    draft_vocab_ranking  the ranking file (`spec.draft_vocab.save_ranking`); None: the one
+                         shipped beside the default head
+    draft_context_vocab  of a cut vocabulary's K, the last E are each request's own recent
+                         tokens outside the other K - E (`spec.context_vocab`). None:
+                         `defaults.context_vocab(max_batch)` with a cut vocabulary
+    """
+    draft_vocab: Optional[int] = None
+    draft_vocab_ranking: Optional[str] = None
+    draft_context_vocab: Optional[int] = None
+
+    def __post_init__(self):
+        for name, zero in (("draft_vocab", "the whole vocabulary"), ("draft_context_vocab",
+                                                                     "none")):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 0):
+                raise ConfigError(f"{name} must be an int >= 0 (0: {zero}), got {value!r}")

@@ -95,54 +95,6 @@ def _penalized(logits, sp: SlotSampling, penalize):
     return cond(sp.any_penalty(), penalize, lambda: logits)
 
 
-def prefill(params, draft_params, state: SpecState, tokens, prompt_lens, sampling=None, rng=None,
-            *, cfg: ModelConfig, spec: SpecConfig, greedy_only: bool = False,
-            with_logprobs: bool = False):
-    """Target prefill + draft prefill over padded prompts.
-
-    tokens [B, P] (padded), prompt_lens [B] (>= 1; 0 leaves a slot empty and idle).
-    sampling (SlotSampling) and rng ([B, 2] keys) replace the state's when given.
-    The root (first generated token) is drawn from the target's processed distribution at the last
-    prompt position (the argmax for greedy slots); the draft then catches up over rows
-    (f_t, x_{t+1}) for t < P_b with x_{P_b} = root.
-    greedy_only: every slot is greedy (no sampling code is compiled).
-    Returns (state, root [B]), or (state, Emitted [B]) with with_logprobs.
-    """
-    b, p = tokens.shape
-    sp = state.sampling if sampling is None else sampling
-    rng = state.rng if rng is None else rng
-    # Not a constant (XLA simplifies `prompt_lens * 0` to one): XLA would constant-fold the
-    # attention over the (empty) cache at full batch size, seconds at compile time.
-    zeros = jax.lax.optimization_barrier(jnp.zeros_like(prompt_lens))
-    pos = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
-    hidden, k_new, v_new, captured = llama.forward(
-        params, cfg.for_prefill(), tokens, pos, state.target.k, state.target.v, zeros,
-        llama.causal_mask(b, p, prompt_lens), draft_lib.capture_layers(draft_params))
-    tk, tv = kv_compact(state.target.k, state.target.v, k_new, v_new, zeros, pos, prompt_lens)
-    normed = llama.final_norm(params, cfg, hidden)
-    feats = draft_lib.target_features(draft_params, normed, captured)
-    last = jnp.take_along_axis(normed, jnp.maximum(prompt_lens - 1, 0)[:, None, None], axis=1)
-    hist = TokenCounts.from_prompts(tokens, prompt_lens, cfg.vocab_size)
-    logits = llama.project_logits(params, last[:, 0])
-    logits = _penalized(logits, sp, lambda: apply_penalties(logits, sp, hist))
-    if greedy_only:
-        root = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    else:
-        rng, sub = split_slot_keys(rng, 2)
-        root = sample_slots(logits, sp, sub)
-    hist = hist.add(root[:, None], (prompt_lens > 0)[:, None])
-    shifted = jnp.concatenate([tokens[:, 1:], zeros[:, None]], axis=1)
-    shifted = jnp.where(pos == (prompt_lens - 1)[:, None], root[:, None], shifted)
-    dk, dv, seed = draft_lib.catch_up(params, draft_params, cfg, spec, state.draft_k,
-                                      state.draft_v, zeros, feats, shifted, prompt_lens)
-    new = SpecState(KVCache(tk, tv, prompt_lens.astype(jnp.int32)), dk, dv, root, seed, sp, rng,
-                    hist)
-    if not with_logprobs:
-        return new, root
-    lp, ids, tlp = token_logprobs(logits[:, None], sp, root[:, None], MAX_LOGPROBS)
-    return new, Emitted(root, lp[:, 0], ids[:, 0], tlp[:, 0])
-
-
 def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, spec: SpecConfig,
           greedy_only: bool = False, features: Optional[Features] = None):
     """One speculative cycle for all slots. active [B] bool: idle slots change nothing.
@@ -288,12 +240,3 @@ def _jit_cycle(cfg, spec, greedy_only, features, n_cycles, slots, loop, _gemm):
 
 
 jit_cycle.cache_clear = _jit_cycle.cache_clear
-
-
-@functools.lru_cache(maxsize=None)
-def jit_prefill(cfg: ModelConfig, spec: SpecConfig, greedy_only: bool = False,
-                with_logprobs: bool = False):
-    """prefill(params, draft_params, state, tokens, prompt_lens[, sampling, rng]) -> (state, root
-    or Emitted); state donated."""
-    return jit(functools.partial(prefill, cfg=cfg, spec=spec, greedy_only=greedy_only,
-                                 with_logprobs=with_logprobs), donate_argnums=(2,))

@@ -201,7 +201,7 @@ def catch_up_packed(params, draft_params, cfg: ModelConfig, spec: SpecConfig, dr
     lay.pos) of draft_k/v [1, B, Hkv, Tc, D] (slot_tok B: dropped), and each request's seed
     comes from its last row, which attends to its request's rows (all at or before it: a first
     chunk). features [1, R * W, F], tokens [R * W]. Returns (draft_k, draft_v, DraftSeed [A])."""
-    from jaxspec.spec.admit_packed import scatter_rows
+    from jaxspec.engine.admission import scatter_rows
     head = head_module(draft_params)
     r, w = lay.pos.shape
     x = head.fuse_input(params, draft_params, tokens[None], features)
