@@ -1,0 +1,186 @@
+"""Static-batch reference runners for the tests: a group of prompts prefilled together in one
+call, then calls over every slot until each request has stopped. Independent of the engine's
+scheduling (no admission while others run, no retract, no packing), so the engine's outputs can
+be checked against them; the device programs are the backends' own.
+
+    SpecRunner(cfg, params, draft, spec, max_slots, max_len).generate(prompts, sampling)
+    PlainRunner(cfg, params, max_slots, max_len).generate(prompts, sampling)
+    prefill(cfg, spec, params, draft, state, tokens, lens) -> (state, root)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import List, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.decode import init_plain_state, plain_cycle
+from jaxspec.engine.admission import AdmitArgs, jit_admissions
+from jaxspec.sampling import FULL, SamplingParams, flat_params, logprob_dicts, seed_key
+from jaxspec.spec.config import check_vocab, resolve_spec
+from jaxspec.spec.cycle import init_state, jit_cycle
+from jaxspec.spec.draft import check_head
+from jaxspec.xla_options import jit
+
+
+@dataclasses.dataclass
+class Result:
+    token_ids: List[int]
+    finish_reason: str                  # "stop" (stop token included, or stop string), "length"
+    accept_lens: List[int] = dataclasses.field(default_factory=list)
+    logprobs: Optional[List[dict]] = None
+    text: Optional[str] = None          # cut at a stop string (when stop strings are checked)
+
+
+def _key(seed: int):
+    k = jax.random.PRNGKey(seed)
+    return jax.random.key_data(k) if jnp.issubdtype(k.dtype, jax.dtypes.prng_key) else k
+
+
+def _admit_args(prompts, sps, slots: int):
+    """(slot_idx, tokens, start, n_valid, next_tok, AdmitArgs) of one first-chunk admission of
+    every prompt (row i in slot i; padding rows slot B); unseeded requests get serial i."""
+    width = -(-max(len(p) for p in prompts) // 16) * 16
+    tokens = np.zeros((slots, width), np.int32)
+    slot_idx = np.full(slots, slots, np.int32)
+    n_valid = np.zeros(slots, np.int32)
+    adm = AdmitArgs.host(slots)
+    for i, (p, sp) in enumerate(zip(prompts, sps)):
+        tokens[i, :len(p)], slot_idx[i], n_valid[i] = p, i, len(p)
+        f, ints = flat_params(sp)
+        adm.n_prompt[i], adm.samp_f[i], adm.samp_i[i] = len(p), f, ints
+        if sp.seed is not None:
+            adm.key[i], adm.serial[i] = seed_key(sp.seed), -1
+        else:
+            adm.serial[i] = i
+    return (slot_idx, tokens, np.zeros(slots, np.int32), n_valid, np.full(slots, -1, np.int32),
+            adm)
+
+
+class _Runner:
+    def _setup(self, cfg, params, draft, spec, max_slots: int, max_len: int, seed: int):
+        self.cfg, self.params, self.draft = cfg, params, draft
+        self.slots, self.max_len = max_slots, max_len
+        self.dtype = params["embed"].dtype
+        admits, _, _ = jit_admissions(cfg, spec, max_slots, max_len, self.dtype)
+        self._admit = admits[FULL, "chunk"]
+        self.key = _key(seed)
+
+    def generate(self, prompts, sampling, eos_ids=(), detokenize=None) -> List[Result]:
+        """sampling: per prompt, SamplingParams or an int (max_tokens, greedy). A request stops
+        after one of eos_ids (unless ignore_eos) or its stop_token_ids, at max_tokens, or (with
+        detokenize) at one of its stop strings."""
+        sps = [SamplingParams(max_tokens=s) if isinstance(s, int) else s for s in sampling]
+        out = []
+        for i in range(0, len(prompts), self.slots):
+            out += self._group(prompts[i:i + self.slots], sps[i:i + self.slots], set(eos_ids),
+                               detokenize)
+        return out
+
+    def _group(self, prompts, sps, eos, detokenize) -> List[Result]:
+        state = self._init()
+        args = jax.tree_util.tree_map(jnp.asarray, _admit_args(prompts, sps, self.slots))
+        state, first = self._admit(self.params, self.draft, state, *args, self.key)
+        reqs = [_Req(sp, set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos), detokenize)
+                for sp in sps]
+        lp = [np.asarray(x)[:, None] for x in (first.logprob, first.top_ids, first.top_logprobs)]
+        for i, r in enumerate(reqs):
+            r.take([int(first.tokens[i])], [x[i] for x in lp], None)
+        while not all(r.done for r in reqs):
+            active = np.array([i < len(reqs) and not reqs[i].done for i in range(self.slots)])
+            state, out = self._cycle(self.params, self.draft, state, jnp.asarray(active))
+            toks = np.asarray(out.tokens)
+            lps = [np.asarray(x) for x in (out.logprob, out.top_ids, out.top_logprobs)]
+            acc = getattr(out, "accept_len", None)
+            for i in np.flatnonzero(active):
+                got = toks[i][toks[i] >= 0].tolist()
+                reqs[i].take(got, [x[i] for x in lps],
+                             None if acc is None else int(np.asarray(acc)[i]))
+        return [r.result() for r in reqs]
+
+
+class _Req:
+    def __init__(self, sp: SamplingParams, stop_ids, detokenize):
+        self.sp, self.stop_ids, self.detok = sp, stop_ids, detokenize
+        self.tokens, self.accepts, self.lps = [], [], []
+        self.reason, self.text = None, None
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    def take(self, tokens, lp, accept):
+        if accept is not None:
+            self.accepts.append(accept)
+        for j, t in enumerate(tokens):
+            self.tokens.append(t)
+            if self.sp.logprobs is not None:
+                self.lps += logprob_dicts([t], lp[0][j:j + 1], lp[1][j:j + 1], lp[2][j:j + 1],
+                                          self.sp.logprobs)
+            if t in self.stop_ids:
+                self.reason = "stop"
+            elif len(self.tokens) >= self.sp.max_tokens:
+                self.reason = "length"
+            elif self.detok and self.sp.stop:
+                text = self.detok(self.tokens)
+                hits = [text.find(s) for s in self.sp.stop if s in text]
+                if hits:
+                    self.reason, self.text = "stop", text[:min(hits)]
+            if self.reason:
+                return
+
+    def result(self) -> Result:
+        text = self.text
+        if text is None and self.detok is not None:
+            text = self.detok(self.tokens)
+        return Result(self.tokens, self.reason, self.accepts,
+                      self.lps if self.sp.logprobs is not None else None, text)
+
+
+class SpecRunner(_Runner):
+    """Speculative decoding, one cycle a call."""
+
+    def __init__(self, cfg, params, draft, spec, max_slots: int, max_len: int, seed: int = 0):
+        self.spec = resolve_spec(spec)
+        check_vocab(self.spec, cfg.vocab_size)
+        check_head(cfg, self.spec, draft)
+        self._setup(cfg, params, draft, self.spec, max_slots, max_len, seed)
+        self._cycle = jit_cycle(cfg, self.spec)
+
+    def _init(self):
+        return init_state(self.cfg, self.spec, self.slots, self.max_len, self.dtype, self.draft)
+
+
+class PlainRunner(_Runner):
+    """Plain decoding, decode_steps steps a call."""
+
+    def __init__(self, cfg, params, max_slots: int, max_len: int, decode_steps: int = 4,
+                 seed: int = 0):
+        self._setup(cfg, params, None, None, max_slots, max_len, seed)
+        self._cycle = _plain_program(cfg, decode_steps)
+
+    def _init(self):
+        return init_plain_state(self.cfg, self.slots, self.max_len, self.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_program(cfg, n_steps: int):
+    return jit(functools.partial(plain_cycle, cfg=cfg, n_steps=n_steps), donate_argnums=(2,))
+
+
+def prefill(cfg, spec, params, draft, state, tokens, lens, features=FULL):
+    """Every slot's prompt (tokens [B, P], lens [B]; 0: an empty slot) prefilled into `state`
+    in one admission, greedy: -> (state, root [B])."""
+    b = tokens.shape[0]
+    slot_idx = np.where(np.asarray(lens) > 0, np.arange(b), b).astype(np.int32)
+    adm = AdmitArgs.host(b, n_prompt=np.asarray(lens, np.int32))
+    admits, _, _ = jit_admissions(cfg, spec, b, state.target.k.shape[3],
+                                  params["embed"].dtype)
+    state, first = admits[features, "chunk"](params, draft, state, jnp.asarray(slot_idx),
+                                             jnp.asarray(tokens), jnp.zeros(b, jnp.int32),
+                                             jnp.asarray(lens, jnp.int32),
+                                             jnp.full(b, -1, jnp.int32), adm, _key(0))
+    return state, first.tokens
