@@ -1,5 +1,5 @@
 """Self-distillation data: the target's own greedy answers to the training prompts, generated
-with jaxspec's plain batched decoding (on-device multi-step decode), and prompts the target
+by jaxspec's engine with plain decoding, and prompts the target
 writes itself (self-instruct, as in Magpie: sample what follows the chat template's opening of
 a user turn), for text nearer to instruction benchmarks than a dataset's prompts."""
 from __future__ import annotations
@@ -7,26 +7,33 @@ from __future__ import annotations
 import time
 from typing import List, Optional, Sequence, Tuple
 
-import jax
 import numpy as np
 
 from jaxspec.config import ModelConfig
-from jaxspec.decode import PlainRunner
-from jaxspec.kv import init_cache
 from jaxspec.sampling import SamplingParams
 
 _MARK = "\u2063jaxspec-query\u2063"   # a string no template writes by itself
 
 
-def _runner(cfg: ModelConfig, params, batch: int, rows: int, decode_chunk: int, seed: int = 0):
-    dtype = jax.tree_util.tree_leaves(params)[0].dtype
-    # Slack rows: a decode chunk may run past a slot's end before the host sees it.
-    cache = init_cache(cfg, batch, rows + 2 * decode_chunk + 16, dtype)
-    return PlainRunner(cfg, params, cache, decode_chunk=decode_chunk, seed=seed)
+def _engine(cfg: ModelConfig, params, batch: int, rows: int, decode_steps: int, seed: int = 0):
+    """A plain engine of `batch` slots, each holding `rows` tokens."""
+    from jaxspec.build import build_engine
+    from jaxspec.engine import EngineConfig
+    conf = EngineConfig(max_batch=batch, max_model_len=max(rows, 16), decode_steps=decode_steps,
+                        seed=seed)
+    return build_engine(cfg, params, conf, eos_ids=cfg.eos_token_ids)
+
+
+def _run(engine, prompts, sps) -> List[List[int]]:
+    """The engine's outputs for the prompts, in order."""
+    ids = [engine.add_request(p, sp, stream=False) for p, sp in zip(prompts, sps)]
+    for _ in engine.drain():
+        pass
+    return [engine.pop_finished(i).output for i in ids]
 
 
 def generate_responses(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], max_new: int,
-                       batch: int = 256, decode_chunk: int = 32, progress: bool = True,
+                       batch: int = 256, decode_steps: int = 32, progress: bool = True,
                        max_seconds: Optional[float] = None) -> List[List[int]]:
     """Greedy responses (EOS included when reached, else cut at max_new) for the prompts, in
     order; with max_seconds, stops starting new batches after that long (fewer responses).
@@ -36,17 +43,15 @@ def generate_responses(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]
     """
     from tqdm.auto import tqdm
 
-    runner = _runner(cfg, params, batch, max(len(p) for p in prompts) + max_new, decode_chunk)
+    engine = _engine(cfg, params, batch, max(len(p) for p in prompts) + max_new, decode_steps)
     sp = SamplingParams(temperature=0.0, max_tokens=max_new)
-    stop = set(cfg.eos_token_ids)
     out: List[List[int]] = []
     t0 = time.perf_counter()
     for i in tqdm(range(0, len(prompts), batch), disable=not progress, desc="self-distill"):
         if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
             break
         group = prompts[i:i + batch]
-        gens = runner.generate(group, [sp] * len(group), [stop] * len(group))
-        out += [g.token_ids for g in gens]
+        out += _run(engine, group, [sp] * len(group))
     if progress:
         n = sum(len(r) for r in out)
         print(f"generated {n} tokens for {len(out)} prompts in {time.perf_counter() - t0:.1f}s")
@@ -66,7 +71,7 @@ def query_prefix(tok) -> List[int]:
 
 def self_instruct(cfg: ModelConfig, params, tok, n: int, *, max_query: int = 128,
                   max_prompt_len: int = 256, temperature: float = 1.0, top_p: float = 1.0,
-                  min_chars: int = 16, seed: int = 0, batch: int = 256, decode_chunk: int = 32,
+                  min_chars: int = 16, seed: int = 0, batch: int = 256, decode_steps: int = 32,
                   max_seconds: Optional[float] = None, progress: bool = True
                   ) -> Tuple[List[str], List[List[int]], dict]:
     """Up to n user queries the target writes itself, and their chat-template prompts.
@@ -84,7 +89,7 @@ def self_instruct(cfg: ModelConfig, params, tok, n: int, *, max_query: int = 128
                          f"0 < top_p <= 1; got n={n}, max_query={max_query}, "
                          f"temperature={temperature}, top_p={top_p}")
     prefix = query_prefix(tok)
-    runner = _runner(cfg, params, batch, len(prefix) + max_query, decode_chunk, seed)
+    engine = _engine(cfg, params, batch, len(prefix) + max_query, decode_steps, seed)
     stop = set(cfg.eos_token_ids)
     queries, prompts, seen = [], [], set()
     dropped = {"unfinished": 0, "short": 0, "repeated": 0, "long_prompt": 0}
@@ -94,9 +99,8 @@ def self_instruct(cfg: ModelConfig, params, tok, n: int, *, max_query: int = 128
     while len(queries) < n and (max_seconds is None or time.perf_counter() - t0 < max_seconds):
         sps = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_query,
                               seed=int(s)) for s in rng.integers(0, 2 ** 31 - 1, batch)]
-        for g in runner.generate([prefix] * batch, sps, [stop] * batch):
+        for ids in _run(engine, [prefix] * batch, sps):
             drawn += 1
-            ids = list(g.token_ids)
             if not ids or ids[-1] not in stop:
                 dropped["unfinished"] += 1
                 continue
