@@ -8,24 +8,28 @@ the JAX_COMPILATION_CACHE_DIR variable wins; JAXSPEC_COMPILE_CACHE=0 turns it of
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import jax
 
-DEFAULT_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxspec" / "xla"
+from jaxspec import envs
+
+
+def default_dir() -> Path:
+    """$XDG_CACHE_HOME/jaxspec/xla (XDG_CACHE_HOME defaults to ~/.cache)."""
+    return envs.XDG_CACHE_HOME / "jaxspec" / "xla"
 
 
 def enable(path=None) -> str | None:
     """Points JAX's compilation cache at `path` (default ~/.cache/jaxspec/xla) on GPU.
 
     Returns the directory in use, or None when off (CPU, or turned off)."""
-    if os.environ.get("JAXSPEC_COMPILE_CACHE", "1") == "0" or jax.default_backend() != "gpu":
+    if not envs.JAXSPEC_COMPILE_CACHE or jax.default_backend() != "gpu":
         return None
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current
-    d = Path(path) if path else DEFAULT_DIR
+    d = Path(path) if path else default_dir()
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError:     # a read-only home: run without the cache rather than fail

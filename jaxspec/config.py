@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Mapping, Optional, Tuple
+
+from jaxspec import envs
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -84,7 +85,7 @@ class ModelConfig:
         unroll: layers per scan iteration (default: JAXSPEC_PREFILL_UNROLL, else 1).
         packed: the chunks are packs of prompts (`packed_chunks`)."""
         if unroll is None:
-            unroll = int(os.environ.get("JAXSPEC_PREFILL_UNROLL", "1"))
+            unroll = envs.JAXSPEC_PREFILL_UNROLL
         if unroll < 1:
             raise ConfigError(f"prefill unroll must be >= 1, got {unroll}")
         return dataclasses.replace(self, unroll_layers=False, scan_unroll=unroll,

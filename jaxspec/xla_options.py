@@ -23,10 +23,11 @@ time both in one process) choose the GEMMs: auto is the rule above, cublas and t
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, Dict, Optional
 
 import jax
+
+from jaxspec import envs
 
 CUBLAS_MIN_ROWS = 64
 GEMM_BACKENDS = ("auto", "cublas", "triton")
@@ -36,11 +37,7 @@ _override: Optional[str] = None
 
 def gemm_choice() -> str:
     """The GEMM rule programs built now follow (one of GEMM_BACKENDS)."""
-    choice = _override or os.environ.get("JAXSPEC_GEMM", "") or "auto"
-    if choice not in GEMM_BACKENDS:
-        raise ValueError(f"unknown GEMM backend {choice!r} (JAXSPEC_GEMM); choose from "
-                         f"{', '.join(GEMM_BACKENDS)}")
-    return choice
+    return _override or envs.JAXSPEC_GEMM
 
 
 def compiler_options(rows: Optional[int] = None) -> Dict[str, Any]:

@@ -1,10 +1,10 @@
 """Pallas API differences between the jax releases we support (0.10 on CPU, 0.11 on the GPU)."""
-import os
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from jaxspec import envs
 
 # Pallas moved between jax releases: `pl.load/pl.store` became `plgpu.load/store`, and the
 # compiler-params class was renamed.
@@ -27,4 +27,4 @@ def on_gpu(backend: str | None = None) -> bool:
     """Whether the Pallas GPU kernels serve on `backend` (None: jax's default). JAXSPEC_KERNELS=0
     forces the jnp references, to compare or to rule the kernels out of a GPU problem."""
     backend = jax.default_backend() if backend is None else backend
-    return backend == "gpu" and os.environ.get("JAXSPEC_KERNELS", "1") != "0"
+    return backend == "gpu" and envs.JAXSPEC_KERNELS

@@ -6,10 +6,9 @@ with `prefix_attention_mgpu.on_hopper` (and `device_kind`) patched.
 """
 from __future__ import annotations
 
-import os
-
 import jax.numpy as jnp
 
+from jaxspec import envs
 from pallas_kernels import prefix_attention_mgpu as pm
 
 # Tiles of this many rows per KV head take Mosaic GPU's prefix kernel on Hopper: from one
@@ -46,7 +45,7 @@ def mosaic_serves(rows, live_len, cache_len, head_dim, dtype, *, batch=1) -> boo
     `_MOSAIC_ROWS` rows over a cache of whole key blocks, in 16-bit floats, over prefixes long
     enough for the batch (`_mosaic_prefix_long_enough`; bench/RESULTS.md, thirty-seventh and
     forty-third sets), but for the H100's own exception (`_H100_TRITON`)."""
-    if os.environ.get("JAXSPEC_MOSAIC", "1") == "0":   # A/B runs: Triton's prefix everywhere
+    if not envs.JAXSPEC_MOSAIC:   # A/B runs: Triton's prefix everywhere
         return False
     return (_MOSAIC_ROWS[0] <= rows <= _MOSAIC_ROWS[1]
             and _mosaic_prefix_long_enough(live_len, head_dim, batch)

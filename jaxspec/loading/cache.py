@@ -18,6 +18,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import ml_dtypes
 import numpy as np
 
+from jaxspec import envs
 from jaxspec.loading.common import WeightsError
 from jaxspec.loading.hf import SafetensorsFile
 
@@ -30,7 +31,7 @@ _NAMES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("JAXSPEC_CACHE") or Path.home() / ".cache" / "jaxspec")
+    return envs.JAXSPEC_CACHE
 
 
 def cache_key(fingerprint: Sequence[Tuple[str, int, int]], dtype) -> str:

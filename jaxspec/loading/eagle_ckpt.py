@@ -39,6 +39,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
+from jaxspec import envs
 from jaxspec.config import ModelConfig
 from jaxspec.loading.common import WeightsError
 
@@ -145,9 +146,7 @@ def matches_default_target(cfg: ModelConfig) -> bool:
 def default_head_path() -> Path:
     """checkpoints/ of the source tree; JAXSPEC_DRAFT_HEAD names another file (an installed
     wheel does not carry checkpoints/)."""
-    import os
-    env = os.environ.get("JAXSPEC_DRAFT_HEAD")
-    return Path(env).expanduser() if env else DEFAULT_HEAD_DIR / DEFAULT_HEAD_FILE
+    return envs.JAXSPEC_DRAFT_HEAD or DEFAULT_HEAD_DIR / DEFAULT_HEAD_FILE
 
 
 def default_ranking_path() -> Path:

@@ -37,13 +37,13 @@ multi-process path has not been run here.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxspec import envs
 from jaxspec.parallel.tensor_parallel import AXIS, make_mesh
 
 
@@ -52,12 +52,11 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
     """`jax.distributed.initialize`, with the three values read from JAXSPEC_COORDINATOR,
     JAXSPEC_NUM_PROCESSES and JAXSPEC_PROCESS_ID when not given (and auto-detected by JAX under
     SLURM / Open MPI / Cloud TPU when those are unset too). A single process skips it."""
-    env = os.environ
-    coordinator_address = coordinator_address or env.get("JAXSPEC_COORDINATOR")
-    if num_processes is None and "JAXSPEC_NUM_PROCESSES" in env:
-        num_processes = int(env["JAXSPEC_NUM_PROCESSES"])
-    if process_id is None and "JAXSPEC_PROCESS_ID" in env:
-        process_id = int(env["JAXSPEC_PROCESS_ID"])
+    coordinator_address = coordinator_address or envs.JAXSPEC_COORDINATOR
+    if num_processes is None:
+        num_processes = envs.JAXSPEC_NUM_PROCESSES
+    if process_id is None:
+        process_id = envs.JAXSPEC_PROCESS_ID
     if num_processes == 1:
         return
     jax.distributed.initialize(coordinator_address=coordinator_address,
