@@ -134,9 +134,7 @@ def test_distributed_initialize_reads_the_environment(monkeypatch):
                           local_device_ids=None) for p in (1, 0)]
 
 
-# Reads that stay outside envs.py for now: the engine's rewrite drops this one (it reads
-# JAXSPEC_CYCLE_COPIES through envs).
-ALLOWED_DIRECT_READS = {"jaxspec/engine/backends.py"}
+ALLOWED_DIRECT_READS: set = set()
 
 
 def _library_files():
