@@ -6,6 +6,8 @@ be checked against them; the device programs are the backends' own.
     SpecRunner(cfg, params, draft, spec, max_slots, max_len).generate(prompts, sampling)
     PlainRunner(cfg, params, max_slots, max_len).generate(prompts, sampling)
     prefill(cfg, spec, params, draft, state, tokens, lens) -> (state, root)
+
+A runner keeps its last group's final state (`runner.state`) for tests that inspect it.
 """
 from __future__ import annotations
 
@@ -50,14 +52,19 @@ def _admit_args(prompts, sps, slots: int):
     adm = AdmitArgs.host(slots)
     for i, (p, sp) in enumerate(zip(prompts, sps)):
         tokens[i, :len(p)], slot_idx[i], n_valid[i] = p, i, len(p)
-        f, ints = flat_params(sp)
-        adm.n_prompt[i], adm.samp_f[i], adm.samp_i[i] = len(p), f, ints
-        if sp.seed is not None:
-            adm.key[i], adm.serial[i] = seed_key(sp.seed), -1
-        else:
-            adm.serial[i] = i
+        adm.n_prompt[i] = len(p)
+        _set_sampling(adm, i, sp)
     return (slot_idx, tokens, np.zeros(slots, np.int32), n_valid, np.full(slots, -1, np.int32),
             adm)
+
+
+def _set_sampling(adm: AdmitArgs, i: int, sp: SamplingParams):
+    """Row i of host AdmitArgs takes sp's parameters and key (unseeded: serial i)."""
+    adm.samp_f[i], adm.samp_i[i] = flat_params(sp)
+    if sp.seed is not None:
+        adm.key[i], adm.serial[i] = seed_key(sp.seed), -1
+    else:
+        adm.serial[i] = i
 
 
 class _Runner:
@@ -68,6 +75,7 @@ class _Runner:
         admits, _, _ = jit_admissions(cfg, spec, max_slots, max_len, self.dtype)
         self._admit = admits[FULL, "chunk"]
         self.key = _key(seed)
+        self.state = None
 
     def generate(self, prompts, sampling, eos_ids=(), detokenize=None) -> List[Result]:
         """sampling: per prompt, SamplingParams or an int (max_tokens, greedy). A request stops
@@ -99,6 +107,7 @@ class _Runner:
                 got = toks[i][toks[i] >= 0].tolist()
                 reqs[i].take(got, [x[i] for x in lps],
                              None if acc is None else int(np.asarray(acc)[i]))
+        self.state = state
         return [r.result() for r in reqs]
 
 
@@ -171,16 +180,22 @@ def _plain_program(cfg, n_steps: int):
     return jit(functools.partial(plain_cycle, cfg=cfg, n_steps=n_steps), donate_argnums=(2,))
 
 
-def prefill(cfg, spec, params, draft, state, tokens, lens, features=FULL):
+def prefill(cfg, spec, params, draft, state, tokens, lens, features=FULL, sampling=None,
+            emitted=False):
     """Every slot's prompt (tokens [B, P], lens [B]; 0: an empty slot) prefilled into `state`
-    in one admission, greedy: -> (state, root [B])."""
+    in one admission: -> (state, root [B]), or (state, Emitted [B]) with emitted=True.
+    sampling: per slot, SamplingParams (None: greedy); a seeded one draws from PRNGKey(seed),
+    an unseeded one from the engine key 0 folded with its slot index."""
     b = tokens.shape[0]
-    slot_idx = np.where(np.asarray(lens) > 0, np.arange(b), b).astype(np.int32)
-    adm = AdmitArgs.host(b, n_prompt=np.asarray(lens, np.int32))
+    lens = np.asarray(lens, np.int32)
+    slot_idx = np.where(lens > 0, np.arange(b), b).astype(np.int32)
+    adm = AdmitArgs.host(b, n_prompt=lens)
+    for i, sp in enumerate(sampling or ()):
+        _set_sampling(adm, i, sp)
     admits, _, _ = jit_admissions(cfg, spec, b, state.target.k.shape[3],
                                   params["embed"].dtype)
     state, first = admits[features, "chunk"](params, draft, state, jnp.asarray(slot_idx),
                                              jnp.asarray(tokens), jnp.zeros(b, jnp.int32),
-                                             jnp.asarray(lens, jnp.int32),
-                                             jnp.full(b, -1, jnp.int32), adm, _key(0))
-    return state, first.tokens
+                                             jnp.asarray(lens), jnp.full(b, -1, jnp.int32),
+                                             jax.tree_util.tree_map(jnp.asarray, adm), _key(0))
+    return state, (first if emitted else first.tokens)

@@ -9,14 +9,17 @@ import pytest
 
 import test_engine as te
 from test_spec_cycle import CFG, MAX_LEN, NEW, PROMPTS, agreeing_pair, reference_outputs
+from jaxspec.build import _restrict_vocab
 from jaxspec.config import ConfigError
-from jaxspec.engine import Engine, SpecBackend
+from jaxspec.engine import Engine, EngineConfig, SpecBackend
 from jaxspec.models import eagle, llama
 from jaxspec.sampling import SamplingParams
-from jaxspec.spec import SpecConfig, SpecRunner
+from jaxspec.spec import SpecConfig
 from jaxspec.spec import context_vocab as cv
 from jaxspec.spec import draft as draft_lib
 from jaxspec.spec import draft_vocab as dv
+from jaxspec.spec.config import DraftConfig
+from reference_runner import SpecRunner
 
 
 def _reference_update(ctx, tokens, live, in_vocab, e):
@@ -156,10 +159,11 @@ def test_engine_chunks_packs_and_retracts_keep_the_context_exact():
         h = dv.restrict(params, head, half, context=e)
         backend = SpecBackend(te.CFG, params, h, te.SPEC, te.SLOTS,
                               te.MAX_MODEL_LEN + 2 * te.SPEC.max_emit)
-        engine = Engine(backend, max_model_len=te.MAX_MODEL_LEN, vocab_size=te.CFG.vocab_size,
-                        eos_ids=(), kv_budget=110, chunk=te.CHUNK)
+        conf = EngineConfig(max_batch=te.SLOTS, max_model_len=te.MAX_MODEL_LEN, kv_budget=110,
+                            prefill_chunk=te.CHUNK)
+        engine = Engine(backend, conf, vocab_size=te.CFG.vocab_size, eos_ids=())
         engine.warmup()
-        sizes = te.compiled_shapes(engine)
+        sizes = _compiled(engine)
         ids, step = {}, 0
         te._COUNTER.on = True
         try:
@@ -172,8 +176,9 @@ def test_engine_chunks_packs_and_retracts_keep_the_context_exact():
         finally:
             te._COUNTER.on = False
         assert te._COUNTER.n == 0, "compiled after warm-up"
-        assert te.compiled_shapes(engine) == sizes
+        assert _compiled(engine) == sizes
         assert engine.stats.prefill_chunks > n and engine.stats.retracts > 0
+        assert any(form == "packed" for *_, form in engine.stats.admit_shapes)
         accepted[e] = 0
         for i, rid in ids.items():
             r = engine.pop_finished(rid)
@@ -182,43 +187,48 @@ def test_engine_chunks_packs_and_retracts_keep_the_context_exact():
     assert accepted[8] > accepted[0], accepted
 
 
+def _compiled(engine):
+    """What the backend runs without compiling, and its calls that found no executable."""
+    be = engine.backend
+    return sorted(be.programs.executables), be.jit_calls
+
+
+def _restrict(head, dcfg, ranking=None, max_batch=1, sharded=False):
+    """The vocabulary step of `build.load_draft` on the test target (a head not shipped)."""
+    params, _ = agreeing_pair()
+    dcfg = DraftConfig(**{**dcfg, "draft_vocab_ranking": None if ranking is None
+                          else str(ranking)})
+    return _restrict_vocab(head, CFG, params, dcfg, shipped=False, max_batch=max_batch,
+                           sharded=sharded)
+
+
 def test_llm_rejects_a_bad_context_size_and_a_context_without_a_cut():
     from jaxspec import LLM
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError, match="draft_context_vocab"):
             LLM("/no/such/model.gguf", draft_context_vocab=bad)
-    llm = LLM.__new__(LLM)        # the vocabulary step alone, on the test target
-    params, head = agreeing_pair()
-    llm.config, llm.params, llm.draft_vocab_ranking = CFG, params, None
-    llm.draft_vocab, llm.draft_context_vocab = 0, 16
+    _, head = agreeing_pair()
     with pytest.raises(ConfigError, match="cut vocabulary"):
-        llm._restrict_vocab(head, shipped=False)
-    llm.draft_context_vocab = 0
-    assert llm._restrict_vocab(head, shipped=False) is head
+        _restrict(head, dict(draft_vocab=0, draft_context_vocab=16))
+    assert _restrict(head, dict(draft_vocab=0, draft_context_vocab=0)) is head
 
 
-def test_llm_default_context_is_for_one_slot_on_a_gpu(tmp_path, monkeypatch):
-    import jaxspec.llm as llm_mod
-    from jaxspec import LLM
-    params, head = agreeing_pair()
+def test_default_context_is_for_one_slot_on_a_gpu(tmp_path, monkeypatch):
+    from jaxspec import defaults
+    _, head = agreeing_pair()
     ranking = tmp_path / "ranking.safetensors"
     dv.save_ranking(ranking, np.random.default_rng(0).permutation(CFG.vocab_size))
-    llm = LLM.__new__(LLM)
-    llm.config, llm.params, llm.draft_vocab_ranking = CFG, params, ranking
-    llm.draft_vocab, llm.draft_context_vocab, llm.mesh = 40, None, None
-    monkeypatch.setattr(llm_mod, "DEFAULT_CONTEXT_VOCAB", 8)
+    monkeypatch.setattr(defaults, "CONTEXT_VOCAB", 8)
+    cut = dict(draft_vocab=40, draft_context_vocab=None)
     sizes = {}
     for backend in ("cpu", "gpu"):
-        monkeypatch.setattr(llm_mod.jax, "default_backend", lambda b=backend: b)
+        monkeypatch.setattr(defaults, "on_gpu", lambda b=backend: b == "gpu")
         for slots in (1, 2):
-            llm.max_batch = slots
-            sizes[backend, slots] = cv.size(llm._restrict_vocab(head, shipped=False))
+            sizes[backend, slots] = cv.size(_restrict(head, cut, ranking, max_batch=slots))
     assert sizes == {("cpu", 1): 0, ("cpu", 2): 0, ("gpu", 1): 8, ("gpu", 2): 0}
-    llm.mesh = "tensor parallel"                   # not under tensor parallelism
-    assert cv.size(llm._restrict_vocab(head, shipped=False)) == 0
-    llm.mesh = None
-    llm.max_batch, llm.draft_vocab = 1, 8          # no room in a cut of 8: none, not an error
-    assert cv.size(llm._restrict_vocab(head, shipped=False)) == 0
-    llm.draft_context_vocab = 8                    # asked for: the error names it
+    # not under tensor parallelism
+    assert cv.size(_restrict(head, cut, ranking, sharded=True)) == 0
+    # no room in a cut of 8: none, not an error
+    assert cv.size(_restrict(head, dict(draft_vocab=8), ranking)) == 0
     with pytest.raises(ConfigError, match="must be smaller than the draft vocabulary"):
-        llm._restrict_vocab(head, shipped=False)
+        _restrict(head, dict(draft_vocab=8, draft_context_vocab=8), ranking)   # asked for

@@ -1,14 +1,17 @@
-"""Cached decoding equals a full forward; chunked prefill equals one-shot prefill; plain greedy."""
+"""Cached decoding equals a full forward; chunked prefill (the admission program, two chunks)
+equals one-shot prefill; plain greedy."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxspec.config import ConfigError, ModelConfig, RopeScaling
-from jaxspec.decode import PlainRunner, decode_steps, prefill_chunk, finish
+from jaxspec.decode import decode_steps, init_plain_state
+from jaxspec.engine.admission import AdmitArgs, jit_admissions
 from jaxspec.kv import init_cache
 from jaxspec.models import llama
-from jaxspec.sampling import SamplingParams, SlotSampling
+from jaxspec.sampling import FULL, SamplingParams, SlotSampling, flat_params
+from reference_runner import PlainRunner, prefill
 
 CFG = ModelConfig(arch="LlamaForCausalLM", vocab_size=97, hidden_size=64, intermediate_size=96,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -45,8 +48,10 @@ def full_logits(params, tokens):
 def test_cached_decode_equals_full_forward(params):
     toks = jax.random.randint(jax.random.PRNGKey(1), (1, 20), 0, CFG.vocab_size)
     ref = full_logits(params, toks)
-    cache = init_cache(CFG, 1, 64, jnp.float32)
-    cache, _ = prefill_chunk(params, CFG, cache, toks[:, :12], jnp.array([12], jnp.int32))
+    state = init_plain_state(CFG, 1, 64, jnp.float32)
+    state, root = prefill(CFG, None, params, None, state, np.asarray(toks[:, :12]), [12])
+    assert int(root[0]) == int(jnp.argmax(ref[11]))
+    cache = state.target
     for t in range(12, 20):
         h, k, v, _ = llama.forward(params, CFG, toks[:, t:t + 1], cache.lens[:, None], cache.k,
                                    cache.v, cache.lens, jnp.ones((1, 1, 1), bool))
@@ -56,28 +61,60 @@ def test_cached_decode_equals_full_forward(params):
     assert int(cache.lens[0]) == 20
 
 
+def _admit_chunks(params, toks, n_valid, cuts):
+    """The plain admission program ("chunk" form) over a fresh 2-slot state, the prompts cut
+    at columns `cuts`: -> (state, Emitted [2] of the last chunk). Every request asks for
+    logprobs, so the last chunk's first token comes with its log-probabilities."""
+    admit = jit_admissions(CFG, None, 2, 64, jnp.float32)[0][FULL, "chunk"]
+    f, i = flat_params(SamplingParams(logprobs=5))
+    adm = jax.tree_util.tree_map(jnp.asarray, AdmitArgs.host(
+        2, n_prompt=n_valid, samp_f=np.tile(f, (2, 1)).astype(np.float32),
+        samp_i=np.tile(i, (2, 1)).astype(np.int32)))
+    state = init_plain_state(CFG, 2, 64, jnp.float32)
+    edges = [0] + list(cuts) + [toks.shape[1]]
+    for lo, hi in zip(edges, edges[1:]):
+        chunk = np.zeros((2, 32), np.int32)    # one width: one program for every chunk
+        chunk[:, :hi - lo] = toks[:, lo:hi]
+        n = np.clip(n_valid - lo, 0, hi - lo).astype(np.int32)
+        nxt = np.where(n_valid > hi, toks[:, min(hi, toks.shape[1] - 1)], -1).astype(np.int32)
+        state, first = admit(params, None, state, jnp.arange(2, dtype=jnp.int32),
+                             jnp.asarray(chunk), jnp.full(2, lo, jnp.int32), jnp.asarray(n),
+                             jnp.asarray(nxt), adm, jnp.zeros(2, jnp.uint32))
+    return state, first
+
+
 def test_chunked_prefill_equals_one_shot(params):
     toks = np.asarray(jax.random.randint(jax.random.PRNGKey(2), (2, 24), 0, CFG.vocab_size))
     n_valid = np.array([24, 17], np.int32)
-    one = init_cache(CFG, 2, 64, jnp.float32)
-    one, h1 = prefill_chunk(params, CFG, one, jnp.asarray(toks), jnp.asarray(n_valid))
-    two = init_cache(CFG, 2, 64, jnp.float32)
-    two, _ = prefill_chunk(params, CFG, two, jnp.asarray(toks[:, :8]), jnp.asarray(np.minimum(n_valid, 8)))
-    two, h2 = prefill_chunk(params, CFG, two, jnp.asarray(toks[:, 8:]), jnp.asarray(n_valid - 8))
-    np.testing.assert_array_equal(one.lens, two.lens)
-    np.testing.assert_allclose(h1, h2, rtol=1e-4, atol=1e-4)
+    one, e1 = _admit_chunks(params, toks, n_valid, ())
+    two, e2 = _admit_chunks(params, toks, n_valid, (8,))
+    np.testing.assert_array_equal(one.target.lens, n_valid)
+    np.testing.assert_array_equal(one.target.lens, two.target.lens)
+    # the first token and its log-probabilities, from the last prompt row's hidden state
+    np.testing.assert_array_equal(e1.tokens, e2.tokens)
+    np.testing.assert_array_equal(e1.top_ids, e2.top_ids)
+    np.testing.assert_allclose(e1.top_logprobs, e2.top_logprobs, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(e1.logprob, e2.logprob, rtol=1e-4, atol=1e-4)
+    # the slot state past the KV: root, keys, prompt tokens seen and output counts
+    for a, b in zip(jax.tree_util.tree_leaves((one.root, one.rng, one.history)),
+                    jax.tree_util.tree_leaves((two.root, two.rng, two.history))):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(one.root, e1.tokens)
     for b in range(2):
         n = n_valid[b]
-        np.testing.assert_allclose(one.k[:, b, :, :n], two.k[:, b, :, :n], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(one.target.k[:, b, :, :n], two.target.k[:, b, :, :n],
+                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(one.target.v[:, b, :, :n], two.target.v[:, b, :, :n],
+                                   rtol=1e-4, atol=1e-5)
         # rows past a slot's length stay untouched (zeros from init)
-        assert not np.any(np.asarray(two.k[:, b, :, n:]))
+        assert not np.any(np.asarray(two.target.k[:, b, :, n:]))
 
 
 def test_plain_runner_greedy_matches_full_forward_loop(params):
     prompts = [[5, 9, 2, 44, 7], [1, 2, 3], [60, 61, 62, 63, 64, 65, 66, 67, 68]]
-    runner = PlainRunner(CFG, params, init_cache(CFG, 4, 64, jnp.float32), decode_chunk=4)
+    runner = PlainRunner(CFG, params, 4, 64, decode_steps=4)
     sps = [SamplingParams(max_tokens=10)] * 3
-    gens = runner.generate(prompts, sps, [set()] * 3)
+    gens = runner.generate(prompts, sps)
     for p, g in zip(prompts, gens):
         seq = list(p)
         for _ in range(10):
@@ -96,12 +133,6 @@ def test_decode_does_not_recompile(params):
     sp2 = SlotSampling.from_params([SamplingParams(temperature=0.7, top_p=0.9)], 2)
     cache, out, key = decode_steps(params, CFG, cache, out[:, -1], sp2, key, 2)
     assert decode_steps._cache_size() == before
-
-
-def test_finish_cuts_at_stop_or_length():
-    assert finish([4, 5, 6, 7], 10, {6}) == ([4, 5, 6], "stop")
-    assert finish([4, 5, 6, 7], 2, {6}) == ([4, 5], "length")
-    assert finish([4, 5], 3, set()) == ([4, 5], None)
 
 
 def test_unrolled_layers_equal_scan(params):

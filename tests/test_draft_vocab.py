@@ -9,9 +9,10 @@ from test_spec_cycle import CFG, MAX_LEN, NEW, PROMPTS, agreeing_pair, reference
 from jaxspec.config import ConfigError
 from jaxspec.loading.common import WeightsError
 from jaxspec.models import eagle, eagle3, llama
-from jaxspec.spec import SpecConfig, SpecRunner
+from jaxspec.spec import SpecConfig
 from jaxspec.spec import draft as draft_lib
 from jaxspec.spec import draft_vocab as dv
+from reference_runner import SpecRunner
 
 
 def test_rank_tokens_orders_by_count_then_id():
@@ -100,25 +101,27 @@ def test_bad_restrictions_are_rejected():
     assert dv.restricted_size(head) is None
 
 
-def test_llm_default_falls_back_to_the_whole_vocabulary_without_a_ranking(tmp_path, monkeypatch):
+def test_default_falls_back_to_the_whole_vocabulary_without_a_ranking(tmp_path, monkeypatch):
     """A head installed without its ranking file (JAXSPEC_DRAFT_HEAD elsewhere): the default
-    drafts every token; an explicit draft_vocab names the missing file."""
+    drafts every token; an explicit draft_vocab names the missing file. (The vocabulary step
+    of `build.load_draft`, for the shipped head.)"""
     import dataclasses
 
-    from jaxspec import LLM
+    from jaxspec.build import _restrict_vocab
     from jaxspec.config import ModelConfig
     from jaxspec.loading.eagle_ckpt import DEFAULT_TARGET_SHAPE
+    from jaxspec.spec.config import DraftConfig
     monkeypatch.setenv("JAXSPEC_DRAFT_HEAD", str(tmp_path / "head.safetensors"))
-    llm = LLM.__new__(LLM)
-    llm.config = dataclasses.replace(CFG, **DEFAULT_TARGET_SHAPE)
-    assert isinstance(llm.config, ModelConfig)
-    llm.params, llm.draft_vocab_ranking, llm.draft_context_vocab = {}, None, 0
+    cfg = dataclasses.replace(CFG, **DEFAULT_TARGET_SHAPE)
+    assert isinstance(cfg, ModelConfig)
     head = {"fc": np.zeros(2)}
-    llm.draft_vocab = None
-    assert llm._restrict_vocab(head, shipped=True) is head
-    llm.draft_vocab = 1024
+
+    def restrict(dcfg):
+        return _restrict_vocab(head, cfg, {}, dcfg, shipped=True, max_batch=1, sharded=False)
+
+    assert restrict(DraftConfig(draft_context_vocab=0)) is head
     with pytest.raises(FileNotFoundError, match="token_ranking"):
-        llm._restrict_vocab(head, shipped=True)
+        restrict(DraftConfig(draft_vocab=1024, draft_context_vocab=0))
 
 
 def test_bench_rows_record_the_vocabulary_drafted():

@@ -18,10 +18,11 @@ from jaxspec.kv import init_cache
 from jaxspec.loading.common import WeightsError
 from jaxspec.loading.eagle_ckpt import (load_draft, load_eagle3, load_eagle3_head, save_eagle3)
 from jaxspec.models import eagle3, llama
-from jaxspec.spec import SpecConfig, SpecRunner, init_state, jit_cycle, jit_prefill
+from jaxspec.spec import SpecConfig, init_state, jit_cycle
 from jaxspec.spec import draft as draft_lib
 from jaxspec.train import eagle3 as eagle3_seq
 from pallas_kernels.kv_compact import kv_compact
+from reference_runner import SpecRunner, prefill
 
 CFG = ModelConfig(arch="LlamaForCausalLM", vocab_size=331, hidden_size=64, intermediate_size=96,
                   num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -146,18 +147,19 @@ def test_greedy_spec_equals_plain_greedy(shape, which):
     if which == "agreeing":
         assert mean_accept >= 0.7 * spec.num_steps, mean_accept
     # drafted tokens are target ids of the draft vocabulary only
-    assert np.asarray(runner._state.seed.tokens).max() < CFG.vocab_size
+    assert np.asarray(runner.state.seed.tokens).max() < CFG.vocab_size
 
 
 def test_eagle3_head_checks():
     from jaxspec.config import ConfigError
+    from jaxspec.engine import SpecBackend
     params, head = random_pair()
     with pytest.raises(ConfigError, match="draft vocabulary size 200"):
-        SpecRunner(CFG, params, head, SpecConfig(2, 201, 4), 1, 32)
+        SpecBackend(CFG, params, head, SpecConfig(2, 201, 4), 1, 32)
     bad = eagle3.Eagle3Head(head.params, eagle3.Eagle3Config(
         **{**head.config.as_dict(), "aux_layers": (0, 2, 4)}))
     with pytest.raises(ConfigError, match=r"reads target layers \[0, 2, 4\]"):
-        SpecRunner(CFG, params, bad, "chain", 1, 32)
+        SpecBackend(CFG, params, bad, "chain", 1, 32)
 
 
 # ---------------------------------------------------------------- drafted tree vs reference
@@ -239,7 +241,7 @@ def test_drafted_tree_matches_step_by_step_reference(shape):
     for j, x in enumerate(prompts):
         toks[j, :len(x)] = x
     state = init_state(CFG, spec, b, 96, jnp.float32, head)
-    state, root = jit_prefill(CFG, spec)(params, head, state, jnp.asarray(toks), jnp.asarray(lens))
+    state, root = prefill(CFG, spec, params, head, state, toks, lens)
     draft = jax.jit(functools.partial(draft_lib.draft_tree, cfg=CFG, spec=spec))
     seqs = [list(x) for x in prompts]
     roots = [int(r) for r in np.asarray(root)]

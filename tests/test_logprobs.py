@@ -7,33 +7,32 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.decode import PlainRunner, first_token, prefill_chunk, sample_steps
-from jaxspec.kv import init_cache
+from jaxspec.decode import init_plain_state, sample_steps
 from jaxspec.sampling import (SamplingParams, SlotSampling, TokenCounts, apply_stop_strings,
                               logprob_dicts, slot_keys)
-from jaxspec.spec import SpecConfig, SpecRunner
+from jaxspec.spec import SpecConfig
+from reference_runner import PlainRunner, SpecRunner, prefill
 
 T = importlib.import_module("test_spec_sampling")
 CFG, models = T.CFG, T.models
 
 
 def plain_scores(prompt, tokens, sp):
-    """Plain decoding, teacher-forced over `tokens`: the logprob dicts it reports."""
+    """Plain decoding, teacher-forced over `tokens`: the logprob dicts it reports. The prompt
+    but its last token is prefilled; the decode steps then run from the last prompt token, so
+    every scored token (the first included) comes from a decode step, not from an admission."""
     params, _ = models()
-    cache = init_cache(CFG, 1, 64, jnp.float32)
-    cache, last = prefill_chunk(params, CFG, cache, jnp.asarray([prompt], jnp.int32),
-                                jnp.asarray([len(prompt)], jnp.int32))
+    state = init_plain_state(CFG, 1, 64, jnp.float32)
+    toks = np.zeros((1, 16), np.int32)      # one width for every prompt: one program
+    toks[0, :len(prompt) - 1] = prompt[:-1]
+    state, _ = prefill(CFG, None, params, None, state, toks, [len(prompt) - 1])
     slot = SlotSampling.from_params([sp], 1)
     hist = TokenCounts.from_prompts(jnp.asarray([prompt]), jnp.asarray([len(prompt)]), CFG.vocab_size)
     keys = slot_keys([sp], 1, jax.random.PRNGKey(0))
-    forced = jnp.asarray([tokens], jnp.int32)
-    em0, hist, keys = first_token(params, CFG, last, slot, hist, keys, forced[:, 0])
-    out = logprob_dicts(*(np.asarray(x)[0:1] for x in em0), sp.logprobs)
-    if len(tokens) > 1:
-        _, _, _, em = sample_steps(params, CFG, cache, forced[:, 0], slot, hist, keys,
-                                   forced[:, 1:], n_steps=len(tokens) - 1)
-        out += logprob_dicts(*(np.asarray(x)[0] for x in em), sp.logprobs)
-    return out
+    _, _, _, em = sample_steps(params, CFG, state.target, jnp.asarray(prompt[-1:], jnp.int32),
+                               slot, hist, keys, jnp.asarray([tokens], jnp.int32),
+                               n_steps=len(tokens))
+    return logprob_dicts(*(np.asarray(x)[0] for x in em), sp.logprobs)
 
 
 def assert_same(got, ref):
@@ -65,8 +64,8 @@ def test_spec_logprobs_equal_plain_scoring(shape):
 
 def test_plain_runner_logprobs_equal_plain_scoring():
     params, _ = models()
-    runner = PlainRunner(CFG, params, init_cache(CFG, 4, 64, jnp.float32), decode_chunk=4)
-    gens = runner.generate(PROMPTS, SPS, [set()] * 3)
+    runner = PlainRunner(CFG, params, 4, 64, decode_steps=4)
+    gens = runner.generate(PROMPTS, SPS)
     for p, sp, g in zip(PROMPTS, SPS, gens):
         assert_same(g.logprobs, plain_scores(p, g.token_ids, sp))
 

@@ -10,12 +10,14 @@ import pytest
 
 from draft_models import agreeing_pair as _agreeing_pair, candidate_paths as _cycle_paths
 from jaxspec.config import ModelConfig
+from jaxspec.engine.admission import AdmitArgs, jit_admissions
 from jaxspec.kv import init_cache
 from jaxspec.models import eagle, llama
 from jaxspec.sampling import FULL, LEAN
-from jaxspec.spec import SpecConfig, SpecRunner, init_state, jit_cycle, jit_prefill
+from jaxspec.spec import SpecConfig, init_state, jit_cycle
 from jaxspec.spec import draft as draft_lib
 from pallas_kernels.kv_compact import kv_compact
+from reference_runner import SpecRunner, prefill
 
 # vocab 331 appears in no other dimension, so the jaxpr test can spot vocab-sized arrays.
 CFG = ModelConfig(arch="LlamaForCausalLM", vocab_size=331, hidden_size=64, intermediate_size=96,
@@ -216,7 +218,7 @@ def test_draft_positions_match_step_by_step_reference(shape):
     for j, x in enumerate(prompts):
         toks[j, :len(x)] = x
     state = init_state(CFG, spec, b, 96, jnp.float32)
-    state, root = jit_prefill(CFG, spec)(params, head, state, jnp.asarray(toks), jnp.asarray(lens))
+    state, root = prefill(CFG, spec, params, head, state, toks, lens)
     draft = jax.jit(functools.partial(draft_lib.draft_tree, cfg=CFG, spec=spec))
     seqs = [list(x) for x in prompts]
     roots = [int(r) for r in np.asarray(root)]
@@ -276,16 +278,21 @@ def _cycle_jaxpr(spec):
 
 
 def _prefill_jaxpr(spec):
+    """The admission program's LEAN variant (every request greedy, no penalty, no logprobs)."""
     state = init_state(CFG, spec, 2, 64, jnp.float32)
-    return jax.make_jaxpr(jit_prefill(CFG, spec, greedy_only=True))(target_params(), random_head(), state,
-                                                  jnp.zeros((2, 16), jnp.int32),
-                                                  jnp.array([5, 16], jnp.int32))
+    admit = jit_admissions(CFG, spec, 2, 64, jnp.float32)[0][LEAN, "chunk"]
+    adm = jax.tree_util.tree_map(jnp.asarray, AdmitArgs.host(2, n_prompt=np.array([5, 16])))
+    return jax.make_jaxpr(admit)(target_params(), random_head(), state,
+                                 jnp.arange(2, dtype=jnp.int32), jnp.zeros((2, 16), jnp.int32),
+                                 jnp.zeros(2, jnp.int32), jnp.array([5, 16], jnp.int32),
+                                 jnp.full(2, -1, jnp.int32), adm, jnp.zeros(2, jnp.uint32))
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 2), (3, 1, 4)], ids=["naive", "chain"])
 def test_topk1_cycle_has_no_vocab_softmax(shape):
     spec = SpecConfig(*shape)
-    # The whole cycle (draft steps, greedy verify, catch-up) and the draft prefill.
+    # The whole cycle (draft steps, greedy verify, catch-up) and the admission (target and
+    # draft prefill).
     assert _vocab_transcendentals(_cycle_jaxpr(spec).jaxpr, CFG.vocab_size) == []
     assert _vocab_transcendentals(_prefill_jaxpr(spec).jaxpr, CFG.vocab_size) == []
     # The check can see a softmax: with the argmax path off, the draft forms one per step.
@@ -332,10 +339,10 @@ def test_cycle_with_and_without_dead_row_skip_seeds_the_same_next_draft():
         spec = SpecConfig(5, 4, 16, skip_dead_rows=skip)
         runner = SpecRunner(CFG, params, head, spec, max_slots=4, max_len=MAX_LEN)
         out = runner.generate(PROMPTS, [24] * 3)
-        # slot 3 never held a request: its seed is whatever the idle prefill left there
+        # slot 3 never held a request: its seed is whatever the initial state left there
         res[skip] = ([r.token_ids for r in out], [r.accept_lens for r in out],
-                     np.asarray(runner._state.seed.tokens)[:3],
-                     np.asarray(runner._state.seed.logp)[:3])
+                     np.asarray(runner.state.seed.tokens)[:3],
+                     np.asarray(runner.state.seed.logp)[:3])
     assert res[True][0] == res[False][0] and res[True][1] == res[False][1]
     np.testing.assert_array_equal(res[True][2], res[False][2])
     np.testing.assert_allclose(res[True][3], res[False][3], rtol=1e-5, atol=1e-5)
@@ -370,10 +377,10 @@ def _three_slots(spec):
     params, head = agreeing_pair()
     tokens = jnp.asarray(np.arange(48).reshape(3, 16) % 97)
     lens = jnp.array([5, 16, 9], jnp.int32)
-    pre = jit_prefill(CFG, spec)
 
     def fresh():
-        return pre(params, head, init_state(CFG, spec, 3, 96, jnp.float32), tokens, lens)[0]
+        return prefill(CFG, spec, params, head, init_state(CFG, spec, 3, 96, jnp.float32),
+                       tokens, lens)[0]
 
     return params, head, jnp.array([True, True, False]), fresh
 
@@ -473,12 +480,15 @@ def test_smollm2_greedy_spec_equals_plain_greedy():
     assert [r.token_ids for r in res] == refs
 
 
-def test_runner_rejects_what_does_not_fit():
+def test_what_does_not_fit_is_rejected():
     from jaxspec.config import ConfigError
-    runner = SpecRunner(CFG, target_params(), random_head(), "chain", max_slots=2, max_len=32)
-    with pytest.raises(ConfigError, match="needs 34 cache rows, max_len is 32"):
-        runner.generate([[1] * 10], [20])
-    with pytest.raises(ConfigError, match="2 prompts but 1 max_tokens"):
-        runner.generate([[1], [2]], [4])
+    from jaxspec.engine import Engine, EngineConfig, SpecBackend
+    from jaxspec.sampling import SamplingParams
+    # 32 rows a slot, 2 x 4 of them the chain's slack past a request's end: 24 tokens
+    backend = SpecBackend(CFG, target_params(), random_head(), "chain", 2, 32)
+    engine = Engine(backend, EngineConfig(max_batch=2), vocab_size=CFG.vocab_size)
+    assert engine.max_model_len == 24
+    with pytest.raises(ValueError, match="exceeds the context of 24 tokens"):
+        engine.add_request([1] * 10, SamplingParams(max_tokens=20))
     with pytest.raises(ConfigError, match="exceeds the vocabulary"):
-        SpecRunner(CFG, target_params(), random_head(), SpecConfig(2, 400, 4), 1, 32)
+        SpecBackend(CFG, target_params(), random_head(), SpecConfig(2, 400, 4), 1, 32)

@@ -21,12 +21,12 @@ from scipy import stats
 
 from draft_models import agreeing_pair as _agreeing_pair
 from jaxspec.config import ModelConfig
-from jaxspec.decode import PlainRunner
 from jaxspec.kv import init_cache
 from jaxspec.models import llama
-from jaxspec.sampling import SamplingParams, SlotSampling, slot_keys
-from jaxspec.spec import SpecConfig, SpecRunner, init_state, jit_cycle, jit_prefill
+from jaxspec.sampling import SamplingParams
+from jaxspec.spec import SpecConfig, init_state, jit_cycle
 from jaxspec.spec import verify
+from reference_runner import PlainRunner, SpecRunner, prefill
 
 V = 8
 CFG = ModelConfig(arch="LlamaForCausalLM", vocab_size=V, hidden_size=32, intermediate_size=48,
@@ -106,7 +106,6 @@ def spec_draws(spec: SpecConfig, cycle_fn=None, draws: int = DRAWS, batch: int =
     mean accept length of the first cycle. One executable, called draws / batch times."""
     params, head = models()
     cycle_fn = cycle_fn or jit_cycle(CFG, spec)
-    pre = jit_prefill(CFG, spec)
     toks = jnp.asarray(np.tile(PROMPT + [0] * 3, (batch, 1)), jnp.int32)
     lens = jnp.full((batch,), len(PROMPT), jnp.int32)
     active = jnp.ones((batch,), bool)
@@ -114,8 +113,7 @@ def spec_draws(spec: SpecConfig, cycle_fn=None, draws: int = DRAWS, batch: int =
     for start in range(0, draws, batch):
         sps = [dataclasses.replace(SP, seed=start + i) for i in range(batch)]
         state = init_state(CFG, spec, batch, 32, jnp.float32)
-        state, root = pre(params, head, state, toks, lens, SlotSampling.from_params(sps, batch),
-                          slot_keys(sps, batch, jax.random.PRNGKey(0)))
+        state, root = prefill(CFG, spec, params, head, state, toks, lens, sampling=sps)
         state, c1 = cycle_fn(params, head, state, active)
         state, c2 = cycle_fn(params, head, state, active)
         root, t1, a1, t2 = (np.asarray(x) for x in (root, c1.tokens, c1.accept_len, c2.tokens))
@@ -196,11 +194,11 @@ def test_mixed_batch_keeps_greedy_rows_exact():
     mixed = [greedy, sampled, greedy_pen, sampled]
     runner = SpecRunner(CFG, params, head, spec, max_slots=4, max_len=64)
     res = runner.generate(prompts, mixed)
-    plain = PlainRunner(CFG, params, init_cache(CFG, 4, 64, jnp.float32), decode_chunk=4)
-    ref = plain.generate(prompts, [greedy, greedy, greedy_pen, greedy], [set()] * 4)
+    plain = PlainRunner(CFG, params, 4, 64, decode_steps=4)
+    ref = plain.generate(prompts, [greedy, greedy, greedy_pen, greedy])
     assert res[0].token_ids == ref[0].token_ids
     assert res[2].token_ids == ref[2].token_ids   # penalties on every tree row, greedy
-    assert ref[2].token_ids != plain.generate([prompts[2]], [greedy], [set()])[0].token_ids
+    assert ref[2].token_ids != plain.generate([prompts[2]], [greedy])[0].token_ids
     assert all(len(r.token_ids) == 20 for r in res)
     # another batch, parameters moved to other slots: no recompilation, greedy still exact,
     # and the seeded request draws the same stream from another slot
