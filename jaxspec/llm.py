@@ -110,9 +110,8 @@ class LLM:
                     first: int = 0) -> List[List[int]]:
         """Token ids of each prompt (kinds: `_prompt_kind` of each; first: the index of
         prompts[0] in the caller's list, for errors). Texts and chats go to the tokenizer as one
-        batch each, which it encodes on several threads: encoding 384 chats one by one took
-        about 85 ms of a batch-64 pass in which the device waited (bench/RESULTS.md, eighteenth
-        set)."""
+        batch each, which it encodes on several threads, so the device does not wait on a
+        Python loop of single encodes."""
         out: List[Optional[List[int]]] = [None] * len(prompts)
         for kind, encode in (("text", self.tokenizer.encode_batch),
                              ("chat", self.tokenizer.apply_chat_templates)):
