@@ -1,14 +1,15 @@
-"""Packed first chunks (`spec.admit_packed`): the same state as the padded first-chunk form, only
-the admitted slots' chunk rows written, the host's packing, and engines with and without it
-giving the same outputs."""
+"""Packed first chunks (the "packed" admission form, `engine.admission`): the same state as the
+padded "chunk" form, only the admitted slots' chunk rows written, the host's packing
+(`engine.prefill_plan`), and engines with and without it giving the same outputs."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.config import ConfigError
+from jaxspec.engine.admission import AdmitArgs, PackLayout
+from jaxspec.engine.prefill_plan import build_pack
 from jaxspec.sampling import SamplingParams, flat_params
-from jaxspec.spec.admit import AdmitArgs
-from jaxspec.spec.admit_packed import PackLayout, build_pack
 from test_engine import CFG, CHUNK, SLOTS, expected, live_engine, make_engine, state_axes
 
 POISON = 7.0
@@ -59,9 +60,9 @@ def test_packed_first_chunks_equal_the_padded_ones(kind):
         padded[r, :len(c)] = c
     packed, lay = build_pack(chunks[:2], [0, 0], 1, 16, 4)
     dev = lambda: jax.tree_util.tree_map(jnp.asarray, snap)     # noqa: E731
-    want, f_want = be.admit(dev(), slot_idx, padded, np.zeros(4, np.int32), nv, nxt, adm,
-                            first=True)
-    got, f_got = be.admit_packed(dev(), slot_idx, packed, lay, nv, nxt, adm)
+    want, f_want = be.admit(dev(), "chunk", [(slot_idx, padded, np.zeros(4, np.int32), nv, nxt,
+                                              adm)])
+    got, f_got = be.admit(dev(), "packed", [(slot_idx, packed, lay, nv, nxt, adm)])
     for name in f_got._fields:
         np.testing.assert_allclose(np.asarray(getattr(f_got, name))[:2],
                                    np.asarray(getattr(f_want, name))[:2], atol=1e-5)
@@ -93,29 +94,30 @@ def test_packed_first_chunks_equal_the_padded_ones(kind):
 def test_packs_fill_rows_first_fit():
     # chunk 16, packs of 4 .. 32 tokens in one row, then 2 or 4 rows of 32 (4 slots, 2 chunks
     # a row at least)
-    engine = make_engine("plain", pack_tokens=32, min_chunk=4)
-    assert engine.pack_sizes == [4, 8, 16, 32, 64]
-    assert [engine.pack_shape(t) for t in (8, 32, 64)] == [(1, 8), (1, 32), (2, 32)]
-    assert [f for f in engine.admission_forms() if f[2] == "packed"] == \
+    plan = make_engine("plain", pack_tokens=32, min_chunk=4).planner
+    assert plan.pack_sizes == [4, 8, 16, 32, 64]
+    assert [plan.pack_shape(t) for t in (8, 32, 64)] == [(1, 8), (1, 32), (2, 32)]
+    assert sorted(f for f in plan.forms() if f[2] == "packed") == \
         [(1, 4, "packed"), (2, 8, "packed"), (4, 16, "packed"), (4, 32, "packed"),
          (4, 64, "packed")]                                   # at most the 4 slots
-    row = lambda n: (0, 0, list(range(n)), {}, 0)                            # noqa: E731
+    row = lambda n: (0, 0, list(range(n)), {})                               # noqa: E731
     packs = lambda ns: [([len(r[2]) for r in p], rows, used)               # noqa: E731
-                        for p, rows, used in engine._packs([row(n) for n in ns])]
+                        for p, rows, used in plan._packs([row(n) for n in ns])]
     assert packs([16, 10, 3]) == [([16, 10, 3], [0, 0, 0], 1)]
     assert packs([20, 30, 3]) == [([20, 30, 3], [0, 0, 1], 2)]      # first chunks: 16 + 16
     assert packs([16] * 4 + [2]) == [([16] * 4, [0, 0, 1, 1], 2), ([2], [0], 1)]   # 4 a pack
-    engine = make_engine("plain", pack_tokens=16)                       # one chunk a row
-    assert engine.pack_sizes == [16, 32, 64] and engine.pack_shape(64) == (4, 16)
+    plan = make_engine("plain", pack_tokens=16).planner                  # one chunk a row
+    assert plan.pack_sizes == [16, 32, 64] and plan.pack_shape(64) == (4, 16)
     assert packs([9, 9, 9]) == [([9, 9, 9], [0, 1, 2], 3)]
-    with pytest.raises(ValueError, match="pack_tokens"):
+    with pytest.raises(ConfigError, match="pack_tokens"):
         make_engine("plain", pack_tokens=8)
     # at most pack_max_tokens a pack (one row of 32 here): more first chunks take more packs
-    engine = make_engine("plain", pack_tokens=32, min_chunk=4, pack_max_tokens=48)
-    assert engine.pack_sizes == [4, 8, 16, 32]
+    plan = make_engine("plain", pack_tokens=32, min_chunk=4, pack_max_tokens=48).planner
+    assert plan.pack_sizes == [4, 8, 16, 32]
     assert packs([16] * 3 + [2]) == [([16, 16], [0, 0], 1), ([16, 2], [0, 0], 1)]
-    assert make_engine("plain", pack_tokens=16, pack_max_tokens=64).pack_sizes == [16, 32, 64]
-    with pytest.raises(ValueError, match="pack_max_tokens"):
+    assert make_engine("plain", pack_tokens=16, pack_max_tokens=64).planner.pack_sizes == \
+        [16, 32, 64]
+    with pytest.raises(ConfigError, match="pack_max_tokens"):
         make_engine("plain", pack_tokens=32, pack_max_tokens=16)
 
 
@@ -131,15 +133,16 @@ def test_engines_with_and_without_packing_give_the_same_outputs(kind):
            for i in range(len(prompts))]
     outs = {}
     for pack in (True, False):
-        engine = make_engine(kind, pack_first_chunks=pack)
+        engine = make_engine(kind, packing=pack)
         ids = [engine.add_request(p, sp) for p, sp in zip(prompts, sps)]
         list(engine.drain())
         outs[pack] = [engine.pop_finished(i).output for i in ids]
         forms = {s[3] for s in engine.stats.admit_shapes}
-        assert forms == ({"packed", False} if pack else {True, False})
+        # later chunks run in the chunk form either way; first chunks packed or padded
+        assert forms == ({"packed", "chunk"} if pack else {"chunk"})
         if pack:                                            # a pack of two rows ran
-            assert any(engine.pack_shape(s[1])[0] == 2 for s in engine.stats.admit_shapes
-                       if s[3] == "packed")
+            assert any(engine.planner.pack_shape(s[1])[0] == 2
+                       for s in engine.stats.admit_shapes if s[3] == "packed")
     assert outs[True] == outs[False]
     for p, sp, out in zip(prompts, sps, outs[True]):
         if sp.temperature == 0:
@@ -151,7 +154,7 @@ def test_fine_row_counts_pack_three_rows_alike(kind):
     """pack_rows='fine' adds 3-row packs (2, 3, 4 rows at one first chunk a row and 4 slots):
     three long first chunks run as one 3-row pack and give the padded form's tokens."""
     engine = make_engine(kind, pack_tokens=CHUNK, pack_rows="fine")
-    assert engine.pack_sizes[-3:] == [2 * CHUNK, 3 * CHUNK, 4 * CHUNK]
+    assert engine.planner.pack_sizes[-3:] == [2 * CHUNK, 3 * CHUNK, 4 * CHUNK]
     rng = np.random.default_rng(5)
     prompts = [[int(t) for t in rng.integers(0, CFG.vocab_size, n)]
                for n in (CHUNK - 1, CHUNK // 2 + 2, CHUNK)]
@@ -159,16 +162,23 @@ def test_fine_row_counts_pack_three_rows_alike(kind):
     outs = {}
     for rows in ("fine", None):
         engine = (make_engine(kind, pack_tokens=CHUNK, pack_rows=rows) if rows else
-                  make_engine(kind, pack_first_chunks=False))
+                  make_engine(kind, packing=False))
         ids = [engine.add_request(p, sp) for p in prompts]
         list(engine.drain())
         outs[rows] = [engine.pop_finished(i).output for i in ids]
         if rows:
-            assert [engine.pack_shape(s[1])[0] for s in engine.stats.admit_shapes
+            assert [engine.planner.pack_shape(s[1])[0] for s in engine.stats.admit_shapes
                     if s[3] == "packed"] == [3]
     assert outs["fine"] == outs[None] == [expected(p, sp, ())[0] for p in prompts]
-    with pytest.raises(ValueError, match="pack_rows must be one of"):
+    with pytest.raises(ConfigError, match="pack_rows must be one of"):
         make_engine(kind, pack_rows="halves")
+
+
+def padding_call(engine, a, w, form, features):
+    """call(state, lower=False) of an admission of shape (a, w) whose rows are all padding."""
+    parts = engine.planner.padding(a, w, form).parts
+    return lambda state, lower=False: engine.backend.admit(state, form, parts,
+                                                           features=features, lower=lower)
 
 
 def test_packed_form_adds_no_device_loop():
@@ -176,29 +186,23 @@ def test_packed_form_adds_no_device_loop():
     values makes the GPU host wait each trip (the request lookup is a compare, no search)."""
     from jaxspec.sampling import LEAN
     engine = make_engine("spec")
-    count = lambda a, w, form: engine.padding_admission(a, w, form, LEAN)(  # noqa: E731
+    count = lambda a, w, form: padding_call(engine, a, w, form, LEAN)(  # noqa: E731
         engine.state, lower=True)[1].as_text().count("stablehlo.while")
-    assert count(2, 32, "packed") == count(4, 64, "packed") == count(4, 16, True) > 0
+    assert count(2, 32, "packed") == count(4, 64, "packed") == count(4, 16, "chunk") > 0
 
 
-def test_padding_admission_on_device_keeps_the_state(monkeypatch):
-    """A padding admission (every row dropped) with its arguments placed on the device once
-    (`on_device`, bench_engine's timing) leaves the state as it was, call after call."""
-    from jaxspec.engine import loop
+def test_padding_admission_keeps_the_state():
+    """A padding admission (every row dropped; warm-up runs them on accelerators) leaves the
+    state as it was, call after call, in both forms."""
     from jaxspec.sampling import LEAN
     engine = make_engine("spec")
     before = [np.asarray(x) for x in jax.tree_util.tree_leaves(engine.state)]
-    placed = []
-    real_put = jax.device_put
-    monkeypatch.setattr(loop.jax, "device_put",
-                        lambda x, *a, **k: placed.append(x) or real_put(x, *a, **k))
-    for form in ("packed", True):
-        call = engine.padding_admission(2, 32, form, LEAN, on_device=True)
+    for form in ("packed", "chunk"):
+        call = padding_call(engine, 2, 32, form, LEAN)
         for _ in range(2):
             engine.state = call(engine.state)[0]
         for a, b in zip(jax.tree_util.tree_leaves(engine.state), before):
             np.testing.assert_array_equal(np.asarray(a), b)
-    assert len(placed) == 2                     # once a call built, not once a call made
 
 
 def test_packed_first_chunks_keep_the_eagle3_seed():
@@ -218,10 +222,11 @@ def test_packed_first_chunks_keep_the_eagle3_seed():
     padded = np.zeros((3, 16), np.int32)
     for r, c in enumerate(chunks):
         padded[r, :len(c)] = c
-    want, f_want = be.admit(be.init_state(), slot_idx, padded, np.zeros(3, np.int32), nv, nxt,
-                            first=True)
+    adm = AdmitArgs.host(3)
+    want, f_want = be.admit(be.init_state(), "chunk",
+                            [(slot_idx, padded, np.zeros(3, np.int32), nv, nxt, adm)])
     packed, lay = build_pack(chunks, [0, 0], 1, 16, 3)
-    got, f_got = be.admit_packed(be.init_state(), slot_idx, packed, lay, nv, nxt)
+    got, f_got = be.admit(be.init_state(), "packed", [(slot_idx, packed, lay, nv, nxt, adm)])
     np.testing.assert_array_equal(np.asarray(f_got.tokens)[:2], np.asarray(f_want.tokens)[:2])
     for slot, n in ((1, 7), (3, 4)):
         for name in ("draft_k", "draft_v"):

@@ -3,6 +3,7 @@ retracts give exactly each request's plain greedy output; streams equal the fina
 inside accepted chains; bad requests rejected without disturbing running ones; no compilation
 after warm-up. Sampling through the engine: seeded sampled, penalized and logprob requests give
 what the batch runners give, alone, in a busy engine and across retracts."""
+import collections
 import functools
 
 import jax
@@ -13,9 +14,10 @@ import pytest
 from draft_models import agreeing_pair as _agreeing_pair
 from jaxspec.config import ModelConfig
 from jaxspec.engine import Engine, EngineConfig, PlainBackend, SpecBackend
+from jaxspec.engine.admission import AdmitArgs
 from jaxspec.kv import init_cache
 from jaxspec.models import llama
-from jaxspec.sampling import LEAN, SamplingParams
+from jaxspec.sampling import FULL, LEAN, SamplingParams
 from jaxspec.spec import SpecConfig
 from pallas_kernels.kv_compact import kv_compact
 
@@ -25,6 +27,7 @@ SLOTS = 4
 MAX_MODEL_LEN = 56        # prompts 1..40 + max_tokens 1..12
 CHUNK = 16                # prompts over 16 tokens are prefilled in chunks
 SPEC = SpecConfig(3, 1, 4)
+TREE = SpecConfig(3, 2, 4)   # a 2-wide draft: the chain's 4 tokens picked from a tree
 PLAIN_STEPS = 3
 
 
@@ -89,19 +92,21 @@ def expected(prompt, sp: SamplingParams, eos):
 
 
 def make_engine(kind, kv_budget=None, eos=(), detokenize=None, short_rows=None, **kw):
-    """kind: 'plain', 'spec' or 'spec:K' (K cycles per device call)."""
+    """kind: 'plain', 'spec' or 'spec:K' (K cycles per device call); 'tree' and 'tree:K' draft
+    TREE in place of the chain SPEC."""
     params, head = agreeing_pair()
-    if kind.startswith("spec"):
-        k = int(kind.partition(":")[2] or 1)
-        backend = SpecBackend(CFG, params, head, SPEC, SLOTS,
-                              MAX_MODEL_LEN + 2 * SPEC.max_emit * k, cycles_per_call=k,
+    name, _, k = kind.partition(":")
+    if name in ("spec", "tree"):
+        spec, k = (SPEC if name == "spec" else TREE), int(k or 1)
+        backend = SpecBackend(CFG, params, head, spec, SLOTS,
+                              MAX_MODEL_LEN + 2 * spec.max_emit * k, cycles_per_call=k,
                               short_rows=short_rows)
     else:
         backend = PlainBackend(CFG, params, SLOTS, MAX_MODEL_LEN + 2 * PLAIN_STEPS,
                                n_steps=PLAIN_STEPS, short_rows=short_rows)
     decoder = kw.pop("stream_decoder", None)
-    conf = EngineConfig(max_model_len=MAX_MODEL_LEN, kv_budget=kv_budget, prefill_chunk=CHUNK,
-                        **kw)
+    conf = EngineConfig(max_batch=SLOTS, max_model_len=MAX_MODEL_LEN, kv_budget=kv_budget,
+                        prefill_chunk=CHUNK, **kw)
     return Engine(backend, conf, vocab_size=CFG.vocab_size, eos_ids=eos, detokenize=detokenize,
                   stream_decoder=decoder)
 
@@ -132,7 +137,9 @@ def compiled_shapes(engine):
     compiled ahead of time (each compiles through jit on a new shape): equal before and after
     serving when warm-up covered every shape."""
     be = engine.backend
-    return (sorted(be.executables), be.jit_calls, [f._cache_size() for f in be.jitted()])
+    jitted = [*be._jitted["cycles"].values(), *be._jitted["admits"].values(),
+              be._jitted["advance"]]
+    return (sorted(be.programs.executables), be.jit_calls, [f._cache_size() for f in jitted])
 
 
 @pytest.mark.parametrize("kind", ["spec", "plain", "spec:3"])
@@ -187,7 +194,87 @@ def test_requests_over_time_with_aborts_and_retracts(kind):
         assert (r.output, r.finish_reason) == (want, reason), (i, r.retracts)
         n_one += sps[i].max_tokens == 1
     assert n_aborted > 0 and n_one > 0
-    assert not engine.requests and not engine.runs and not engine.finished_requests
+    assert not engine.requests and not engine.scheduler.runs and not engine.finished_requests
+
+
+def test_no_compilation_over_a_churn_of_requests_after_warmup():
+    """After warm-up nothing compiles, whatever the traffic: prompts of 1 to 40 tokens (one to
+    three chunks, packed and chunked admissions of every slot bucket) arriving while others
+    run, aborts of waiting and running requests, retracts by a small KV budget and their
+    resumes (sampling ones advance their keys), greedy and sampled requests (seeded or not,
+    penalties, logprobs) in changing mixes, on a speculative engine drafting a 2-wide tree
+    (topk 2) at 2 cycles a call (1 while a single slot runs). Greedy requests still give plain
+    greedy's tokens, and every stream equals its final output."""
+    rng = np.random.default_rng(11)
+    n = 90
+    prompts = [[int(t) for t in rng.integers(0, CFG.vocab_size, rng.integers(1, 41))]
+               for _ in range(n)]
+    greedy_refs(prompts)
+    eos = (int(np.bincount([t for p in prompts for t in greedy_ref(p)],
+                           minlength=CFG.vocab_size).argmax()),)
+
+    def params(i):
+        ignore = bool(rng.random() < 0.4)
+        m = int(rng.integers(1, 13))
+        if i % 3 == 0:        # greedy (LEAN while only such requests run)
+            return SamplingParams(max_tokens=m, ignore_eos=ignore)
+        return SamplingParams(
+            temperature=float(rng.choice([0.0, 0.6, 1.2])), top_p=float(rng.choice([1.0, 0.9])),
+            top_k=int(rng.choice([0, 8])), min_p=float(rng.choice([0.0, 0.05])),
+            seed=[None, int(rng.integers(0, 1000))][int(rng.integers(0, 2))],
+            repetition_penalty=float(rng.choice([1.0, 1.2])),
+            presence_penalty=float(rng.choice([0.0, 0.3])),
+            logprobs=[None, 0, 2][int(rng.integers(0, 3))], max_tokens=m, ignore_eos=ignore)
+
+    sps = [params(i) for i in range(n)]
+    engine = make_engine("tree:2", kv_budget=100, eos=eos)
+    engine.warmup()
+    sizes = compiled_shapes(engine)
+    arrive = np.sort(rng.integers(0, n // 2, n))
+    abort_at = {int(i): int(arrive[i] + rng.integers(0, 6)) for i in rng.choice(n, n // 8, False)}
+    streams, finals, ids, step = {}, {}, {}, 0
+    _COUNTER.on = True
+    try:
+        while len(ids) < n or engine.has_work():
+            for i in np.flatnonzero(arrive == step):
+                ids[int(i)] = engine.add_request(prompts[i], sps[i])
+            for i, at in abort_at.items():
+                if at == step and i in ids:
+                    engine.abort(ids[i])
+            for d in engine.step():
+                assert d.request_id not in finals, "delta after the final one"
+                streams.setdefault(d.request_id, []).extend(d.token_ids)
+                if d.finished:
+                    finals[d.request_id] = d.finish_reason
+            step += 1
+            assert step < 5000
+    finally:
+        _COUNTER.on = False
+    assert _COUNTER.n == 0, "compiled after warm-up"
+    assert compiled_shapes(engine) == sizes
+    stats = engine.stats
+    assert set(stats.call_sizes) == {1, 2} and stats.retracts > 0
+    assert {(f, form) for _, _, f, form in stats.admit_shapes} == \
+        {(f, form) for f in (LEAN, FULL) for form in ("chunk", "packed")}
+    assert {a for a, _, _, form in stats.admit_shapes if form == "chunk"} == {1, 4}
+    kinds = collections.Counter()
+    for i, rid in ids.items():
+        r = engine.pop_finished(rid)
+        sp = sps[i]
+        assert streams.get(rid, []) == r.output and finals[rid] == r.finish_reason
+        sampled = sp.temperature > 0
+        if r.finish_reason == "abort":
+            assert i in abort_at
+        elif sp.temperature == 0 and sp.repetition_penalty == 1 and sp.presence_penalty == 0:
+            assert (r.output, r.finish_reason) == expected(prompts[i], sp, eos), (i, r.retracts)
+        elif r.finish_reason == "length":
+            assert len(r.output) == sp.max_tokens
+        else:
+            assert r.finish_reason == "stop" and r.output[-1] in eos and not sp.ignore_eos
+        kinds[r.finish_reason == "abort", sampled, r.retracts > 0] += 1
+    assert sum(v for (aborted, _, _), v in kinds.items() if aborted) > 0
+    assert kinds[False, True, True] > 0 and kinds[False, False, True] > 0    # resumed
+    assert not engine.requests and not engine.scheduler.runs and not engine.finished_requests
 
 
 @pytest.mark.parametrize("kind", ["spec:3", "plain"])
@@ -197,12 +284,13 @@ def test_short_build_runs_while_every_slot_is_short(kind):
     compiles both builds, nothing compiles after it, and outputs are plain greedy's."""
     engine = make_engine(kind, short_rows=48)
     engine.warmup()
-    assert {k[-1] == "short" for k in engine.backend.executables if k[0] == "cycle"} == \
+    assert {k[-1] == "short" for k in engine.backend.programs.executables if k[0] == "cycle"} == \
         {True, False}
     sizes = compiled_shapes(engine)
     calls = []
-    run = engine.backend._call
-    engine.backend._call = lambda key, *a: (calls.append(key), run(key, *a))[1]
+    programs = engine.backend.programs
+    run = programs.call
+    programs.call = lambda key, *a: (calls.append(key), run(key, *a))[1]
     short_p, long_p = [5, 17, 42, 8], [int(t) for t in np.arange(46) * 7 % CFG.vocab_size]
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
     greedy_refs([short_p, short_p[::-1], long_p])
@@ -264,7 +352,7 @@ def test_no_call_after_the_end_by_max_tokens_is_certain(kind, max_tokens, calls)
         r = engine.pop_finished(rid)
         assert (r.output, r.finish_reason) == (greedy_ref(prompt)[:max_tokens], "length")
     assert engine.stats.cycles == calls
-    assert not engine.live.any() and not engine.rows.any()
+    assert not engine.scheduler.live.any() and not engine.scheduler.rows.any()
 
 
 def _serve(engine, prompts, sps, arrive):
@@ -297,7 +385,7 @@ def test_admit_interval_gathers_newcomers_and_keeps_outputs():
     assert len(gathered_at) < len(every_at)
     shapes = gathered_engine.stats.admit_shapes       # what the device ran besides the cycles
     assert sum(shapes.values()) == gathered_engine.stats.prefill_chunks
-    assert {(a, w, form) for a, w, _, form in shapes} <= set(gathered_engine.admission_forms())
+    assert {(a, w, form) for a, w, _, form in shapes} <= set(gathered_engine.planner.forms())
     assert {f for _, _, f, _ in shapes} == {LEAN}
     with pytest.raises(ValueError, match="admit_interval"):
         make_engine("spec", admit_interval=0)
@@ -390,10 +478,22 @@ def test_bad_requests_rejected_without_disturbing_running_ones():
         assert engine.pop_finished(rid).output == greedy_ref(p)[:10]
 
 
+def chunk_part(slot_idx, tokens, n_valid, next_tok=None, adm=None):
+    """The argument tuple of a one-replica first-chunk admission of rows (padding: slot SLOTS),
+    greedy unless `adm` says otherwise."""
+    a = len(slot_idx)
+    return (np.asarray(slot_idx, np.int32), np.asarray(tokens, np.int32), np.zeros(a, np.int32),
+            np.asarray(n_valid, np.int32),
+            np.full(a, -1, np.int32) if next_tok is None else np.asarray(next_tok, np.int32),
+            AdmitArgs.host(a, n_prompt=np.asarray(n_valid, np.int32)) if adm is None else adm)
+
+
 def test_admission_equals_the_batch_prefill():
-    """One chunk of admission into slot 2 == the cycle's own prefill of the same prompt."""
-    from jaxspec.spec.admit import batch_axes, take_slots
-    from jaxspec.spec.cycle import init_state, jit_prefill
+    """One chunk of admission into slot 2 == the whole batch's prefill of the same prompt (the
+    reference runners' prefill: every slot's prompt in one admission)."""
+    from jaxspec.engine.admission import batch_axes, take_slots
+    from jaxspec.spec.cycle import init_state
+    from reference_runner import prefill
     params, head = agreeing_pair()
     prompt = [5, 17, 42, 8, 99, 3]
     engine = make_engine("spec")
@@ -402,13 +502,11 @@ def test_admission_equals_the_batch_prefill():
     tokens = np.zeros((SLOTS, 16), np.int32)
     tokens[2, :6] = prompt
     lens = np.array([0, 0, 6, 0], np.int32)
-    ref, root = jit_prefill(CFG, SPEC)(params, head, state, tokens, lens)
-    got, first = engine.backend.admit(engine.state, np.array([2], np.int32), tokens[2:3],
-                                      np.zeros(1, np.int32), np.array([6], np.int32),
-                                      np.array([-1], np.int32))
+    ref, root = prefill(CFG, SPEC, params, head, state, tokens, lens)
+    got, first = engine.backend.admit(engine.state, "chunk", [chunk_part([2], tokens[2:3], [6])])
     assert int(first.tokens[0]) == int(root[2]) == greedy_ref(prompt)[0]
     axes = batch_axes(lambda b: init_state(CFG, SPEC, b, rows, jnp.float32), SLOTS)
-    slot = np.array([2], np.int32)   # the prefill also fills idle slots' seeds: compare slot 2
+    slot = np.array([2], np.int32)
     owned = lambda s: (s.target, s.draft_k, s.draft_v, s.root, s.seed)   # what admission writes
     for a, b in zip(jax.tree_util.tree_leaves(owned(take_slots(ref, axes, slot))),
                     jax.tree_util.tree_leaves(owned(take_slots(got, axes, slot)))):
@@ -427,8 +525,8 @@ def live_engine(kind):
 
 def state_axes(kind, be):
     """Per state leaf (flattened): its batch axis and its row axis (-1 where it has none)."""
-    from jaxspec.engine.backends import init_plain_state
-    from jaxspec.spec.admit import batch_axes
+    from jaxspec.decode import init_plain_state
+    from jaxspec.engine.admission import batch_axes
     from jaxspec.spec.cycle import init_state
     if kind == "spec":
         init = lambda b, t: init_state(CFG, SPEC, b, t, jnp.float32)     # noqa: E731
@@ -440,43 +538,46 @@ def state_axes(kind, be):
 
 
 @pytest.mark.parametrize("kind", ["spec", "plain"])
-def test_first_chunk_admission_equals_the_gathered_one(kind):
-    """A first chunk's admission (KV caches not gathered: zero rows, only the chunk's rows
-    written back) leaves the same state as the general one: the other slots untouched, the
-    admitted slots' live rows and everything else equal."""
+def test_admission_into_a_live_batch_touches_only_its_slots(kind):
+    """An admission reads and writes the KV caches in place (never gathered): into a batch
+    whose slots 0 and 1 run requests it leaves those slots untouched, and writes the admitted
+    slots exactly as the same admission into an empty batch does (the chunk's rows, nothing
+    past them); a padding row writes nothing."""
     engine = live_engine(kind)
     be = engine.backend
     snap = jax.tree_util.tree_map(np.array, engine.state)
-    slot_idx = np.array([3, 2, SLOTS], np.int32)                # two slots and a padding row
+    slot_idx = [3, 2, SLOTS]                                    # two slots and a padding row
     tokens = np.zeros((3, 16), np.int32)
     tokens[0, :6], tokens[1, :3] = [5, 17, 42, 8, 99, 3], [60, 61, 62]
     nv = np.array([6, 3, 0], np.int32)
-    run = lambda first: be.admit(jax.tree_util.tree_map(jnp.asarray, snap), slot_idx, tokens,
-                                 np.zeros(3, np.int32), nv, np.full(3, -1, np.int32),
-                                 first=first)
-    (gathered, f_g), (fresh, f_f) = run(False), run(True)
-    np.testing.assert_array_equal(np.asarray(f_g.tokens)[:2], np.asarray(f_f.tokens)[:2])
+    part = chunk_part(slot_idx, tokens, nv)
+    live, f_live = be.admit(jax.tree_util.tree_map(jnp.asarray, snap), "chunk", [part])
+    empty, f_empty = be.admit(be.init_state(), "chunk", [part])
+    np.testing.assert_array_equal(np.asarray(f_live.tokens)[:2], np.asarray(f_empty.tokens)[:2])
     axes, rows = state_axes(kind, be)
-    leaves = zip(jax.tree_util.tree_leaves(snap), jax.tree_util.tree_leaves(gathered),
-                 jax.tree_util.tree_leaves(fresh), axes, rows)
+    leaves = zip(jax.tree_util.tree_leaves(snap), jax.tree_util.tree_leaves(live),
+                 jax.tree_util.tree_leaves(empty), axes, rows)
     n_kv = 0
     for before, g, f, ax, rax in leaves:
         g, f = np.asarray(g), np.asarray(f)
-        if rax < 0:
-            np.testing.assert_array_equal(g, f)
+        if ax < 0:
             continue
-        n_kv += 1
+        n_kv += rax >= 0
         for slot in range(SLOTS):
-            take = lambda x: np.take(x, slot, axis=ax)
-            r = rax - (rax > ax)
+            take = lambda x: np.take(x, slot, axis=ax)          # noqa: E731
             if slot in (0, 1):                                  # live, not admitted: untouched
-                np.testing.assert_array_equal(take(f), take(before))
                 np.testing.assert_array_equal(take(g), take(before))
-            elif slot in (2, 3):                                # admitted: the chunk's rows
-                n = int(nv[list(slot_idx).index(slot)])
-                np.testing.assert_allclose(np.take(take(f), range(n), axis=r),
-                                           np.take(take(g), range(n), axis=r), atol=1e-6)
-                assert np.abs(np.take(take(f), range(n), axis=r)).max() > 0
+            elif rax < 0:                                       # admitted: per-slot leaves
+                np.testing.assert_allclose(take(g), take(f), atol=1e-6)
+            else:                                               # admitted: the chunk's rows
+                n = int(nv[slot_idx.index(slot)])
+                r = rax - (rax > ax)
+                np.testing.assert_allclose(np.take(take(g), range(n), axis=r),
+                                           np.take(take(f), range(n), axis=r), atol=1e-6)
+                assert np.abs(np.take(take(g), range(n), axis=r)).max() > 0
+                rest = range(n, take(g).shape[r])
+                np.testing.assert_array_equal(np.take(take(g), rest, axis=r),
+                                              np.take(take(before), rest, axis=r))
     assert n_kv == (4 if kind == "spec" else 2)     # target k, v (+ draft k, v)
 
 
@@ -493,17 +594,16 @@ MIXED_SPS = [
 
 
 def runner_refs(kind):
-    """The batch runners (SpecRunner / PlainRunner) on the mixed batch."""
-    from jaxspec.decode import PlainRunner
-    from jaxspec.spec import SpecRunner
+    """The static-batch reference runners (tests/reference_runner.py) on the mixed batch."""
+    from reference_runner import PlainRunner, SpecRunner
     params, head = agreeing_pair()
     if kind == "spec":
         runner = SpecRunner(CFG, params, head, SPEC, max_slots=SLOTS,
                             max_len=MAX_MODEL_LEN + 2 * SPEC.max_emit)
-        return runner.generate(MIXED_PROMPTS, MIXED_SPS)
-    runner = PlainRunner(CFG, params, init_cache(CFG, SLOTS, MAX_MODEL_LEN + 2 * PLAIN_STEPS,
-                                                 jnp.float32), decode_chunk=PLAIN_STEPS)
-    return runner.generate(MIXED_PROMPTS, MIXED_SPS, [set()] * len(MIXED_PROMPTS))
+    else:
+        runner = PlainRunner(CFG, params, SLOTS, MAX_MODEL_LEN + 2 * PLAIN_STEPS,
+                             decode_steps=PLAIN_STEPS)
+    return runner.generate(MIXED_PROMPTS, MIXED_SPS)
 
 
 def assert_logprobs_close(got, ref):
@@ -587,27 +687,23 @@ def test_incremental_detokenization_equals_full_decode(smollm2_gguf, stream):
     bytes need not form valid UTF-8, fed one or several at a time."""
     import random
 
-    from jaxspec.engine.loop import Engine, Request
+    from jaxspec.engine.output import OutputProcessor
+    from jaxspec.engine.request import Request
     from jaxspec.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(smollm2_gguf)
-    eng = Engine.__new__(Engine)
-    eng.detokenize = tok.decode
-    eng.stream_decoder = tok.stream_decoder if stream else None
+    out = OutputProcessor(tok.decode, tok.stream_decoder if stream else None)
     if stream:
         assert tok.stream_decoder() is not None      # SmolLM2's tokenizer takes the fast path
 
     def fresh():
-        req = Request.__new__(Request)
-        req.output, req.detok_text, req.prefix_offset, req.read_offset = [], "", 0, 0
-        req.decoder = None
-        return req
+        return Request(0, [], SamplingParams(), frozenset(), ())
 
     text = "Café — naïve 日本語 emoji 🎉🚀 and plain words, then «quotes» ok."
     ids = tok.encode(text, add_special_tokens=False)
     req = fresh()
     for t in ids:
         req.output.append(t)
-        got = eng._text_so_far(req)
+        got = out.text_so_far(req)
         full = tok.decode(req.output)
         assert full.startswith(got)            # never text the full decode does not have
         if not full.endswith("\ufffd"):
@@ -620,7 +716,7 @@ def test_incremental_detokenization_equals_full_decode(smollm2_gguf, stream):
         ids = [rng.randrange(300 if rng.random() < 0.5 else tok.vocab_size) for _ in range(n)]
         while req.output != ids:
             req.output += ids[len(req.output):len(req.output) + rng.randint(1, 3)]
-            assert tok.decode(req.output).startswith(eng._text_so_far(req))
+            assert tok.decode(req.output).startswith(out.text_so_far(req))
 
 
 @pytest.mark.parametrize("kind", ["spec", "plain", "spec:3"])
@@ -638,13 +734,14 @@ def test_retracted_sampling_request_resumes_its_key(kind):
     engine = make_engine(kind)
     engine.add_request(list(range(30, 40)), SamplingParams(max_tokens=30, ignore_eos=True))
     rid = engine.add_request(prompt, sp)           # admitted last: the retract's victim
-    for _ in range(max(2, 4 // int(kind.partition(":")[2] or 1))):  # a few cycles: spec:3 runs 3 a step
+    for _ in range(max(2, 4 // int(kind.partition(":")[2] or 1))):  # spec:3: 3 cycles a step
         engine.step()
-    budget, engine.kv_budget = engine.kv_budget, engine._need() - 1
+    sch = engine.scheduler
+    budget, sch.kv_budget = sch.kv_budget, sch.need() - 1
     engine.step()                                  # retracts it, after several cycles
     req = engine.requests[rid]
     assert req.retracts == 1 and len(req.output) > 2     # its key had moved past the first draw
-    engine.kv_budget = budget
+    sch.kv_budget = budget
     list(engine.drain())
     r = engine.pop_finished(rid)
     assert r.retracts == 1 and r.output == want

@@ -5,7 +5,7 @@ import numpy as np
 
 from draft_models import agreeing_pair
 from jaxspec.config import ModelConfig
-from jaxspec.engine import Engine, SpecBackend
+from jaxspec.engine import Engine, EngineConfig, SpecBackend
 from jaxspec.sampling import SamplingParams
 from jaxspec.spec import SpecConfig
 
@@ -21,8 +21,8 @@ def serve(k: int, prompts, sps, eos):
     params, head = agreeing_pair(CFG, scale=0.02, lm_head_scale=0.5)
     backend = SpecBackend(CFG, params, head, SPEC, 1, MAX_MODEL_LEN + 2 * SPEC.max_emit * k,
                           cycles_per_call=k)
-    engine = Engine(backend, max_model_len=MAX_MODEL_LEN, vocab_size=CFG.vocab_size,
-                    eos_ids=eos)
+    engine = Engine(backend, EngineConfig(max_batch=1, max_model_len=MAX_MODEL_LEN),
+                    vocab_size=CFG.vocab_size, eos_ids=eos)
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, sps)]
     toks, reasons = {}, {}
     for _ in range(2000):

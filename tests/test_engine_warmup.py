@@ -6,42 +6,55 @@ import jax
 import numpy as np
 import pytest
 
-from jaxspec.engine import Engine
-from jaxspec.engine.loop import _bucket, _buckets
+from jaxspec.config import ConfigError
+from jaxspec.engine import Engine, EngineConfig, PlainBackend
+from jaxspec.engine.admission import AdmitArgs
+from jaxspec.engine.prefill_plan import bucket, buckets, build_pack
 from jaxspec.sampling import FULL, LEAN, VARIANTS, SamplingParams
-from jaxspec.spec.admit import AdmitArgs
-from jaxspec.spec.admit_packed import build_pack
-from test_engine import (CFG, MAX_MODEL_LEN, SLOTS, compiled_shapes, greedy_ref, make_engine)
+from test_engine import (CFG, MAX_MODEL_LEN, PLAIN_STEPS, SLOTS, agreeing_pair, chunk_part,
+                         compiled_shapes, greedy_ref, make_engine)
 
 
 def admit_key(a, w, features, form):
-    """The backend's executable key of admission form (a, w, form) (`Engine.admission_forms`)."""
-    return ("admit_packed", a, w, features) if form == "packed" else \
-        ("admit", a, w, features, form)
+    """The backend's executable key of admission form (a, w, form) (`PrefillPlanner.forms`):
+    a requests and their tokens in all (a pack's size; a chunk's a x w)."""
+    return ("admit", form, a, w if form == "packed" else a * w, features)
 
 
 def test_buckets():
-    assert _buckets(16, 512, 4) == [16, 64, 256, 512]
-    assert _buckets(16, 512, 2) == [16, 32, 64, 128, 256, 512]
-    assert _buckets(1, 64, 4) == [1, 4, 16, 64]
-    assert _buckets(1, 8, 4) == [1, 4, 8]
-    assert _buckets(1, 1, 4) == [1] and _buckets(16, 16, 4) == [16]
-    widths = _buckets(16, 512, 4)
-    assert [_bucket(n, widths) for n in (1, 16, 17, 64, 65, 256, 257, 512)] == \
+    assert buckets(16, 512, 4) == [16, 64, 256, 512]
+    assert buckets(16, 512, 2) == [16, 32, 64, 128, 256, 512]
+    assert buckets(1, 64, 4) == [1, 4, 16, 64]
+    assert buckets(1, 8, 4) == [1, 4, 8]
+    assert buckets(1, 1, 4) == [1] and buckets(16, 16, 4) == [16]
+    widths = buckets(16, 512, 4)
+    assert [bucket(n, widths) for n in (1, 16, 17, 64, 65, 256, 257, 512)] == \
         [16, 16, 64, 64, 256, 256, 512, 512]
 
 
 def test_admission_shapes_follow_bucket_growth():
-    be = make_engine("plain").backend
-    shapes = lambda **kw: Engine(be, max_model_len=MAX_MODEL_LEN, vocab_size=CFG.vocab_size,
-                                 **kw).admission_shapes()
-    assert shapes(chunk=64) == [(1, 16), (1, 64), (4, 16), (4, 64)]
-    assert shapes(chunk=64, bucket_growth=2) == [(a, w) for a in (1, 2, 4) for w in (16, 32, 64)]
-    with pytest.raises(ValueError, match="bucket_growth"):
-        shapes(bucket_growth=1)
-    # widths alone finer: the slot buckets keep bucket_growth's
-    assert shapes(chunk=64, width_growth=2) == [(a, w) for a in (1, 4) for w in (16, 32, 64)]
-    with pytest.raises(ValueError, match="width_growth"):
+    """Without packing, first chunks run padded to a slot bucket and a width bucket: the
+    programs are every (slot bucket, width) pair."""
+    be = PlainBackend(CFG, agreeing_pair()[0], SLOTS, 64 + 2 * PLAIN_STEPS, n_steps=PLAIN_STEPS)
+
+    def shapes(**kw):
+        engine = Engine(be, EngineConfig(max_model_len=64, packing=False, **kw),
+                        vocab_size=CFG.vocab_size)
+        forms = engine.planner.forms()
+        assert {form for _, _, form in forms} == {"chunk"}
+        return sorted((a, w) for a, w, _ in forms)
+
+    assert shapes(prefill_chunk=64) == [(1, 16), (1, 64), (4, 16), (4, 64)]
+    # each growth sets its own buckets: slot counts, widths, or both
+    assert shapes(prefill_chunk=64, slot_growth=2) == \
+        [(a, w) for a in (1, 2, 4) for w in (16, 64)]
+    with pytest.raises(ConfigError, match="slot_growth"):
+        shapes(slot_growth=1)
+    assert shapes(prefill_chunk=64, width_growth=2) == \
+        [(a, w) for a in (1, 4) for w in (16, 32, 64)]
+    assert shapes(prefill_chunk=64, slot_growth=2, width_growth=2) == \
+        [(a, w) for a in (1, 2, 4) for w in (16, 32, 64)]
+    with pytest.raises(ConfigError, match="width_growth"):
         shapes(width_growth=1)
 
 
@@ -51,10 +64,10 @@ def test_warmup_compiles_ahead_and_serves_without_jit(kind):
     engine.warmup()
     be = engine.backend
     want = {("cycle", f, k) for f in VARIANTS for k in be.sizes} | \
-        {admit_key(a, w, f, form) for a, w, form in engine.admission_forms()
+        {admit_key(a, w, f, form) for a, w, form in engine.planner.forms()
          for f in VARIANTS} | \
-        {("advance", a) for a in engine.slot_buckets}
-    assert set(be.executables) == want
+        {("advance", a) for a in engine.planner.slot_buckets}
+    assert set(be.programs.executables) == want
     assert be.jit_calls == 0
     before = compiled_shapes(engine)
     prompts = [[5, 17, 42, 8, 99], list(range(30, 60)), [3, 9, 27]]   # 30 tokens: two chunks
@@ -66,13 +79,12 @@ def test_warmup_compiles_ahead_and_serves_without_jit(kind):
 
     # The executables keep the jitted functions' donation: the old state is consumed.
     old = jax.tree_util.tree_leaves(engine.state)
-    engine.state, _ = be.cycle(engine.state, np.zeros(SLOTS, bool))
+    engine.state, _ = be.cycle(engine.state, be.placement.put_mask(np.zeros(SLOTS, bool)))
     assert all(x.is_deleted() for x in old)
 
     # A shape warm-up did not compile goes through jit, and the check sees it.
-    pad = np.full(2, SLOTS, np.int32)
-    z = np.zeros(2, np.int32)
-    engine.state, _ = be.admit(engine.state, pad, np.zeros((2, 16), np.int32), z, z, z - 1)
+    engine.state, _ = be.admit(engine.state, "chunk",
+                               [chunk_part([SLOTS] * 2, np.zeros((2, 16)), [0, 0])])
     assert compiled_shapes(engine) != before and be.jit_calls == 1
 
 
@@ -87,25 +99,27 @@ def test_warmup_can_run_every_program_once_and_leaves_the_state_as_it_was(kind, 
     before = [np.asarray(x) for x in jax.tree_util.tree_leaves(engine.state)]
     be = engine.backend
     ran = []
-    for name in ("cycle", "admit", "admit_packed", "advance_keys"):
+    for name in ("cycle", "admit", "advance_keys"):
         fn = getattr(be, name)
 
-        def spy(*a, _fn=fn, _name=name.replace("_packed", ""), **kw):
+        def spy(*a, _fn=fn, _name=name, **kw):
             if not kw.get("lower"):
                 ran.append(_name)
             return _fn(*a, **kw)
         setattr(be, name, spy)
     engine.warmup(execute=True)
     n_cycles = len(VARIANTS) * len(be.sizes) * copies
-    n_admits = len(VARIANTS) * len(engine.admission_forms())
+    n_admits = len(VARIANTS) * len(engine.planner.forms())
     assert ran == ["cycle"] * n_cycles + ["admit"] * n_admits + \
-        ["advance_keys"] * len(engine.slot_buckets)
+        ["advance_keys"] * len(engine.planner.slot_buckets)
     assert be.jit_calls == 0                          # every run found its executable
     after = jax.tree_util.tree_leaves(engine.state)
     assert all(np.array_equal(x, np.asarray(y)) for x, y in zip(before, after))
-    assert sum(map(len, be.spares.values())) == (copies - 1) * len(VARIANTS) * len(be.sizes)
+    assert sum(map(len, be.programs.spares.values())) == \
+        (copies - 1) * len(VARIANTS) * len(be.sizes)
     engine.warmup(execute=False)                      # again: the copies start over
-    assert sum(map(len, be.spares.values())) == (copies - 1) * len(VARIANTS) * len(be.sizes)
+    assert sum(map(len, be.programs.spares.values())) == \
+        (copies - 1) * len(VARIANTS) * len(be.sizes)
     runs = collections.Counter()
 
     def counted(exe):
@@ -113,14 +127,15 @@ def test_warmup_can_run_every_program_once_and_leaves_the_state_as_it_was(kind, 
             runs[id(call)] += 1
             return exe(*a)
         return call
-    be.executables = {k: counted(x) for k, x in be.executables.items()}
-    be.spares = {k: [counted(x) for x in v] for k, v in be.spares.items()}
+    progs = be.programs
+    progs.executables = {k: counted(x) for k, x in progs.executables.items()}
+    progs.spares = {k: [counted(x) for x in v] for k, v in progs.spares.items()}
     prompt = [5, 17, 42, 8, 99]
     rid = engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
     list(engine.drain())
     assert engine.pop_finished(rid).output == greedy_ref(prompt)[:8]
     key = ("cycle", LEAN, be.call_size(1))   # one slot, greedy: every cycle runs this one
-    copies_run = [runs[id(x)] for x in [be.executables[key], *be.spares.get(key, [])]]
+    copies_run = [runs[id(x)] for x in [progs.executables[key], *progs.spares.get(key, [])]]
     assert len(copies_run) == copies and min(copies_run) >= 1     # taken in turn
     assert max(copies_run) - min(copies_run) <= 1
 
@@ -160,8 +175,8 @@ def test_warmup_of_the_variants_requests_need():
     engine = make_engine("spec")
     engine.warmup((LEAN,))
     be = engine.backend
-    assert set(be.executables) == {("cycle", LEAN, 1)} | \
-        {admit_key(a, w, LEAN, form) for a, w, form in engine.admission_forms()}
+    assert set(be.programs.executables) == {("cycle", LEAN, 1)} | \
+        {admit_key(a, w, LEAN, form) for a, w, form in engine.planner.forms()}
     before = compiled_shapes(engine)
     prompt = [5, 17, 42, 8, 99]
     rid = engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
@@ -182,7 +197,7 @@ def test_cycle_variants_have_no_conditional(kind):
     from jaxspec.spec.cycle import cycle
     engine = make_engine(kind)
     be = engine.backend
-    idle = np.zeros(SLOTS, bool)
+    idle = be.placement.put_mask(np.zeros(SLOTS, bool))
     for f in VARIANTS:
         for k in be.sizes:
             _, lowered = be.cycle(engine.state, idle, f, size=k, lower=True)
@@ -218,18 +233,18 @@ def test_serving_programs_have_no_device_control_flow(kind):
     pad = np.full(2, SLOTS, np.int32)
     z = np.zeros(2, np.int32)
     adm = AdmitArgs.host(2)
-    params = (be.params, be.draft_params) if kind != "plain" else (be.params,)
-    for key, fn in be._cycles.items():           # every variant and call size
-        cyc = _primitives(jax.make_jaxpr(fn)(*params, engine.state,
+    programs = be._jitted
+    for key, fn in programs["cycles"].items():           # every variant and call size
+        cyc = _primitives(jax.make_jaxpr(fn)(*be.weights, engine.state,
                                              np.zeros(SLOTS, bool)).jaxpr)
         assert not cyc & {"cond", "while"}, (key, cyc & {"cond", "while"})
-    for f in be._admits:             # every variant: first chunks (padded, packed), later ones
+    for f, fn in programs["admits"].items():   # every variant, both forms
         chunk = (*build_pack([], [], 1, 32, 2), z) if f[1] == "packed" else \
             (np.zeros((2, 16), np.int32), z, z)
-        adm_p = _primitives(jax.make_jaxpr(be._admits[f])(
-            *params, engine.state, pad, *chunk, z - 1, adm, be.key).jaxpr)
+        adm_p = _primitives(jax.make_jaxpr(fn)(
+            *be.weights, engine.state, pad, *chunk, z - 1, adm, be.key).jaxpr)
         assert not adm_p & {"cond", "while"}, (f, adm_p & {"cond", "while"})
-    adv = _primitives(jax.make_jaxpr(be._advance)(engine.state, pad, z + 3).jaxpr)
+    adv = _primitives(jax.make_jaxpr(programs["advance"])(engine.state, pad, z + 3).jaxpr)
     assert "while" in adv          # the check can see a loop on a device value
 
 
@@ -268,46 +283,53 @@ def test_defaults_by_backend_and_batch(monkeypatch):
     (bench/RESULTS.md, sixth, seventh, fifteenth, twenty-first, twenty-sixth and thirty-first
     sets): on a GPU a 4-step, 32-token tree at 2 cycles per call at batch 1, the chain with 4
     cycles per call above it (a 2-wide tree of the chain's 4 tokens from 16 slots), and
-    speculative engines of 32+ slots admitting every second call (64+: every third), prompts prefilled in chunks of
-    up to 2048 tokens (twenty-seventh set); on a CPU the chain, one cycle per call, admissions
-    at once, 512-token chunks."""
-    from jaxspec.engine import backends
+    speculative engines of 32+ slots admitting every second call (64+: every third), prompts
+    prefilled in chunks of up to 2048 tokens (twenty-seventh set); on a CPU the chain, one
+    cycle per call, admissions at once, 512-token chunks (`jaxspec.defaults`)."""
+    from jaxspec import defaults
     from jaxspec.spec.config import SpecConfig, resolve_spec
-    assert backends.default_spec(1) == backends.default_spec(8) == "chain"
-    assert backends.default_cycles_per_call(8) == 1
-    assert backends.default_admit_interval(64, True) == 1
-    assert backends.default_prefill_chunk() == 512
-    monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
-    assert backends.default_prefill_chunk() == backends.GPU_PREFILL_CHUNK == 2048
-    assert resolve_spec(backends.default_spec(1)) == SpecConfig(4, 8, 32)
-    assert backends.default_spec(4) == backends.default_spec(15) == "chain"
-    assert resolve_spec(backends.default_spec(16)) == resolve_spec(backends.default_spec(64)) \
+    assert defaults.spec(1) == defaults.spec(8) == "chain"
+    assert defaults.cycles_per_call(8) == 1
+    assert defaults.admit_interval(64, True) == 1
+    assert defaults.prefill_chunk() == 512
+    monkeypatch.setattr(defaults.jax, "default_backend", lambda: "gpu")
+    assert defaults.prefill_chunk() == defaults.GPU_PREFILL_CHUNK == 2048
+    assert resolve_spec(defaults.spec(1)) == SpecConfig(4, 8, 32)
+    assert defaults.spec(4) == defaults.spec(15) == "chain"
+    assert resolve_spec(defaults.spec(16)) == resolve_spec(defaults.spec(64)) \
         == SpecConfig(3, 2, 4)
-    assert (backends.default_cycles_per_call(1), backends.default_cycles_per_call(4)) == (2, 4)
-    assert [backends.default_admit_interval(s, True) for s in (1, 16, 31, 32, 63, 64, 128)] == \
+    assert (defaults.cycles_per_call(1), defaults.cycles_per_call(4)) == (2, 4)
+    assert [defaults.admit_interval(s, True) for s in (1, 16, 31, 32, 63, 64, 128)] == \
         [1, 1, 1, 2, 2, 3, 3]
-    assert backends.default_admit_interval(64, False) == 1
+    assert defaults.admit_interval(64, False) == 1
     # short builds: from 64 slots, and plain decoding at 1 slot (none on a CPU)
-    assert [backends.default_short_rows(s) for s in (1, 4, 63, 64)] == [0, 0, 0, 512]
-    assert [backends.default_short_rows(s, plain=True) for s in (1, 4, 64)] == [512, 0, 512]
+    assert [defaults.short_rows(s) for s in (1, 4, 63, 64)] == [0, 0, 0, 512]
+    assert [defaults.short_rows(s, plain=True) for s in (1, 4, 64)] == [512, 0, 512]
     # none for a cache no longer than the bound: the full build is sized for it already
-    assert [backends.default_short_rows(64, max_len=t) for t in (352, 512, 513, 2048)] == \
+    assert [defaults.short_rows(64, max_len=t) for t in (352, 512, 513, 2048)] == \
         [0, 0, 512, 512]
-    assert backends.default_short_rows(1, plain=True, max_len=320) == 0
-    monkeypatch.setattr(backends.jax, "default_backend", lambda: "cpu")
-    assert backends.default_short_rows(1, plain=True) == backends.default_short_rows(64) == 0
+    assert defaults.short_rows(1, plain=True, max_len=320) == 0
+    monkeypatch.setattr(defaults.jax, "default_backend", lambda: "cpu")
+    assert defaults.short_rows(1, plain=True) == defaults.short_rows(64) == 0
 
 
 @pytest.mark.parametrize("kind", ["spec", "plain"])
 def test_first_chunk_wider_than_the_slot(kind):
-    """Chunk widths up to 128 over slots of ~60 rows: a first chunk's zero caches are wider than
-    the slot, and only the slot's rows are written back."""
+    """Packs up to 128 tokens wide over slots of ~60 rows: a pack's attention runs over its own
+    rows (zero caches as wide as the pack, wider than the slot), and only the slot's rows are
+    written back."""
     be = make_engine(kind).backend
-    engine = Engine(be, max_model_len=MAX_MODEL_LEN, vocab_size=CFG.vocab_size, chunk=128)
-    assert max(engine.widths) > be.max_len
-    prompts = [[5, 17, 42, 8, 99], list(range(10, 50))]    # widths 16 and 64, 128 in warm-up
+    engine = Engine(be, EngineConfig(max_model_len=MAX_MODEL_LEN, prefill_chunk=32,
+                                     pack_tokens=128), vocab_size=CFG.vocab_size)
+    assert engine.planner.pack_shape(engine.planner.pack_sizes[-1]) == (1, 128)
+    assert 128 > be.max_len
+    prompts = [[5, 17, 42, 8, 99], list(range(10, 50)), list(range(60, 90)), [3, 9, 27] * 7]
     engine.warmup()
     ids = [engine.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
     list(engine.drain())
     for rid, p in zip(ids, prompts):
         assert engine.pop_finished(rid).output == greedy_ref(p)
+    # first chunks of 5 + 32 + 30 + 21 tokens in one 128-token pack; the 40-token prompt's
+    # last 8 in a chunk
+    assert sorted((a, t, form) for a, t, _, form in engine.stats.admit_shapes) == \
+        [(1, 32, "chunk"), (4, 128, "packed")]

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from jaxspec import LLM, SamplingParams
+from jaxspec.config import ConfigError
 
 pytestmark = pytest.mark.real_weights
 
@@ -89,7 +90,8 @@ def test_prompt_longer_than_context_rejected_before_any_work(llm):
     with pytest.raises(ValueError, match="exceeds the context"):
         llm.generate(["fine", long], SamplingParams(max_tokens=4))
     # the instance still works afterwards
-    assert len(llm.generate("fine", SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
+    out = llm.generate("fine", SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out[0].token_ids) == 2
 
 
 def test_generate_in_slices_equals_one_slice_and_a_late_bad_prompt_drops_only_its_own(llm):
@@ -100,8 +102,9 @@ def test_generate_in_slices_equals_one_slice_and_a_late_bad_prompt_drops_only_it
                [5, 6, 7, 8], "Hello"]
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
     whole = llm.generate(prompts, sp)
-    assert llm.submit_slice == 64                 # the default: max(64, max_batch)
-    llm.submit_slice = 2
+    conf = llm.engine_config
+    assert conf.submit_slice == 64                # the default: max(64, max_batch)
+    llm.engine_config = conf.replace(submit_slice=2)
     try:
         sliced = llm.generate(prompts, sp)
         assert [o.request_id for o in sliced] == list(range(len(prompts)))
@@ -118,7 +121,7 @@ def test_generate_in_slices_equals_one_slice_and_a_late_bad_prompt_drops_only_it
         alone = llm.generate("Once upon a time", SamplingParams(max_tokens=4, ignore_eos=True))
         assert first.token_ids + rest == alone[0].token_ids
     finally:
-        llm.submit_slice = 64
+        llm.engine_config = conf
     with pytest.raises(TypeError, match="a prompt is a string"):     # before any work
         llm.generate(["fine"] * 70 + [3.5], sp)
     assert not llm.engine.requests
@@ -142,17 +145,24 @@ def test_max_tokens_must_be_positive():
         SamplingParams(max_tokens=0)
 
 
-@pytest.mark.parametrize("kw,needle", [({"max_batch": 0}, "max_batch"),
-                                       ({"admit_interval": 0}, "admit_interval"),
-                                       ({"submit_slice": 0}, "submit_slice"),
-                                       ({"prefill_width_growth": 1}, "prefill_width_growth"),
-                                       ({"prefill_slot_growth": 1}, "prefill_slot_growth"),
-                                       ({"prefill_chunk": 8}, "prefill_chunk"),
-                                       ({"prefill_pack_rows": "odd"}, "prefill_pack_rows"),
-                                       ({"draft_vocab": -1}, "draft_vocab"),
-                                       ({"draft_vocab": 2.5}, "draft_vocab")])
+@pytest.mark.parametrize("kw,needle", [
+    ({"max_batch": 0}, "max_batch must be an int >= 1"),
+    ({"admit_interval": 0}, "admit_interval must be an int >= 1"),
+    ({"submit_slice": 0}, "submit_slice must be an int >= 1"),
+    ({"width_growth": 1}, "width_growth must be an int >= 2"),
+    ({"slot_growth": 1}, "slot_growth must be an int >= 2"),
+    ({"prefill_chunk": 8}, "prefill_chunk must be an int >= 16"),
+    ({"pack_rows": "odd"}, "pack_rows must be one of"),
+    ({"packing": "yes"}, "packing must be a bool"),
+    ({"pack_tokens": 0}, "pack_tokens must be an int >= 1"),
+    ({"decode_steps": 0}, "decode_steps must be an int >= 1"),
+    ({"layer_layout": "rolled"}, "layer_layout must be"),
+    ({"draft_vocab": -1}, "draft_vocab must be an int >= 0"),
+    ({"draft_vocab": 2.5}, "draft_vocab must be an int >= 0"),
+    ({"prefill_packing": True}, "unknown option.* prefill_packing"),     # the old names
+    ({"decode_chunk": 4}, "unknown option.* decode_chunk")])
 def test_bad_engine_settings_rejected_before_loading(kw, needle):
-    with pytest.raises(ValueError, match=needle):
+    with pytest.raises(ConfigError, match=needle):
         LLM("no-such-file.gguf", **kw)       # the setting is named, not the missing file
 
 
