@@ -42,13 +42,16 @@ from jaxspec.sampling import FULL, LEAN, VARIANTS, Features, SamplingParams, fla
 class Engine:
     """backend: SpecBackend or PlainBackend, with max_model_len + 2 * emit rows per slot.
     config: its options (None fields take their defaults; max_model_len defaults to what the
-    backend's rows hold). detokenize / stream_decoder: see `output`."""
+    backend's rows hold; max_batch is the backend's slots per replica). detokenize /
+    stream_decoder: see `output`."""
 
     def __init__(self, backend, config: EngineConfig = EngineConfig(), *, vocab_size: int,
                  eos_ids: Iterable[int] = (), detokenize=None, stream_decoder=None):
         self.slots, self.emit = backend.slots, backend.emit
-        config = config.resolved(slots=self.slots, speculative=backend.spec is not None,
-                                 model_limit=backend.max_len - 2 * self.emit)
+        # the backend's slots are what runs: max_batch follows them (the defaults read it)
+        config = config.replace(max_batch=self.slots // backend.replicas).resolved(
+            slots=self.slots, speculative=backend.spec is not None,
+            model_limit=backend.max_len - 2 * self.emit)
         self.backend, self.config = backend, config
         self.max_model_len, self.vocab_size = config.max_model_len, vocab_size
         if backend.max_len < config.max_model_len + 2 * self.emit:
