@@ -67,16 +67,16 @@ def write_json(name: str, obj) -> None:
 def set_kernel_defaults(pairs) -> dict:
     """Sets module defaults before any program is traced, so one process times the cycle as it
     runs with another default (the forty-seventh set's A/B runs). Each pair is "NAME=VALUE",
-    VALUE a Python literal, NAME one of tree_attention's `_MOSAIC_*` constants or
-    `_TREE_VECTOR`, "topk.NAME" for an upper-case constant of jaxspec.spec.topk (its top-k
-    policy) or "vocab_topk.NAME" for one of pallas_kernels.vocab_topk (the top-k kernel's
-    form). -> the settings, by the names given."""
+    VALUE a Python literal, NAME one of tree_attention's `_MOSAIC_*` constants, "topk.NAME"
+    for an upper-case constant of jaxspec.spec.topk (its top-k policy) or "vocab_topk.NAME"
+    for one of pallas_kernels.vocab_topk (the top-k kernel's form). -> the settings, by the
+    names given."""
     import ast
 
     from jaxspec.spec import topk
     from pallas_kernels import tree_attention as ta
     from pallas_kernels import vocab_topk
-    known = {k: (ta, k) for k in vars(ta) if k.startswith(("_MOSAIC_", "_TREE_VECTOR"))}
+    known = {k: (ta, k) for k in vars(ta) if k.startswith("_MOSAIC_")}
     for prefix, module in (("topk", topk), ("vocab_topk", vocab_topk)):
         known.update({f"{prefix}.{k}": (module, k) for k in vars(module) if k.isupper()})
     done = {}
@@ -96,7 +96,7 @@ def set_kernel_defaults(pairs) -> dict:
 def add_kernel_default(ap) -> None:
     """`--kernel-default NAME=VALUE` on a benchmark's parser (`set_kernel_defaults`)."""
     ap.add_argument("--kernel-default", action="append", default=[], metavar="NAME=VALUE",
-                    help="a tree_attention _MOSAIC_* or _TREE_VECTOR default, topk.NAME (the "
+                    help="a tree_attention _MOSAIC_* default, topk.NAME (the "
                          "top-k policy) or vocab_topk.NAME (the top-k kernel), for this run "
                          "(repeatable)")
 

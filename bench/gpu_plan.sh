@@ -13,8 +13,7 @@
 #                                      #   mosaic_short, batch 1-32 over 1-4K prefixes, the rule
 #                                      #   under 8K (SHAPES="B,N,L;..." for others; forty-third
 #                                      #   set: 57 shapes, 256-4K; with kernel times since the
-#                                      #   forty-fourth, ~30 s a shape); mosaic_tree, the tree part inside
-#                                      #   the Mosaic kernel against beside it, checks first
+#                                      #   forty-fourth, ~30 s a shape)
 #   bash bench/gpu_plan.sh read_floor  # issue 4: what one kernel alone takes to read batch 1's
 #                                      #   K and V (a Pallas stream, XLA's and torch's reductions,
 #                                      #   torch's copy) beside the tree kernel at N = 1
@@ -26,12 +25,6 @@
 #                                      #   beside the layer's reads and the tree kernel at N 1,
 #                                      #   unrolled and as one layer loop (forty-sixth set: a
 #                                      #   touch call costs 7.2-9.7 us, the host's dispatch)
-#   bash bench/gpu_plan.sh tree_inputs # issue 4: the 8B batch-1 cycle with the Mosaic kernel's
-#                                      #   tree keys and values apart and in the query rows'
-#                                      #   array (SHAPES, default 6,10,60; forty-seventh set:
-#                                      #   7.702 against 7.615 ms), then the cycle's profile
-#                                      #   both ways; first the tree's own split at SmolLM2's
-#                                      #   heads (9/3/64), on and off (not yet timed there)
 #   bash bench/gpu_plan.sh topk_rank   # the draft's top-k by chunk maxima with its two small
 #                                      #   selections as sorts (default) and by pairwise ranks
 #                                      #   (bench_draft_ops), then the 8B batch-1 cycle (SHAPES)
@@ -57,33 +50,18 @@
 #                                      #   module XLA dumps while bench_cycle runs), gzipped, to
 #                                      #   read here which fusions each layer launches
 #   bash bench/gpu_plan.sh ncu         # issue 4: ncu's DRAM bytes, L2 hit rate and tensor-pipe
-#                                      #   activity of the Mosaic kernel at B 64, N 64, 8K, row
-#                                      #   tiles apart and side by side (default)
+#                                      #   activity of the Mosaic kernel at B 64, N 64, 8K
 #                                      #   (forty-first set: sections on 3 shapes ran past 280 s)
-#   bash bench/gpu_plan.sh rows_adjacent  # issue 4: the Mosaic kernel's row tiles launched apart
-#                                      #   (the grid's first axis, the old order) against the
-#                                      #   default, side by side (its last: Mosaic GPU launches
-#                                      #   the last axis fastest); forty-second set: side by
-#                                      #   side 4-17% faster at N 64, L2 serving the second read
 #   bash bench/gpu_plan.sh cluster_costs  # issue 4: what launching 128 CTAs as thread-block
 #                                      #   clusters of 1-16 costs (fifty-first set: 2.0 us
 #                                      #   against 1.3 without clusters)
-#   bash bench/gpu_plan.sh refill_apart  # issue 4: the Mosaic kernel's ring slots refilled keys
-#                                      #   first (mosaic_refill_apart) on the table's Mosaic
-#                                      #   rows (fifty-first set: B 1, N 64, 8K 6.7% faster;
-#                                      #   the default at two warpgroups since the fifty-
-#                                      #   second, so the variant differs at one warpgroup)
 #   bash bench/gpu_plan.sh compaction  # issue 4: kv_compact alone and its share of the (6,10,60)
 #                                      #   cycle's kernels on the H200
-#   bash bench/gpu_plan.sh refill_rule # issue 4: kernel_ab's checks on that rule (two compute
-#                                      #   warpgroups), then the 8B batch-1 cycle (6,10,60) with
-#                                      #   _MOSAIC_REFILL_APART False and True
 #   bash bench/gpu_plan.sh timeline    # issue 4: the Mosaic kernel's timeline (CTA starts, first
 #                                      #   keys, last values, ends, each region's time) at batch
 #                                      #   1 and 8 over 8K (fifty-sixth set), and whether the
 #                                      #   same CTAs or SMs end late call after call (fifty-
-#                                      #   seventh), then the tree's block first against last,
-#                                      #   checked and timed
+#                                      #   seventh)
 #   bash bench/gpu_plan.sh lossweight  # issue 7: the shipped head fine-tuned twice from the same
 #                                      #   start, data (17.5K self-distilled ShareGPT answers,
 #                                      #   carry .gpu/train/ from `python -m bench.train_gpu
@@ -288,10 +266,6 @@
 #   bash bench/gpu_plan.sh ncu_decode  # issue 4: ncu's warp states and memory sections of the
 #                                      #   Triton kernel at SmolLM2's heads, batch 64, N 1, 256
 #                                      #   rows: where its 3-4 us over a bare read go (sixtieth set)
-#   bash bench/gpu_plan.sh tree_vector # issue 4: decoding's one new key by the vector step
-#                                      #   against the block step, the kernel at both head
-#                                      #   shapes, then the engine's SmolLM2 decoding step on,
-#                                      #   off, on (sixty-first set)
 #   bash bench/gpu_plan.sh packrows    # issue 8: packs of 2, 3, 4, 6, 8 rows (--prefill-pack-rows
 #                                      #   fine) against 2, 4, 8, batch 64, held-out ShareGPT
 #                                      #   (carry it), alternated; arithmetic on its lengths: 1.27x
@@ -698,18 +672,9 @@ case "${1:-}" in
     run mosaic_sweep 300 python3 bench/bench_kernels.py --skip check,table,compact --sweep-grid backends
     run mosaic_table 280 python3 bench/bench_kernels.py --no-sweep --skip compact --table-shapes "1,16,8192;1,64,8192;8,16,8192;8,64,8192;64,16,8192;64,64,8192;1,16,32768;1,64,32768;8,16,32768;8,64,32768;64,16,32768;64,64,32768"
     ;;
-  mosaic_tree)
-    run mosaic_tree 200 python3 bench/mosaic_tree_ab.py
-    ;;
   cluster_costs)
     # clustered launches of 128 CTAs (fifty-first set)
     run cluster_launch 120 python3 bench/cluster_launch_probe.py
-    ;;
-  refill_apart)
-    # a ring slot's keys refilled before its values are free (fifty-first set: checks pass;
-    # -6.7% at B 1, N 64, 8K, +2% at B 1, N 16, 32K): the Mosaic rows of issue 4's table
-    V='{"apart": {"mosaic_refill_apart": true}}'
-    run refill_apart 560 python3 bench/kernel_ab.py --variants "$V" --no-checks --device-time --shapes "${SHAPES:-1,64,8192;8,64,8192;64,64,8192;64,16,8192;1,64,32768;8,64,32768;8,16,32768;1,16,8192}"
     ;;
   compaction)
     # issue 4's compaction goal on the H200 (last timed on the H100, tenth set): kv_compact
@@ -720,15 +685,6 @@ case "${1:-}" in
     ;;
   timeline)
     run timeline 240 python3 bench/mosaic_timeline.py --calls 3 --shapes "${SHAPES:-1,16,8192;1,1,8192;1,64,8192;8,16,8192}"
-    run tree_first 300 python3 bench/kernel_ab.py --variants '{"last": {"mosaic_tree_first": false}}' --repeats 2 --device-time --shapes "1,16,8192;1,32,8192;1,64,8192;2,16,8192;8,16,8192;8,64,8192;1,16,32768"
-    ;;
-  refill_rule)
-    # keys refilled apart at two compute warpgroups (the default since the fifty-second set):
-    # kernel_ab's checks on the rule, repeated, then the 8B batch-1 cycle with it off and on
-    run refill_rule_checks 200 python3 bench/kernel_ab.py --variants '{"rule": {"mosaic_refill_apart": null}}' --repeats 5 --shapes ""
-    for v in False True; do
-      run cycle_apart_$v 200 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "${SHAPES:-6,10,60}" --variants lean --kernel-default _MOSAIC_REFILL_APART=$v
-    done
     ;;
   mosaic_short)
     run mosaic_short 450 python3 bench/bench_kernels.py --device-time --skip check,table,compact --sweep-grid backends --sweep-shapes "${SHAPES:-8,16,1024;8,64,1024;16,16,1024;16,64,1024;32,64,1024;8,64,2048;16,64,4096;32,64,4096;1,64,4096}"
@@ -814,15 +770,6 @@ case "${1:-}" in
       cp "$OUT/bench_engine.json" "$OUT/bench_engine_$v.json"
     done
     ;;
-  tree_inputs)
-    run tree_split_smol 200 python3 bench/kernel_ab.py --device-time --heads 9,3,64 --no-checks --variants '{"on": {"mosaic_tree_split": true}, "off": {"mosaic_tree_split": false}}' --shapes "8,32,1024;8,32,2048;16,32,1024;8,16,1024"
-    for v in False True; do
-      run cycle_in_q_$v 200 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 5 --shapes "${SHAPES:-6,10,60}" --variants lean --kernel-default _MOSAIC_TREE_IN_Q=$v
-    done
-    for v in False True; do
-      run profile_in_q_$v 150 python3 -m bench.profile_cycle --shapes "${SHAPES:-6,10,60}" --variant lean --top 14 --kernel-default _MOSAIC_TREE_IN_Q=$v
-    done
-    ;;
   kernels)
     # the checks, then the 8K rows; with a cold compile cache the checks take 215 s, and the
     # whole table did not fit beside them in one call (fifty-third set)
@@ -874,18 +821,6 @@ for _ in range(2): jax.block_until_ready(f(kc, vc, 1))"
       > "$OUT/decode_sass.csv" 2>&1
     grep -E "Duration|DRAM Throughput|Stall|Achieved Occupancy|Registers Per|Waves" \
       "$OUT/decode.details.txt" "$OUT/xla_sum.details.txt" | head -60
-    ;;
-  tree_vector)
-    V='{"block": {"tree_vector": false}}'
-    run vec_smollm2 200 python3 bench/kernel_ab.py --heads 9,3,64 --base '{"backend":"triton"}' --no-checks --device-time --shapes "64,1,256;64,1,512;64,1,1024;1,1,512;1,1,2048" --variants "$V"
-    cp "$OUT/kernel_ab.json" "$OUT/kernel_ab_smollm2.json"
-    run vec_8b 200 python3 bench/kernel_ab.py --base '{"backend":"triton"}' --device-time --shapes "1,1,8192;1,1,32768;8,1,8192;64,1,8192;1,1,1024" --variants "$V"
-    for v in True False True; do   # the module's default set before the bench builds its program
-      run "vec_decode_$v" 60 python3 -c "import runpy, sys; import pallas_kernels.tree_attention as ta
-ta._TREE_VECTOR = $v
-sys.argv = 'bench_decode --layouts static --only smollm2-135m --program engine --batches 1,64'.split()
-runpy.run_module('bench.bench_decode', run_name='__main__')"
-    done
     ;;
   stages_smollm2)
     # SmolLM2's batch 64 over 256-512 rows with all of a program's key blocks in flight:
@@ -947,19 +882,13 @@ runpy.run_module('bench.bench_decode', run_name='__main__')"
     # (bench/dp_compile_probe.py names the program if a two-device compile crashes again)
     run parallel_dp 560 python3 bench/bench_parallel.py --part dp --dp-impl engine,pmap,device --reps 3
     ;;
-  rows_adjacent)
-    run rows_adjacent 400 python3 bench/kernel_ab.py --variants '{"rows_apart": {"mosaic_rows_adjacent": false}}' \
-      --shapes "64,64,8192;8,64,8192;64,64,32768;64,16,8192"
-    ;;
   ncu)
-    # four metrics (few replay passes) of the Mosaic kernel at B 64, N 64, 8K in two forms:
-    # row tiles apart and side by side (the default), two launches each
+    # four metrics (few replay passes) of the Mosaic kernel at B 64, N 64, 8K, two launches
     # (compile, then the second); ncu prints when the process exits, so the limit must cover it
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     run ncu 450 "$NCU" --kernel-name regex:entry_mosaic -c 6 --metrics \
       gpu__time_duration.sum,dram__bytes_read.sum,lts__t_sector_hit_rate.pct,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active \
-      python3 bench/ncu_attention.py --shapes "64,64,8192" \
-      --variants '[{"mosaic_rows_adjacent": false}, {}]'
+      python3 bench/ncu_attention.py --shapes "64,64,8192"
     ;;
   parallel_calls)
     run parallel_calls 250 python3 bench/bench_parallel.py --part dp --dp-impl calls --reps 3

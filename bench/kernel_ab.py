@@ -2,7 +2,7 @@
 reference first (uneven prefixes, 1-4 splits, packed and separate inputs, SmolLM2's heads),
 then all timed with the bench_kernels harness (chained calls, 8 dispatched back to back).
 
-    python3 bench/kernel_ab.py --variants '{"apart": {"mosaic_refill_apart": true}}' \\
+    python3 bench/kernel_ab.py --variants '{"ring3": {"mosaic_ring": [128, 3]}}' \\
         [--base '{"backend": "mosaic"}'] [--shapes "B,N,L;..."] [--no-checks] [--device-time]
         [--heads "Hq,Hkv,D"] [--repeats K]
 Every variant is `base` updated with its own settings; "default" (base alone) is always

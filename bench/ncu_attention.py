@@ -4,7 +4,7 @@ Triton kernel's (`--backend triton`; `--heads 9,3,64` for SmolLM2's):
 
     ncu --kernel-name regex:mosaic --metrics dram__bytes_read.sum,... \\
         python3 bench/ncu_attention.py --shapes "64,64,8192;64,16,8192" \\
-        [--variants '[{}, {"mosaic_rows_adjacent": false}]'] [--heads "Hq,Hkv,D"]
+        [--variants '[{}, {"mosaic_ring": [128, 3]}]'] [--heads "Hq,Hkv,D"]
         [--backend mosaic|triton|default]
 
 Each shape runs twice under each tuning of `--variants` (the first compiles); the profiler

@@ -44,18 +44,17 @@ class ModelConfig:
     eos_token_ids: Tuple[int, ...] = ()
     # Execution, not architecture: run the layers as an unrolled Python loop over static slices
     # of the stacked weights (GPU: XLA reads them in place) instead of a lax.scan (whose dynamic
-    # slices XLA copies out every step: 2.6x slower on the H100, bench/RESULTS.md). The scan
-    # compiles much faster, which is what the CPU wants.
+    # slices XLA copies out every step, several times slower a decode step). The scan compiles
+    # much faster, which is what the CPU wants.
     unroll_layers: bool = False
     # With the scan: layers per loop iteration. Each iteration of a loop XLA runs outside the
-    # CUDA graph is a launch the host makes (~0.3 ms on the H100), so a 30-layer prompt chunk
-    # cost an admission ~9.6 ms of host time at batch 64 (bench/RESULTS.md).
+    # CUDA graph is a launch the host makes, so a many-layer prompt chunk costs an admission
+    # host time per layer.
     scan_unroll: int = 1
     # Every forward run with this config attends under masks where no token sees a later new
     # token (prompt chunks and packs: causal, block-diagonal causal), so the attention kernel's
-    # row blocks stop at their last query's key block: on the H100 a later 512-token chunk's
-    # attention took 24% less time, a pack of 4-32 rows 40-45% less (bench/RESULTS.md,
-    # nineteenth set). `for_prefill` sets it; tree masks do not need it (a handful of keys).
+    # row blocks stop at their last query's key block and skip the keys no query of theirs
+    # sees. `for_prefill` sets it; tree masks do not need it (a handful of keys).
     causal_chunks: bool = False
     # The chunks are prompts laid end to end (packs): the first key a token sees never moves
     # back from one token to the next, so each attention row block starts at the key block its
@@ -63,10 +62,9 @@ class ModelConfig:
     packed_chunks: bool = False
     # No slot's live prefix exceeds this many rows while a program built with it runs (0: not
     # known, up to the cache's length). The attention kernel cuts the prefix into fewer splits
-    # for it: at 64 SmolLM2 slots of 100-400 rows in a 2,048-row cache, one split and no
-    # combine kernel took 2-2.4 us a layer less than the cache length's 4 (bench/RESULTS.md,
-    # twenty-second set). Results do not depend on it (the kernel reads each slot's own length
-    # at run time); an engine builds such programs and picks them only while it holds.
+    # for it (short live prefixes in a long cache: one split and no combine kernel). Results do
+    # not depend on it (the kernel reads each slot's own length at run time); an engine builds
+    # such programs and picks them only while it holds.
     live_rows: int = 0
 
     def with_live_rows(self, rows: int) -> "ModelConfig":
@@ -79,8 +77,8 @@ class ModelConfig:
         """The layout prompt chunks run with: always the scan. A serving engine compiles one
         prefill per (slot count, chunk width) bucket, dozens in all; the scan compiles one layer
         body per bucket where the unrolled loop compiles all L (with their attention kernels),
-        which on the H100 made warm-up take minutes. A chunk does far more arithmetic per weight
-        byte than a decode step, so the scan's weight copies cost it little.
+        which makes warm-up take minutes. A chunk does far more arithmetic per weight byte than
+        a decode step, so the scan's weight copies cost it little.
 
         unroll: layers per scan iteration (default: JAXSPEC_PREFILL_UNROLL, else 1).
         packed: the chunks are packs of prompts (`packed_chunks`)."""

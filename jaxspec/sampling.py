@@ -112,10 +112,9 @@ def _finite(x) -> bool:
 class Features(NamedTuple):
     """What some slot of a batch may use, known on the host: the engine picks a compiled
     variant per cycle instead of testing device flags with lax.cond, so the program has no
-    conditional (on the H100 the engine's chain cycle took 1.125 ms instead of 1.263 ms at batch
-    1 and 1.340 instead of 1.965 ms at batch 16; bench/RESULTS.md). False leaves the feature's
-    code out; True runs it for every slot (exact for slots without it: their rows pass through
-    unchanged)."""
+    conditional (on the GPU a conditional makes the host read its flag back and wait for the
+    device, and splits the CUDA graph). False leaves the feature's code out; True runs it for
+    every slot (exact for slots without it: their rows pass through unchanged)."""
     sampled: bool        # temperature > 0 (and the filters behind it)
     penalty: bool        # repetition / frequency / presence
     logprobs: bool

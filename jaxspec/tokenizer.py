@@ -29,8 +29,8 @@ class Tokenizer:
         eos = [hf_tokenizer.eos_token_id] if hf_tokenizer.eos_token_id is not None else []
         self.eos_token_ids: Tuple[int, ...] = tuple(dict.fromkeys([*eos, *extra_eos_ids]))
         # The `tokenizers` backend decodes as the wrapper does when it cleans up no spaces, and
-        # the wrapper's own handling of the ids costs about as much as the decode (128 tokens:
-        # 50 against 29 us on a CPU host; once per finished request, 384 a batch-64 pass).
+        # the wrapper's own handling of the ids costs about as much as the decode (once per
+        # finished request).
         self._backend = (None if getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)
                          else getattr(hf_tokenizer, "backend_tokenizer", None))
 
@@ -78,7 +78,7 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True
                      ) -> List[List[int]]:
         """`encode` of each text, in one call: a fast tokenizer encodes a batch on several
-        threads (384 chat prompts: several times faster than one by one on a 16-core host)."""
+        threads, several times faster than one by one."""
         if not texts:
             return []
         out = self.hf(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
@@ -111,8 +111,8 @@ class Tokenizer:
 
 class StreamDecoder:
     """`tokenizers`' DecodeStream over one request's tokens: feed(ids) -> the text they complete
-    (a character whose bytes have not all arrived waits for the next tokens). About 1 us a token
-    against two `decode` calls of a window per step; the text so far is always a prefix of
+    (a character whose bytes have not all arrived waits for the next tokens). Cheaper than two
+    `decode` calls of a window per step; the text so far is always a prefix of
     decode(tokens so far) (tests/test_engine.py, test_incremental_detokenization_...)."""
 
     def __init__(self, backend, stream):

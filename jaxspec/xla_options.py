@@ -2,15 +2,10 @@
 
 GEMMs. XLA's default on the H100 lowers most bf16 matmuls to Triton GEMM fusions; with Triton
 GEMMs off it calls cuBLAS, which also takes the residual add after a GEMM as its epilogue
-(beta = 1), so the add kernels go. Which is faster depends on the rows of the products
-(bench/RESULTS.md, eleventh set, Llama-3-8B shape, one decode step, same call):
-
-  slots       1      4      16     32     64
-  cuBLAS   7.436  6.282  6.361  7.024  7.987 ms
-  Triton   5.645  5.724  6.234  7.001  8.328 ms
-
-With few rows cuBLAS runs the fp32-output lm_head as an fp32 GEMV after converting the whole
-weight to fp32 (1.05 ms of convert at batch 1). So a program whose smallest product has at
+(beta = 1), so the add kernels go. Which is faster depends on the rows of the products:
+Triton's GEMMs with few rows, cuBLAS's with many (docs/performance.md). With few rows cuBLAS
+runs the fp32-output lm_head as an fp32 GEMV after converting the whole weight to fp32, a
+large convert a step. So a program whose smallest product has at
 least `CUBLAS_MIN_ROWS` rows (a decode or cycle program over 64 or more slots) is compiled with
 Triton GEMMs off; every other program keeps XLA's default.
 

@@ -2,23 +2,28 @@
 
 The tree-attention kernel's prefix part for tiles of 64+ query rows per KV head (N * G >= 64:
 N >= 16 tree queries at G = 4). Those tiles are bound by arithmetic more than by bytes (at
-N * G = 256 a KV byte feeds 256 FLOPs), and Triton's dots reached 330-390 TFLOP/s on them where
-jax's Mosaic GPU FlashAttention-3 example reached 470-570 (bench/RESULTS.md, thirty-seventh
-set). This kernel is that design cut to the tree's job:
+N * G = 256 a KV byte feeds 256 FLOPs), where wgmma fed by TMA and warp specialisation (jax's
+Mosaic GPU FlashAttention-3 example) outruns Triton's dots. This kernel is that design cut to
+the tree's job:
 
   * one CTA per (row tile, prefix split, slot * KV head); `wgs` compute warpgroups of 64 query
     rows each, plus one warpgroup that only issues TMA copies of K and V blocks into a ring of
-    `steps` shared-memory slots (warp specialisation);
+    `steps` shared-memory slots (warp specialisation). The row tiles are the grid's last axis,
+    which Mosaic GPU launches fastest: the tiles of one (split, slot x KV head) read the same
+    keys side by side, and L2 serves the second read;
+  * with two compute warpgroups the producer refills a ring slot's keys as soon as both have
+    taken their scores, before its values are free: the keys the faster one needs next do not
+    wait for the slower one's PV product. With one, keys and values go together;
   * QK^T and PV are wgmma from shared memory, the online softmax in base 2 in registers; with
     two compute warpgroups a shared barrier staggers them so that one's softmax overlaps the
     other's matmuls;
   * the live prefix of slot b (rows < seq_lens[b]) is cut into `num_splits` chunks of whole
     key blocks at run time, as in the Triton kernel; only the last block of a chunk is masked;
-  * with the tree (up to 64 new keys): split 0 takes one more key block, the tree's keys and
-    values in the same ring, under the tree mask as an additive bias tile (before its prefix
-    blocks with `tree_first`, so that its copy goes out first); or, where the
-    prefix's splits leave SMs idle, that block is a split of its own (`tree_split`). The
-    tree's keys and values may come in q's array, after the query rows (`tree_in_q`);
+  * with the tree (up to 64 new keys, in q's array after the query rows): split 0 takes one
+    more key block, the tree's keys and values in the same ring, under the tree mask as an
+    additive bias tile (where the prefix is split, before its prefix blocks, so that its copy
+    goes out first rather than ending split 0 last; after them with one split); or, where the
+    prefix's splits leave SMs idle, that block is a split of its own (`tree_split`);
   * the output is the Triton kernel's split partials, unnormalised o [BH, S, R, D] and the
     base-2 running max m and sum l [BH, S, R], merged by its combine pass (with the Triton
     kernel's tree part where the tree is not here), o written from registers; with the tree and
@@ -52,13 +57,9 @@ BLOCK_KV = 128    # keys per TMA copy (the example's best on the tree's shapes)
 STEPS = 2         # ring slots: two of 128 keys fill shared memory next to the tiles
 NUM_SMS = 132     # the H100's and the H200's
 TREE_SPLIT_BLOCKS = 4   # `tree_split_pays`: prefix splits of at most this many key blocks
-# `_short_splits`: one key block a split where that grid fills at most this share of the SMs.
-# Batch 1, 8 KV heads, one row tile over 1K (64 CTAs), kernel us, 8 splits against 4: H200
-# N 16 7.0 / 7.8, N 32 8.9 / 10.0; H100 7.3 / 7.9-8.1, 9.3 / 10.0; the H200's other 64-CTA
-# grids too (512 rows, 4 splits against 2: batch 1, N 64 8.7 / 10.0; batch 2, N 16 7.1 / 8.1).
-# 128 CTAs over 1K (two row tiles at N 60-64) tied or lost on both (H200 10.5 / 10.5 and
-# 10.7 / 10.5; H100 N 60 11.2 / 10.7), as did 16 splits over 2K on the H100 (9.1 / 8.7) and
-# batch 2 over 1K there (bench/RESULTS.md, fifty-eighth and fifty-ninth sets).
+# `_short_splits`: one key block a split where that grid fills at most this share of the SMs:
+# up to there the extra splits still fit the wave and halve each CTA's loop; past it their
+# partials and the fuller wave cost as much as they save.
 ONE_BLOCK_MAX_SM_SHARE = 0.5
 # The kernel's named regions: Mosaic GPU's profiler times each one a warpgroup (`profile`);
 # otherwise they only name the program's ops.
@@ -103,13 +104,12 @@ def _bounds(seq_len, split, num_splits, block_kv):
 
 
 def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, wgs,
-            indirect, tree, interpret, tree_split_index, tree_row0, refill_apart, tree_first):
+            indirect, tree, interpret, tree_split_index, tree_row0, tree_first):
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
     q_ref, k_ref, v_ref = refs[:3]
-    kn_ref, vn_ref, bias_ref = refs[3:6] if tree else (None, None, None)
-    if tree_row0:   # the tree's keys, then values, in q's rows after its `tree_row0` query rows
-        kn_ref, vn_ref, bias_ref = q_ref, q_ref, refs[3]
-    outs, scoped = refs[(4 if tree_row0 else 6) if tree else 3:-1], refs[-1]
+    # With the tree: its bias here, its keys, then values, in q's rows after `tree_row0`.
+    bias_ref = refs[3] if tree else None
+    outs, scoped = refs[4 if tree else 3:-1], refs[-1]
     (q_smem, k_smem, v_smem, ml_smem, bias_smem), *barriers = scoped
     ready, consumed, sched = barriers
     k_ready, v_ready, q_ready = ready
@@ -121,18 +121,18 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
     layer = layer_ref[0]
     seq_len = jnp.minimum(jnp.maximum(seq_ref[b], 0), t_max)
     start, end, full_blocks, blocks = _bounds(seq_len, split, num_splits, block_kv)
-    # With the tree, split `tree_split_index` takes one block more: the new keys (kn [B, Hkv,
-    # NT, D], NT <= the ring's rows) under the additive mask `bias` [B, R, NT], after its prefix
-    # blocks (none where it is the split past the prefix's, whose `_bounds` are empty), or with
-    # `tree_first` before them: `lead` steps (0 or 1) come before the prefix's blocks.
+    # With the tree, split `tree_split_index` takes one block more: the new keys (NT <= the
+    # ring's rows) under the additive mask `bias` [B, R, NT], after its prefix blocks (none
+    # where it is the split past the prefix's, whose `_bounds` are empty), or with `tree_first`
+    # before them: `lead` steps (0 or 1) come before the prefix's blocks.
     total = blocks + (split == tree_split_index).astype(jnp.int32) if tree else blocks
     lead = total - blocks if tree and tree_first else None
 
     def prefix_block(i):   # the prefix block of ring step i (the program unchanged without lead)
         return i if lead is None else i - lead
     tree_keys = bias_ref.shape[2] if tree else 0
-    # The first rows of kn_ref and vn_ref that hold the tree's keys and values.
-    new_rows = (tree_row0, tree_row0 + tree_keys) if tree_row0 else (0, 0)
+    # The first rows of q_ref that hold the tree's keys and values.
+    new_rows = (tree_row0, tree_row0 + tree_keys)
     wg = lax.axis_index("wg")
     dtype = q_smem.dtype
 
@@ -143,9 +143,8 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
 
     def store(acc, m_i, l_i, row0, q_tile):   # a compute warpgroup's rows, o normalised or not
         rows = pl.ds(row0, ROWS)
-        # One split: normalised, in the q tile the matmuls are done with, copied by TMA. Stored
-        # from registers instead, these bf16 rows took 1.5-11% longer a call (B 8-64, N 16-64;
-        # fifty-seventh set).
+        # One split: normalised, in the q tile the matmuls are done with, copied by TMA, which
+        # beats storing these bf16 rows from registers.
         if len(outs) == 1:
             q_tile[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
             plgpu.commit_smem()
@@ -153,11 +152,10 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             plgpu.wait_smem_to_gmem(0)
             return
         o_ref, m_ref, l_ref = outs
-        # o (f32) from registers straight to global memory. Staged in shared memory and copied
-        # by TMA, the store took a CTA 0.88 us, 0.53 of them waiting for the copy to read the
-        # tile; now 0.72 (bench/RESULTS.md, fifty-seventh set). m and l, a row each, still go
-        # by TMA; the CTA waits only until that copy has read them (the kernel's end makes
-        # the writes visible).
+        # o (f32) from registers straight to global memory: staged in shared memory, the CTA
+        # would wait for the TMA copy to read the tile. m and l, a row each, still go by TMA;
+        # the CTA waits only until that copy has read them (the kernel's end makes the writes
+        # visible).
         o_ref.at[bh, split, rows][...] = acc
         ml_smem.at[0, wg][...] = m_i
         ml_smem.at[1, wg][...] = l_i
@@ -284,8 +282,8 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
         plgpu.set_max_registers(40, action="decrease")
 
         def fetch(i, ring, which=(0, 1)):   # step i's keys (0) and/or values (1) into `ring`
-            copies = [(k_ref, kn_ref, k_smem, k_ready, new_rows[0]),
-                      (v_ref, vn_ref, v_smem, v_ready, new_rows[1])]
+            copies = [(k_ref, q_ref, k_smem, k_ready, new_rows[0]),
+                      (v_ref, q_ref, v_smem, v_ready, new_rows[1])]
             copies = [copies[w] for w in which]
             j = prefix_block(i)
 
@@ -307,8 +305,10 @@ def _kernel(layer_ref, seq_ref, *refs, scale_log2, num_splits, block_kv, steps, 
             for i in range(steps):
                 pl.when(i < total)(functools.partial(fetch, i, i))
 
-        # `refill_apart`: a block's keys are free after its scores, its values only after its
-        # softmax and PV product, so the keys go first. Otherwise both waits, then both copies.
+        # Two compute warpgroups: a block's keys are free after both took their scores, its
+        # values only after the slower one's PV product, so the keys go first. One: both waits,
+        # then both copies.
+        refill_apart = wgs == 2
         @pl.loop(0, jnp.maximum(total - steps, 0))
         def _(i):
             ring = lax.rem(i, steps)
@@ -339,7 +339,7 @@ def on_hopper() -> bool:
 
 def device_kind() -> str:
     """The first device's name as jax reports it ("NVIDIA H100 80GB HBM3", "NVIDIA H200"), for
-    rules measured to differ between Hopper parts; "" without a GPU."""
+    rules that differ between Hopper parts; "" without a GPU."""
     if jax.default_backend() != "gpu":
         return ""
     return str(getattr(jax.devices()[0], "device_kind", ""))
@@ -372,11 +372,9 @@ def grid_ctas(batch, num_kv_heads, rows, splits) -> int:
 def default_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms=NUM_SMS):
     """One CTA per SM (the ring and tiles take most of its shared memory): the fewest splits
     that fill at least 90% of the SMs and leave the last wave no more than 10% short, while a
-    split keeps 4 key blocks. H200, N = 16, B = 8, 32K: 3 splits (192 CTAs, 1.45 waves) took
-    311 us where 6 (384, 2.9 waves) took 278 (bench/RESULTS.md, thirty-seventh set).
-    Splits are whole key blocks, so only `active_splits` of them hold keys: at batch 1, N 16,
-    8K, 15 splits of 5 blocks left 2 of the 15 empty (104 busy CTAs, 18.3-18.7 us) where 16
-    of 4 kept 128 busy (17.6 us; thirty-ninth set). The rule counts the busy ones.
+    split keeps 4 key blocks; a ragged last wave costs nearly a whole one.
+    Splits are whole key blocks, so only `active_splits` of them hold keys (at batch 1, N 16,
+    8K, 15 splits of 5 blocks leave 2 of the 15 empty): the rule counts the busy ones.
     Prefixes too short to fill the SMs that way take splits of 2 blocks (`_short_splits`)."""
     cap = max(1, cache_len // (4 * block_kv))
     for splits in range(1, cap + 1):
@@ -390,13 +388,9 @@ def default_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms=NUM_S
 
 def _short_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms, cap) -> int:
     """Where splits of 4 key blocks leave SMs idle: the fewest splits of 2+ blocks with the
-    most busy CTAs that still fit one wave. H200 kernel time (profiler, same call), 4-block
-    splits against these: batch 1 over 2K at N 16/32/64 11.5/14.7/14.9 us against 9.4/12.0/
-    12.9 (8 splits), batch 2 over 1K at N 16/32 11.2/14.7 against 9.7/12.3, batch 4, N 16, 1K
-    12.0 against 11.3, SmolLM2's heads at batch 8, N 32, 1K 11.7 against 10.1 (4 splits); past
-    one wave it lost (SmolLM2's B 8, N 32, 2K: 8 splits 16.2 against 4's 13.0; forty-fourth
-    set). Splits of one block where even those keep the grid within half the SMs
-    (`ONE_BLOCK_MAX_SM_SHARE`)."""
+    most busy CTAs that still fit one wave (idle SMs cost more than shorter splits' extra
+    partials; a second wave costs more than both). Splits of one block where even those keep
+    the grid within half the SMs (`ONE_BLOCK_MAX_SM_SHARE`)."""
     blocks = -(-cache_len // block_kv)
     if grid_ctas(batch, num_kv_heads, rows, blocks) <= ONE_BLOCK_MAX_SM_SHARE * num_sms:
         return blocks
@@ -412,11 +406,10 @@ def _short_splits(batch, num_kv_heads, rows, cache_len, block_kv, num_sms, cap) 
 def tree_split_pays(batch, num_kv_heads, rows, length, num_splits, block_kv,
                     num_sms=NUM_SMS) -> bool:
     """Whether the tree's block goes to a split of its own (`prefix_partials_mgpu(tree_split=)`):
-    where the SMs the prefix's splits leave idle take all of the tree's CTAs at once. H200
-    kernel time, own split against split 0's extra block: batch 1-2 over 1-2K (32-64 prefix
-    CTAs) 4-10% faster; batch 1 over 8K (128 CTAs, 4 SMs idle for 8-16 tree CTAs) and batch 8
-    over 8K 1-7% slower (bench/RESULTS.md, forty-seventh set). With one split the tree stays in
-    it (no combine to merge a second)."""
+    where the SMs the prefix's splits leave idle take all of the tree's CTAs at once and a
+    split holds few blocks, so split 0 no longer ends a block after the others. Where the tree's
+    CTAs would wait for SMs, or splits are long, the extra block in split 0 costs less. With one
+    split the tree stays in it (no combine to merge a second)."""
     if num_splits < 2:
         return False
     busy = grid_ctas(batch, num_kv_heads, rows, active_splits(length, num_splits, block_kv))
@@ -438,70 +431,51 @@ def active_splits(length, num_splits, block_kv) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale_log2", "num_splits", "block_kv", "steps",
-                                             "rows_adjacent", "tree_split", "tree_in_q",
-                                             "refill_apart", "tree_first", "profile",
-                                             "interpret"))
-def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree=None, *,
-                         scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
-                         steps: int = STEPS, rows_adjacent: bool = False,
-                         tree_split: bool = False, tree_in_q: bool = False,
-                         refill_apart: bool = False, tree_first: bool = False,
-                         profile: str = "",
+                                             "tree_split", "profile", "interpret"))
+def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, tree_bias=None,
+                         *, scale_log2: float, num_splits: int, block_kv: int = BLOCK_KV,
+                         steps: int = STEPS, tree_split: bool = False, profile: str = "",
                          interpret: bool = False):
     """Split partials of q_rows [B, Hkv, R, D] (R a multiple of 64) over the live prefix of
     each slot's cache [L, Bc, Hkv, T, D] (T a multiple of block_kv): o [B * Hkv, S, R, D],
     m, l [B * Hkv, S, R], f32. slots [B]: the cache slot of each row (None: row b is slot b).
-    tree: (k_new, v_new [B, Hkv, NT, D], bias [B, R, NT] in q's dtype, 0 where row r sees new
-    key j, else MASK_VALUE; NT a multiple of 64 up to block_kv): split 0 attends to those keys
-    too, and with one split the output is o normalised, [B * Hkv, R, D] in q's dtype.
-    rows_adjacent: the row tiles as the grid's last axis instead of its first (the kernel finds
-    its coordinates by name). Pallas iterates a grid row-major and Mosaic GPU launches its last
-    axis fastest, so the row tiles of one (split, slot x KV head), which read the same keys,
-    then run side by side, and L2 serves the second read: at B 64, N 64, 8K ncu counted 2.20 GB
-    read from DRAM against 4.36 with the row tiles first, and the call ran 9-11% faster
-    (up to 17% at N * G = 256; bench/RESULTS.md, forty-second set).
+    tree_bias [B, R, NT] in q's dtype (0 where row r sees new key j, else MASK_VALUE; NT a
+    multiple of 64 up to block_kv): q_rows is [B, Hkv, R + 2 NT, D], the tree's NT keys, then
+    its NT values, after the R query rows (one XLA fusion builds all three from the
+    projection); split 0 attends to those keys too, and with one split the output is o
+    normalised, [B * Hkv, R, D] in q's dtype.
     tree_split: the tree's block as a split of its own, after the prefix's (outputs of
     num_splits + 1 splits, never normalised), instead of one block more for split 0. Split 0
     otherwise ends last by that block; a split of its own runs beside it on SMs the prefix's
     splits leave idle (`tree_split_pays`).
-    tree_in_q: tree = (None, None, bias), and q_rows [B, Hkv, R + 2 NT, D] holds the tree's NT
-    keys, then its NT values, after its R query rows (one XLA fusion then builds the kernel's
-    inputs from the projection, where it took two).
-    refill_apart: the producer refills a ring slot's keys once they are free (after the
-    block's scores) and its values once those are (after its PV product); otherwise it waits
-    for both, then copies both.
-    tree_first: split 0 takes the tree's block before its prefix blocks, not after them.
     profile: a directory where Mosaic GPU's profiler writes each call's timeline of the
     kernel's named regions (`region`), a Chrome trace a call: every warpgroup's start by the
     GPU's global timer, its regions by the SM's clock (`bench/mosaic_timeline.py` reads it).
     Device only; the regions' timestamps cost a shared-memory store each."""
     b, hkv, r, d = q_rows.shape
-    if tree_in_q:
-        if tree is None or tree[0] is not None or tree[1] is not None:
-            raise ValueError("tree_in_q takes tree = (None, None, bias)")
-        r -= 2 * tree[2].shape[-1]
+    tree = tree_bias is not None
+    tree_keys = tree_bias.shape[-1] if tree else 0
+    r -= 2 * tree_keys
     t = k_cache.shape[3]
     if not scale_log2 > 0:   # the running max is taken before scaling
         raise ValueError(f"{scale_log2=} must be positive")
     if r % ROWS or t % block_kv or d % 64:
         raise ValueError(f"rows {r} must be a multiple of {ROWS}, cache length {t} of "
                          f"{block_kv=}, head dim {d} of 64")
-    tree_keys = 0 if tree is None else tree[2].shape[-1]
-    if tree is not None and (tree_keys % 64 or not 0 < tree_keys <= block_kv
-                             or tree[2].shape != (b, r, tree_keys)):
+    if tree and (tree_keys % 64 or not 0 < tree_keys <= block_kv
+                 or tree_bias.shape != (b, r, tree_keys)):
         raise ValueError(f"tree keys {tree_keys} must be a multiple of 64 up to {block_kv=}, "
-                         f"and the bias {tree[2].shape} must be {(b, r, tree_keys)}")
+                         f"and the bias {tree_bias.shape} must be {(b, r, tree_keys)}")
     wgs = warpgroups(r)
     row_tiles = r // (wgs * ROWS)
-    tree_split = tree_split and tree is not None
+    tree_split = tree_split and tree
     dtype = k_cache.dtype
     swizzle = plgpu.SwizzleTransform(128)
     tiles = (plgpu.TilingTransform((8, 64)), swizzle)
     ring = plgpu.SMEM((steps, block_kv, d), dtype, transforms=tiles)
     smem = (plgpu.SMEM((wgs, ROWS, d), dtype, transforms=tiles), ring, ring,
             plgpu.SMEM((2, wgs, ROWS), jnp.float32),
-            plgpu.SMEM((wgs, ROWS, tree_keys), dtype, transforms=tiles)
-            if tree is not None else None)
+            plgpu.SMEM((wgs, ROWS, tree_keys), dtype, transforms=tiles) if tree else None)
     barriers = ((plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
                  plgpu.Barrier(num_barriers=2 * wgs)),
                 (plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),) * 2,
@@ -510,17 +484,16 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     indirect = slots is not None
     body = functools.partial(_kernel, scale_log2=scale_log2, num_splits=num_splits,
                              block_kv=block_kv, steps=steps, wgs=wgs, indirect=indirect,
-                             tree=tree is not None, interpret=interpret,
+                             tree=tree, interpret=interpret,
                              tree_split_index=num_splits if tree_split else 0,
-                             tree_row0=r if tree_in_q else 0, refill_apart=refill_apart,
-                             tree_first=tree_first)
+                             tree_row0=r, tree_first=num_splits > 1)
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, scoped), smem, *barriers,
                       collective_axes="wg")
 
     f32 = jnp.float32
-    if tree is not None and grid_splits == 1:
+    if tree and grid_splits == 1:
         out_type = (jax.ShapeDtypeStruct((b * hkv, r, d), dtype),)
     else:
         out_type = (jax.ShapeDtypeStruct((b * hkv, grid_splits, r, d), f32),
@@ -532,8 +505,10 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
             raise ValueError("profile needs the device: interpret mode has no profiler")
         ranges = 8 + 6 * (_split_blocks(t, num_splits, block_kv) + 1)
         profile = dict(profile_space=ranges, profile_dir=profile)
-    axes = (("rt", row_tiles), ("split", grid_splits), ("bh", b * hkv))
-    axes = axes[1:] + axes[:1] if rows_adjacent else axes
+    # The row tiles last: Pallas iterates a grid row-major and Mosaic GPU launches its last axis
+    # fastest, so the tiles that read the same keys run side by side (the kernel finds its
+    # coordinates by name).
+    axes = (("split", grid_splits), ("bh", b * hkv), ("rt", row_tiles))
     call = plgpu.kernel(entry, out_type=out_type,
                         grid=tuple(x for _, x in axes),
                         grid_names=tuple(name for name, _ in axes), num_threads=wgs + 1,
@@ -541,7 +516,7 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
                         compiler_params=plgpu.CompilerParams(approx_math=True,
                                                              **(profile or {})), **params)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
-    extra = () if tree is None else tuple(x.astype(dtype) for x in tree if x is not None)
+    extra = (tree_bias.astype(dtype),) if tree else ()
     out = call(jnp.reshape(layer, (1,)).astype(jnp.int32), seq_lens.astype(jnp.int32),
                *slot_map, q_rows.astype(dtype), k_cache, v_cache, *extra)
     return out[0] if len(out) == 1 else out

@@ -11,8 +11,9 @@ Kernel (Pallas, Triton lowering), flash-decoding style:
   * the live prefix of slot b (rows < seq_lens[b]) is cut into `num_splits` equal chunks at run
     time, so a short slot costs short loops and batch 1 with a long prefix still fills the GPU.
     The loop is bounded by seq_lens[b]: rows past it are never loaded. `default_config` sizes
-    the splits from an H100 sweep (about 512 keys each);
-  * split 0 also attends to the N new keys under the tree mask;
+    the splits (about 512 keys each);
+  * split 0 also attends to the N new keys under the tree mask (one new key, decoding's, by
+    a vector step rather than a key block: `_vector_step`);
   * each program writes an unnormalised partial (o, running max m, sum l); a second Pallas
     kernel merges the splits in one pass (log-sum-exp in base 2) and writes the final layout.
 On Hopper, tiles of 64-1024 rows over long prefixes (`mosaic_serves`) take their prefix from
@@ -49,58 +50,18 @@ _SMALL_KV_WIDTH = 256
 # Decode tiles of at most this many programs before splitting (one slot of 8 wide KV heads)
 # take their split count from the wave, not from the keys per split.
 _ONE_SLOT_PROGRAMS = 8
-_LONG_PREFIX = 8192   # measured from here up; shorter caches keep the keys-per-split rule
-# The Triton kernel beside Mosaic's prefix (the merge and tree part, or the tree part alone):
-# 64-row tiles of 4 warps, 1-5% faster than the Triton prefix's 128-row, 8-warp tiles after one
-# split or beside the combine (thirty-eighth set: B 64, N 64, 8K 1171 against 1209-1218 us;
-# B 8, N 64, 2K 47.7 against 48.5; B 1, N 64, 8K 32.0 against 33.7), but 4% slower merging two
-# (B 8, N 64, 8K 139.2 against 133.4-135.3), which keeps the prefix's tile.
+_LONG_PREFIX = 8192   # one wave from here up; shorter caches keep the keys-per-split rule
+# The Triton kernel beside Mosaic's prefix (its tree part, after one split or beside the
+# combine): 64-row tiles of 4 warps, lighter than the prefix's 128-row, 8-warp tiles for that
+# short loop; merging two splits' partials as well keeps the prefix's tile, which does it faster.
 _MOSAIC_TREE_TILE = (64, 4)
 # Up to this many Mosaic splits the tree kernel merges them itself (B >= 8: one launch fewer);
 # more (batch 1) go to the combine pass, whose programs have all the splits' loads in flight.
 _FUSED_MERGE_SPLITS = 2
-# Trees of up to this many tokens go into the Mosaic kernel as one more key block of split 0,
-# under their mask as an additive bias tile (8 KB a warpgroup: a 128-key tile would overflow
-# shared memory with two warpgroups); larger ones keep the Triton kernel's tree part.
+# Trees of up to this many tokens go into the Mosaic kernel as one more key block, under their
+# mask as an additive bias tile (8 KB a warpgroup: a 128-key tile would overflow shared memory
+# with two warpgroups), which saves the Triton kernel's launch; larger ones keep its tree part.
 _MOSAIC_TREE_KEYS = 64
-# The Mosaic kernel's row tiles launched next to each other: the two 128-row CTAs of one slot
-# and KV head (N * G > 128) run side by side, and the second reads the prefix the first brought
-# into L2 (ncu at B 64, N 64, 8K: 2.20 GB read from DRAM against 4.36 launched apart). Faster on
-# every N 64 row timed: B 64, 8K 1050-1087 us against 1156-1221, B 16, 4K 133.7 against
-# 155.9-156.7, batch 1 by 1-2% (bench/RESULTS.md, forty-second set).
-_MOSAIC_ROWS_ADJACENT = True
-# The tree's key block as a Mosaic split of its own where the prefix's splits leave enough SMs
-# idle for all of its CTAs (`prefix_attention_mgpu.tree_split_pays`): split 0 no longer ends a
-# block after the others (batch 1-2 over 1-2K: 4-10% less kernel time, forty-seventh set).
-_MOSAIC_TREE_SPLIT = True
-# The tree's keys and values handed to the Mosaic kernel after the query rows, in one array:
-# XLA builds the kernel's inputs from the projection in one fusion a layer, where the query
-# rows and the tree's padded keys and values took two. The 8B batch-1 cycle: 72 kernels
-# fewer, 7.615 ms against 7.702 (bench/RESULTS.md, forty-seventh set).
-_MOSAIC_TREE_IN_Q = True
-# The Mosaic kernel's producer refills a ring slot's keys as soon as they are free (after the
-# block's scores), not with its values (after the softmax and PV product), where a CTA has two
-# compute warpgroups (`pm.warpgroups`): the slot's values wait for the slower of the two, and
-# the keys the faster one needs next no longer wait with them. Kernel time, same call: N 32
-# 3-6% less (B 1-64, 8-32K), N 64 0.5-7% less, SmolLM2's N 32 (9/3/64) 4-11% from batch 8;
-# with one warpgroup (N 16, 48 at G 4) it tied or lost up to 2% (bench/RESULTS.md, fifty-second
-# set). False: never.
-_MOSAIC_REFILL_APART = True
-# Split 0 of the Mosaic kernel takes the tree's block before its prefix blocks, where the prefix
-# is split. After them, its copy was issued last and came at split 0's end: at batch 1, N 16, 8K
-# split 0's 8 CTAs ended 1.4 us after the median CTA, 0.7 us with the block first
-# (bench/mosaic_timeline.py). Kernel time, same call: batch 1-2 over 8K, N 16-32, 1-2.3% less
-# (B 1, N 16 14.8 against 15.1-15.2 us), ties elsewhere; with one split (B 8, N 64, 8K) 0.7%
-# more, so one split keeps the block last (bench/RESULTS.md, fifty-sixth set). False: never.
-_MOSAIC_TREE_FIRST = True
-
-
-# A tree of one token (decoding) folded in by a vector step (no dots), not a 16-row key block:
-# SmolLM2's heads 0.5-0.7 us a call faster (batch 1 and 64, 256-2K rows: 5.9 against 5.4 us at
-# batch 1 over 512, 7.8 against 7.3 at batch 64 over 256), the engine's SmolLM2 decoding step
-# 1.0-2.2% faster; a tie at head dim 128 (H200, bench/RESULTS.md, sixty-first set). False: the
-# block step at every tree size.
-_TREE_VECTOR = True
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -163,7 +124,7 @@ def _flash_step(q, k, v, valid, carry, scale_log2):
 def _vector_step(q, k, v, seen, carry, scale_log2):
     """`_flash_step` over one key: k, v [D], seen a scalar bool. Products and sums on the
     vector units: a 16-row dot's block costs a decode tile about as much as a prefix block
-    (its layout changes and barriers), for one key."""
+    (its layout changes and barriers), for one key. Decoding (N == 1) takes it."""
     o, m, l = carry
     f32 = jnp.float32
     s = jnp.sum(q.astype(f32) * k.astype(f32)[None, :], axis=1) * scale_log2
@@ -204,7 +165,6 @@ def _tree_attention_kernel(
     indirect: bool = False,
     merge_in: bool = False,
     new_only: bool = False,
-    tree_vector: bool = False,
 ):
     # No slot map unless asked for: even a constant one costs an iota kernel per call.
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
@@ -279,7 +239,7 @@ def _tree_attention_kernel(
                 else (kn_ref[b, h, 0, :], vn_ref[b, h, 0, :]))
         return _vector_step(q, k, v, mask_ref[b, 0, 0] != 0, carry, scale_log2)
 
-    new_body = vector_body if tree_vector else block_body
+    new_body = vector_body if num_new == 1 else block_body
 
     # Explicit int32: a select of two Python ints lowered to i1 under the Triton backend.
     num_new_blocks = (split == 0).astype(jnp.int32) * jnp.int32(pl.cdiv(num_new, block_n))
@@ -392,7 +352,7 @@ def combine_config(rows, head_dim, num_splits, num_heads_total=1):
     """(block_r, block_d, block_s) of the combine: a [block_s, block_r, block_d] f32 tile of at
     most 8K elements (64 registers a thread at 4 warps). The head dim is cut in 32-wide blocks
     only while B * Hkv row blocks leave SMs idle: at batch 64 the extra programs cost more than
-    they hide (H100: 3.1 against 2.3 us a call)."""
+    they hide."""
     block_r = min(_next_pow2(rows), 16)   # no dot here, so G rows at N == 1 are fine
     programs = num_heads_total * pl.cdiv(rows, block_r)
     block_d = min(32, head_dim) if programs < _WIDE_TILE_PROGRAMS else head_dim
@@ -403,43 +363,41 @@ def combine_config(rows, head_dim, num_splits, num_heads_total=1):
 def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_len):
     """Static block sizes for a shape: (block_r, block_k, num_splits, num_warps, num_stages).
 
-    Splits (measured on the H100, bench/RESULTS.md tenth set): about 512 keys of the cache per
-    split, at least 64 programs while a split keeps 4 key blocks (short prefixes at batch 1);
-    one slot of wide heads at N = 1 fills one wave of 2 programs per SM (thirty-sixth set),
-    and for tiles of more than 16 rows no more than 2 programs per SM, in one wave (each split's
-    partials of 64+ rows, written then merged, cost more than the extra parallelism gives).
+    Splits: about 512 keys of the cache per split, at least 64 programs while a split keeps 4
+    key blocks (short prefixes at batch 1); one slot of wide heads at N = 1 fills one wave of 2
+    programs per SM, and tiles of more than 16 rows no more than 2 programs per SM, in one wave
+    (each split's partials of 64+ rows, written then merged, cost more than the extra
+    parallelism gives).
     """
     rows = num_new * (num_q_heads // num_kv_heads)
-    # Up to 128 rows per tile: at N * G = 256 this halved the time against 64-row tiles (fewer
-    # re-reads of each KV block, and larger dots).
+    # Up to 128 rows per tile: fewer re-reads of each KV block than 64-row tiles, and larger
+    # dots.
     block_r = min(max(16, _next_pow2(rows)), 128)
     block_k = 64
     programs = batch * num_kv_heads * pl.cdiv(rows, block_r)
     by_length = pl.cdiv(cache_len, _SPLIT_KEYS)
     fill = min(pl.cdiv(_MIN_PROGRAMS, programs), cache_len // (4 * block_k))
     num_splits = max(1, by_length, fill)
-    if rows > 16:   # whole waves: 320 programs (5 splits, B = 8, N = 16) ran 1.28x 256's (2 calls)
+    if rows > 16:   # whole waves: a second, partial wave costs nearly a whole one
         num_splits = max(1, min(num_splits, _WIDE_TILE_PROGRAMS // programs))
     elif (programs <= _ONE_SLOT_PROGRAMS and num_kv_heads * head_dim > _SMALL_KV_WIDTH
           and cache_len >= _LONG_PREFIX):
         # One slot of wide heads decoding a long prefix: one wave of 2 programs per SM, while a
-        # split keeps 4 key blocks. H200: 32 splits over 8K keys 15.1 us against 16's 16.1;
-        # 33 over 32K 40.6-40.9 against 64's 45.6 (H100: 64.0 against 68-73).
+        # split keeps 4 key blocks (fewer splits leave SMs idle, more add a second wave).
         num_splits = min(_WIDE_TILE_PROGRAMS // programs, cache_len // (4 * block_k))
     num_warps = 4 if block_r <= 32 else 8
     if (rows <= 16 and programs < _MIN_PROGRAMS and cache_len <= _SPLIT_KEYS
             and num_kv_heads * head_dim <= _SMALL_KV_WIDTH):
         # Decode-like tiles over a few small heads and at most 512 keys (SmolLM2 at batch 1):
-        # one split of 128-key blocks, no combine kernel, took 3.8-6.7 us a layer where 8
-        # splits took 5.2-9.7 (bench/RESULTS.md, twenty-fifth set). Wider heads keep the rule.
+        # one split of 128-key blocks and no combine kernel, whose launch costs more than the
+        # splits save on so little work. Wider heads keep the rule.
         return block_r, 128, 1, num_warps, 3
     return block_r, block_k, num_splits, num_warps, 3
 
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
-           "interpret", "causal", "skip_before", "live_rows", "tree_vector", "backend",
-           "mosaic_tree", "mosaic_ring", "mosaic_rows_adjacent", "mosaic_tree_split",
-           "mosaic_tree_in_q", "mosaic_refill_apart", "mosaic_tree_first", "mosaic_profile")
+           "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_ring",
+           "mosaic_profile")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -493,10 +451,7 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
             slots, *,
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
-            skip_before=False, live_rows=0, tree_vector=None, backend=None, mosaic_tree=None,
-            mosaic_ring=None, mosaic_rows_adjacent=None, mosaic_tree_split=None,
-            mosaic_tree_in_q=None, mosaic_refill_apart=None, mosaic_tree_first=None,
-            mosaic_profile=""):
+            skip_before=False, live_rows=0, backend=None, mosaic_ring=None, mosaic_profile=""):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -505,22 +460,9 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     sees (one mask row read per program) instead of at key 0.
     live_rows: no slot's prefix is longer while this program runs (0: the cache's length); the
     default split count is sized for it. Only speed depends on it.
-    tree_vector: a tree of one token by `_vector_step` (None: `_TREE_VECTOR`).
     backend: "triton", "mosaic" (the prefix by `prefix_attention_mgpu`, and the tree part too up
-    to `_MOSAIC_TREE_KEYS` tokens), or None: `mosaic_serves` decides. mosaic_tree=False: the
-    Triton kernel's tree part (and merge) beside Mosaic's prefix at any tree size (A/B runs).
+    to `_MOSAIC_TREE_KEYS` tokens), or None: `mosaic_serves` decides.
     mosaic_ring: (keys a block, ring slots) of the Mosaic kernel (None: its defaults).
-    mosaic_rows_adjacent: its row tiles launched next to each other, so the CTAs of one slot's
-    rows share their reads of its prefix through L2 (None: `_MOSAIC_ROWS_ADJACENT`).
-    mosaic_tree_split: the tree's key block as a split of its own rather than one block more
-    for split 0, where the prefix is split (None: `_MOSAIC_TREE_SPLIT` where
-    `prefix_attention_mgpu.tree_split_pays`).
-    mosaic_tree_in_q: the tree's keys and values passed to the Mosaic kernel in the query
-    rows' array, after them (None: `_MOSAIC_TREE_IN_Q`).
-    mosaic_refill_apart: a ring slot's keys refilled once its keys are free, before its values
-    are (None: `_MOSAIC_REFILL_APART`'s rule, at two compute warpgroups).
-    mosaic_tree_first: split 0 of the Mosaic kernel takes the tree's block before its prefix
-    blocks (None: `_MOSAIC_TREE_FIRST`'s rule, where the prefix is split).
     mosaic_profile: a directory for the Mosaic kernel's timelines (`prefix_partials_mgpu`'s
     `profile`; device only)."""
     b, n, hq, d = q_shape
@@ -538,14 +480,11 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
         num_splits = num_splits or mosaic_splits(b, hkv, rows, live_len, ring[0])
         if num_splits == 1 or num_splits > _FUSED_MERGE_SPLITS:   # (see _MOSAIC_TREE_TILE)
             cfg = (_MOSAIC_TREE_TILE[0], cfg[1], cfg[2], _MOSAIC_TREE_TILE[1], cfg[4])
-        if mosaic_tree_split is None:
-            mosaic_tree_split = _MOSAIC_TREE_SPLIT and pm.tree_split_pays(
-                b, hkv, pm.padded_rows(rows), live_len, num_splits, ring[0])
     block_r = block_r or cfg[0]
     block_k = block_k or cfg[1]
     num_warps = num_warps or cfg[3]
     num_stages = num_stages or cfg[4]
-    # Causal chunks take 128-key blocks: half the loop trips, 8-9% faster on packs (H100).
+    # Causal chunks take 128-key blocks: half the loop trips.
     block_n = block_n or (128 if causal and n >= 128 else min(64, max(16, _next_pow2(n))))
     assert block_r == _next_pow2(block_r) and block_k == _next_pow2(block_k), (
         f"{block_r=} and {block_k=} must be powers of 2")
@@ -553,31 +492,19 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     kernel = functools.partial(
         _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv, group=g,
         num_new=n, block_r=block_r, block_k=block_k, block_n=block_n, packed=packed,
-        causal=causal, skip_before=skip_before, indirect=slots is not None,
-        tree_vector=(_TREE_VECTOR if tree_vector is None else tree_vector) and n == 1)
+        causal=causal, skip_before=skip_before, indirect=slots is not None)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
     operands = (layer, seq_lens.astype(jnp.int32), *slot_map, q_in, k_cache, v_cache, kn_in,
                 vn_in, tree_mask.astype(jnp.int8))
     params = _CompilerParams(num_warps=num_warps, num_stages=num_stages)
     if mosaic:
+        tree_split = pm.tree_split_pays(b, hkv, pm.padded_rows(rows), live_len, num_splits,
+                                        ring[0])
         return _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots,
                               q_shape, dtype, packed=packed, block_r=block_r, params=params,
                               num_splits=num_splits, sm_scale=sm_scale, interpret=interpret,
-                              kn_in=kn_in, vn_in=vn_in, tree_mask=tree_mask,
-                              mosaic_tree=mosaic_tree, ring=ring,
-                              rows_adjacent=(_MOSAIC_ROWS_ADJACENT if mosaic_rows_adjacent is None
-                                          else mosaic_rows_adjacent),
-                              tree_split=bool(mosaic_tree_split) and num_splits > 1,
-                              tree_in_q=(_MOSAIC_TREE_IN_Q if mosaic_tree_in_q is None
-                                         else mosaic_tree_in_q),
-                              refill_apart=(_MOSAIC_REFILL_APART
-                                            and pm.warpgroups(pm.padded_rows(rows)) == 2
-                                            if mosaic_refill_apart is None
-                                            else mosaic_refill_apart),
-                              tree_first=(_MOSAIC_TREE_FIRST and num_splits > 1
-                                          if mosaic_tree_first is None
-                                          else mosaic_tree_first),
-                              profile=mosaic_profile)
+                              kn_in=kn_in, vn_in=vn_in, tree_mask=tree_mask, ring=ring,
+                              tree_split=tree_split, profile=mosaic_profile)
     f32 = jnp.float32
     num_splits = num_splits or cfg[2]
     out_shape = jax.ShapeDtypeStruct(q_shape, dtype)
@@ -600,37 +527,33 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
 
 def _launch_mosaic(kernel, operands, q_in, k_cache, v_cache, layer, seq_lens, slots, q_shape,
                    dtype, *, packed, block_r, params, num_splits, sm_scale, interpret,
-                   kn_in, vn_in, tree_mask, mosaic_tree, ring, rows_adjacent, tree_split,
-                   tree_in_q, refill_apart, tree_first, profile):
+                   kn_in, vn_in, tree_mask, ring, tree_split, profile):
     """`_launch` with the prefix's splits by Mosaic GPU (`prefix_attention_mgpu`). Trees of up
     to `_MOSAIC_TREE_KEYS` tokens go into that kernel too (then one launch, or two with the
-    combine over several splits); larger ones take `kernel` (the Triton kernel, configured) for
-    the tree part, which with few splits merges the prefix's splits too."""
+    combine over several splits), their keys and values after the query rows in one array (so
+    XLA builds the kernel's inputs from the projection in one fusion) and, where `tree_split`,
+    as a split of their own; larger ones take `kernel` (the Triton kernel, configured) for the
+    tree part, which with few splits merges the prefix's splits too."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     rows = n * (hq // hkv)
     q_rows = _query_rows(q_in[:, :, :hq], hkv) if packed else q_in
     pad = pm.padded_rows(rows) - rows   # whole warpgroup tiles; padding rows are never read
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, pad), (0, 0))) if pad else q_rows
-    tree, in_q = None, False
-    if n <= _MOSAIC_TREE_KEYS and mosaic_tree is not False:
-        tree = _mosaic_tree_operands(kn_in, vn_in, tree_mask, q_shape, hkv, rows + pad, packed,
-                                     k_cache.dtype)
-        in_q = tree_in_q
-        if in_q:   # one fusion gathers and pads all three for the kernel
-            q_rows = jnp.concatenate([q_rows.astype(k_cache.dtype), *tree[:2]], axis=2)
-            tree = (None, None, tree[2])
-    prefix = pm.prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots, tree,
+    bias = None
+    if n <= _MOSAIC_TREE_KEYS:   # one fusion gathers and pads the rows, keys and values
+        kn, vn, bias = _mosaic_tree_operands(kn_in, vn_in, tree_mask, q_shape, hkv, rows + pad,
+                                             packed, k_cache.dtype)
+        q_rows = jnp.concatenate([q_rows.astype(k_cache.dtype), kn, vn], axis=2)
+    prefix = pm.prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots, bias,
                                      scale_log2=sm_scale * _LOG2E, num_splits=num_splits,
                                      block_kv=ring[0], steps=ring[1],
-                                     rows_adjacent=rows_adjacent, tree_split=tree_split,
-                                     tree_in_q=in_q, refill_apart=refill_apart,
-                                     tree_first=tree_first, profile=profile,
-                                     interpret=interpret)
+                                     tree_split=tree_split and bias is not None,
+                                     profile=profile, interpret=interpret)
     if not isinstance(prefix, (tuple, list)):   # normalised rows [B * Hkv, R', D]
         o = prefix[:, :rows].reshape(b, hkv, n, hq // hkv, d)
         return o.transpose(0, 2, 1, 3, 4).reshape(q_shape).astype(dtype)
-    if tree is not None:
+    if bias is not None:
         return _combine(prefix, (), q_shape, dtype, hkv, interpret)
     grid = (pl.cdiv(rows, block_r), 1, b * hkv)
     if num_splits <= _FUSED_MERGE_SPLITS:   # the Triton kernel merges them before the tree part
@@ -655,7 +578,8 @@ def _mosaic_tree_operands(kn_in, vn_in, tree_mask, q_shape, num_kv_heads, padded
                           dtype):
     """The tree's keys and values [B, Hkv, NT, D] (NT = `_MOSAIC_TREE_KEYS`, zero rows past N)
     and its mask as an additive bias [B, R', NT] (row r = n * G + g reads mask row n; 0 where
-    seen, MASK_VALUE elsewhere and on the padding rows), for `prefix_partials_mgpu`'s tree."""
+    seen, MASK_VALUE elsewhere and on the padding rows), for `prefix_partials_mgpu`'s
+    tree_bias (the keys and values go after the query rows)."""
     b, n, hq, d = q_shape
     if packed:   # both are the same qkv [B, N, Hq + 2 Hkv, D]
         _, kn_in, vn_in = split_packed(kn_in, hq, num_kv_heads)

@@ -2,8 +2,7 @@
 
 Why: a tree draft step takes the top 10 of [10, 128256] fp32 logits. XLA's GPU TopK runs one
 thread block per row (ten SMs busy), and the chunk-maxima route (`jaxspec.spec.topk`) spends
-most of its 43 us on two XLA sort kernels of 1,002 and 1,280 elements a row (bench/RESULTS.md,
-forty-eighth set). Here:
+most of its time on two XLA sort kernels of 1,002 and 1,280 elements a row. Here:
   pass 1, program (row, chunk): its chunk's top k, by k rounds of "the largest key left, the
           lowest index among its ties", all in registers;
   pass 2, program (row): the top k of the row's chunks' survivors, the same way.
@@ -41,8 +40,8 @@ LOWEST = jnp.iinfo(jnp.int32).min
 DTYPES = (jnp.float32, jnp.bfloat16)    # the rows it takes (keys come from fp32 bits)
 FUSED_MAX_CHUNKS = 8   # one launch (`_fused_kernel`) for rows of at most this many chunks, where
                        # the merge is small: the SmolLM2 engine's 16,384-token draft rows (4
-                       # chunks). Two passes over 128,256 (32 chunks), where one launch made the
-                       # 8B cycle 0.3% slower (bench/RESULTS.md, forty-ninth set)
+                       # chunks). Two passes over 128,256 (32 chunks), where one launch's merge
+                       # of 32 chunks' survivors by the last program costs more than a launch
 
 
 def vocab_top_k_reference(x, k: int):
@@ -60,8 +59,7 @@ def _keys(x):
 def _picks(keys, live, k: int, kp: int):
     """k rounds of two reductions: the largest live key, then the lowest lane among its ties.
     -> lanes [kp] int32 (NONE: no pick, for rounds past the live elements and slots past k).
-    Two int32 reductions beat one argmax reduction of (key, lane) pairs (bench/RESULTS.md,
-    forty-ninth set: the 8B cycle 1.2% slower with argmax; commit 7440bcb has that form)."""
+    Two int32 reductions are faster than one argmax reduction of (key, lane) pairs."""
     lane = jnp.arange(keys.shape[0], dtype=jnp.int32)
     slot = jnp.arange(kp, dtype=jnp.int32)
     out = jnp.full((kp,), NONE, jnp.int32)

@@ -128,24 +128,22 @@ def test_alternate_takes_its_compiled_copies_in_turn():
 
 def test_kernel_defaults_set_for_one_run(monkeypatch):
     """`--kernel-default` (bench_cycle, profile_cycle, bench_engine): a tree_attention _MOSAIC_*
-    constant or _TREE_VECTOR set from a literal before the run; anything else is refused by
-    name."""
+    constant or a top-k policy constant set from a literal before the run; anything else is
+    refused by name."""
     from bench.common import set_kernel_defaults
+    from jaxspec.spec import topk
     from pallas_kernels import tree_attention as ta
-    monkeypatch.setattr(ta, "_MOSAIC_TREE_IN_Q", ta._MOSAIC_TREE_IN_Q)   # restored after
-    monkeypatch.setattr(ta, "_MOSAIC_TREE_SPLIT", ta._MOSAIC_TREE_SPLIT)
-    monkeypatch.setattr(ta, "_TREE_VECTOR", ta._TREE_VECTOR)
-    assert set_kernel_defaults(["_MOSAIC_TREE_IN_Q=False", "_MOSAIC_TREE_SPLIT=0",
-                                "_TREE_VECTOR=False"]) == {
-        "_MOSAIC_TREE_IN_Q": False, "_MOSAIC_TREE_SPLIT": 0, "_TREE_VECTOR": False}
-    assert ta._MOSAIC_TREE_IN_Q is False and ta._MOSAIC_TREE_SPLIT == 0
-    assert ta._TREE_VECTOR is False
-    with pytest.raises(ValueError, match="_MOSAIC_TREE_IN_Q"):   # the known names are listed
+    monkeypatch.setattr(ta, "_MOSAIC_TREE_TILE", ta._MOSAIC_TREE_TILE)   # restored after
+    monkeypatch.setattr(topk, "RANK_MAX_WIDTH", topk.RANK_MAX_WIDTH)
+    assert set_kernel_defaults(["_MOSAIC_TREE_TILE=(128, 8)", "topk.RANK_MAX_WIDTH=0"]) == {
+        "_MOSAIC_TREE_TILE": (128, 8), "topk.RANK_MAX_WIDTH": 0}
+    assert ta._MOSAIC_TREE_TILE == (128, 8) and topk.RANK_MAX_WIDTH == 0
+    with pytest.raises(ValueError, match="_MOSAIC_TREE_TILE"):   # the known names are listed
         set_kernel_defaults(["_SPLIT_KEYS=3"])
     with pytest.raises(ValueError, match="not a Python literal"):
-        set_kernel_defaults(["_MOSAIC_TREE_IN_Q=maybe"])
+        set_kernel_defaults(["_MOSAIC_TREE_TILE=maybe"])
     with pytest.raises(ValueError, match="expected NAME=VALUE"):
-        set_kernel_defaults(["_MOSAIC_TREE_IN_Q"])
+        set_kernel_defaults(["_MOSAIC_TREE_TILE"])
 
 
 def test_topk_defaults_set_for_one_run(monkeypatch):
@@ -248,9 +246,9 @@ def test_kernel_ab_checks_fail_runs_that_disagree(monkeypatch):
     monkeypatch.setitem(bk.RESULTS, "check", [])
     for nudge, ok in ((True, False), (False, True)):
         calls.clear()
-        kernel_ab.check(1, 1, 512, 8, 2, 64, 2, False, extra={"mosaic_refill_apart": True},
+        kernel_ab.check(1, 1, 512, 8, 2, 64, 2, False, extra={"mosaic_ring": (128, 3)},
                         repeats=4)
         row = bk.RESULTS["check"][-1]
         assert row["ok"] is ok and np.isnan(row["rel_err"]) != ok and len(calls) == 4
         assert all(kw["num_splits"] == 2 and kw["backend"] == "mosaic"
-                   and kw["mosaic_refill_apart"] for kw in calls)
+                   and kw["mosaic_ring"] == (128, 3) for kw in calls)

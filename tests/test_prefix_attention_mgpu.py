@@ -36,11 +36,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["", "refill_apart"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"r{c[3]}s{c[5]}k{c[7]}")
-def test_partials_match_reference(case, mode):
-    """refill_apart: a slot's keys refilled before its values are free (the interpreter checks
-    that every barrier phase is seen)."""
+def test_partials_match_reference(case):
+    """With two compute warpgroups (128 rows) a ring slot's keys are refilled before its values
+    are free, with one both together (the interpreter checks that every barrier phase is
+    seen)."""
     b, hkv, t, rows, seq_lens, splits, block_kv, steps, slots = case
     ks = jax.random.split(jax.random.key(rows + t), 3)
     cache_slots = b if slots is None else 3
@@ -52,7 +52,7 @@ def test_partials_match_reference(case, mode):
     kw = dict(scale_log2=0.18, num_splits=splits, block_kv=block_kv)
     ref = pm.prefix_partials_reference(q, kc, vc, 1, sl, slots=slots, **kw)
     out = pm.prefix_partials_mgpu(q, kc, vc, jnp.int32(1), sl, slots, steps=steps,
-                                  refill_apart=mode == "refill_apart", interpret=True, **kw)
+                                  interpret=True, **kw)
     o, m, l = (np.asarray(x) for x in out)
     # m exact (the same max of the same f32 scores), l to f32 rounding, o to the bf16 rounding
     # of the probabilities fed to the second matmul.
@@ -64,10 +64,9 @@ def test_partials_match_reference(case, mode):
     assert (l[empty] == 0).all() and (o[empty] == 0).all()
 
 
-def test_adjacent_row_tiles_give_the_same_partials():
-    """rows_adjacent (the row tiles as the grid's last axis, tree_attention's default) changes
-    only the launch order: three row tiles of one warpgroup over two splits give bit for bit the
-    partials of the row tiles first, which match the reference."""
+def test_row_tiles_side_by_side_match_reference():
+    """The row tiles as the grid's last axis (launched side by side): three row tiles of one
+    warpgroup over two splits give the reference's partials."""
     ks = jax.random.split(jax.random.key(3), 3)
     q = jax.random.normal(ks[0], (1, 1, 192, 64), jnp.bfloat16)
     kc = jax.random.normal(ks[1], (1, 1, 1, 256, 64), jnp.bfloat16)
@@ -75,43 +74,29 @@ def test_adjacent_row_tiles_give_the_same_partials():
     sl = jnp.asarray([200], jnp.int32)
     kw = dict(scale_log2=0.18, num_splits=2, block_kv=64)
     ref = pm.prefix_partials_reference(q, kc, vc, 0, sl, **kw)
-    outs = [pm.prefix_partials_mgpu(q, kc, vc, jnp.int32(0), sl, rows_adjacent=adjacent,
-                                    steps=2, interpret=True, **kw) for adjacent in (False, True)]
-    for a, b in zip(*outs):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert _max_rel(outs[1][0], ref[0]) < 5e-3 and _max_rel(outs[1][2], ref[2]) < 1e-5
+    o, m, l = pm.prefix_partials_mgpu(q, kc, vc, jnp.int32(0), sl, steps=2, interpret=True,
+                                      **kw)
+    assert _max_rel(m, ref[1]) == 0.0
+    assert _max_rel(o, ref[0]) < 5e-3 and _max_rel(l, ref[2]) < 1e-5
 
 
-@pytest.mark.parametrize("entry, splits, block_r, n, inside, tree_split", [
-    ("separate", 2, None, 7, True, False), ("packed", 2, None, 7, True, False),
-    ("separate", 3, None, 7, True, False), ("separate", 1, None, 7, True, False),
-    ("separate", 1, None, 16, True, False),
-    ("separate", 2, None, 7, False, False), ("packed", 2, 16, 7, False, False),
-    ("separate", 1, 128, 7, False, False), ("separate", 3, None, 7, False, False),
-    ("separate", 2, None, 48, True, False), ("separate", 3, None, 7, True, True),
-    ("packed", 2, None, 48, True, True), ("separate", 1, None, 7, True, True),
-    ("separate", 2, None, 7, True, "apart"), ("packed", 3, None, 48, True, "both"),
-    ("separate", 3, None, 7, True, "first"), ("packed", 2, None, 48, True, "first")])
-def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, inside,
-                                                    tree_split):
-    """The whole backend="mosaic" path. Up to 64 tree tokens (inside) the Mosaic kernel attends
-    to them too, as one more key block of split 0 under the mask as a bias: with 1 split it
-    writes the output itself, with more the combine merges its partials (7 tokens x 4 heads: 28
-    rows padded to a warpgroup's 64). Two warpgroups with the tree ran on the device (bench/
-    RESULTS.md, thirty-eighth set, call 7): through this entry Mosaic GPU's interpreter hangs now
-    and then on them on a 2-core CPU, in a barrier wait. Beside it (mosaic_tree=False, as
-    for trees past 64 tokens) the Triton kernel adds the tree part: merging 1-2 splits itself
-    (row tiles of 16, and of 128 past the partials' rows, masked) or before the combine (3).
-    48 tokens x 4 heads: three row tiles of one warpgroup, the tree inside, two splits.
-    tree_split: the tree's block as a split of its own after the prefix's (mosaic_tree_split;
-    with one prefix split it stays in that split). The tree's keys and values reach the kernel
-    after the query rows in one array (mosaic_tree_in_q) but for "apart" (their own arrays)
-    and "both" (their own arrays, the tree's own split). "first": split 0 takes the tree's
-    block before its prefix blocks (mosaic_tree_first)."""
-    tree_first = tree_split == "first"
-    tree_in_q = tree_split not in ("apart", "both")
-    tree_split = tree_split in (True, "both")
-    b, hq, hkv, d, t = 2, 8, 2, 64, 256
+@pytest.mark.parametrize("entry, splits, block_r, n", [
+    ("separate", 2, None, 7), ("packed", 2, None, 7), ("separate", 3, None, 7),
+    ("separate", 1, None, 7), ("separate", 1, None, 16), ("separate", 2, None, 48),
+    ("packed", 3, None, 48), ("separate", 2, None, 65), ("packed", 2, 16, 65),
+    ("separate", 1, 128, 65), ("separate", 3, None, 65)])
+def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n):
+    """The whole backend="mosaic" path. Up to 64 tree tokens the Mosaic kernel attends to them
+    too, their keys and values after the query rows, under the mask as a bias: with 1 split as
+    one more key block of split 0, writing the output itself; with more (a short prefix, SMs
+    idle) as a split of its own, the combine merging the partials (7 tokens x 4 heads: 28 rows
+    padded to a warpgroup's 64; 48 tokens: three row tiles of one warpgroup). Two warpgroups
+    run on the device only: through this entry Mosaic GPU's interpreter hangs now and then on
+    them on a 2-core CPU, in a barrier wait. Past 64 tokens the Triton kernel adds
+    the tree part beside the Mosaic prefix: merging 1-2 splits itself (row tiles of 16, and of
+    128 past the partials' rows, masked) or before the combine (3); there two query heads a KV
+    head (130 rows: three row tiles of one warpgroup)."""
+    b, hq, hkv, d, t = 2, 8 if n <= 64 else 4, 2, 64, 256
     q, kc, vc, kn, vn = _normals(jax.random.key(5), (b, n, hq, d), (2, b, hkv, t, d),
                                  (2, b, hkv, t, d), (b, hkv, n, d), (b, hkv, n, d))
     mask = jax.random.bernoulli(jax.random.key(6), 0.5, (b, n, n)) | jnp.eye(n, dtype=bool)
@@ -119,9 +104,7 @@ def test_tree_attention_by_mosaic_matches_reference(entry, splits, block_r, n, i
     scale = 1 / math.sqrt(d)
     ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, sm_scale=scale)
     kw = dict(sm_scale=scale, interpret=True, backend="mosaic", num_splits=splits,
-              block_r=block_r, mosaic_tree=None if inside else False,
-              mosaic_tree_split=tree_split, mosaic_tree_in_q=tree_in_q,
-              mosaic_tree_first=tree_first)
+              block_r=block_r)
     if entry == "packed":
         qkv = jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], 2)
         out = ta.tree_attention_packed_pallas(qkv, kc, vc, jnp.int32(1), sl, mask,
@@ -174,21 +157,12 @@ def _mosaic_kwarg_seen(monkeypatch, name, n, hq, t, **tuning):
     return value
 
 
-@pytest.mark.parametrize("n, hq, apart", [(16, 32, False), (32, 32, True), (48, 32, False),
-                                           (64, 32, True), (32, 9, True), (1, 32, False)])
-def test_keys_refilled_apart_at_two_warpgroups(monkeypatch, n, hq, apart):
-    """The default refills a ring slot's keys apart from its values where a CTA has two compute
-    warpgroups: N * G rows padded to 64 and a multiple of 128 (N 48 at G 4: three one-warpgroup
-    tiles; SmolLM2's 9/3 heads at N 32: 96 rows padded to 128)."""
-    assert _mosaic_kwarg_seen(monkeypatch, "refill_apart", n, hq, 1024, num_splits=2) == apart
-
-
-@pytest.mark.parametrize("splits, first", [(1, False), (2, True), (16, True)])
-def test_tree_block_first_where_the_prefix_is_split(monkeypatch, splits, first):
-    """The default puts the tree's block before split 0's prefix blocks where the prefix is
-    split (its copy no longer comes last, at that split's end), and after a single split's."""
-    assert _mosaic_kwarg_seen(monkeypatch, "tree_first", 16, 32, 8192, num_splits=splits,
-                              mosaic_tree_split=False) == first
+@pytest.mark.parametrize("n, t, splits, own", [(16, 1024, 4, True), (16, 8192, 16, False),
+                                           (16, 1024, 1, False), (65, 1024, 4, False)])
+def test_tree_split_as_the_rule_says(monkeypatch, n, t, splits, own):
+    """The tree's block goes to a split of its own where `tree_split_pays` (batch 1 over 1K),
+    not over 8K (every SM busy), nor with one split; past 64 tokens the tree is not there."""
+    assert _mosaic_kwarg_seen(monkeypatch, "tree_split", n, 32, t, num_splits=splits) == own
 
 
 def test_tree_of_mosaic_rows_with_an_empty_prefix():
@@ -275,20 +249,27 @@ def test_tree_split_where_idle_sms_take_the_tree(b, rows, length, splits, pays):
     assert pm.tree_split_pays(b, 8, rows, length, splits, 128) == pays
 
 
+def _tree_inputs(seed, b, hkv, t, rows, d, nt):
+    """q rows with the tree's nt keys and values after them [B, Hkv, rows + 2 nt, D], a
+    one-layer cache, the tree's keys alone, and a bias [B, rows, nt] (every row sees key 0)."""
+    q, kc, vc, kn, vn = _normals(jax.random.key(seed), (b, hkv, rows, d), (1, b, hkv, t, d),
+                                 (1, b, hkv, t, d), (b, hkv, nt, d), (b, hkv, nt, d))
+    seen = jax.random.bernoulli(jax.random.key(seed + 1), 0.5, (b, rows, nt))
+    seen = seen.at[:, :, 0].set(True)
+    bias = jnp.where(seen, 0.0, ta.MASK_VALUE).astype(jnp.bfloat16)
+    return jnp.concatenate([q, kn, vn], axis=2), q, kc, vc, kn, vn, seen, bias
+
+
 def test_tree_split_leaves_the_prefix_splits_to_the_prefix():
     """With tree_split the kernel's first S splits are the prefix's alone (the reference's
     partials, split 0 included) and split S holds the tree's keys only, under the bias: its
-    row sums are those of the tree's block by jnp. The tree's keys and values handed over
-    after the query rows (tree_in_q) give the same partials."""
+    row sums are those of the tree's block by jnp."""
     b, hkv, t, rows, d, nt, splits = 1, 1, 256, 64, 64, 64, 2
-    q, kc, vc, kn, vn = _normals(jax.random.key(11), (b, hkv, rows, d), (1, b, hkv, t, d),
-                                 (1, b, hkv, t, d), (b, hkv, nt, d), (b, hkv, nt, d))
-    seen = jax.random.bernoulli(jax.random.key(12), 0.5, (b, rows, nt)).at[:, :, 0].set(True)
-    bias = jnp.where(seen, 0.0, ta.MASK_VALUE).astype(jnp.bfloat16)
+    rows_kv, q, kc, vc, kn, vn, seen, bias = _tree_inputs(11, b, hkv, t, rows, d, nt)
     sl = jnp.asarray([200], jnp.int32)
     kw = dict(scale_log2=0.18, num_splits=splits, block_kv=64)
     o, m, l = (np.asarray(x) for x in pm.prefix_partials_mgpu(
-        q, kc, vc, jnp.int32(0), sl, None, (kn, vn, bias), steps=2, tree_split=True,
+        rows_kv, kc, vc, jnp.int32(0), sl, None, bias, steps=2, tree_split=True,
         interpret=True, **kw))
     assert o.shape == (b * hkv, splits + 1, rows, d)
     ref = pm.prefix_partials_reference(q, kc, vc, 0, sl, **kw)
@@ -299,12 +280,37 @@ def test_tree_split_leaves_the_prefix_splits_to_the_prefix():
     tree_m = s.max(-1)
     tree_l = jnp.exp2(s - tree_m[:, None]).sum(-1)
     assert _max_rel(m[0, splits], tree_m) < 1e-6 and _max_rel(l[0, splits], tree_l) < 1e-3
-    # The tree's keys and values after the query rows in one array (tree_in_q): the same bits.
-    rows_kv = jnp.concatenate([q, kn, vn], axis=2)
-    in_q = pm.prefix_partials_mgpu(rows_kv, kc, vc, jnp.int32(0), sl, None, (None, None, bias),
-                                   steps=2, tree_split=True, tree_in_q=True, interpret=True, **kw)
-    for a, b in zip((o, m, l), in_q):
-        np.testing.assert_array_equal(a, np.asarray(b))
-    with pytest.raises(ValueError, match="tree_in_q takes"):
-        pm.prefix_partials_mgpu(rows_kv, kc, vc, jnp.int32(0), sl, None, (kn, vn, bias),
-                                tree_in_q=True, interpret=True, **kw)
+    with pytest.raises(ValueError, match="the bias"):
+        pm.prefix_partials_mgpu(rows_kv, kc, vc, jnp.int32(0), sl, None, bias[:, :32],
+                                interpret=True, **kw)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_tree_block_in_split_zero(splits):
+    """Without tree_split the tree's block is one more key block of split 0: before its prefix
+    blocks where the prefix is split (the partials, merged, give the attention over prefix and
+    tree), after them with one split (the rows come out normalised)."""
+    b, hkv, t, rows, d, nt = 2, 1, 256, 64, 64, 64
+    rows_kv, q, kc, vc, kn, vn, seen, bias = _tree_inputs(13, b, hkv, t, rows, d, nt)
+    sl = jnp.asarray([200, 70], jnp.int32)
+    scale_log2 = 0.18
+    out = pm.prefix_partials_mgpu(rows_kv, kc, vc, jnp.int32(0), sl, None, bias, steps=2,
+                                  scale_log2=scale_log2, num_splits=splits, block_kv=64,
+                                  interpret=True)
+    if splits == 1:
+        got = np.asarray(out, np.float64)                                  # [B * Hkv, R, D]
+    else:
+        o, m, l = (np.asarray(x, np.float64) for x in out)                 # [BH, S, R(, D)]
+        w = np.exp2(m - m.max(axis=1, keepdims=True))
+        got = (w[..., None] * o).sum(1) / (w * l).sum(1)[..., None]
+    f32 = jnp.float32
+    keys = jnp.concatenate([kc[0].astype(f32), kn.astype(f32)], axis=2)    # [B, Hkv, T + NT, D]
+    vals = jnp.concatenate([vc[0].astype(f32), vn.astype(f32)], axis=2)
+    prefix = jnp.broadcast_to(jnp.arange(t)[None, None, :] < sl[:, None, None], (b, rows, t))
+    live = jnp.concatenate([prefix, seen], axis=2)                         # [B, R, T + NT]
+    s = jnp.einsum("bhrd,bhkd->bhrk", q.astype(f32), keys) * scale_log2
+    s = jnp.where(live[:, None], s, -jnp.inf)
+    p = jnp.exp2(s - s.max(-1, keepdims=True))
+    ref = jnp.einsum("bhrk,bhkd->bhrd", p / p.sum(-1, keepdims=True), vals)
+    ref = np.asarray(ref, np.float64).reshape(b * hkv, rows, d)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-2

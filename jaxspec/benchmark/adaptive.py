@@ -1,14 +1,13 @@
 """Adaptive speculation: per batch size, the config (or plain decoding) with the highest
-tokens/s on a short run of the workload itself, measured with each config after its warm-up.
+tokens/s on a short run of the workload itself, timed with each config after its warm-up.
 
 A probe runs `probe_chats` (the first max(3 x batch, 8) prompts of the run, each once) at the
 run's sampling parameters and max_tokens, EOS included, and times the whole of it: prefill,
 admission and the batch's ramp-down count as they count in the timed run. A probe of decode
 steps alone (every slot busy, EOS ignored) misses them, and they decide the question where
-prompts are long: on held-out ShareGPT (median prompt 666 tokens, 128 new tokens) chain:4 ran
-at 0.91x plain at batch 64 on the H100 while its cycles alone ran faster than plain steps
-(bench/RESULTS.md, fourteenth set). The decode-only figures are kept in each probe as well
-(cost per step or cycle, accept length) for the record.
+prompts are long: there speculation can lose to plain decoding end to end while its cycles
+alone beat plain steps. The decode-only figures are kept in each probe as well (cost per step
+or cycle, accept length) for the record.
 Speculation is chosen only where it beats plain decoding by `margin`.
 """
 from __future__ import annotations

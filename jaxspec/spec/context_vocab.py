@@ -1,22 +1,20 @@
 """The context vocabulary: tokens of a request's own text that its restricted draft may propose.
 
 A head cut to the K most frequent tokens (`draft_vocab`) can never draft a token outside them,
-and the tokens it misses are mostly the topic's own words: on MT-bench (SmolLM2's greedy answers
-to the 80 first turns) 3.6% of the answer tokens lie outside the shipped 16,384, and 72% of
-those already occurred in the prompt or earlier in the answer (41% in the prompt alone). So the
-last E of a slot's K drafted tokens are its own: the last E distinct tokens of its context
-(prompt and output) outside the K - E fixed ones. A fresh slot starts with the ranking's tokens
-K - E .. K - 1 there (the "fillers", rarest oldest), so before its text brings rarer words it
-drafts exactly the K of the ranking. The verify is unchanged, so the output is still exactly
-the target's; only what the draft can propose changes.
+and the tokens it misses are mostly the topic's own words, most of which already occurred in
+the prompt or earlier in the answer. So the last E of a slot's K drafted tokens are its own:
+the last E distinct tokens of its context (prompt and output) outside the K - E fixed ones. A
+fresh slot starts with the ranking's tokens K - E .. K - 1 there (the "fillers", rarest
+oldest), so before its text brings rarer words it drafts exactly the K of the ranking. The
+verify is unchanged, so the output is still exactly the target's; only what the draft can
+propose changes.
 
 Cost: the draft's logits stay one [.., K] row per draft forward, so its top-k is the same as
 without a context. The slot's E lm_head rows are gathered once per catch-up and once per draft
 tree (`rows`), scored by a small batched product and written over the row's last E entries
-(`place`); the picks then map back through the slot's ids (`to_target`). On the H200 E = 256
-costs a batch-1 4x8x32 cycle 30 us (1.136 -> 1.166 ms) and raises its tau 3.27 -> 3.40 on
-MT-bench (bench/RESULTS.md, thirty-fourth set); the first form (E scored beside the K, then
-merged) cost 68 us (thirty-third set).
+(`place`); the picks then map back through the slot's ids (`to_target`): a few percent of a
+batch-1 cycle, for more accepted tokens a cycle. Scoring the E beside the K and merging the two
+selections instead costs about twice as much.
 
 Layout: ctx [B, E] int32 target ids, right-aligned (oldest first, the newest last), -1 for an
 empty entry (scored -inf; only a state built without the head's fillers has them). A head with

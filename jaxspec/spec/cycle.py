@@ -183,11 +183,10 @@ def cycles(params, draft_params, state: SpecState, active, *, n_cycles: int, loo
     loop=False: the cycles are unrolled into one program, which XLA runs as one CUDA graph whose
     nodes the host updates (their temporaries move between calls) and launches every call.
     loop=True: a `lax.scan` over one cycle, as plain decoding runs its steps; the host launches
-    the body's graph once an iteration. Measured on the H100 with SmolLM2 (bench/RESULTS.md,
-    twenty-first set), 4 cycles a call: at batch 64 the loop took 40% off the host's time a pass
-    for the same device time; at batch 4 and 16 it ran 20% slower. `jit_cycle` picks the loop
-    from LOOP_MIN_SLOTS slots. The layers' weights are sliced inside the body: slicing them once
-    before the loop (`decode.loop_params`) copied all of them every call (7% more device time).
+    the body's graph once an iteration. At large batches the loop takes host time off each
+    call for the same device time; at small ones it runs slower. `jit_cycle` picks the loop
+    from LOOP_MIN_SLOTS slots. The layers' weights are sliced inside the body, where XLA reads
+    the slices in place: sliced once before the loop, all of them are copied every call.
 
     Returns (state, CycleOut) with tokens, logprob, top_* [B, n_cycles * (S+1), ...] (each slot's
     emitted tokens first, in order, -1 after them, as one cycle's) and accept_len [B, n_cycles].

@@ -37,24 +37,21 @@ DEFAULT_CHUNK = 4096
 # SmolLM2's 49152, and a final top-k over k * 128 candidates.
 CHUNK_MAX_WIDTH = 128
 # top_k_by_chunk_max selects by sorting above this k: XLA's GPU TopK kernel instantiates for
-# k <= 8 and k <= 16, and the k <= 16 one cost 63-90 us a call in the 8B tree cycle.
+# k <= 8 and k <= 16, and the k <= 16 one is slow whatever the width.
 SORT_MIN_K = 8
 # Below this width one block per row is short work and the second launch is not worth it. Set
 # under 32000 so that EAGLE-3's draft vocabulary (32000 wide, the same ten rows) is split too;
 # bench_draft_ops.py --vocab 32000 measures that case.
 TWO_STAGE_MIN_VOCAB = 16384
 # Draft vocabularies (FR-Spec's 16,384, EAGLE-3's 32,000) at k <= SORT_MIN_K: the two-stage
-# top-k in chunks of this width. [1, 8, 16384] fp32 on the H100: 18.8 us, against 30.6 us by
-# chunk maxima and 44.9 us for lax.top_k (bench_draft_ops --topk 8 --vocab 16384, twenty-third
-# set). Wider rows (a full 128K vocab) keep the chunk maxima, measured there.
+# top-k in chunks of this width, faster there than the chunk maxima or lax.top_k. Wider rows
+# (a full 128K vocab) keep the chunk maxima, faster at that width.
 DRAFT_VOCAB_MAX = 32768
 DRAFT_VOCAB_CHUNK = 1024
 # Rows at most this wide take their top-k by pairwise ranks (`top_k_by_rank`): a tree's
 # per-step selection of K of K*K children and its choice of N - 1 candidates, which XLA runs as
-# sort kernels (about 2 us each for topk 2 at batch 16-64, twenty-sixth set; 5.6 us each, five a
-# cycle, for the batch-1 4x8x32 tree's 64 children and 200 candidates, thirty-second set). The
-# [..., W, W] comparisons are one fused kernel at these widths. 6x10x60's choice of 59 of 510
-# candidates took 11.7 us by ranks against 20.8 by lax.top_k and a sort (H200, forty-eighth set).
+# sort kernels, several a cycle. The [..., W, W] comparisons are one fused kernel at these
+# widths, faster than the sorts up to this width (a 6x10x60 tree's 510 candidates included).
 RANK_MAX_WIDTH = 512
 # Wide rows at 3 <= k <= 16 on the GPU: the Pallas kernel (`pallas_kernels.vocab_topk`, one
 # launch or two) instead of the routes below.
@@ -64,7 +61,7 @@ PALLAS_TOP_K = True
 SMALL_SELECTIONS = ("rank", "sort", "top_k")
 SMALL_ABOVE_MIN_K = "sort"
 # Backends whose TopK the split helps. Not CPU: there lax.top_k is already a per-row partial sort
-# and the split costs more than it saves (1.5 -> 2.6 ms for [1, 10, 128256] on this repo's CPU).
+# and the split costs more than it saves.
 TWO_STAGE_BACKENDS = ("gpu",)
 
 
@@ -169,16 +166,12 @@ def top_k_by_chunk_max(x, k: int, *, width: int | None = None, small: str | None
     small: how the two small top-ks (over the n chunk maxima, over the k * width candidates)
     run. "rank": pairwise ranks (`top_k_by_rank`), fused reductions with no sort kernel;
     "sort": one stable sort of the row on a total-order key; "top_k": lax.top_k, whose
-    GPU kernel at k in 9..16 took tens of microseconds whatever the width (k = 10, the whole
-    op: 0.045 ms with sorts against 0.067 with lax.top_k, H100, tenth set). None: "sort" for
-    k > SORT_MIN_K (SMALL_ABOVE_MIN_K), else "top_k" (XLA's k <= 8 kernel took 24 us a call,
-    and sorts at k <= 8 were not measured). Ranks tied the sorts at k = 10 over 128K (43.0
-    against 42.8 us, H200, forty-eighth set). With "sort" or "rank", signed zeros follow
-    lax.top_k's CPU order (see `_descending_key`).
+    GPU kernel at k in 9..16 is slow whatever the width. None: "sort" for k > SORT_MIN_K
+    (SMALL_ABOVE_MIN_K), else "top_k" (XLA's k <= 8 kernel). Ranks tie the sorts at k = 10.
+    With "sort" or "rank", signed zeros follow lax.top_k's CPU order (see `_descending_key`).
 
-    Why: a [10, 128256] draft step's top 10 ran XLA's TopK kernel at k <= 16 on 320 chunk rows
-    (90 us on the H100, 6 calls per 6-step tree cycle) where a max-reduction and two small
-    selections read the row once (bench/RESULTS.md, tenth set)."""
+    Why: XLA's TopK kernel at k <= 16 over a draft step's chunk rows is slow, where a
+    max-reduction and two small selections read the row once."""
     width = CHUNK_MAX_WIDTH if width is None else width
     if x.ndim == 0 or not 1 <= k <= x.shape[-1]:
         return jax.lax.top_k(x, k)                     # lax's own errors and empty results
@@ -229,9 +222,9 @@ def _top2_merge(a, b):
 def top2_by_reduce(x):
     """jax.lax.top_k(x, 2) over the last axis in one reduction pass: every element enters as
     (its `_descending_key`, its index) and `_top2_merge` keeps the best two (lax.top_k's order:
-    the larger value, then the lower index). On the GPU this is one fused reduction kernel:
-    4.4 us a call where XLA's TopK kernel took 15.7 us, [64-128, 16384] fp32 rows in the
-    batch-64 3x2x6 cycle (H100, twenty-sixth set). Exact but for NaN (as in `top_k`)."""
+    the larger value, then the lower index). On the GPU this is one fused reduction kernel,
+    several times faster than XLA's TopK kernel on a draft vocabulary's rows. Exact but for NaN
+    (as in `top_k`)."""
     if x.ndim == 0 or x.shape[-1] < 2:
         return jax.lax.top_k(x, 2)                     # lax's own errors
     key = _descending_key(x)
