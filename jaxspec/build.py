@@ -71,7 +71,8 @@ def _restrict_vocab(draft, cfg, params, dcfg: DraftConfig, shipped: bool, max_ba
                               "vocabulary (draft_vocab > 0, an EAGLE-1 head and its ranking); "
                               "this one scores every token")
         return draft
-    if context is None:     # not under tensor parallelism, where it was never measured
+    if context is None:     # the default, and none under tensor parallelism (whose sharded
+        # draft vocabulary the context rows were not built for)
         context = defaults.context_vocab(max_batch)
         context = context if context < k and not sharded else 0
     return dv.restrict_top(params, draft, cfg, k, path, context=context)

@@ -30,9 +30,9 @@ from jaxspec.spec import context_vocab
 from jaxspec.spec import draft as draft_lib
 from jaxspec.spec.config import SpecConfig
 from jaxspec.spec.tree import build_tree
-from jaxspec.sampling import (MAX_LOGPROBS, Emitted, Features, SlotSampling, TokenCounts,
-                              apply_penalties, apply_tree_penalties, cond, no_logprobs,
-                              processed_logprobs, sample_slots, split_slot_keys, token_logprobs)
+from jaxspec.sampling import (MAX_LOGPROBS, Features, SlotSampling, TokenCounts,
+                              apply_tree_penalties, cond, no_logprobs, processed_logprobs,
+                              split_slot_keys, token_logprobs)
 from jaxspec.spec.verify import (emitted_tokens, greedy_accept, path_tokens, sample_accept,
                                  select_accept)
 from jaxspec.xla_options import gemm_choice, jit
