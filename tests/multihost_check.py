@@ -1,5 +1,6 @@
-"""Two processes on one machine, one CPU device each, joined by `jax.distributed`: the
-tensor-parallel runner over the 2-device global mesh equals the single-device greedy output.
+"""Two processes on one machine, one CPU device each, joined by `jax.distributed`: the engine
+over a speculative backend placed tensor parallel on the 2-device global mesh equals the
+single-device greedy output.
 
     python tests/multihost_check.py          # spawns the two processes, prints `ok multihost`
 """
@@ -17,17 +18,21 @@ def worker(pid: int, port: int):
     distributed.initialize(f"localhost:{port}", 2, pid)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import parallel_check as pc
-    from jaxspec.parallel import TensorParallelSpecRunner
+    from reference_runner import SpecRunner
+
+    from jaxspec.engine import Engine, EngineConfig, SpecBackend
+    from jaxspec.parallel import TensorParallel
     mesh = distributed.global_mesh()
     assert mesh.devices.size == 2 and jax.local_device_count() == 1
     p, d = pc.pair()
-    r = TensorParallelSpecRunner(pc.CFG, p, d, pc.SPEC, max_slots=2, max_len=pc.MAX_LEN,
-                                 mesh=mesh)
-    got = [x.token_ids for x in r.generate(pc.PROMPTS[:3], pc.NEW[:3])]
+    rows = pc.MAX_LEN + 2 * pc.SPEC.max_emit
+    be = SpecBackend(pc.CFG, p, d, pc.SPEC, 2, rows, placement=TensorParallel(mesh, pc.CFG))
+    eng = Engine(be, EngineConfig(max_batch=2, max_model_len=pc.MAX_LEN, prefill_chunk=16),
+                 vocab_size=pc.CFG.vocab_size)
+    got = [r.output for r in pc.serve(eng, pc.PROMPTS[:3], pc.greedy(pc.NEW[:3]))]
     # The single-device reference, on this process's own device.
     with jax.default_device(jax.local_devices()[0]):
-        from jaxspec.spec import SpecRunner
-        ref = [x.token_ids for x in SpecRunner(pc.CFG, p, d, pc.SPEC, 2, pc.MAX_LEN).generate(
+        ref = [x.token_ids for x in SpecRunner(pc.CFG, p, d, pc.SPEC, 2, rows).generate(
             pc.PROMPTS[:3], pc.NEW[:3])]
     assert got == ref, (got, ref)
     print(f"ok multihost process {pid}", flush=True)

@@ -1,9 +1,13 @@
-"""Data and tensor parallel: greedy outputs equal the single device's, token for token.
+"""Data and tensor parallel: placements a backend is built over, driven by the one engine;
+greedy outputs equal the single device's, token for token.
 
-The multi-device checks run in one subprocess with 4 fake CPU devices
-(`XLA_FLAGS=--xla_force_host_platform_device_count=4` must be set before jax initialises): tensor
-parallel on the first 2 devices and on all 4, data parallel speculative on 2 and plain on 4
-(tests/parallel_check.py); the layout and error checks run here.
+The multi-device checks run in two subprocesses side by side, each with 4 fake CPU devices
+(`XLA_FLAGS=--xla_force_host_platform_device_count=4` must be set before jax initialises):
+data parallel over 2 devices through shard_map and through jax.pmap (speculative and plain;
+streaming, aborts, retracts, sampled requests; layouts; each device prefills only its own
+newcomers; nothing compiles after warm-up), tensor parallel over 2 and 4 devices (speculative and
+plain, the layout, the kernels per head shard, the GSPMD-only paths) (tests/parallel_check.py);
+the layout and error checks run here.
 """
 import dataclasses
 import os
@@ -16,9 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.build import placement
 from jaxspec.config import ConfigError, ModelConfig
 from jaxspec.models import llama
-from jaxspec.parallel import check_shardable, spread
+from jaxspec.parallel import DataParallel, OneDevice, check_shardable, local_devices
 from jaxspec.parallel.tensor_parallel import _blocked_layer, block_qkv, unblock_qkv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,27 +37,50 @@ def fake_devices_env(n: int) -> dict:
     return dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
 
 
+# Two processes of about equal work (each computes the single-device references once).
+GROUPS = [("dp:shard_map", "tp:2"), ("dp:pmap", "tp:4", "tp-gspmd:4")]
+
+
+def _dp(impl):
+    spec = [f"dp2-{impl}-spec{x}" for x in ("", "-own-slots", "-layout", "-again",
+                                             "-own-newcomers", "-churn")]
+    return spec + [f"dp2-{impl}-plain{x}" for x in ("-cold", "", "-vs-spec")]
+
+
+def _tp(n):
+    return [f"tp{n}-{x}" for x in ("forward", "spec", "spec-layout", "kernels", "plain")]
+
+
+CHECKS = {"dp:shard_map": _dp("shard_map"), "dp:pmap": _dp("pmap"), "tp:2": _tp(2),
+          "tp:4": _tp(4), "tp-gspmd:4": ["tp4-gspmd", "tp4-plain-tied"]}
+
+
 @pytest.fixture(scope="module")
-def multi_device_run():
+def multi_device_runs():
+    """{group: the finished process that ran it}."""
     env = fake_devices_env(4)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "parallel_check.py"), "2", "4"],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    return proc
+    procs = [(g, subprocess.Popen([sys.executable, str(ROOT / "tests" / "parallel_check.py"),
+                                   *g], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)) for g in GROUPS]
+    out = {}
+    for groups, proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=1500)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        for g in groups:
+            out[g] = (proc.returncode, stdout, stderr)
+    return out
 
 
-CHECKS = [f"tp{n}-{what}" for n in (2, 4) for what in ("forward", "spec")]
-CHECKS += ["dp2-spec", "dp2-spec-again", "dp2-engine-spec", "dp2-engine-spec-sampled"]
-CHECKS += ["dp4-engine-plain", "dp4-engine-plain-sampled"]
-CHECKS += ["dp4-plain", "dp4-plain-vs-spec", "tp4-jit-cycle", "tp4-collectives", "tp4-plain-tied",
-           "tp4-engine"]
-
-
-@pytest.mark.parametrize("name", CHECKS)
-def test_multi_device(multi_device_run, name):
-    out = multi_device_run.stdout.splitlines()
-    if f"ok {name}" not in out:
-        pytest.fail(f"{name} did not pass (rc {multi_device_run.returncode})\n"
-                    + multi_device_run.stdout[-3000:] + multi_device_run.stderr[-6000:])
+@pytest.mark.parametrize("name", [(g, c) for g in CHECKS for c in CHECKS[g]],
+                         ids=lambda x: x[1])
+def test_multi_device(multi_device_runs, name):
+    group, check = name
+    rc, stdout, stderr = multi_device_runs[group]
+    if f"ok {check}" not in stdout.splitlines():
+        pytest.fail(f"{check} did not pass (rc {rc})\n" + stdout[-3000:] + stderr[-6000:])
 
 
 def test_blocked_layout_round_trip():
@@ -95,18 +123,45 @@ def test_kv_heads_must_divide():
         check_shardable(dataclasses.replace(CFG, num_kv_heads=8, intermediate_size=44), 8)
 
 
-def test_spread_keeps_order_and_balance():
-    groups = spread(range(11), replicas=2, slots=3)
-    assert groups == [[[0, 1, 2], [3, 4, 5]], [[6, 7, 8], [9, 10]]]
-    assert [i for g in groups for r in g for i in r] == list(range(11))
-    assert spread(range(3), replicas=4, slots=8) == [[[0], [1], [2], []]]
+def test_placement_choices_and_errors():
+    """build's placement: one device by default (either impl), the impl checked, data and tensor
+    parallel not together, no more devices than there are."""
+    assert isinstance(placement(CFG), OneDevice)
+    assert isinstance(placement(CFG, data_parallel_impl="pmap"), OneDevice)
+    with pytest.raises(ConfigError, match="data_parallel_impl must be one of"):
+        placement(CFG, data_parallel_impl="engine")
+    with pytest.raises(ConfigError, match="data_parallel_impl must be one of"):
+        DataParallel(jax.devices()[:1], impl="engine")
+    with pytest.raises(ConfigError, match="not supported"):
+        placement(CFG, data_parallel=2, tensor_parallel=2)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ConfigError, match="data_parallel must be an int >= 1"):
+            placement(CFG, data_parallel=bad)
+    n = len(jax.local_devices())
+    with pytest.raises(ConfigError, match=f"data_parallel={n + 1} needs that many"):
+        local_devices(n + 1)
+    with pytest.raises(ConfigError, match=f"tensor_parallel={len(jax.devices()) + 1} needs"):
+        placement(CFG, tensor_parallel=len(jax.devices()) + 1)
+
+
+@pytest.mark.parametrize("impl", ["shard_map", "pmap"])
+def test_data_parallel_state_checks(impl):
+    """The programs come after the state (they are built over its split); under shard_map every
+    state leaf needs a slot axis (one array for all devices would be written by each)."""
+    pl = DataParallel(jax.devices()[:1], impl)
+    with pytest.raises(RuntimeError, match="place the state"):
+        pl.program(jax.jit(lambda p, d, s, a: (s, a)), "cycle")
+    if impl == "shard_map":
+        with pytest.raises(ConfigError, match="slot axis on every state leaf"):
+            pl.state(lambda b: (jnp.zeros((b,)), jnp.zeros(())), 2, (0, -1))
 
 
 @pytest.mark.skipif(os.environ.get("JAXSPEC_MULTIHOST") != "1",
                     reason="about a minute on 2 cores: set JAXSPEC_MULTIHOST=1")
 def test_multihost_two_processes():
-    """Two processes joined by jax.distributed (gloo on CPU), one device each: the tensor-parallel
-    runner over the global mesh equals the single-device output (tests/multihost_check.py)."""
+    """Two processes joined by jax.distributed (gloo on CPU), one device each: the engine over a
+    backend placed tensor parallel on the global mesh equals the single-device output
+    (tests/multihost_check.py)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "multihost_check.py")], env=env,
@@ -116,10 +171,13 @@ def test_multihost_two_processes():
 
 @pytest.mark.real_weights
 def test_llm_data_and_tensor_parallel_equal_single_device(smollm2_gguf):
-    """The public API: LLM(data_parallel=2) and LLM(tensor_parallel=3), plain and speculative."""
+    """The public API: LLM(data_parallel=2) through jax.pmap and shard_map (the default), and
+    LLM(tensor_parallel=3), plain and speculative; streams and aborts under data parallel."""
     env = fake_devices_env(3)
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "llm_parallel_check.py"),
                            str(smollm2_gguf)], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=1200)
+                          timeout=1500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    for impl in ("pmap", "shard_map"):
+        assert f"ok LLM data_parallel=2 {impl}" in proc.stdout.splitlines()
     assert "LLM data/tensor parallel OK" in proc.stdout

@@ -13,6 +13,8 @@ any free one. Two implementations of "per device", the same results:
 Admission: each device's newcomers are admitted on their own, the devices' argument tuples
 stacked into one call ([N, ...] arguments), so no device prefills another's rows. Slot indices
 stay global; each device maps them to its own slots (others' become padding).
+Each device's program is compiled under the GEMM rule (`xla_options`) of its own S slots, as a
+one-device backend of S slots is.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxspec.config import ConfigError
 from jaxspec.parallel.placement import MaskCache
-from jaxspec.xla_options import jit
+from jaxspec.xla_options import compiler_options, gemm_backend, gemm_choice, jit
 
 AXIS = "data"
 IMPLS = ("shard_map", "pmap")
@@ -60,6 +62,9 @@ class DataParallel:
         self.mesh = Mesh(np.asarray(self.devices), (AXIS,))
         self.per = None               # slots per device, set by `state`
         self._spec = None             # the state's PartitionSpecs (shard_map)
+        # The GEMM rule in force here: the per-device programs are built later, with the state
+        # (`program`), perhaps outside the `gemm_backend` context this placement was made in.
+        self._gemm = gemm_choice()
         split = NamedSharding(self.mesh, P(AXIS))
         if impl == "pmap":
             put = jax.pmap(lambda x: x, AXIS, devices=self.devices)
@@ -78,6 +83,10 @@ class DataParallel:
         if self.impl == "pmap":
             init = jax.pmap(lambda _: make(self.per), AXIS, devices=self.devices)
             return init(np.arange(self.replicas))
+        if min(jax.tree_util.tree_leaves(axes)) < 0:
+            # A leaf without a slot axis would be one array for all devices, which each
+            # device's program writes on its own.
+            raise ConfigError("data parallel needs a slot axis on every state leaf")
         self._spec = jax.tree_util.tree_map(lambda ax: P(*([None] * ax), AXIS), axes)
         shard = jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), self._spec)
         return jax.jit(lambda: make(slots), out_shardings=shard)()
@@ -94,42 +103,22 @@ class DataParallel:
 
     def program(self, jitted, kind: str):
         """The per-device form of a backend program (weights, draft weights, donated state,
-        then kind's arguments)."""
+        then kind's arguments), compiled under the GEMM rule (`xla_options`) of one device's
+        share of the rows."""
         inner, per = jitted.__wrapped__, self.per
+        if per is None:
+            raise RuntimeError("a data-parallel program is built over the state's split: "
+                               "place the state (`state`) first")
         local = {"cycle": inner,
                  "admit": functools.partial(_admit_local, inner, per, self.impl == "pmap"),
                  "advance": functools.partial(_advance_local, inner, per)}[kind]
-        if self.impl == "pmap":
-            return self._pmap(local, kind)
         rows = getattr(jitted, "gemm_rows", None)
         rows = None if rows is None else rows // self.replicas
         donate = 0 if kind == "advance" else 2
-        return jit(self._shard_map(local, kind), rows=rows, donate_argnums=(donate,))
-
-    def _pmap(self, local, kind: str):
-        if kind == "cycle":
-            axes = (None, None, 0, 0)
-        elif kind == "advance":
-            axes = (0, None, None)
-        else:
-            axes = None                 # set per call: weights None, the rest 0, the key None
-        donate = 0 if kind == "advance" else 2
-        if axes is not None:
-            return jax.pmap(local, AXIS, in_axes=axes, donate_argnums=(donate,),
-                            devices=self.devices)
-
-        @functools.lru_cache(maxsize=None)
-        def mapped(n_args: int):
-            ax = (None, None) + (0,) * (n_args - 3) + (None,)
-            return jax.pmap(local, AXIS, in_axes=ax, donate_argnums=(2,), devices=self.devices)
-
-        class _Admit:
-            def __call__(self, *args):
-                return mapped(len(args))(*args)
-
-            def lower(self, *args):
-                return mapped(len(args)).lower(*args)
-        return _Admit()
+        with gemm_backend(self._gemm):
+            if self.impl == "pmap":
+                return _Pmapped(local, _pmap_axes(kind), donate, self.devices, rows)
+            return jit(self._shard_map(local, kind), rows=rows, donate_argnums=(donate,))
 
     def _shard_map(self, local, kind: str):
         st = self._spec
@@ -146,6 +135,58 @@ class DataParallel:
             specs = (P(), P(), st) + (P(AXIS),) * (len(args) - 4) + (P(),)
             return smap(local, specs, (st, P(AXIS)))(*args)
         return call
+
+
+def _pmap_axes(kind: str):
+    """n arguments -> jax.pmap's in_axes of a `kind` program: the weights and the engine key
+    on every device whole (None), the state and the stacked arguments split (0)."""
+    if kind == "cycle":
+        return lambda n: (None, None, 0, 0)
+    if kind == "advance":
+        return lambda n: (0, None, None)
+    return lambda n: (None, None) + (0,) * (n - 3) + (None,)
+
+
+class _Pmapped:
+    """`jax.pmap` of a per-device program, called and lowered as a jitted program is. An
+    admission's argument count depends on its form: one pmap per count.
+
+    jax.pmap takes no compiler options, so where the GEMM rule asks for some, calls run
+    executables compiled from the pmap's lowering with them (`lower(...).compile()` applies
+    them too, as warm-up compiles)."""
+
+    def __init__(self, local, axes, donate: int, devices, rows: Optional[int]):
+        self.gemm_rows, self.options = rows, compiler_options(rows)
+        self._mapped = functools.lru_cache(maxsize=None)(
+            lambda n: jax.pmap(local, AXIS, in_axes=axes(n), donate_argnums=(donate,),
+                               devices=devices))
+        self._compiled = {}
+
+    def __call__(self, *args):
+        if not self.options:
+            return self._mapped(len(args))(*args)
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        key = (tree, tuple((np.shape(x), np.result_type(x)) for x in leaves))
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = self._compiled[key] = self.lower(*args).compile()
+        return fn(*args)
+
+    def lower(self, *args):
+        return _Lowered(self._mapped(len(args)).lower(*args), self.options)
+
+
+class _Lowered:
+    """A pmap's Lowered whose compile() applies the program's compiler options."""
+
+    def __init__(self, lowered, options):
+        self.lowered, self.options = lowered, options
+
+    def compile(self):
+        return self.lowered.compile(self.options or None)
+
+    def __getattr__(self, name):
+        return getattr(self.lowered, name)
 
 
 def _admit_local(inner, per: int, pmapped: bool, params, draft, state, *args):

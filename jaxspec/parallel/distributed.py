@@ -16,24 +16,29 @@ needs; the same program on every host):
         python my_generate.py
 
     # my_generate.py
-    from jaxspec.parallel import distributed, TensorParallelSpecRunner
+    from jaxspec import LLM, SamplingParams
+    from jaxspec.parallel import distributed
     distributed.initialize()                  # before any other jax call
-    mesh = distributed.global_mesh()          # all devices of all hosts on the model axis
-    runner = TensorParallelSpecRunner(cfg, params, draft, "chain", max_slots=8, max_len=4096,
-                                      mesh=mesh)
-    results = runner.generate(prompts, max_tokens)   # same prompts on every process
+    llm = LLM(model_dir, draft=head_path, tensor_parallel=16)   # every device of both hosts
+    outs = llm.generate(prompts, SamplingParams(max_tokens=256))   # same prompts everywhere
+
+`LLM(tensor_parallel=n)` (or `build.build_engine(..., tensor_parallel=n)` over weights you
+hold) places the backend over the first n global devices. For a mesh of your own, such as
+`global_mesh()` (ordered by process, so consecutive devices of the axis share a host), build the
+backend over it: `SpecBackend(cfg, params, draft, spec, slots, max_len,
+placement=TensorParallel(mesh, cfg))` and drive it with an `engine.Engine`.
 
 Under SLURM, Open MPI or on Cloud TPU, `jax.distributed.initialize()` finds all three values by
 itself: leave the variables unset. Every process must load the same weights (each then keeps
 only its shards: with several processes `shard_params` / `shard_state` build each array with
-`jax.make_array_from_callback` from the process's own copy) and call `generate` with the same
-prompts in the same order: the host loops run in lockstep, and each reads the replicated tokens
-from its own devices. The runners' host inputs (tokens, lengths, the active mask) are identical
-on every process; the tensor-parallel entry points (`tensor_parallel.on_mesh`) turn them into
-global replicated arrays (`global_replicated`).
+`jax.make_array_from_callback` from the process's own copy) and submit the same requests in the
+same order: the engines' host loops run in lockstep, and each reads the replicated tokens from
+its own devices. The engine's host inputs (admission arguments, the active mask) are identical
+on every process; a `TensorParallel` placement's programs make them global arrays replicated
+over the mesh before each call (as `global_replicated` does for one value).
 
-Status: checked on one host only (fake CPU devices, and the single-process code path); the
-multi-process path has not been run here.
+Status: checked on one host: fake CPU devices in one process, and two processes of one CPU
+device each joined through gloo (tests/multihost_check.py); not yet across machines.
 """
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """Tensor parallel: target and draft weights and KV caches sharded over a `Mesh` model axis.
 
 The model code is unchanged: `shard_params` places each weight with a `NamedSharding` and the
-jitted programs (`spec.cycle.jit_cycle`, `decode.plain_cycle`, the admissions) are compiled by GSPMD, which inserts the
-collectives (Megatron style: one all-reduce after the attention output projection and one after
-the MLP down projection per layer, plus the vocab reductions of the lm_head).
+jitted programs (`spec.cycle.jit_cycle`, `decode.plain_cycle`, the admissions) are compiled by
+GSPMD, which inserts the collectives (Megatron style: one all-reduce after the attention output
+projection and one after the MLP down projection per layer, plus the vocab reductions of the
+lm_head).
 
 Layout, per layer (M = size of the model axis):
   wqkv [H, Q+2K]   re-laid out as the blocked [H, M, (Q+2K)/M] (see `models/llama.py`), block m =
@@ -33,10 +34,10 @@ Requirements: num_kv_heads % M == 0 (then num_heads too) and intermediate_size %
 
 Kernels: the Pallas kernels (tree attention, KV compaction) are custom calls that GSPMD cannot
 split; given sharded operands it would gather them (the whole KV cache) around each call. The
-programs of a backend placed by `TensorParallel` trace under `jax.set_mesh(mesh)`, and under a mesh with a "model" axis
-the kernel dispatchers run per shard of the kv heads in a `shard_map`
+programs of a backend placed by `TensorParallel` trace under `jax.set_mesh(mesh)`, and under a
+mesh with a "model" axis the kernel dispatchers run per shard of the kv heads in a `shard_map`
 (`pallas_kernels/head_sharding.py`): no communication, on GPU and on CPU alike (the references).
-`jit_cycle` called without the mesh context is still correct (GSPMD around the references on
+The programs called without the mesh context are still correct (GSPMD around the references on
 CPU; gathered operands around the kernels on GPU).
 
 Multi-host: see `jaxspec.parallel.distributed`.
