@@ -63,7 +63,7 @@ class _Backend:
         self._draft_shapes = draft_params
         self._admits, advance, self._axes = jit_admissions(cfg, spec, slots, max_len, self.dtype)
         self.params, self.draft_params = self.placement.weights(params, draft_params)
-        self.key = _engine_key(seed)
+        self.key = self.placement.replicated(_engine_key(seed))
         self.programs = Programs(envs.JAXSPEC_CYCLE_COPIES if cycle_copies is None
                                  else cycle_copies)
         self._state0 = None

@@ -18,7 +18,6 @@ one-device backend of S slots is.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Optional, Sequence, Tuple
 
@@ -28,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxspec.config import ConfigError
-from jaxspec.parallel.placement import MaskCache
+from jaxspec.parallel.placement import MaskCache, OneDevice
 from jaxspec.xla_options import compiler_options, gemm_backend, gemm_choice, jit
 
 AXIS = "data"
@@ -51,7 +50,7 @@ def _local_slots(slot_idx, per_device: int):
     return jnp.where((local >= 0) & (local < per_device), local, per_device).astype(slot_idx.dtype)
 
 
-class DataParallel:
+class DataParallel(OneDevice):
     """A placement over `devices`, the slots split evenly (see the module docstring)."""
 
     def __init__(self, devices: Sequence[jax.Device], impl: str = "shard_map"):
@@ -73,8 +72,11 @@ class DataParallel:
             self.put_mask = MaskCache(lambda m: jax.device_put(m, split))
 
     def weights(self, params, draft_params):
-        # On every device once: left on one, each call would copy them to the others.
-        return jax.device_put((params, draft_params), NamedSharding(self.mesh, P()))
+        return self.replicated((params, draft_params))
+
+    def replicated(self, x):
+        # On every device once: left on one, each call would copy it to the others.
+        return jax.device_put(x, NamedSharding(self.mesh, P()))
 
     def state(self, make, slots: int, axes):
         if slots % self.replicas:
@@ -89,7 +91,7 @@ class DataParallel:
             raise ConfigError("data parallel needs a slot axis on every state leaf")
         self._spec = jax.tree_util.tree_map(lambda ax: P(*([None] * ax), AXIS), axes)
         shard = jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), self._spec)
-        return jax.jit(lambda: make(slots), out_shardings=shard)()
+        return jit(lambda: make(slots), out_shardings=shard)()
 
     def stack(self, parts):
         return jax.tree_util.tree_map(lambda *x: np.stack(x), *parts)
@@ -97,9 +99,6 @@ class DataParallel:
     def host(self, x) -> np.ndarray:
         x = np.asarray(x)
         return x.reshape((-1,) + x.shape[2:]) if self.impl == "pmap" else x
-
-    def scope(self):
-        return contextlib.nullcontext()
 
     def program(self, jitted, kind: str):
         """The per-device form of a backend program (weights, draft weights, donated state,

@@ -10,14 +10,13 @@ on the devices, so parallelism is a constructor argument, never a patch:
   put_mask(mask)                  the cycle's [B] active mask as the program takes it
   stack(parts)                    an admission's per-replica argument tuples as one call's
   host(x)                         a program output read as numpy, replicas merged ([B, ...])
-  scope()                         the context calls are traced and run in (a mesh)
+  replicated(x)                   x on every device the programs run on
   replicas                        how many replica groups the slots are split into
 Every program takes (params, draft_params, state, ...) with the state donated.
 """
 from __future__ import annotations
 
 import collections
-import contextlib
 
 import jax
 import numpy as np
@@ -71,5 +70,5 @@ class OneDevice:
     def host(self, x) -> np.ndarray:
         return np.asarray(x)
 
-    def scope(self):
-        return contextlib.nullcontext()
+    def replicated(self, x):
+        return x

@@ -52,7 +52,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxspec.config import ConfigError, ModelConfig
-from jaxspec.parallel.placement import MaskCache
+from jaxspec.parallel.placement import MaskCache, OneDevice
 
 AXIS = "model"
 
@@ -233,7 +233,7 @@ def _global_inputs(tree, mesh: Mesh):
     return jax.tree_util.tree_map(glob, tree)
 
 
-class TensorParallel:
+class TensorParallel(OneDevice):
     """A placement (`parallel.placement`) over a one-axis model mesh: weights sharded by the
     layout above, the state's KV caches on kv heads, the programs traced and run under the mesh
     (the kernels per head shard). The draft head must be an EAGLE-1 head (a Llama layer)."""
@@ -260,15 +260,8 @@ class TensorParallel:
     def program(self, jitted, kind: str):
         return _OnMesh(jitted, self.mesh)
 
-    def stack(self, parts):
-        part, = parts
-        return part
-
-    def host(self, x) -> np.ndarray:
-        return np.asarray(x)
-
-    def scope(self):
-        return jax.set_mesh(self.mesh)
+    def replicated(self, x):
+        return jax.device_put(x, NamedSharding(self.mesh, P()))
 
 
 class _OnMesh:
