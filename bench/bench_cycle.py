@@ -214,7 +214,7 @@ def main(argv=None):
     settings = apply_kernel_defaults(a)
     cfg = TINY if a.tiny else LLAMA3_8B
     # GPU: the unrolled layer loop (lax.scan copies each layer's weights out every step).
-    cfg = dataclasses.replace(cfg, unroll_layers=jax.default_backend() == "gpu")
+    cfg = cfg.with_layout(unroll_layers=jax.default_backend() == "gpu")
     dtype = jnp.float32 if a.tiny and jax.default_backend() == "cpu" else jnp.bfloat16
     prefix = a.prefix or (128 if a.tiny else 1024)
     n = a.cycles or (5 if a.tiny else 30)

@@ -3,7 +3,7 @@
 For each shape and batch: ms per decode step with the layers scanned (stacked weights) and
 unrolled (per-layer weights), at 1 and `--steps` decode steps per dispatch, beside the floor
 (weight bytes + live KV bytes) / copy bandwidth measured in the same run.
-`--program engine` (default) times the engine's greedy program (`backends.plain_cycle` with
+`--program engine` (default) times the engine's greedy program (`decode.plain_cycle` with
 `sampling.LEAN`: no conditional, no sampling code); `decode_steps` the older entry, whose
 sampling runs under a lax.cond on device flags (a host round trip per call on the GPU).
 Usage: python bench/bench_decode.py [--tiny] [--program engine,decode_steps]
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import time
 
@@ -21,8 +20,7 @@ import jax.numpy as jnp
 
 from bench.common import SHAPES, copy_bandwidth, device_name, param_bytes, write_json
 from jaxspec.config import ModelConfig
-from jaxspec.decode import decode_steps
-from jaxspec.engine.backends import init_plain_state, plain_cycle
+from jaxspec.decode import decode_steps, init_plain_state, plain_cycle
 from jaxspec.kv import KVCache, kv_bytes_per_token
 from jaxspec.models import llama
 from jaxspec.sampling import LEAN, SamplingParams, SlotSampling
@@ -65,13 +63,13 @@ def time_engine_program(params, cfg, batch, ctx, steps_per_call, calls, dtype):
     """The plain engine's greedy program (plain_cycle, LEAN), back to back, state donated."""
     max_len = _cache_len(ctx, steps_per_call, calls)
     state = init_plain_state(cfg, batch, 16, dtype).replace(
-        cache=random_cache(cfg, batch, ctx, max_len, dtype, jax.random.PRNGKey(1)))
+        target=random_cache(cfg, batch, ctx, max_len, dtype, jax.random.PRNGKey(1)))
     fn = jit(functools.partial(plain_cycle, cfg=cfg, n_steps=steps_per_call,
-                               features=LEAN), rows=batch, donate_argnums=(1,))
+                               features=LEAN), rows=batch, donate_argnums=(2,))
     active = jnp.ones((batch,), bool)
 
     def call(state):
-        state, out = fn(params, state, active)
+        state, out = fn(params, None, state, active)
         return state, out.tokens
     return _seconds_per_step(call, state, calls, steps_per_call)
 
@@ -133,7 +131,7 @@ def main():
         floor = (wbytes + kv) / bw
         for layout in args.layouts.split(","):
             params = llama.unstack_layers(stacked) if layout == "leaves" else stacked
-            lcfg = dataclasses.replace(cfg, unroll_layers=layout == "static")
+            lcfg = cfg.with_layout(unroll_layers=layout == "static")
             for prog in args.program.split(","):
                 timer = time_engine_program if prog == "engine" else time_decode
                 # decode_steps is compiled at import, with the default options only

@@ -15,14 +15,13 @@ For each mode (speculative 'chain', plain) and batch (1, 64), in one run:
 Warm-up (compilation of the cycle and every admission bucket) is timed first; --warmup-only stops
 there (a sweep over batch sizes of compile times).
 Usage: python -m bench.bench_engine [--model PATH] [--head PATH] [--steps 300] [--tiny]
-           [--bucket-growth 4] [--warmup-only]
+           [--slot-growth 4] [--warmup-only]
 Without --model, SmolLM2-135M-shaped random weights (acceptance does not change a cycle's cost;
 with random weights the chain accepts little, so tokens per cycle are low, not the cost).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import time
 
@@ -34,7 +33,7 @@ from bench.common import (SMOLLM2_135M, add_kernel_default, apply_kernel_default
                           timed, write_json)
 from jaxspec import compile_cache
 from jaxspec.config import ModelConfig
-from jaxspec.engine import Engine, PlainBackend, SpecBackend
+from jaxspec.engine import EngineConfig
 from jaxspec.models import eagle, llama
 from jaxspec.sampling import LEAN, VARIANTS, SamplingParams
 from jaxspec.spec.config import resolve_spec
@@ -51,7 +50,7 @@ def load(args):
     else:
         cfg = TINY if args.tiny else SMOLLM2_135M
         params, tok = llama.init_random_params(cfg, jax.random.PRNGKey(0), dtype=dtype), None
-    cfg = dataclasses.replace(cfg, unroll_layers=jax.default_backend() == "gpu")
+    cfg = cfg.with_layout(unroll_layers=jax.default_backend() == "gpu")
     if args.head:
         from jaxspec.loading import eagle_ckpt
         head = eagle_ckpt.load_eagle1(args.head, cfg, dtype=dtype)
@@ -61,75 +60,70 @@ def load(args):
     return cfg, params, head, tok
 
 
-def make(cfg, params, head, mode, batch, max_model_len, tok, bucket_growth=4, admit_interval=1,
-         pack=True, short_rows=None):
-    """mode: 'plain' (4 decode steps per cycle), 'plain:N' (N steps; LLM uses 16), or a spec
-    preset, 'preset:K' for K cycles per call. short_rows: the backends' (None: their default)."""
+def make(cfg, params, head, mode, batch, max_model_len, tok, slot_growth=4, admit_interval=1,
+         packing=True, short_rows=None):
+    """An engine (`build.build_engine`) for mode: 'plain' (4 decode steps per call), 'plain:N'
+    (N steps; LLM uses 16), or a spec preset, 'preset:K' for K cycles per call. The other
+    arguments are EngineConfig's (short_rows None: the backends' rule)."""
+    from jaxspec.build import build_engine
     name, _, n = mode.partition(":")
+    conf = EngineConfig(max_batch=batch, max_model_len=max_model_len, prefill_chunk=256,
+                        slot_growth=slot_growth, admit_interval=admit_interval, packing=packing,
+                        short_rows=short_rows)
     if name == "plain":
-        n = int(n or 4)
-        backend = PlainBackend(cfg, params, batch, max_model_len + 2 * n, n_steps=n,
-                               short_rows=short_rows)
+        conf, draft, spec = conf.replace(decode_steps=int(n or 4)), None, None
     else:
-        spec, k = resolve_spec(name), int(n or 1)
-        backend = SpecBackend(cfg, params, head, spec, batch,
-                              max_model_len + 2 * spec.max_emit * k, cycles_per_call=k,
-                              short_rows=short_rows)
-    return Engine(backend, max_model_len=max_model_len, vocab_size=cfg.vocab_size, chunk=256,
-                  bucket_growth=bucket_growth, detokenize=tok.decode if tok is not None else None,
-                  stream_decoder=tok.stream_decoder if tok is not None else None,
-                  admit_interval=admit_interval, pack_first_chunks=pack)
+        conf, draft, spec = conf.replace(cycles_per_call=int(n or 1)), head, resolve_spec(name)
+    return build_engine(cfg, params, conf, draft=draft, spec=spec, tokenizer=tok)
 
 
 def device_ms_per_cycle(engine, n, size=None):
     """Back-to-back calls (of `size`, default the largest) on a full state: the device's own
     time per call (host idle), of the build the engine would pick now (short or not)."""
     be = engine.backend
-    active = np.ones(be.slots, bool)
+    active = be.placement.put_mask(np.ones(be.slots, bool))
     short = engine._short(size or max(be.sizes))
     ms, engine.state = timed(lambda s: be.cycle(s, active, LEAN, size=size, short=short)[0],
                              engine.state, n, 1)
     return ms
 
 
-def padding_admit_args(backend, a: int, width: int) -> list:
-    """Device arguments (slot_idx, tokens, start, n_valid, next_tok) of an admission of a slots,
-    chunk width `width`, every row padding: the state is kept, so it can run again and again."""
-    z = np.zeros(a, np.int32)
-    return [jax.device_put(x) for x in (np.full(a, backend.slots, np.int32),
-                                        np.zeros((a, width), np.int32), z, z, z - 1)]
+def padding_admission(engine, a: int, width: int, form: str = "chunk"):
+    """The device arguments of an admission of shape (a requests, width tokens a row) in `form`
+    (`engine.planner.forms()`), every row padding: it changes nothing, so it can run again and
+    again. On the device, since numpy arguments make each call wait (bench_dispatch)."""
+    return jax.device_put(engine.planner.padding(a, width, form).parts)
 
 
 def device_ms_per_admit(engine, a, width, features, form, n):
-    """Back-to-back admissions of one shape (`Engine.admission_forms`), every row padding
-    (dropped, so the state is kept): the device's time for a prompt chunk of that shape.
-    Arguments live on the device, since numpy arguments make each call wait (bench_dispatch)."""
-    call = engine.padding_admission(a, width, form, features, on_device=True)
-    ms, engine.state = timed(lambda s: call(s)[0], engine.state, n, 1)
+    """Back-to-back admissions of one shape (`engine.planner.forms()`), every row padding
+    (dropped, so the state is kept): the device's time for a prompt chunk of that shape."""
+    be, parts = engine.backend, padding_admission(engine, a, width, form)
+    ms, engine.state = timed(lambda s: be.admit(s, form, parts, features=features)[0],
+                             engine.state, n, 1)
     return ms
 
 
 def compiled(engine):
-    """Executables compiled ahead, calls that found none, jit cache sizes: unchanged unless
-    something compiled after warm-up."""
+    """Executables compiled ahead and calls that found none: unchanged unless something
+    compiled after warm-up."""
     be = engine.backend
-    return (len(be.executables), be.jit_calls, [f._cache_size() for f in be.jitted()])
+    return len(be.programs.executables), be.jit_calls
 
 
 def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, args,
-             masks="device", admit_interval=1, pack=True, short_rows=None):
+             admit_interval=1, packing=True, short_rows=None):
     rng = np.random.default_rng(0)
-    engine = make(cfg, params, head, mode, batch, max_model_len, tok, args.bucket_growth,
-                  admit_interval, pack, short_rows)
-    engine.device_masks = masks == "device"
+    engine = make(cfg, params, head, mode, batch, max_model_len, tok, args.slot_growth,
+                  admit_interval, packing, short_rows)
     t0 = time.perf_counter()
     engine.warmup((LEAN,) if args.variants == "lean" else VARIANTS)
     compile_s = time.perf_counter() - t0
+    forms = len(engine.planner.forms())
     print(f"{mode} batch {batch}: warm-up (compilation) {compile_s:.1f} s, "
-          f"{len(engine.admission_shapes())} admission shapes", flush=True)
+          f"{forms} admission shapes", flush=True)
     if args.warmup_only:
-        return dict(mode=mode, batch=batch, compile_s=compile_s,
-                    admission_shapes=len(engine.admission_shapes()))
+        return dict(mode=mode, batch=batch, compile_s=compile_s, admission_shapes=forms)
     sizes = compiled(engine)
     gen_min = args.gen_min or gen
 
@@ -157,11 +151,11 @@ def run_case(cfg, params, head, tok, mode, batch, steps, max_model_len, gen, arg
     st = engine.stats
     host_ms = st.host_s / steps * 1e3
     # The device's whole load: the cycles and the admissions' prompt chunks, each shape timed.
-    admit_ms = sum(c * device_ms_per_admit(engine, a, w, f, first, 10)
-                   for (a, w, f, first), c in st.admit_shapes.items())
+    admit_ms = sum(c * device_ms_per_admit(engine, a, w, f, form, 10)
+                   for (a, w, f, form), c in st.admit_shapes.items())
     cycle_ms = sum(c * dev[k] for k, c in st.call_sizes.items())
-    return dict(mode=mode, batch=batch, masks=masks, admit_interval=admit_interval,
-                packing=pack, short_rows=engine.backend.short_rows,
+    return dict(mode=mode, batch=batch, admit_interval=admit_interval,
+                packing=packing, short_rows=engine.backend.short_rows,
                 device_ms_per_cycle=dev_ms,
                 engine_ms_per_step=wall / steps * 1e3, host_ms_per_step=host_ms,
                 dispatch_ms_per_step=st.dispatch_s / steps * 1e3,
@@ -187,18 +181,16 @@ def main():
     ap.add_argument("--modes", default="chain,plain",
                     help="comma list: plain, plain:N (N decode steps per cycle), spec presets")
     ap.add_argument("--tiny", action="store_true", help="tiny config, CPU smoke run")
-    ap.add_argument("--bucket-growth", type=int, default=4,
-                    help="ratio of successive admission buckets (Engine(bucket_growth=))")
+    ap.add_argument("--slot-growth", type=int, default=4,
+                    help="ratio of successive admission slot counts (EngineConfig.slot_growth)")
     ap.add_argument("--warmup-only", action="store_true", help="time warm-up only")
-    ap.add_argument("--masks", default="device",
-                    help="comma list: device (the engine's cached device masks), numpy (the "
-                         "active mask passed as numpy each cycle: the earlier engine)")
     ap.add_argument("--admit-interval", default="1",
-                    help="comma list: Engine(admit_interval=) values to compare")
+                    help="comma list: EngineConfig.admit_interval values to compare")
     ap.add_argument("--packing", default="on",
-                    help="comma list of on/off: first chunks packed (Engine(pack_first_chunks=))")
+                    help="comma list of on/off: first chunks packed (EngineConfig.packing)")
     ap.add_argument("--short-rows", default="default",
-                    help="comma list: the backends' short_rows (default: their rule; 0: off)")
+                    help="comma list: EngineConfig.short_rows (default: the backends' rule; 0: "
+                         "off)")
     ap.add_argument("--variants", choices=("all", "lean"), default="all",
                     help="program variants to compile at warm-up (the requests are greedy: "
                          "lean is enough)")
@@ -210,11 +202,11 @@ def main():
     rows = []
     for mode in args.modes.split(","):
         for b in (int(x) for x in args.batches.split(",")):
-            for masks, every, pack, short in itertools.product(
-                    args.masks.split(","), args.admit_interval.split(","),
-                    args.packing.split(","), args.short_rows.split(",")):
+            for every, pack, short in itertools.product(
+                    args.admit_interval.split(","), args.packing.split(","),
+                    args.short_rows.split(",")):
                 r = run_case(cfg, params, head, tok, mode, b, args.steps, args.max_model_len,
-                             args.gen, args, masks, int(every), pack == "on",
+                             args.gen, args, int(every), pack == "on",
                              None if short == "default" else int(short))
                 rows.append(r)
                 print(r, flush=True)
@@ -226,10 +218,11 @@ def main():
             print(f"{r['mode']:6} {r['batch']:>3} warm-up {r['compile_s']:.1f} s "
                   f"({r['admission_shapes']} admission shapes + cycle)")
         return
-    print(f"{'mode':8} {'B':>3} {'masks':6} {'adm':>3} {'pack':>4} {'short':>5} {'dev ms/cyc':>10} {'eng ms/step':>11} {'host ms':>8} "
-          f"{'dispatch':>8} {'busy':>5} {'+admit':>6} {'adm ms':>6} {'tok/s':>8} {'recompiled':>10}")
+    print(f"{'mode':8} {'B':>3} {'adm':>3} {'pack':>4} {'short':>5} {'dev ms/cyc':>10} "
+          f"{'eng ms/step':>11} {'host ms':>8} {'dispatch':>8} {'busy':>5} {'+admit':>6} "
+          f"{'adm ms':>6} {'tok/s':>8} {'recompiled':>10}")
     for r in rows:
-        print(f"{r['mode']:8} {r['batch']:>3} {r['masks']:6} {r['admit_interval']:>3} "
+        print(f"{r['mode']:8} {r['batch']:>3} {r['admit_interval']:>3} "
               f"{'on' if r['packing'] else 'off':>4} {r['short_rows']:>5} "
               f"{r['device_ms_per_cycle']:>10.3f} "
               f"{r['engine_ms_per_step']:>11.3f} {r['host_ms_per_step']:>8.3f} "

@@ -29,7 +29,6 @@ JSON goes to $OUT/bench_parallel.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -352,8 +351,8 @@ def main(argv=None):
     if args.tiny:
         args.slots, args.prompt_len, args.max_tokens = min(args.slots, 4), 16, 16
         args.cycles, args.reps, args.tp_batches = 4, 1, [2]
-    dp_cfg = dataclasses.replace(dp_cfg, unroll_layers=jax.default_backend() == "gpu")
-    tp_cfg = dataclasses.replace(tp_cfg, unroll_layers=jax.default_backend() == "gpu")
+    dp_cfg = dp_cfg.with_layout(unroll_layers=jax.default_backend() == "gpu")
+    tp_cfg = tp_cfg.with_layout(unroll_layers=jax.default_backend() == "gpu")
     rows = []
 
     def save(more=()):   # after every row, so a run cut short keeps what it measured

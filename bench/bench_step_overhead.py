@@ -15,7 +15,6 @@ figure, each ingredient separately:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 
 import jax
@@ -62,7 +61,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=None)
     a = ap.parse_args(argv)
     gpu = jax.default_backend() == "gpu"
-    cfg = dataclasses.replace(TINY if a.tiny else LLAMA3_8B, unroll_layers=gpu)
+    cfg = (TINY if a.tiny else LLAMA3_8B).with_layout(unroll_layers=gpu)
     dtype = jnp.bfloat16 if gpu else jnp.float32
     n, repeats = a.n or (5 if a.tiny else 20), a.repeats or (3 if a.tiny else 5)
     max_len = a.prefix + 16 * (n + 2) * (repeats + 2) + 128

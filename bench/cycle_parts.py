@@ -54,11 +54,9 @@ def _programs(cfg, spec_name: str, batch: int, prefix: int, draft_vocab: int = 0
     out = []
     for be in (spec, plain):
         st = be.init_state()
-        cache = st.target if hasattr(st, "target") else st.cache
         # Random caches: kernels may run faster on zeros (METHOD.md).
-        k = jax.random.normal(jax.random.PRNGKey(2), cache.k.shape, dtype)
-        full = KVCache(k, k * 0.5, jnp.full((batch,), prefix, jnp.int32))
-        st = st.replace(target=full) if hasattr(st, "target") else st.replace(cache=full)
+        k = jax.random.normal(jax.random.PRNGKey(2), st.target.k.shape, dtype)
+        st = st.replace(target=KVCache(k, k * 0.5, jnp.full((batch,), prefix, jnp.int32)))
         if hasattr(st, "seed") and context:                    # a full context: every id live
             held = np.setdiff1d(np.arange(cfg.vocab_size), ids)
             ctx = np.broadcast_to(held[:context], st.seed.ctx.shape).astype(np.int32)
@@ -111,7 +109,7 @@ def main():
     gpu = jax.default_backend() == "gpu"
     rows, profiles = {}, {}
     for layers in (1, 2, full):
-        cfg = dataclasses.replace(SMOLLM2_135M, num_layers=layers, unroll_layers=gpu)
+        cfg = dataclasses.replace(SMOLLM2_135M, num_layers=layers).with_layout(unroll_layers=gpu)
         progs = dict(zip(("spec", "plain"), _programs(cfg, a.spec, a.batch, a.prefix, a.draft_vocab,
                                                         a.context_vocab)))
         rows[layers] = {}

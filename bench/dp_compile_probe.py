@@ -13,7 +13,6 @@ programs by index (see --list); --devices 1 builds the same per-device programs 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -58,7 +57,7 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
     cfg = TINY if args.tiny else SMOLLM2_135M
-    cfg = dataclasses.replace(cfg, unroll_layers=jax.default_backend() == "gpu")
+    cfg = cfg.with_layout(unroll_layers=jax.default_backend() == "gpu")
     devices = jax.local_devices()[:args.devices or None]
     dtype = jax.numpy.bfloat16 if jax.default_backend() == "gpu" else jax.numpy.float32
     p, d = random_pair(cfg, dtype)

@@ -110,7 +110,7 @@ def census(mode: str, batch: int, layers: int, cycle_only: bool = False):
     cycle_only: the LEAN cycle programs alone (no admissions: seconds, not minutes)."""
     gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if gpu else jnp.float32
-    cfg = dataclasses.replace(SMOLLM2_135M, num_layers=layers, unroll_layers=gpu)
+    cfg = dataclasses.replace(SMOLLM2_135M, num_layers=layers).with_layout(unroll_layers=gpu)
     params = llama.init_random_params(cfg, jax.random.PRNGKey(0), dtype=dtype)
     head = jax.tree_util.tree_map(lambda x: x.astype(dtype),
                                   eagle.init_eagle_params(cfg, jax.random.PRNGKey(1)))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import math
 import os
@@ -91,7 +90,7 @@ def model_programs(a, out):
     from bench.common import LLAMA3_8B
     from jaxspec.spec import SpecConfig, jit_cycle
     cfg = bc.TINY if a.tiny else LLAMA3_8B
-    cfg = dataclasses.replace(cfg, unroll_layers=jax.default_backend() == "gpu")
+    cfg = cfg.with_layout(unroll_layers=jax.default_backend() == "gpu")
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     prefix = 128 if a.tiny else a.prefix
     max_len = prefix + 128

@@ -110,5 +110,4 @@ def build_engine(cfg: ModelConfig, params, econf: EngineConfig, *, draft=None, s
 
 
 def _with_layout(cfg: ModelConfig, layout: Optional[str]) -> ModelConfig:
-    import dataclasses
-    return dataclasses.replace(cfg, unroll_layers=layout == "unrolled")
+    return cfg.with_layout(unroll_layers=layout == "unrolled")

@@ -42,38 +42,17 @@ class ModelConfig:
     sliding_window: Optional[int] = None  # Mistral; checked against the context length
     bos_token_id: Optional[int] = None
     eos_token_ids: Tuple[int, ...] = ()
-    # Execution, not architecture: run the layers as an unrolled Python loop over static slices
-    # of the stacked weights (GPU: XLA reads them in place) instead of a lax.scan (whose dynamic
-    # slices XLA copies out every step, several times slower a decode step). The scan compiles
-    # much faster, which is what the CPU wants.
-    unroll_layers: bool = False
-    # With the scan: layers per loop iteration. Each iteration of a loop XLA runs outside the
-    # CUDA graph is a launch the host makes, so a many-layer prompt chunk costs an admission
-    # host time per layer.
-    scan_unroll: int = 1
-    # Every forward run with this config attends under masks where no token sees a later new
-    # token (prompt chunks and packs: causal, block-diagonal causal), so the attention kernel's
-    # row blocks stop at their last query's key block and skip the keys no query of theirs
-    # sees. `for_prefill` sets it; tree masks do not need it (a handful of keys).
-    causal_chunks: bool = False
-    # The chunks are prompts laid end to end (packs): the first key a token sees never moves
-    # back from one token to the next, so each attention row block starts at the key block its
-    # first token first sees (`for_prefill(packed=True)`).
-    packed_chunks: bool = False
-    # No slot's live prefix exceeds this many rows while a program built with it runs (0: not
-    # known, up to the cache's length). The attention kernel cuts the prefix into fewer splits
-    # for it (short live prefixes in a long cache: one split and no combine kernel). Results do
-    # not depend on it (the kernel reads each slot's own length at run time); an engine builds
-    # such programs and picks them only while it holds.
-    live_rows: int = 0
+    def with_layout(self, **changes) -> "RunConfig":
+        """This architecture as one program runs it: `Layout` fields changed from this
+        config's layout (the default layout for a plain ModelConfig)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)}
+        return RunConfig(**fields, layout=dataclasses.replace(layout_of(self), **changes))
 
-    def with_live_rows(self, rows: int) -> "ModelConfig":
+    def with_live_rows(self, rows: int) -> "RunConfig":
         """This config for programs run only while every slot holds at most `rows` rows."""
-        if rows < 0:
-            raise ConfigError(f"live_rows must be >= 0, got {rows}")
-        return dataclasses.replace(self, live_rows=rows)
+        return self.with_layout(live_rows=rows)
 
-    def for_prefill(self, unroll: Optional[int] = None, packed: bool = False) -> "ModelConfig":
+    def for_prefill(self, unroll: Optional[int] = None, packed: bool = False) -> "RunConfig":
         """The layout prompt chunks run with: always the scan. A serving engine compiles one
         prefill per (slot count, chunk width) bucket, dozens in all; the scan compiles one layer
         body per bucket where the unrolled loop compiles all L (with their attention kernels),
@@ -81,13 +60,13 @@ class ModelConfig:
         a decode step, so the scan's weight copies cost it little.
 
         unroll: layers per scan iteration (default: JAXSPEC_PREFILL_UNROLL, else 1).
-        packed: the chunks are packs of prompts (`packed_chunks`)."""
+        packed: the chunks are packs of prompts (`Layout.packed_chunks`)."""
         if unroll is None:
             unroll = envs.JAXSPEC_PREFILL_UNROLL
         if unroll < 1:
             raise ConfigError(f"prefill unroll must be >= 1, got {unroll}")
-        return dataclasses.replace(self, unroll_layers=False, scan_unroll=unroll,
-                                   causal_chunks=True, packed_chunks=packed)
+        return self.with_layout(unroll_layers=False, scan_unroll=unroll, causal_chunks=True,
+                                packed_chunks=packed)
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:
@@ -154,6 +133,51 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks required field {e.args[0]!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one compiled program runs a model: execution, not architecture.
+
+    unroll_layers  the layers as an unrolled loop over static slices of the stacked weights
+                   (a GPU reads them in place) instead of a lax.scan (whose dynamic slices XLA
+                   copies out every step); the scan compiles much faster, which the CPU wants
+    scan_unroll    with the scan: layers per iteration (each iteration a loop runs outside
+                   the CUDA graph is a launch the host makes)
+    causal_chunks  no token sees a later new token (prompt chunks and packs), so attention row
+                   blocks stop at their last query's key block (`for_prefill`)
+    packed_chunks  the chunks are prompts end to end: each row block starts at the key block
+                   its first token first sees (`for_prefill(packed=True)`)
+    live_rows      no slot's live prefix exceeds this many rows while the program runs (0: up
+                   to the cache's length): the attention cuts the prefix into fewer splits;
+                   results do not depend on it (the kernel reads each slot's length)
+    """
+    unroll_layers: bool = False
+    scan_unroll: int = 1
+    causal_chunks: bool = False
+    packed_chunks: bool = False
+    live_rows: int = 0
+
+    def __post_init__(self):
+        if self.live_rows < 0:
+            raise ConfigError(f"live_rows must be >= 0, got {self.live_rows}")
+        if self.scan_unroll < 1:
+            raise ConfigError(f"scan_unroll must be >= 1, got {self.scan_unroll}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig(ModelConfig):
+    """A ModelConfig as one program runs it: the architecture and its `Layout`
+    (`ModelConfig.with_layout`, `for_prefill`, `with_live_rows`)."""
+    layout: Layout = Layout()
+
+
+def layout_of(cfg: ModelConfig) -> Layout:
+    """The layout a config runs with (the default one for a plain ModelConfig)."""
+    return cfg.layout if isinstance(cfg, RunConfig) else _DEFAULT_LAYOUT
+
+
+_DEFAULT_LAYOUT = Layout()
 
 
 def _rope_scaling_from_hf(rs: Optional[Mapping[str, Any]]) -> Optional[RopeScaling]:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.config import ModelConfig
+from jaxspec.config import ModelConfig, layout_of
 from jaxspec.kv import KVCache, init_cache
 from jaxspec.models import llama
 from jaxspec.sampling import (MAX_LOGPROBS, Emitted, Features, SlotSampling, TokenCounts,
@@ -38,7 +38,7 @@ def loop_params(params, cfg: ModelConfig, n_steps: int):
     at 2.4x the bytes floor for 32 steps of an 8B model on the H100, against 1.1x for one step
     per call). Slicing once, before the loop, makes the per-layer weights loop invariants:
     one copy per call instead of one per step."""
-    if n_steps > 1 and cfg.unroll_layers and not isinstance(params["layers"], (list, tuple)):
+    if n_steps > 1 and layout_of(cfg).unroll_layers and not isinstance(params["layers"], (list, tuple)):
         return llama.unstack_layers(params)
     return params
 

@@ -136,13 +136,12 @@ def test_decode_does_not_recompile(params):
 
 
 def test_unrolled_layers_equal_scan(params):
-    import dataclasses
     toks = jax.random.randint(jax.random.PRNGKey(7), (2, 6), 0, CFG.vocab_size)
     pos = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
     cache = init_cache(CFG, 2, 16, jnp.float32)
     args = (toks, pos, cache.k, cache.v, cache.lens, llama.causal_mask(2, 6))
     ref = llama.forward(params, CFG, *args, capture_layers=(0, 1))
-    for p, cfg in [(params, dataclasses.replace(CFG, unroll_layers=True)),
+    for p, cfg in [(params, CFG.with_layout(unroll_layers=True)),
                    (llama.unstack_layers(params), CFG), (params, CFG.for_prefill(2))]:
         got = llama.forward(p, cfg, *args, capture_layers=(0, 1))
         for a, b in zip(ref, got):
@@ -150,9 +149,9 @@ def test_unrolled_layers_equal_scan(params):
 
 
 def test_prefill_unroll_setting(monkeypatch):
-    assert CFG.for_prefill().scan_unroll == 1 and not CFG.for_prefill().unroll_layers
+    assert CFG.for_prefill().layout.scan_unroll == 1 and not CFG.for_prefill().layout.unroll_layers
     monkeypatch.setenv("JAXSPEC_PREFILL_UNROLL", "5")
-    assert CFG.for_prefill().scan_unroll == 5 and CFG.for_prefill(3).scan_unroll == 3
+    assert CFG.for_prefill().layout.scan_unroll == 5 and CFG.for_prefill(3).layout.scan_unroll == 3
     with pytest.raises(ConfigError, match="unroll"):
         CFG.for_prefill(0)
 
@@ -175,9 +174,8 @@ def test_multi_step_decode_slices_weights_outside_the_loop(params, monkeypatch):
     """With the unrolled layout a multi-step decode must not slice the stacked weights inside
     its loop body (XLA copies such slices out every iteration on the GPU); greedy tokens equal
     the scan layout's."""
-    import dataclasses
     import jaxspec.decode as decode_mod
-    ucfg = dataclasses.replace(CFG, unroll_layers=True)
+    ucfg = CFG.with_layout(unroll_layers=True)
     shapes = {tuple(a.shape) for a in jax.tree_util.tree_leaves(params["layers"])}
     sp = SlotSampling.from_params([SamplingParams()] * 2, 2)
     toks = jnp.array([3, 5], jnp.int32)

@@ -279,9 +279,9 @@ def test_skip_before_leaves_rows_that_see_nothing_finite():
 
 
 def test_prefill_config_marks_chunks_causal():
-    from jaxspec.config import ModelConfig
+    from jaxspec.config import ModelConfig, layout_of
     cfg = ModelConfig("LlamaForCausalLM", 64, 32, 64, 2, 4, 2, 8)
-    assert not cfg.causal_chunks and cfg.for_prefill().causal_chunks
+    assert not layout_of(cfg).causal_chunks and cfg.for_prefill().layout.causal_chunks
 
 
 def test_one_slot_long_prefix_fills_one_wave_of_two_programs_per_sm():

@@ -43,14 +43,13 @@ def replayed_accept(path: str) -> Dict[str, float]:
 def run(modes, shape: str = "llama3-8b", prefix: Optional[int] = None,
         assume: Optional[List[float]] = None, replay: Optional[str] = None,
         cycles: Optional[int] = None, repeats: Optional[int] = None, progress=None) -> dict:
-    import dataclasses
 
     import jax
     import jax.numpy as jnp
     bc = _bench_cycle()
     tiny = shape == "tiny"
     cfg = {"tiny": bc.TINY, "llama3-8b": bc.LLAMA3_8B}[shape]
-    cfg = dataclasses.replace(cfg, unroll_layers=jax.default_backend() == "gpu")
+    cfg = cfg.with_layout(unroll_layers=jax.default_backend() == "gpu")
     dtype = jnp.float32 if tiny and jax.default_backend() == "cpu" else jnp.bfloat16
     prefix = prefix or (128 if tiny else 1024)
     if any((m.cycles_per_call or 1) > 1 for m in modes):

@@ -176,7 +176,8 @@ class SpecBackend(_Backend):
 
 @functools.lru_cache(maxsize=None)
 def _jit_plain_cycles(cfg, slots, n_steps, _gemm):
-    """{features: n_steps decode steps}; cfg.live_rows sizes the attention (short builds)."""
+    """{features: n_steps decode steps}; the layout's live_rows sizes the attention (short
+    builds)."""
     return {f: jit(functools.partial(plain_cycle, cfg=cfg, n_steps=n_steps, features=f),
                    rows=slots, donate_argnums=(2,)) for f in VARIANTS}
 

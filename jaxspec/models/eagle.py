@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.config import ModelConfig
+from jaxspec.config import ModelConfig, layout_of
 from jaxspec.models import llama
 from pallas_kernels.tree_attention import tree_attention
 
@@ -95,7 +95,8 @@ def attend(cfg: ModelConfig, q, cache_k, cache_v, seq_lens, k_new, v_new, mask, 
     """Draft attention over the committed draft cache (layer 0) plus `k_new` under `mask`;
     slots [B]: the cache slot of each row (None: row b is slot b)."""
     return tree_attention(q, cache_k, cache_v, jnp.int32(0), seq_lens, k_new, v_new, mask,
-                          sm_scale=cfg.head_dim ** -0.5, slots=slots, live_rows=cfg.live_rows)
+                          sm_scale=cfg.head_dim ** -0.5, slots=slots,
+                          live_rows=layout_of(cfg).live_rows)
 
 
 def finish_layer(cfg: ModelConfig, draft_params, x, attn):

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.config import ModelConfig
+from jaxspec.config import ModelConfig, layout_of
 from jaxspec.models import llama
 from pallas_kernels.tree_attention import tree_attention
 
@@ -160,7 +160,8 @@ def qkv(cfg: ModelConfig, head: Eagle3Head, x, positions):
 def attend(cfg: ModelConfig, q, cache_k, cache_v, seq_lens, k_new, v_new, mask, slots=None):
     """As eagle.attend; the scale is the head's own head_dim (read from q)."""
     return tree_attention(q, cache_k, cache_v, jnp.int32(0), seq_lens, k_new, v_new, mask,
-                          sm_scale=q.shape[-1] ** -0.5, slots=slots, live_rows=cfg.live_rows)
+                          sm_scale=q.shape[-1] ** -0.5, slots=slots,
+                          live_rows=layout_of(cfg).live_rows)
 
 
 def finish_layer(cfg: ModelConfig, head: Eagle3Head, x, attn):

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.config import ModelConfig
+from jaxspec.config import ModelConfig, layout_of
 from pallas_kernels.tree_attention import split_packed, tree_attention, tree_attention_packed
 
 
@@ -128,14 +128,16 @@ def attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer, se
         qkv = qkv_packed(cfg, lp, x, positions, inv_freq, skip_norm, tables)
         o = tree_attention_packed(qkv, cache_k, cache_v, layer, seq_lens, new_mask,
                                   num_heads=cfg.num_heads, sm_scale=scale,
-                                  causal=cfg.causal_chunks, skip_before=cfg.packed_chunks,
-                                  slots=slots, live_rows=cfg.live_rows)
+                                  causal=layout_of(cfg).causal_chunks,
+                                  skip_before=layout_of(cfg).packed_chunks,
+                                  slots=slots, live_rows=layout_of(cfg).live_rows)
         _, k, v = split_packed(qkv, cfg.num_heads, cfg.num_kv_heads)
     else:   # blocked (tensor-parallel) weights
         q, k, v = qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm, tables)
         o = tree_attention(q, cache_k, cache_v, layer, seq_lens, k, v, new_mask, sm_scale=scale,
-                           causal=cfg.causal_chunks, skip_before=cfg.packed_chunks, slots=slots,
-                           live_rows=cfg.live_rows)
+                           causal=layout_of(cfg).causal_chunks,
+                           skip_before=layout_of(cfg).packed_chunks, slots=slots,
+                           live_rows=layout_of(cfg).live_rows)
     return o.reshape(b, n, cfg.q_size) @ lp["wo"], k, v
 
 
@@ -174,7 +176,7 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, seq_l
         x = x + mlp_block(cfg, lp, x)
         return x, (k, v, x if capture_layers else None)
 
-    if cfg.unroll_layers or isinstance(params["layers"], (list, tuple)):
+    if layout_of(cfg).unroll_layers or isinstance(params["layers"], (list, tuple)):
         ys = [None] * cfg.num_layers
         for i in range(cfg.num_layers):
             lp = layer_slice(params["layers"], i)
@@ -185,7 +187,8 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, seq_l
     else:
         layers = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32))
         x, (k_new, v_new, outs) = jax.lax.scan(layer_fn, x, layers,
-                                               unroll=min(cfg.scan_unroll, cfg.num_layers))
+                                               unroll=min(layout_of(cfg).scan_unroll,
+                                                          cfg.num_layers))
         captured = outs[jnp.asarray(capture_layers)] if capture_layers else None
     return x, k_new, v_new, captured
 
