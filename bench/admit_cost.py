@@ -4,7 +4,7 @@
 At batch 64 the engine admits waiting requests only every few calls (`admit_interval`), because
 each admission is a program of ~740 kernels whatever it carries; slots freed in between idle.
 Whether admitting more often can pay depends on that fixed cost, so this times every admission
-program the engine compiles (`Engine.admission_forms`: packed first chunks of T tokens, later
+program the engine compiles (`engine.planner.forms()`: packed first chunks of T tokens, later
 chunks of 1-64 slots), each on padding rows back to back (the state is kept), in the given
 modes, and fits ms = fixed + per_token x T over the packed forms.
 Usage: python -m bench.admit_cost [--modes 3x2x4:4,plain:16] [--batch 64] [--calls 20]
@@ -26,7 +26,7 @@ from jaxspec.sampling import LEAN
 def admission_costs(engine, calls: int) -> list:
     """[(form, requests, tokens a row, ms)] for every admission program of the engine, LEAN."""
     rows = []
-    for a, w, form in engine.admission_forms():
+    for a, w, form in engine.planner.forms():
         ms = device_ms_per_admit(engine, a, w, LEAN, form, calls)
         rows.append((form, a, w, ms))
     return rows

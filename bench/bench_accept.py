@@ -4,8 +4,9 @@ MT-bench questions (first turn, chat template, greedy), per speculation preset.
     python -m bench.bench_accept [--model M] [--head H.safetensors] [--presets chain tree]
         [--questions 80] [--max-new 256] [--draft-vocab K] [--out results.json] [--agreement]
 
---head defaults to the shipped head of the default model. tau depends only on the head and the
-target (greedy, static shapes), not on the batch: all questions run as one batch.
+--head defaults to the shipped head of the default model. The answers come from the engine
+(`jaxspec.build.build_engine`, greedy); tau depends only on the head and the target, not on the
+batch: all questions run at once.
 --draft-vocab K (EAGLE-1 heads) drafts only the ranking's K most frequent tokens, as
 `LLM(draft_vocab=K)` does (the ranking shipped beside the default head, or --ranking); the
 default 0 drafts the whole vocabulary. With it, --context-vocab E makes the last E of the K each
@@ -65,23 +66,24 @@ def follow_up(tok, first_turns: Sequence[str], later: Sequence[str]) -> Callable
 def measure_acceptance(cfg, params, draft, prompts: Sequence[Sequence[int]], presets=("chain", "tree"),
                        max_new: int = 256, max_slots: int = 0, runners=None,
                        next_turns: Sequence[Callable] = ()) -> Dict[str, dict]:
-    """{preset: {tau, looping, tau_unlooped, cycles, tokens, wall_s, accept_hist}} with
-    SpecRunner, greedy (looping, tau_unlooped: `loop_split`). presets:
-    names or STEPSxTOPKxTOKENS (as jaxspec-bench --spec).
+    """{preset: {tau, looping, tau_unlooped, cycles, tokens, wall_s, accept_hist}} from the
+    engine, greedy (looping, tau_unlooped: `loop_split`). presets: names or STEPSxTOPKxTOKENS
+    (as jaxspec-bench --spec). tau is over every cycle of every request: the engine records a
+    request's cycles up to the one that ended it (`RequestOutput.accept_lens`).
 
-    runners: a dict kept by the caller to reuse compiled runners across heads of one shape.
-    next_turns: for each later turn, a function of the previous turn's results giving its
-    prompts (`follow_up`); the figures then cover every turn's cycles, and 'turns' holds each
-    turn's own (tau, cycles, tokens)."""
+    runners: a dict kept by the caller to reuse engines (their compiled programs) across heads
+    of one shape. next_turns: for each later turn, a function of the previous turn's results
+    giving its prompts (`follow_up`); the figures then cover every turn's cycles, and 'turns'
+    holds each turn's own (tau, cycles, tokens)."""
     from jaxspec.benchmark.runner import parse_specs
 
     out = {}
     for name, spec in ((m.label, m.spec) for m in parse_specs(",".join(presets))):
         t0 = time.perf_counter()
-        turns = [_answer(cfg, params, draft, spec, name, prompts, max_new, max_slots, runners)]
+        turns = [answers(cfg, params, draft, spec, prompts, max_new, max_slots, runners)]
         for make in next_turns:
-            turns.append(_answer(cfg, params, draft, spec, name, make(turns[-1]), max_new,
-                                 max_slots, runners))
+            turns.append(answers(cfg, params, draft, spec, make(turns[-1]), max_new, max_slots,
+                                 runners))
         wall = time.perf_counter() - t0
         res = [r for turn in turns for r in turn]
         out[name] = {**_turn_figures(res), **loop_split(res), "wall_s": round(wall, 2),
@@ -93,30 +95,56 @@ def measure_acceptance(cfg, params, draft, prompts: Sequence[Sequence[int]], pre
     return out
 
 
-def _answer(cfg, params, draft, spec, name, prompts, max_new, max_slots, runners):
-    """One turn: greedy SpecRunner results for `prompts` (a runner from `runners` when one of
-    the same preset, slots and rows was built before)."""
-    from jaxspec.spec import SpecRunner
-    slots = max_slots or len(prompts)
-    max_len = _runner_rows(prompts, max_new, spec)
-    key = (name, slots, max_len)
-    if runners is not None and key in runners:
-        runner = runners[key]
-        runner.draft_params = draft
-    else:
-        runner = SpecRunner(cfg, params, draft, spec, max_slots=slots, max_len=max_len)
-        if runners is not None:
-            runners[key] = runner
-    return runner.generate(prompts, [max_new] * len(prompts), tuple(cfg.eos_token_ids))
+def answers(cfg, params, draft, spec, prompts, max_new: int, max_slots: int = 0,
+            runners=None, sampling=None) -> list:
+    """One turn: the engine's RequestOutputs for `prompts` (token ids), in order, each cut at
+    max_new tokens or after an EOS of cfg; greedy, or per prompt `sampling` (SamplingParams,
+    their max_tokens at most max_new). max_slots: the engine's slots (0: one per prompt; fewer
+    run the rest as slots free up, which leaves greedy outputs as they are). runners: engines
+    by (spec, slots, rows, the draft's shapes), reused with this draft."""
+    from jaxspec.sampling import SamplingParams
+
+    engine = _engine(cfg, params, draft, spec, max_slots or len(prompts),
+                     _model_len(prompts, max_new), runners)
+    sps = sampling or [SamplingParams(temperature=0.0, max_tokens=max_new)] * len(prompts)
+    ids = [engine.add_request(p, sp, stream=False) for p, sp in zip(prompts, sps)]
+    for _ in engine.drain():
+        pass
+    return [engine.pop_finished(i).output_record(i, speculative=True) for i in ids]
+
+
+def _engine(cfg, params, draft, spec, slots: int, max_len: int, runners):
+    """A speculative engine over `draft` (from `runners` when one of the same spec, slots, rows
+    and draft shapes was built before: only its draft weights change)."""
+    import jax
+
+    from jaxspec.build import build_engine
+    from jaxspec.engine import EngineConfig
+    from jaxspec.spec.config import resolve_spec
+
+    spec = resolve_spec(spec)
+    leaves, tree = jax.tree_util.tree_flatten(draft)
+    key = (spec, slots, max_len, str(tree),
+           tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+    engine = None if runners is None else runners.get(key)
+    if engine is not None:
+        be = engine.backend
+        be.draft_params = be.placement.weights(be.params, draft)[1]
+        return engine
+    engine = build_engine(cfg, params, EngineConfig(max_batch=slots, max_model_len=max_len),
+                          draft=draft, spec=spec, eos_ids=cfg.eos_token_ids)
+    if runners is not None:
+        runners[key] = engine
+    return engine
 
 
 def _accepts(res) -> np.ndarray:
-    """Every cycle's accepted draft tokens over SpecRunner results, in order."""
+    """Every cycle's accepted draft tokens over the results (`answers`), in order."""
     return np.concatenate([np.asarray(r.accept_lens, np.int64) for r in res])
 
 
 def _turn_figures(res) -> dict:
-    """tau (accepted + bonus per cycle), cycles and emitted tokens of SpecRunner results."""
+    """tau (accepted + bonus per cycle), cycles and emitted tokens of the results (`answers`)."""
     acc = _accepts(res)
     return {"tau": float((acc + 1).mean()), "cycles": int(acc.size),
             "tokens": int(sum(len(r.token_ids) for r in res))}
@@ -169,7 +197,7 @@ def simulate_chain(flags: np.ndarray, prompt_len: int) -> List[int]:
 
 def agreement_table(cfg, params, draft, prompts, results, categories, steps: int) -> Dict[str, dict]:
     """{category (and "all"): measured and simulated tau, cycles, the first step's agreement
-    over all answer tokens and at cycle starts} for one chain preset's `SpecRunner` results."""
+    over all answer tokens and at cycle starts} for one chain preset's results (`answers`)."""
     seqs = [list(p) + list(r.token_ids) for p, r in zip(prompts, results)]
     groups: Dict[str, Dict[str, list]] = {}
     for cat, p, r, flags in zip(categories, prompts, results,
@@ -189,7 +217,7 @@ def agreement_table(cfg, params, draft, prompts, results, categories, steps: int
 
 
 def loop_split(res) -> dict:
-    """Of SpecRunner results (token_ids, accept_lens each): the share of requests whose answer
+    """Of results (token_ids, accept_lens each): the share of requests whose answer
     loops (`runner.loops`) and tau over the others. A greedy answer stuck in a loop is easy to
     draft, so at long --max-new the plain tau says more about loops than about the head;
     tau_unlooped is the figure to compare heads by."""
@@ -200,11 +228,10 @@ def loop_split(res) -> dict:
             "tau_unlooped": float(np.mean(rest)) if rest else None}
 
 
-def _runner_rows(prompts, max_new: int, spec) -> int:
-    """Rows per slot for a SpecRunner over these prompts: the longest prompt's bucket, the new
-    tokens and a cycle's overshoot, rounded up to 128."""
-    longest = max(len(p) for p in prompts)
-    return _round_up(max(16, 1 << (longest - 1).bit_length()) + max_new + spec.num_steps + 2, 128)
+def _model_len(prompts, max_new: int) -> int:
+    """max_model_len for these prompts: the longest prompt and the new tokens, rounded up to
+    128 (so that turns of similar lengths share an engine)."""
+    return _round_up(max(len(p) for p in prompts) + max_new, 128)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -212,10 +239,7 @@ def _round_up(x: int, m: int) -> int:
 
 
 def main(argv=None) -> int:
-    import jax
-
     from jaxspec.loading.eagle_ckpt import load_default_head, load_draft
-    from jaxspec.models import llama
     from jaxspec.weights import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -238,7 +262,7 @@ def main(argv=None) -> int:
                     help="2: also each question's second turn, after its first turn's answer "
                          "(EAGLE's MT-bench evaluation); tau over both turns' cycles")
     ap.add_argument("--max-slots", type=int, default=0,
-                    help="slots a runner holds (0: every question at once); fewer bound memory, "
+                    help="the engine's slots (0: every question at once); fewer bound memory, "
                          "not tau")
     ap.add_argument("--out", default=None)
     ap.add_argument("--agreement", action="store_true",
@@ -261,14 +285,12 @@ def main(argv=None) -> int:
     dtype = params["embed"].dtype
     draft = load_draft(a.head, cfg, dtype) if a.head else load_default_head(cfg, dtype)
     if 0 < a.draft_vocab < cfg.vocab_size:
+        from jaxspec import defaults
         from jaxspec.spec.draft_vocab import restrict_top
-        from jaxspec.llm import DEFAULT_CONTEXT_VOCAB
-        # default: the LLM's for one request (the measure here is a request's tau)
-        ctx = DEFAULT_CONTEXT_VOCAB if a.context_vocab is None else a.context_vocab
+        # default: the LLM's for one request on a GPU (the measure here is a request's tau)
+        ctx = defaults.CONTEXT_VOCAB if a.context_vocab is None else a.context_vocab
         ctx = ctx if a.context_vocab is not None or ctx < a.draft_vocab else 0
         draft = restrict_top(params, draft, cfg, a.draft_vocab, a.ranking, context=ctx)
-    if jax.default_backend() == "gpu":
-        params = llama.unstack_layers(params)
     turns = mt_bench_turns(n=a.questions)
     firsts = [t[0] for t in turns]
     prompts = tok.apply_chat_templates([[{"role": "user", "content": q}] for q in firsts])
@@ -291,15 +313,12 @@ def main(argv=None) -> int:
 
 def _print_agreement(cfg, params, draft, prompts, a) -> int:
     from jaxspec.datasets import mt_bench
-    from jaxspec.spec import SpecRunner
     from jaxspec.spec.config import resolve_spec
 
     if not isinstance(draft, dict):
         raise SystemExit("--agreement needs an EAGLE-1 head (its training passes simulate it)")
     spec = resolve_spec("chain")
-    runner = SpecRunner(cfg, params, draft, spec, max_slots=len(prompts),
-                        max_len=_runner_rows(prompts, a.max_new, spec))
-    res = runner.generate(prompts, [a.max_new] * len(prompts), tuple(cfg.eos_token_ids))
+    res = answers(cfg, params, draft, spec, prompts, a.max_new, a.max_slots)
     cats = [r["category"] for r in mt_bench(limit=a.questions)]
     table = agreement_table(cfg, params, draft, prompts, res, cats, spec.num_steps)
     print(f"{'category':11s} {'tau':>6s} {'tau sim':>7s} {'cycles':>7s} {'agree':>6s} {'at starts':>9s}")

@@ -5,7 +5,8 @@
 Lossless tree speculative sampling accepts a drafted token with the target's probability of it,
 so tau (tokens per cycle) at temperature 1 is expected below greedy's. Uses the shipped EAGLE-1
 head of the default model when it loads, else a random head (with a warning: tau is then
-meaningless beyond a smoke test). Runs on GPU or CPU.
+meaningless beyond a smoke test). The answers come from the engine (`bench_accept.answers`),
+every question at once, request i seeded with i. Runs on GPU or CPU.
 """
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    from bench.bench_accept import mt_bench_questions
+    from bench.bench_accept import answers, mt_bench_questions
     from jaxspec.models import eagle
     from jaxspec.sampling import SamplingParams
-    from jaxspec.spec import SpecRunner, resolve_spec
+    from jaxspec.spec import resolve_spec
     from jaxspec.weights import load_model
 
     cfg, params, tok = load_model(args.model)
@@ -42,16 +43,14 @@ def main(argv=None):
         head = eagle.init_eagle_params(cfg, jax.random.PRNGKey(0))
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
                for q in mt_bench_questions(n=args.questions)]
-    longest = max(len(p) for p in prompts)
-    out = {}
+    out, engines = {}, {}
     for name in args.presets:
         spec = resolve_spec(name)
-        runner = SpecRunner(cfg, params, head, spec, max_slots=len(prompts),
-                            max_len=longest + args.max_new + spec.num_steps + 64)
         for t in args.temperatures:
             sps = [SamplingParams(temperature=t, max_tokens=args.max_new, seed=i)
                    for i in range(len(prompts))]
-            res = runner.generate(prompts, sps, tuple(cfg.eos_token_ids))
+            res = answers(cfg, params, head, spec, prompts, args.max_new, runners=engines,
+                          sampling=sps)
             acc = np.concatenate([np.asarray(r.accept_lens, np.int64) for r in res])
             out[f"{name}@T={t}"] = {"tau": float((acc + 1).mean()), "cycles": int(acc.size)}
             print(name, f"T={t}", out[f"{name}@T={t}"], flush=True)

@@ -5,8 +5,9 @@ steps with jax.profiler (perfetto trace; CUDA graphs kept on while profiling, so
 one measured) and sums the host events by name: the runtime's own spans (argument handling,
 executable launch, command-buffer updates, transfers) next to the engine's (step, dispatch,
 absorb, admit), labeled with jax.profiler.TraceAnnotation.
-With --admit A,W it traces --steps back-to-back admissions of one shape instead (A slots, chunk
-width W, first-chunk form, every row padding so the state is kept).
+With --admit A,W[,FORM] it traces --steps back-to-back admissions of one shape instead (A
+requests, W tokens a row, FORM 'chunk' (default) or 'packed', one of `engine.planner.forms()`;
+every row padding so the state is kept).
 Both print the device's events too (kernels per name, summed over the GPU streams).
 Usage: python -m bench.profile_engine [--mode chain] [--batch 1] [--steps 40] [--top 40]
            [--admit 4,128] [--model GGUF [--head FILE] [--stream]]
@@ -82,7 +83,9 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--top", type=int, default=40)
-    ap.add_argument("--admit", default=None, help="A,W: trace admissions of this shape only")
+    ap.add_argument("--admit", default=None,
+                    help="A,W[,FORM]: trace admissions of this shape only (FORM: chunk or "
+                         "packed)")
     ap.add_argument("--model", default=None,
                     help="GGUF/HF model: real weights and its tokenizer, so the host also pays "
                          "for text as LLM does (default: random weights, no text)")
@@ -92,7 +95,7 @@ def main():
                          "getting it once at the end (LLM.generate)")
     args = ap.parse_args()
     trace.keep_graphs_while_profiling()
-    from bench.bench_engine import load, make, padding_admit_args
+    from bench.bench_engine import load, make, padding_admission
 
     class A:
         model, head = args.model, args.head
@@ -112,13 +115,17 @@ def main():
         eng.step()
     out = os.path.join(os.environ.get("OUT", "."), f"profile_{args.mode}_b{args.batch}")
     if args.admit:
-        a, w = (int(x) for x in args.admit.split(","))
+        a, w, *form = args.admit.split(",")
+        a, w, form = int(a), int(w), form[0] if form else "chunk"
+        if (a, w, form) not in eng.planner.forms():
+            raise SystemExit(f"--admit {args.admit}: not one of this engine's admission shapes "
+                             f"{eng.planner.forms()}")
         be = eng.backend
-        call = padding_admit_args(be, a, w)
+        parts = padding_admission(eng, a, w, form)
         with jax.profiler.trace(out, create_perfetto_trace=True):
             for _ in range(args.steps):
                 with jax.profiler.TraceAnnotation("engine.admit"):
-                    eng.state, _ = be.admit(eng.state, *call, first=True)
+                    eng.state, _ = be.admit(eng.state, form, parts)
             jax.block_until_ready(eng.state)
         return summarize(out, args.top)
     with jax.profiler.trace(out, create_perfetto_trace=True):

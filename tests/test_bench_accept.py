@@ -30,12 +30,11 @@ def test_simulate_chain_walks_cycles():
 
 def test_agreement_simulation_equals_the_measured_chain():
     """The head's training passes, walked cycle by cycle over the chain's own answers, give the
-    accept lengths the cycle measured (fp32, a tiny target and a head built to agree)."""
+    accept lengths the engine measured (fp32, a tiny target and a head built to agree)."""
     import jax
     from draft_models import agreeing_pair
-    from bench.bench_accept import agreement_table, chain_agreement, simulate_chain
+    from bench.bench_accept import agreement_table, answers, chain_agreement, simulate_chain
     from jaxspec.config import ModelConfig
-    from jaxspec.spec import SpecRunner
 
     cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=97, hidden_size=32,
                       intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -45,8 +44,7 @@ def test_agreement_simulation_equals_the_measured_chain():
     head = dict(head, fc=head["fc"] + 0.6 * jax.random.normal(jax.random.PRNGKey(9),
                                                                head["fc"].shape))
     prompts = [[5, 17, 42, 8, 9], [3] * 7 + [50, 7], list(range(60, 72))]
-    runner = SpecRunner(cfg, params, head, "chain", max_slots=3, max_len=128)
-    res = runner.generate(prompts, [40] * 3, ())
+    res = answers(cfg, params, head, "chain", prompts, 40)
     seqs = [p + list(r.token_ids) for p, r in zip(prompts, res)]
     flags = chain_agreement(cfg, params, head, seqs, 3)
     accepts = [a for r in res for a in r.accept_lens]

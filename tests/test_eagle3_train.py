@@ -139,7 +139,9 @@ def test_training_lowers_loss_and_the_head_round_trips(tmp_path):
     np.testing.assert_array_equal(np.asarray(back16.params["fc"]),
                                   np.asarray(head.params["fc"].astype(jnp.bfloat16)))
     # and drafts in the cycle: greedy speculative == plain greedy on a corpus prompt
-    from jaxspec.spec import SpecConfig, SpecRunner
+    from reference_runner import SpecRunner
+
+    from jaxspec.spec import SpecConfig
     prompt = [int(x) for x in toks[0, :10]]
     runner = SpecRunner(CFG, target(), back, SpecConfig(3, 1, 4), max_slots=1, max_len=64)
     spec_out = runner.generate([prompt], [12])[0]

@@ -24,7 +24,7 @@ EVENTS = [
     _x(1, 10, "command_buffer::update", 20, 25),
     _x(1, 10, "cuGraphLaunch (CudaGraph:3)", 50, 10, correlation_id=7),
     # an admission, its layer loop launching twice (ids 8, 9)
-    _x(1, 10, "jit_spec_admit_packed:XLA GPU module", 200, 100),
+    _x(1, 10, "jit_admit:XLA GPU module", 200, 100),
     _x(1, 10, "cuGraphLaunch (CudaGraph:4)", 210, 5, correlation_id=8),
     _x(1, 10, "cuGraphLaunch (CudaGraph:4)", 260, 5, correlation_id=9),
     # a launch outside any program (a transfer): its kernel stays unmatched
@@ -50,11 +50,11 @@ def trace_dir(tmp_path):
 def test_kernels_go_to_the_program_that_launched_them(trace_dir):
     s = trace.program_times(trace.load_trace(str(trace_dir)))
     progs = s["programs"]
-    assert set(progs) == {"cycles", "spec_admit_packed", trace.UNMATCHED}
+    assert set(progs) == {"cycles", "admit", trace.UNMATCHED}
     assert progs["cycles"] == {"device_ms": pytest.approx(0.060), "kernels": 2, "calls": 1,
                                "host_ms": pytest.approx(0.090), "update_ms": pytest.approx(0.025),
                                "top": {"nvjet_gemm": 0.04, "fusion": 0.02}}
-    assert progs["spec_admit_packed"] == {"device_ms": pytest.approx(0.060), "kernels": 2,
+    assert progs["admit"] == {"device_ms": pytest.approx(0.060), "kernels": 2,
                                           "calls": 1, "host_ms": pytest.approx(0.100),
                                           "update_ms": 0.0, "top": {"tree_attention": 0.06}}
     assert progs[trace.UNMATCHED]["kernels"] == 1
@@ -65,7 +65,7 @@ def test_kernels_go_to_the_program_that_launched_them(trace_dir):
     assert s["span_ms"] == pytest.approx(0.310)
     table = trace.format_programs(s)
     assert table.splitlines()[1].startswith("cycles") or table.splitlines()[1].startswith(
-        "spec_admit_packed")
+        "admit")
     assert "tied to a program 4" in table and "nvjet_gemm" not in table
     assert "    nvjet_gemm" in trace.format_programs(s, kernels=True)
 
