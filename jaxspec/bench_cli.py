@@ -12,136 +12,262 @@ exactness.
 
 Modes:
   sweep     (default) batch sizes x configs; --adaptive picks a config per batch size;
-            HF transformers peers (--peers: static cache compiled or eager, prompt lookup)
-            when torch has CUDA or --peer-hf;
+            HF transformers peers (static cache compiled or eager, prompt lookup) when torch
+            has CUDA, or those named by --peers anywhere;
             --json (and --plot) are rewritten after every run, '"partial": true' until the end
   serve     Poisson arrivals at --request-rate: throughput, TTFT, TPOT, latency percentiles
   accuracy  GSM8K: accuracy of plain and speculative answers, and whether they are identical
   cycle     Llama-3-8B-shaped random weights: cycle cost vs a decode step; acceptance is only
             ever assumed (--assume-accept) or replayed (--replay-accept), never measured
+
+Engine options are EngineConfig's and DraftConfig's fields, one option each under the same
+name (--prefill-chunk is EngineConfig.prefill_chunk); unset, a field keeps its default, as in
+`LLM()`. docs/benchmarking.md describes the runs and their output.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import inspect
 import json
 import math
 import os
+import re
 import sys
 import time
+import typing
 from typing import List, Optional
 
 from tqdm import tqdm
 
+from jaxspec.config import ConfigError
+
 SCHEMA = "jaxspec-bench/1"
 DTYPES = ("auto", "bfloat16", "float32")
+MODES = ("sweep", "serve", "accuracy", "cycle")
+# EngineConfig's max_batch is what --batch-sizes sweeps: one LLM per batch size.
+SWEPT = ("max_batch",)
+# What a field means in this benchmark besides its EngineConfig / DraftConfig meaning.
+MORE_HELP = {
+    "max_model_len": "; prompts that do not fit with --max-tokens are left out",
+    "seed": "; also the --draft random head's and the serving arrivals' seed",
+    "cycles_per_call": "; --spec NAME:K sets it for one config",
+    "draft_vocab": "; --spec NAME@V sets it for one config",
+    "draft_context_vocab": "; --spec NAME@V+E sets it for one config",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _with_flags(message: str, names) -> str:
+    """A config error's message with each field name it mentions written as its flag."""
+    for name in sorted(names, key=len, reverse=True):
+        message = re.sub(rf"\b{name}\b", _flag(name), message)
+    return message
+
+
+def _field_help(cls) -> dict:
+    """{field: its description} from a config dataclass's docstring, where each field is a
+    line 'name  description' followed by indented continuation lines."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    out, cur = {}, None
+    for line in inspect.getdoc(cls).splitlines():
+        head, _, rest = line.partition(" ")
+        if head in names:
+            cur, out[head] = head, rest.strip()
+        elif cur and line.startswith(" ") and line.strip():
+            out[cur] += " " + line.strip()
+        else:
+            cur = None
+    return out
+
+
+def _checked(cls, name: str, base, **fixed):
+    """An argparse type: `base` of the text, refused (with the config's own reason) when
+    cls(name=value, **fixed) is not a valid config."""
+    def parse(text):
+        try:
+            value = base(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {base.__name__} value: {text!r}") from None
+        try:
+            cls(**{name: value}, **fixed)
+        except (ConfigError, ValueError) as e:
+            msg = str(e)
+            raise argparse.ArgumentTypeError(msg[len(name) + 1:] if msg.startswith(name + " ")
+                                             else msg) from None
+        return value
+    parse.__name__ = base.__name__
+    return parse
+
+
+def _at_least(low, base=int, above: bool = False):
+    """An argparse type: a `base` number >= low (> low with above)."""
+    def parse(text):
+        try:
+            value = base(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {base.__name__} value: {text!r}") from None
+        if value < low or (above and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if above else '>='} {low}, got "
+                                             f"{text}")
+        return value
+    parse.__name__ = base.__name__
+    return parse
+
+
+def _batch_list(text: str) -> List[int]:
+    try:
+        sizes = sorted({int(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of integers") from None
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: batch sizes must be >= 1")
+    return sizes
+
+
+def _spec_list(text: str) -> str:
+    from jaxspec.benchmark.runner import parse_specs
+    try:
+        parse_specs(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--spec {text!r}: ")) from None
+    return text
+
+
+def _peer_list(text: str) -> List[str]:
+    from jaxspec.benchmark import peers
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in peers.PEERS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown peer {', '.join(bad) or repr(text)}; choose "
+                                         f"from {', '.join(peers.PEERS)}")
+    return names
+
+
+def _dataset(text: str) -> str:
+    from jaxspec.benchmark.prompts import DATASETS
+    if text not in DATASETS and not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: not one of {', '.join(DATASETS)} and no "
+                                         "such file")
+    return text
+
+
+def _accepts(text: str) -> List[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of accept lengths >= 1")
+    return values
+
+
+def _add_config_options(ap, cls, title: str, skip=()):
+    """One option per field of a config dataclass, named after it (--prefill-chunk for
+    prefill_chunk), typed after its annotation, its help from the dataclass's docstring; unset,
+    the field keeps its default (None: the tuned default, `jaxspec.defaults`)."""
+    from jaxspec.engine.config import PACK_ROWS
+    choices = {"pack_rows": PACK_ROWS, "layer_layout": ("scan", "unrolled")}
+    group = ap.add_argument_group(title)
+    docs, types = _field_help(cls), typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        kind = (typing.get_args(types[f.name]) or (types[f.name],))[0]
+        doc = docs.get(f.name, "").rstrip(".") + MORE_HELP.get(f.name, "")
+        if f.default is not None:
+            doc += f" (default: {f.default})"
+        elif "None:" not in doc:
+            doc += " (default: tuned, see jaxspec.defaults)"
+        doc = doc.replace("None:", "unset:").replace("%", "%%")
+        if kind is bool:
+            group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction,
+                               default=None, help=doc)
+        elif f.name in choices:
+            group.add_argument(_flag(f.name), choices=choices[f.name], default=None, help=doc)
+        else:
+            group.add_argument(_flag(f.name), type=_checked(cls, f.name, kind), default=None,
+                               metavar="N" if kind is int else "PATH", help=doc)
+
+
+def _config(cls, args, skip=()):
+    """The config of the options given (the others at their defaults)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if f.name not in skip and getattr(args, f.name) is not None})
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from jaxspec.engine import EngineConfig
+    from jaxspec.parallel.data_parallel import IMPLS
+    from jaxspec.sampling import SamplingParams
+    from jaxspec.spec.config import DraftConfig
+
     ap = argparse.ArgumentParser(prog="jaxspec-bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mode", choices=("sweep", "serve", "accuracy", "cycle"), default=None,
+    ap.add_argument("--mode", choices=MODES, default=None,
                     help="default: serve if --request-rate is given, else sweep")
     ap.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2-135M)")
     ap.add_argument("--draft", default=None,
-                    help="EAGLE head checkpoint (default: the shipped head of the default model)")
-    ap.add_argument("--dataset", default=None,
+                    help="EAGLE-1 or EAGLE-3 head checkpoint, or 'random' (an untrained head, "
+                         "to time the machinery) (default: the shipped head of the default "
+                         "model)")
+    ap.add_argument("--dataset", default=None, type=_dataset,
                     help="mt-bench, gsm8k, sharegpt, or a jsonl of prompts or chats "
                          "(default: mt-bench; gsm8k in accuracy mode)")
-    ap.add_argument("--num-prompts", type=int, default=None,
+    ap.add_argument("--num-prompts", type=_at_least(1), default=None,
                     help="prompts from the dataset (default: 8 on GPU, 4 on CPU)")
-    ap.add_argument("--max-tokens", type=int, default=None,
-                    help="new tokens per request (default: 128 on GPU, 64 on CPU)")
-    ap.add_argument("--batch-sizes", "--batch-size", dest="batch_sizes", default="1",
-                    help="comma list of batch sizes to sweep, e.g. 1,4,16")
-    ap.add_argument("--spec", default=None,
+    ap.add_argument("--max-tokens", type=_checked(SamplingParams, "max_tokens", int),
+                    default=None, help="new tokens per request (default: 128 on GPU, 64 on CPU)")
+    ap.add_argument("--batch-sizes", dest="batch_list", type=_batch_list, default=[1],
+                    metavar="B,B,..",
+                    help="comma list of batch sizes to sweep (max_batch of each run's LLM), "
+                         "e.g. 1,4,16 (default: 1)")
+    ap.add_argument("--spec", type=_spec_list, default=None,
                     help="comma list of presets (naive, chain, tree), STEPSxTOPKxTOKENS, or "
                          "'default' (the shape LLM() picks at each batch size: 4x8x32 at 1, "
                          "chain below 16, 3x2x4 from 16 on a GPU), "
                          "each optionally ':K' for K cycles per device call, e.g. chain:4, "
-                         "and '@V' for a draft vocabulary of the V most frequent tokens "
-                         "(0: all), e.g. chain:4@16384 (default: chain,tree on GPU, chain on "
-                         "CPU)")
+                         "'@V' for a draft vocabulary of the V most frequent tokens "
+                         "(0: all), e.g. chain:4@16384, and '+E' after it for E of those V a "
+                         "request's context tokens (default: chain,tree on GPU, chain on CPU)")
     ap.add_argument("--no-spec", action="store_true", help="plain decoding only")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=_checked(SamplingParams, "temperature", float),
+                    default=0.0)
+    ap.add_argument("--top-p", type=_checked(SamplingParams, "top_p", float), default=1.0)
     ap.add_argument("--dtype", choices=DTYPES, default="auto",
                     help="weights, activations and KV cache (auto: bfloat16 on GPU, float32 on "
                          "CPU); float32 also runs matmuls at full float32 precision (no TF32), "
                          "the setting for checking greedy speculative == plain token for token")
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--data-parallel", type=int, default=1,
-                    help="replicas over local GPUs (--data-parallel-impl); batch sizes are per "
-                         "replica")
-    ap.add_argument("--data-parallel-impl", choices=["pmap", "engine"], default="engine",
-                    help="engine: one continuous-batching engine over every replica's slots "
-                         "(scaled 1.87-1.99x on two H200s); pmap: lockstep groups per replica "
-                         "(1.26-1.77x)")
-    ap.add_argument("--tensor-parallel", type=int, default=1,
-                    help="shard the model over this many local GPUs (a model axis)")
-    ap.add_argument("--prefill-width-growth", type=int, default=4,
-                    help="ratio of successive prefill chunk widths: 4 runs 16, 64, 256, 512; 2 "
-                         "pads short prompts less for more warm-up compilations")
-    ap.add_argument("--prefill-slot-growth", type=int, default=4,
-                    help="ratio of successive prefill slot counts: 4 runs 1, 4, 16, 64 slots; 2 "
-                         "pads the newcomers of an admission less for more warm-up compilations")
-    ap.add_argument("--prefill-packing", choices=["on", "off"], default="on",
-                    help="on: an admission's first chunks run end to end in one row of tokens; "
-                         "off: padded to a slot count and the longest prompt's width")
-    ap.add_argument("--prefill-pack-tokens", type=int, default=None,
-                    help="widest row of packed first chunks (>= --prefill-chunk; default twice "
-                         "it); more go into 2, 4, .. rows of it")
-    ap.add_argument("--prefill-pack-rows", choices=["pow2", "fine"], default="pow2",
-                    help="row counts a pack of first chunks is padded to: 2, 4, 8, .. (pow2) or "
-                         "2, 3, 4, 6, 8, 12, .. (fine: less padding, more programs)")
-    ap.add_argument("--prefill-chunk", type=int, default=None,
-                    help="widest prefill chunk: longer prompts take one device call per chunk "
-                         "(default 2048 on a GPU, 512 elsewhere)")
-    ap.add_argument("--admit-interval", type=int, default=None,
-                    help="while requests run, admit newcomers every this many device calls "
-                         "(1: at once); fewer, larger admissions for a later first token. "
-                         "Default on a GPU: 3 for speculation at 64+ slots, 2 at 32+, else 1")
-    ap.add_argument("--submit-slice", type=int, default=None,
-                    help="generate encodes and submits the prompts this many at a time while "
-                         "the device runs the ones before (default: max(64, batch size))")
+    ap.add_argument("--data-parallel", type=_at_least(1), default=1,
+                    help="replicas over local devices, one engine over all of them; batch "
+                         "sizes are per replica")
+    ap.add_argument("--data-parallel-impl", choices=IMPLS, default=IMPLS[0],
+                    help="how the replicas' programs run (the same programs either way)")
+    ap.add_argument("--tensor-parallel", type=_at_least(1), default=1,
+                    help="shard the model over this many local devices (a model axis)")
     ap.add_argument("--adaptive", action="store_true",
                     help="choose the config (or plain) per batch size from a short run of each "
                          "on the run's first prompts (prefill included)")
-    ap.add_argument("--probe-tokens", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--peer-hf", action="store_true",
-                    help="run the HF transformers peers on CPU too (always on with CUDA)")
+    ap.add_argument("--peers", type=_peer_list, default=None,
+                    help="comma list of HF transformers peers: hf-compiled (static cache, "
+                         "decode step compiled), hf-static (static cache, eager), hf-pld "
+                         "(prompt lookup) (default: all three where torch has CUDA; given, "
+                         "they run on a CPU too)")
     ap.add_argument("--no-peers", action="store_true", help="skip the HF transformers peers")
-    ap.add_argument("--peers", default="hf-compiled,hf-static,hf-pld",
-                    help="comma list of HF peers: hf-compiled (static cache, decode step "
-                         "compiled), hf-static (static cache, eager), hf-pld (prompt lookup)")
-    serve = ap.add_argument_group("serve mode")
-    serve.add_argument("--request-rate", type=float, default=None,
-                       help="requests per second (inf: all at once)")
-    serve.add_argument("--num-requests", type=int, default=None,
-                       help="requests to send (default: --num-prompts; prompts repeat)")
-    serve.add_argument("--serve-how", choices=("stream", "waves"), default=None,
-                       help=argparse.SUPPRESS)
-    cyc = ap.add_argument_group("cycle mode")
-    cyc.add_argument("--shape", choices=("llama3-8b", "tiny"), default="llama3-8b")
-    cyc.add_argument("--prefix", type=int, default=None, help="committed tokens (default 1024)")
-    cyc.add_argument("--assume-accept", default=None,
-                     help="comma list of ASSUMED accept lengths to project speedups with")
-    cyc.add_argument("--replay-accept", default=None,
-                     help="an earlier --json result whose measured accept lengths are REPLAYED")
-    ap.add_argument("--repeats", type=int, default=1,
+    ap.add_argument("--repeats", type=_at_least(1), default=1,
                     help="timed passes per run, back to back; the row is the pass with the "
                          "median tokens/s (every pass's figure is in --json)")
-    ap.add_argument("--gc-freeze", choices=["auto", "on", "off"], default="auto",
-                    help="whether the engine's warm-up ends by freezing Python's heap "
-                         "(gc.freeze: later full collections skip what the warm-up made; "
-                         "auto: on accelerators, as LLM.warmup)")
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="sweep: after each run's timed passes, run one more pass under "
                          "jax.profiler (CUDA graphs kept on) into DIR/b<B>_<mode> and print the "
                          "device's time per program (cycle, admissions, ...) and how busy it "
                          "was; the figures go in --json as 'profile' (the pass is not timed)")
-    ap.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+    ap.add_argument("--time-budget", type=_at_least(0.0, float), default=None,
+                    metavar="SECONDS",
                     help="sweep: start no new run (batch size x mode) after this many seconds; "
                          "what finished is kept and the result stays marked partial")
     ap.add_argument("--json", default=None,
@@ -150,11 +276,43 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--plot", default=None, help="write a PNG (sweep: speedup vs batch size, "
                     "accept-length histogram, per-category table)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    serve = ap.add_argument_group("serve mode")
+    serve.add_argument("--request-rate", type=_at_least(0.0, float, above=True), default=None,
+                       help="requests per second (inf: all at once)")
+    serve.add_argument("--num-requests", type=_at_least(1), default=None,
+                       help="requests to send (default: --num-prompts; prompts repeat)")
+    cyc = ap.add_argument_group("cycle mode")
+    cyc.add_argument("--shape", choices=("llama3-8b", "tiny"), default="llama3-8b")
+    cyc.add_argument("--prefix", type=_at_least(1), default=None,
+                     help="committed tokens (default 1024)")
+    cyc.add_argument("--assume-accept", type=_accepts, default=None,
+                     help="comma list of ASSUMED accept lengths to project speedups with")
+    cyc.add_argument("--replay-accept", default=None,
+                     help="an earlier --json result whose measured accept lengths are REPLAYED")
+    _add_config_options(ap, EngineConfig, "engine (jaxspec.EngineConfig, one option a field)",
+                        skip=SWEPT)
+    _add_config_options(ap, DraftConfig, "draft head (jaxspec.DraftConfig, one option a field)")
     return ap
 
 
-def _defaults(args):
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The options, checked (a bad value is an argparse error naming its flag, exit code 2,
+    before anything loads), with the defaults that depend on the device filled in."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.profile:        # before the backend starts
+        from jaxspec.benchmark.trace import keep_graphs_while_profiling
+        keep_graphs_while_profiling()
+    return _defaults(args, ap)
+
+
+def _defaults(args, ap: Optional[argparse.ArgumentParser] = None):
     import jax
+
+    from jaxspec import defaults
+    from jaxspec.engine import EngineConfig
+    from jaxspec.spec.config import DraftConfig
+    ap = ap or build_parser()
     gpu = jax.default_backend() == "gpu"
     args.num_prompts = args.num_prompts or (8 if gpu else 4)
     args.max_tokens = args.max_tokens or (128 if gpu else 64)
@@ -164,30 +322,24 @@ def _defaults(args):
         args.mode = "serve" if args.request_rate is not None else "sweep"
     if args.dataset is None:
         args.dataset = "gsm8k" if args.mode == "accuracy" else "mt-bench"
-    if args.prefill_chunk is None:
-        from jaxspec.engine.backends import default_prefill_chunk
-        args.prefill_chunk = default_prefill_chunk()
-    try:
-        args.batch_list = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
-    except ValueError:
-        raise SystemExit(f"--batch-sizes {args.batch_sizes!r}: a comma list of integers") from None
-    if not args.batch_list or min(args.batch_list) < 1:
-        raise SystemExit(f"--batch-sizes {args.batch_sizes!r}: batch sizes must be >= 1")
-    if args.prefill_chunk < 16:
-        raise SystemExit(f"--prefill-chunk {args.prefill_chunk}: must be >= 16")
-    if args.prefill_pack_tokens is not None and args.prefill_pack_tokens < args.prefill_chunk:
-        raise SystemExit(f"--prefill-pack-tokens {args.prefill_pack_tokens}: must be >= "
-                         f"--prefill-chunk ({args.prefill_chunk})")
-    if args.admit_interval is not None and args.admit_interval < 1:
-        raise SystemExit(f"--admit-interval {args.admit_interval}: must be >= 1")
-    if args.submit_slice is not None and args.submit_slice < 1:
-        raise SystemExit(f"--submit-slice {args.submit_slice}: must be >= 1")
-    if args.prefill_width_growth < 2:
-        raise SystemExit(f"--prefill-width-growth {args.prefill_width_growth}: must be >= 2")
-    if args.prefill_slot_growth < 2:
-        raise SystemExit(f"--prefill-slot-growth {args.prefill_slot_growth}: must be >= 2")
-    if args.repeats < 1:
-        raise SystemExit(f"--repeats {args.repeats}: must be >= 1")
+    if args.prefill_chunk is None:      # as LLM() resolves it, so that the checks below see it
+        args.prefill_chunk = min(defaults.prefill_chunk(),
+                                 args.max_model_len or defaults.MAX_MODEL_LEN)
+    for cls, skip in ((EngineConfig, SWEPT), (DraftConfig, ())):
+        try:
+            _config(cls, args, skip)
+        except ConfigError as e:
+            ap.error(_with_flags(str(e), [f.name for f in dataclasses.fields(cls)]))
+    if args.max_model_len is not None and args.max_tokens >= args.max_model_len:
+        ap.error(f"--max-tokens {args.max_tokens} leaves no room for a prompt in "
+                 f"--max-model-len {args.max_model_len}")
+    if args.data_parallel > 1 and args.tensor_parallel > 1:
+        ap.error("--data-parallel and --tensor-parallel together (a 2-D mesh) are not "
+                 "supported: choose one")
+    if args.profile and args.mode != "sweep":
+        ap.error("--profile traces a sweep's runs (the default mode)")
+    if args.plot and args.mode != "sweep":
+        ap.error("--plot draws a sweep (the default mode)")
     return args
 
 
@@ -246,22 +398,18 @@ def _say(args, *a):
 def _setup(args, result):
     from jaxspec.benchmark import prompts as P
     from jaxspec.benchmark.runner import PLAIN, Target, parse_specs
+    from jaxspec.engine import EngineConfig
+    from jaxspec.spec.config import DraftConfig
     # ShareGPT: every first turn is read, _fit keeps the held-out ones up to --num-prompts
     prompts = P.load_prompts(args.dataset, None if _held_out(args) else args.num_prompts)
     if not prompts:
         raise SystemExit(f"--dataset {args.dataset}: no prompts")
     modes = [PLAIN] + ([] if args.no_spec else parse_specs(args.spec))
-    target = Target(args.model, args.draft, args.max_model_len, args.seed,
-                    data_parallel=args.data_parallel, tensor_parallel=args.tensor_parallel,
+    target = Target(args.model, args.draft, _config(EngineConfig, args, SWEPT),
+                    _config(DraftConfig, args), data_parallel=args.data_parallel,
+                    tensor_parallel=args.tensor_parallel,
                     dtype=None if args.dtype == "auto" else args.dtype,
-                    data_parallel_impl=args.data_parallel_impl,
-                    prefill_width_growth=args.prefill_width_growth,
-                    prefill_slot_growth=args.prefill_slot_growth,
-                    prefill_packing=args.prefill_packing == "on",
-                    prefill_pack_tokens=args.prefill_pack_tokens,
-                    prefill_pack_rows=args.prefill_pack_rows,
-                    admit_interval=args.admit_interval, prefill_chunk=args.prefill_chunk,
-                    submit_slice=args.submit_slice)
+                    data_parallel_impl=args.data_parallel_impl)
     result["draft_label"] = target.draft_label if len(modes) > 1 else None
     if args.draft == "random":
         result["notes"].append("draft: a RANDOM EAGLE head; accept lengths and speedups measure "
@@ -285,11 +433,12 @@ def _fit(args, result, target, prompts):
     from jaxspec.benchmark.prompts import SHAREGPT_TRAIN_PROMPT_TOKENS
     held_out = _held_out(args)
     shortest = SHAREGPT_TRAIN_PROMPT_TOKENS + 1 if held_out else 0
-    kept, dropped = fit_prompts(target.tokenizer, prompts, args.max_tokens, args.max_model_len,
-                                shortest, args.num_prompts if held_out else None)
+    kept, dropped = fit_prompts(target.tokenizer, prompts, args.max_tokens,
+                                target.max_model_len, shortest,
+                                args.num_prompts if held_out else None)
     if held_out:
         result["notes"].append(
-            f"sharegpt: first turns of {shortest} to {args.max_model_len - args.max_tokens} "
+            f"sharegpt: first turns of {shortest} to {target.max_model_len - args.max_tokens} "
             "prompt tokens, held out from the shipped head's training (its prompts had at most "
             f"{SHAREGPT_TRAIN_PROMPT_TOKENS})")
     elif dropped:
@@ -327,26 +476,19 @@ def run_sweep(args, result):
             chats = [p["chat"] for p in prompts]
             bar.set_postfix_str(f"batch {b}, {m.label}: warm-up")
             t_warm = time.perf_counter()
-            R.warm(llm, chats, sp, {"auto": None, "on": True, "off": False}[args.gc_freeze])
+            R.warm(llm, chats, sp)
             warm_s = time.perf_counter() - t_warm      # compilations (or cache loads) included
             if args.adaptive:
                 bar.set_postfix_str(f"batch {b}, {m.label}: probe")
                 probes[m.label] = adaptive.probe(llm, adaptive.probe_chats(prompts, b), sp,
-                                                 m.spec is not None, args.probe_tokens)
+                                                 m.spec is not None)
             bar.set_postfix_str(f"batch {b}, {m.label}: timed")
             gc_runs = []
             outs, secs, compiled, rates = R.timed_generate(llm, chats, sp, args.repeats, gc_runs)
             profiled = _profile_pass(args, llm, chats, sp, b, m)
-            # as run: the default depends on the mode and the batch (default_admit_interval);
-            # no engine under pmap data parallel
-            interval = getattr(getattr(llm, "engine", None), "admit_interval", None)
-            vocab, context = R.draft_vocab_of(llm), R.context_vocab_of(llm)
-            del llm
             row = R.summarize(m, b, outs, secs, target.draft_label)
-            if row["spec"] is not None:     # as run: the LLM's default resolved
-                row["spec"]["draft_vocab"] = vocab
-                row["spec"]["context_vocab"] = context
-            row["admit_interval"] = interval
+            R.as_run(row, llm)
+            del llm
             row["compiled_in_timed_pass"] = compiled
             row["warmup_s"] = round(warm_s, 2)
             row["tokens_per_s_runs"] = rates
@@ -446,7 +588,7 @@ def _peers(args, result, prompts, plain_outs, rows, target) -> List[dict]:
     from jaxspec.benchmark.runner import divergence
     if args.no_peers:
         return []
-    why = peers.available(args.peer_hf)
+    why = peers.available(force_cpu=args.peers is not None)
     if why:
         result["notes"].append(f"HF transformers peers skipped: {why}")
         return []
@@ -456,7 +598,7 @@ def _peers(args, result, prompts, plain_outs, rows, target) -> List[dict]:
     base = next((r["tokens_per_s"] for r in rows if r["batch"] == 1 and r["mode"] == "plain"),
                 None)
     out = []
-    for name in tqdm(_peer_names(args.peers), desc="peers", disable=args.quiet):
+    for name in tqdm(args.peers or list(peers.PEERS), desc="peers", disable=args.quiet):
         r = peers.run_peer(model, name, ids, args.max_tokens, eos)
         toks = r.pop("token_ids")
         if name == "hf-compiled" and not r["compiled"]:
@@ -472,16 +614,6 @@ def _peers(args, result, prompts, plain_outs, rows, target) -> List[dict]:
             r.update(div)
         out.append(r)
     return out
-
-
-def _peer_names(spec: str) -> List[str]:
-    from jaxspec.benchmark import peers
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    bad = [n for n in names if n not in peers.PEERS]
-    if bad or not names:
-        raise SystemExit(f"--peers: unknown peer {bad or spec!r}; choose from "
-                         f"{', '.join(peers.PEERS)}")
-    return names
 
 
 def _fmt(x, f="{:.2f}", none="-"):
@@ -554,8 +686,8 @@ def run_serve(args, result):
             prompts = _fit(args, result, target, prompts)
         chats = [prompts[i % len(prompts)]["chat"] for i in range(n)]
         R.warm(llm, chats[:len(prompts)], sp)
-        res = serving.serve(llm, chats, sp, rate, seed=args.seed, tag=f"bench-{m.label}",
-                            how=args.serve_how)
+        res = serving.serve(llm, chats, sp, rate, seed=target.engine.seed,
+                            tag=f"bench-{m.label}")
         rows.append({"mode": m.label, "batch": b, "spec": m.describe(b), **res})
         del llm
         result["serving"] = rows
@@ -603,6 +735,7 @@ def run_accuracy(args, result):
                "compiled_in_timed_pass": compiled,
                "accuracy": correct / len(prompts), "correct": correct,
                "answers": got}
+        R.as_run(row, llm)
         if m is R.PLAIN:
             plain_outs = outs
         else:
@@ -630,9 +763,8 @@ def run_cycle(args, result):
     from jaxspec.benchmark import large
     from jaxspec.benchmark.runner import parse_specs
     modes = parse_specs(args.spec)
-    assume = [float(x) for x in args.assume_accept.split(",")] if args.assume_accept else None
     bar = tqdm(total=len(modes), desc="cycle", disable=args.quiet)
-    res = large.run(modes, args.shape, args.prefix, assume, args.replay_accept,
+    res = large.run(modes, args.shape, args.prefix, args.assume_accept, args.replay_accept,
                     progress=lambda _: bar.update())
     bar.close()
     result["cycle"] = res
@@ -648,18 +780,8 @@ def run_cycle(args, result):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.profile:
-        if args.mode not in (None, "sweep"):
-            raise SystemExit("--profile traces a sweep's runs (the default mode)")
-        from jaxspec.benchmark.trace import keep_graphs_while_profiling
-        keep_graphs_while_profiling()
-    args = _defaults(args)
-    if not args.no_peers:
-        _peer_names(args.peers)   # a misspelt peer fails now, not after the jaxspec runs
+    args = parse_args(argv)
     if args.plot:
-        if args.mode != "sweep":
-            raise SystemExit("--plot draws a sweep (the default mode)")
         from jaxspec.benchmark.plots import require_matplotlib
         require_matplotlib()
     result = _header(args)

@@ -44,7 +44,7 @@ def tiny_chat_model(tmp_path_factory, smollm2_gguf):
 def sweep(tiny_chat_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-out")
     argv = ["--model", str(tiny_chat_model), "--draft", "random", "--num-prompts", "3",
-            "--max-tokens", "12", "--probe-tokens", "17", "--batch-sizes", "1,2", "--spec", "chain",
+            "--max-tokens", "12", "--batch-sizes", "1,2", "--spec", "chain",
             "--max-model-len", "128", "--adaptive", "--no-peers", "--quiet", "--dtype", "float32",
             "--repeats", "2", "--json", str(out / "r.json"), "--plot", str(out / "r.png")]
     assert bench_cli.main(argv) == 0
@@ -89,6 +89,8 @@ def test_json_schema(sweep):
         # the warm-up compiled every shape the timed pass used: nothing compiles while timed
         assert r["compiled_in_timed_pass"] == 0, r
         assert r["admit_interval"] == 1      # the engine's default on a CPU, as run
+        assert r["engine"]["max_batch"] == r["batch"] and r["engine"]["max_model_len"] == 128
+        assert r["engine"]["prefill_chunk"] == 128   # the CPU's 512, capped by max_model_len
         assert r["warmup_s"] > 0             # the warm-up's wall time, compilations included
         # two timed passes; the row is the median one (the slower of two)
         assert len(r["tokens_per_s_runs"]) == 2
@@ -220,9 +222,9 @@ def test_default_spec_runs_the_llm_default_at_each_batch_size(tiny_chat_model, t
     a GPU's rule: the 4x8x32 tree at batch 1, the chain at 2), and the row reports that shape.
     (The rule's 3x2x4 from 16 slots: test_parse_specs and test_engine_warmup's defaults test;
     batches 1 and 2 here run the sweep fixture's plain and chain programs again.)"""
-    from jaxspec.engine import backends
+    from jaxspec import defaults
     path = tmp_path / "r.json"
-    seen, build, rule = [], runner.Target.llm, backends.default_spec
+    seen, build, rule = [], runner.Target.llm, defaults.spec
 
     def llm(self, batch, mode):
         out = build(self, batch, mode)
@@ -230,11 +232,11 @@ def test_default_spec_runs_the_llm_default_at_each_batch_size(tiny_chat_model, t
         return out
 
     def gpu_rule(slots):            # the GPU's choice; everything else runs as on this CPU
-        with mock.patch.object(backends.jax, "default_backend", lambda: "gpu"):
+        with mock.patch.object(defaults.jax, "default_backend", lambda: "gpu"):
             return rule(slots)
 
     with mock.patch.object(runner.Target, "llm", llm), \
-            mock.patch.object(backends, "default_spec", gpu_rule):
+            mock.patch.object(defaults, "spec", gpu_rule):
         assert bench_cli.main(["--model", str(tiny_chat_model), "--draft", "random", "--spec",
                                "default:1", "--batch-sizes", "1,2", "--num-prompts", "2",
                                "--max-tokens", "6", "--max-model-len", "128", "--no-peers",
@@ -280,8 +282,9 @@ def test_profile_pass(tiny_chat_model, tmp_path, capsys):
     assert row["profile"]["wall_ms"] > 0 and row["profile"]["kernels"] == 0
     assert "profile, batch 1, plain" in out
     assert list(prof.glob("b1_plain/**/*.json.gz"))
-    with pytest.raises(SystemExit, match="--profile traces a sweep"):
+    with pytest.raises(SystemExit) as e:
         bench_cli.main(["--mode", "accuracy", "--profile", str(prof)])
+    assert e.value.code == 2 and "--profile traces a sweep" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- pieces, no model
@@ -309,62 +312,133 @@ def test_dtype_option(capsys):
     assert "--dtype: invalid choice: 'fp16'" in err and "bfloat16" in err and "float32" in err
 
 
-def test_admission_options():
-    from jaxspec.engine import backends
+def _refused(capsys, argv, *words):
+    """argv is an argparse error (exit code 2) before anything loads: one line naming words."""
+    with pytest.raises(SystemExit) as e:
+        bench_cli.parse_args(argv + ["--model", "/nonexistent.gguf"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.startswith("jaxspec-bench: error:"), err
+    assert all(w in err for w in words), err
+
+
+def test_admission_options(capsys):
+    from jaxspec import defaults
     parse = bench_cli.build_parser().parse_args
     a = bench_cli._defaults(parse([]))
     assert a.admit_interval is None and a.prefill_chunk == 512    # the CPU's default chunk
-    with mock.patch.object(backends.jax, "default_backend", lambda: "gpu"):
-        assert bench_cli._defaults(parse([])).prefill_chunk == backends.GPU_PREFILL_CHUNK
+    with mock.patch.object(defaults.jax, "default_backend", lambda: "gpu"):
+        assert bench_cli._defaults(parse([])).prefill_chunk == defaults.GPU_PREFILL_CHUNK
     a = bench_cli._defaults(parse(["--admit-interval", "2", "--prefill-chunk", "2048"]))
     assert a.admit_interval == 2 and a.prefill_chunk == 2048
-    with pytest.raises(SystemExit, match="--admit-interval 0: must be >= 1"):
-        bench_cli._defaults(parse(["--admit-interval", "0"]))
-    with pytest.raises(SystemExit, match="--prefill-chunk 8: must be >= 16"):
-        bench_cli._defaults(parse(["--prefill-chunk", "8"]))
+    _refused(capsys, ["--admit-interval", "0"], "--admit-interval", "must be an int >= 1")
+    _refused(capsys, ["--prefill-chunk", "8"], "--prefill-chunk", "must be an int >= 16")
     assert bench_cli._defaults(parse(["--submit-slice", "32"])).submit_slice == 32
-    assert parse([]).prefill_pack_rows == "pow2"
-    assert parse(["--prefill-pack-rows", "fine"]).prefill_pack_rows == "fine"
-    with pytest.raises(SystemExit, match="--submit-slice 0: must be >= 1"):
-        bench_cli._defaults(parse(["--submit-slice", "0"]))
+    assert parse([]).pack_rows is None          # EngineConfig's own default: pow2
+    assert parse(["--pack-rows", "fine"]).pack_rows == "fine"
+    _refused(capsys, ["--submit-slice", "0"], "--submit-slice", "must be an int >= 1")
+    # checks across options name both flags
+    _refused(capsys, ["--pack-tokens", "100"], "--pack-tokens (100) must be >= --prefill-chunk")
 
 
-def test_prefill_chunk_reaches_the_engine_and_keeps_outputs(tiny_chat_model):
-    """A prompt of several 16-token chunks gives the output of one wide chunk."""
-    from jaxspec import LLM, SamplingParams
+def test_invalid_values_fail_before_the_model_loads(capsys):
+    """Every value is checked as the options are read: nothing is replaced silently."""
+    _refused(capsys, ["--max-tokens", "0"], "--max-tokens", "0")
+    _refused(capsys, ["--num-prompts", "0"], "--num-prompts")
+    _refused(capsys, ["--batch-sizes", "1,0"], "--batch-sizes")
+    _refused(capsys, ["--temperature", "-1"], "--temperature")
+    _refused(capsys, ["--spec", "bushy"], "--spec", "STEPSxTOPKxTOKENS")
+    _refused(capsys, ["--dataset", "no-such-set"], "--dataset", "mt-bench, gsm8k, sharegpt")
+    _refused(capsys, ["--draft-vocab", "-1"], "--draft-vocab", ">= 0")
+    _refused(capsys, ["--layer-layout", "diagonal"], "--layer-layout")
+    _refused(capsys, ["--max-tokens", "64", "--max-model-len", "64"], "--max-tokens 64",
+             "--max-model-len 64")
+    _refused(capsys, ["--data-parallel", "2", "--tensor-parallel", "2"], "--data-parallel",
+             "--tensor-parallel")
+
+
+def test_engine_options_are_the_config_fields():
+    """One option per EngineConfig field (max_batch: --batch-sizes) and per DraftConfig field,
+    named after it, its help from the dataclass's docstring; given values reach the configs,
+    the others keep the configs' defaults."""
+    import dataclasses
+    from jaxspec.engine import EngineConfig
+    from jaxspec.spec.config import DraftConfig
+    ap = bench_cli.build_parser()
+    flags = {o: a for a in ap._actions for o in a.option_strings}
+    for cls, skip in ((EngineConfig, {"max_batch"}), (DraftConfig, set())):
+        docs = bench_cli._field_help(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            assert (flag in flags) != (f.name in skip), flag
+            if flag in flags:
+                assert flags[flag].dest == f.name and docs[f.name][:20] in flags[flag].help
+    args = ap.parse_args(["--prefill-chunk", "64", "--min-chunk", "32", "--slot-growth", "2",
+                          "--width-growth", "2", "--no-packing", "--pack-tokens", "128",
+                          "--pack-max-tokens", "512", "--pack-rows", "fine",
+                          "--admit-interval", "3", "--cycles-per-call", "2",
+                          "--decode-steps", "8", "--short-rows", "0", "--cycle-copies", "2",
+                          "--layer-layout", "unrolled", "--compile-workers", "1",
+                          "--submit-slice", "7", "--seed", "5", "--max-model-len", "256",
+                          "--kv-budget", "4096", "--draft-vocab", "0",
+                          "--draft-context-vocab", "0", "--draft-vocab-ranking", "r.st"])
+    assert bench_cli._config(EngineConfig, args, bench_cli.SWEPT) == EngineConfig(
+        max_model_len=256, kv_budget=4096, prefill_chunk=64, min_chunk=32, slot_growth=2,
+        width_growth=2, packing=False, pack_tokens=128, pack_max_tokens=512, pack_rows="fine",
+        admit_interval=3, cycles_per_call=2, decode_steps=8, short_rows=0, cycle_copies=2,
+        layer_layout="unrolled", compile_workers=1, submit_slice=7, seed=5)
+    assert bench_cli._config(DraftConfig, args) == DraftConfig(0, "r.st", 0)
+    assert bench_cli._config(EngineConfig, ap.parse_args([]), bench_cli.SWEPT) == EngineConfig()
+    assert bench_cli._config(DraftConfig, ap.parse_args([])) == DraftConfig()
+
+
+def test_engine_options_reach_the_engine_and_keep_outputs(tiny_chat_model):
+    """The options as jaxspec-bench builds its LLM (`runner.Target`): a prompt of several
+    16-token chunks gives the output of one wide chunk."""
+    from jaxspec import SamplingParams
+    from jaxspec.engine import EngineConfig
+    from jaxspec.spec.config import DraftConfig
     prompt = [[{"role": "user", "content": "Count: " + " ".join(str(i) for i in range(20))}]]
     sp = SamplingParams(max_tokens=6)
     outs = []
-    for chunk, interval, growth, pack in ((16, 2, 2, True), (512, None, 4, False)):
-        llm = LLM(str(tiny_chat_model), max_batch=4, max_model_len=128, prefill_chunk=chunk,
-                  admit_interval=interval, prefill_slot_growth=growth, prefill_packing=pack)
-        assert (llm.engine.chunk, llm.engine.admit_interval) == (chunk if chunk < 128 else 128,
-                                                                 interval or 1)   # CPU: 1
-        assert llm.engine.slot_buckets == ([1, 2, 4] if growth == 2 else [1, 4])
-        assert llm.engine.pack_first_chunks == pack
+    for chunk, interval, growth, pack in ((16, 2, 2, "--packing"), (512, None, 4, "--no-packing")):
+        argv = ["--prefill-chunk", str(chunk), "--slot-growth", str(growth), pack,
+                "--max-model-len", "128"] + (["--admit-interval", str(interval)] if interval
+                                             else [])
+        args = bench_cli.parse_args(argv)
+        target = runner.Target(str(tiny_chat_model), None,
+                               bench_cli._config(EngineConfig, args, bench_cli.SWEPT),
+                               bench_cli._config(DraftConfig, args))
+        llm = target.llm(4, runner.PLAIN)
+        conf = llm.engine_config
+        assert (conf.prefill_chunk, conf.admit_interval) == (min(chunk, 128),
+                                                             interval or 1)   # CPU: 1
+        assert llm.engine.planner.slot_buckets == ([1, 2, 4] if growth == 2 else [1, 4])
+        assert conf.packing == (pack == "--packing") and conf.max_batch == 4
         outs.append(llm.generate(prompt * 3, sp))
         assert llm.engine.stats.prefill_chunks >= (3 if chunk == 16 else 1)
+        # packed first chunks, later chunks a whole chunk wide; without packing, chunks only
         assert {s[3] for s in llm.engine.stats.admit_shapes} == \
-            ({"packed", False} if pack else {True})
+            ({"packed", "chunk"} if pack == "--packing" else {"chunk"})
     assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
 
 
-def test_prefill_packing_option():
+def test_packing_option(capsys):
     parse = bench_cli.build_parser().parse_args
-    assert bench_cli._defaults(parse([])).prefill_packing == "on"
-    assert bench_cli._defaults(parse(["--prefill-packing", "off"])).prefill_packing == "off"
+    assert parse([]).packing is None                   # EngineConfig's default: on
+    assert parse(["--no-packing"]).packing is False
+    assert parse(["--packing"]).packing is True
     with pytest.raises(SystemExit):
-        parse(["--prefill-packing", "maybe"])
+        parse(["--packing", "maybe"])
 
 
 @pytest.mark.parametrize("flag", ["width", "slot"])
-def test_prefill_growth_options(flag):
+def test_growth_options(flag, capsys):
+    from jaxspec.engine import EngineConfig
     parse = bench_cli.build_parser().parse_args
-    attr = f"prefill_{flag}_growth"
-    assert getattr(bench_cli._defaults(parse([])), attr) == 4
-    assert getattr(bench_cli._defaults(parse([f"--prefill-{flag}-growth", "2"])), attr) == 2
-    with pytest.raises(SystemExit, match=f"--prefill-{flag}-growth 1: must be >= 2"):
-        bench_cli._defaults(parse([f"--prefill-{flag}-growth", "1"]))
+    attr = f"{flag}_growth"
+    assert getattr(bench_cli._config(EngineConfig, parse([]), bench_cli.SWEPT), attr) == 4
+    assert getattr(bench_cli._defaults(parse([f"--{flag}-growth", "2"])), attr) == 2
+    _refused(capsys, [f"--{flag}-growth", "1"], f"--{flag}-growth", "must be an int >= 2")
 
 
 def test_repeat_share_tells_loops_from_text():
@@ -385,7 +459,7 @@ def test_repeat_share_tells_loops_from_text():
     assert [r["repeat_share"] for r in reqs] == [1.0, 0.0]
 
 
-def test_repeats_keep_the_median_pass():
+def test_repeats_keep_the_median_pass(capsys):
     """Three passes of 1, 3 and 2 seconds: the row is the 2-second pass, its outputs included."""
     from types import SimpleNamespace as NS
 
@@ -407,8 +481,7 @@ def test_repeats_keep_the_median_pass():
         runner.time.perf_counter = clock
     assert rates == [6.0, 2.0, 3.0] and secs == 2.0 and outs[0].token_ids[0] == 3
     assert compiled == 0
-    with pytest.raises(SystemExit, match="--repeats 0: must be >= 1"):
-        bench_cli._defaults(bench_cli.build_parser().parse_args(["--repeats", "0"]))
+    _refused(capsys, ["--repeats", "0"], "--repeats", "must be >= 1")
 
 
 def test_gc_clock_counts_the_collections_in_its_block():

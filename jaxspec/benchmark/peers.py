@@ -16,7 +16,7 @@ def available(force_cpu: bool) -> Optional[str]:
         return "torch is not installed"
     if torch.cuda.is_available() or force_cpu:
         return None
-    return "no CUDA device (pass --peer-hf to run it on CPU)"
+    return "no CUDA device (name them with --peers to run them on the CPU)"
 
 
 def load_hf(model: Optional[str], dtype: Optional[str] = None):

@@ -16,18 +16,18 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 from jaxspec.config import ConfigError
 
 WARMUP_TOKENS = 8
-# --spec's name for the tree shape `LLM()` picks when given none (`backends.default_spec`):
-# it depends on the batch size, so it is resolved per run.
+# --spec's name for the tree shape `LLM()` picks when given none (`defaults.spec`): it depends
+# on the batch size, so it is resolved per run.
 DEFAULT_SPEC = "default"
 
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
     """A decoding mode: plain (spec None) or speculative with a SpecConfig (or DEFAULT_SPEC: the
-    LLM's default shape at each batch size), run cycles_per_call cycles per device call (None:
-    the LLM's default for the batch size), drafting draft_vocab tokens (`LLM(draft_vocab=)`;
-    None: the LLM's default) and context_vocab context tokens a slot
-    (`LLM(draft_context_vocab=)`; None: the LLM's default)."""
+    LLM's default shape at each batch size), run cycles_per_call cycles per device call
+    (`EngineConfig.cycles_per_call`; None: the run's), drafting draft_vocab tokens
+    (`DraftConfig.draft_vocab`; None: the run's) and context_vocab context tokens a slot
+    (`DraftConfig.draft_context_vocab`; None: the run's)."""
     label: str
     spec: Any = None
     cycles_per_call: Optional[int] = None
@@ -38,13 +38,13 @@ class Mode:
         """The SpecConfig run at `batch` (None for plain)."""
         if self.spec != DEFAULT_SPEC:
             return self.spec
-        from jaxspec.engine.backends import default_spec
+        from jaxspec import defaults
         from jaxspec.spec.config import resolve_spec
-        return resolve_spec(default_spec(batch))
+        return resolve_spec(defaults.spec(batch))
 
     def describe(self, batch: Optional[int] = None) -> Optional[dict]:
-        """The config; its shape and cycles_per_call as run at `batch` (None if left to the
-        default and no batch is given)."""
+        """The config; its shape and cycles_per_call at `batch` (None if left to the default
+        and no batch is given; `as_run` puts in what a run resolved)."""
         if self.spec is None:
             return None
         if self.spec == DEFAULT_SPEC and batch is None:
@@ -54,8 +54,8 @@ class Mode:
         s = self.spec_at(batch)
         k = self.cycles_per_call
         if k is None and batch is not None:
-            from jaxspec.engine.backends import default_cycles_per_call
-            k = default_cycles_per_call(batch)
+            from jaxspec import defaults
+            k = defaults.cycles_per_call(batch)
         return {"num_steps": s.num_steps, "topk": s.topk, "num_draft_tokens": s.num_draft_tokens,
                 "cycles_per_call": k, "draft_vocab": self.draft_vocab,
                 "context_vocab": self.context_vocab}
@@ -67,9 +67,9 @@ PLAIN = Mode("plain")
 def parse_specs(text: str) -> List[Mode]:
     """'chain,tree,3x1x4,chain:4,default': presets, num_steps x topk x num_draft_tokens, or
     'default' (the shape `LLM()` picks at each batch size), each with an optional ':K' for K
-    cycles per device call and an optional '@V' for a draft vocabulary of V tokens (0: all;
-    `LLM(draft_vocab=)`), itself with an optional '+E' for E of those V a slot's context tokens
-    (`LLM(draft_context_vocab=)`; 0: none), e.g. 'chain:4@16384', '4x8x32:2@16384+0'."""
+    cycles per device call (`cycles_per_call`) and an optional '@V' for a draft vocabulary of
+    V tokens (0: all; `draft_vocab`), itself with an optional '+E' for E of those V a slot's
+    context tokens (`draft_context_vocab`; 0: none), e.g. 'chain:4@16384', '4x8x32:2@16384+0'."""
     from jaxspec.spec.config import PRESETS, resolve_spec
     modes = []
     for item in (t.strip() for t in text.split(",")):
@@ -111,31 +111,28 @@ def _optional_int(text: str, given: str, minimum: int, error: str) -> Optional[i
 
 
 class Target:
-    """The model under test and its draft; builds one LLM per (batch size, mode)."""
+    """The model under test and its draft; builds one LLM per (batch size, mode).
 
-    def __init__(self, model: Optional[str], draft: Optional[str], max_model_len: int,
-                 seed: int = 0, data_parallel: int = 1, tensor_parallel: int = 1,
-                 dtype: Optional[str] = None, data_parallel_impl: str = "engine",
-                 prefill_width_growth: int = 4, admit_interval: Optional[int] = None,
-                 prefill_chunk: Optional[int] = None, prefill_slot_growth: int = 4,
-                 prefill_packing: bool = True, prefill_pack_tokens: Optional[int] = None,
-                 prefill_pack_rows: str = "pow2", submit_slice: Optional[int] = None):
-        self.model, self.draft_arg, self.max_model_len, self.seed = model, draft, max_model_len, seed
-        # Passed to every LLM: with data_parallel, `batch` is the slots of each replica;
-        # dtype None is the loader's default (bf16 on GPU, fp32 on CPU).
+    engine: the run's EngineConfig (its max_batch is set per batch size; a mode's ':K' sets
+    cycles_per_call); draft_config: its DraftConfig (a mode's '@V+E' sets draft_vocab and
+    draft_context_vocab). The rest goes to every LLM as is: with data_parallel, `batch` is the
+    slots of each replica; dtype None is the loader's default (bf16 on GPU, fp32 on CPU)."""
+
+    def __init__(self, model: Optional[str], draft: Optional[str], engine=None,
+                 draft_config=None, *, dtype: Optional[str] = None, data_parallel: int = 1,
+                 tensor_parallel: int = 1, data_parallel_impl: str = "shard_map"):
+        from jaxspec.engine import EngineConfig
+        from jaxspec.spec.config import DraftConfig
+        self.model, self.draft_arg = model, draft
+        self.engine = engine or EngineConfig()
+        self.draft_config = draft_config or DraftConfig()
         self.common = dict(data_parallel=data_parallel, tensor_parallel=tensor_parallel,
-                           dtype=dtype, data_parallel_impl=data_parallel_impl,
-                           prefill_width_growth=prefill_width_growth,
-                           prefill_slot_growth=prefill_slot_growth,
-                           prefill_packing=prefill_packing,
-                           prefill_pack_tokens=prefill_pack_tokens,
-                           prefill_pack_rows=prefill_pack_rows,
-                           admit_interval=admit_interval, prefill_chunk=prefill_chunk,
-                           submit_slice=submit_slice)
+                           dtype=dtype, data_parallel_impl=data_parallel_impl)
         self._draft_params = None
         self.config = None
         self.tokenizer = None
         self.param_dtype = None
+        self.max_model_len = None       # as the first LLM resolved it (capped by the model)
 
     @property
     def draft_label(self) -> str:
@@ -146,21 +143,29 @@ class Target:
         return self.draft_arg
 
     def llm(self, batch: int, mode: Mode):
+        import jax
+
         from jaxspec import LLM
+        engine = self.engine.replace(max_batch=batch)
         if mode.spec is None:
-            llm = LLM(self.model, max_batch=batch, max_model_len=self.max_model_len,
-                      seed=self.seed, **self.common)
-            self.config, self.tokenizer, self.param_dtype = llm.config, llm.tokenizer, llm.dtype
+            llm = LLM(self.model, engine=engine, draft_config=self.draft_config, **self.common)
+            self.config, self.tokenizer = llm.config, llm.tokenizer
+            self.param_dtype = jax.tree_util.tree_leaves(llm.params)[0].dtype
+            self.max_model_len = llm.max_model_len
             return llm
+        if mode.cycles_per_call is not None:
+            engine = engine.replace(cycles_per_call=mode.cycles_per_call)
+        dconf = self.draft_config
+        for field, value in (("draft_vocab", mode.draft_vocab),
+                             ("draft_context_vocab", mode.context_vocab)):
+            if value is not None:
+                dconf = dataclasses.replace(dconf, **{field: value})
         draft = self.draft_arg
         if draft == "random":
             draft = self._random_draft()
         try:
-            return LLM(self.model, max_batch=batch, max_model_len=self.max_model_len,
-                       seed=self.seed, draft=draft, spec=mode.spec_at(batch),
-                       cycles_per_call=mode.cycles_per_call, draft_vocab=mode.draft_vocab,
-                       draft_context_vocab=mode.context_vocab,
-                       **self.common)
+            return LLM(self.model, draft=draft, spec=mode.spec_at(batch), engine=engine,
+                       draft_config=dconf, **self.common)
         except (ValueError, FileNotFoundError) as e:
             raise SystemExit(f"cannot load the draft head ({e}); pass --draft PATH, or "
                              "--draft random to time the cycle with an untrained head") from None
@@ -172,7 +177,8 @@ class Target:
             from jaxspec.models.eagle import init_eagle_params
             if self.config is None:
                 raise RuntimeError("build a plain LLM first (its config sizes the random head)")
-            self._draft_params = init_eagle_params(self.config, jax.random.PRNGKey(self.seed),
+            self._draft_params = init_eagle_params(self.config,
+                                                   jax.random.PRNGKey(self.engine.seed),
                                                    dtype=self.param_dtype)
         return self._draft_params
 
@@ -208,7 +214,7 @@ class GcClock:
 
 
 def _engine_counts(llm) -> Optional[dict]:
-    """The engine's running totals (None without an engine: pmap data parallel, peers)."""
+    """The engine's running totals (None without an engine: a test's stand-in, peers)."""
     st = getattr(getattr(llm, "engine", None), "stats", None)
     if st is None:
         return None
@@ -293,17 +299,33 @@ def timed_generate(llm, chats, sp, repeats: int = 1, gc_runs: Optional[list] = N
     return outs, secs, (llm.compilations() if hasattr(llm, "compilations") else 0) - before, rates
 
 
+def as_run(row: dict, llm) -> dict:
+    """Puts into a `summarize` row what the run's LLM resolved: the engine's options
+    ('engine': every EngineConfig field, its defaults filled in; 'admit_interval'), and for a
+    speculative run its shape, cycles per call and draft vocabulary."""
+    cfg = llm.engine_config
+    row["engine"] = dataclasses.asdict(cfg)
+    row["admit_interval"] = cfg.admit_interval
+    if row["spec"] is not None:
+        s = llm.spec
+        row["spec"].update(num_steps=s.num_steps, topk=s.topk,
+                           num_draft_tokens=s.num_draft_tokens,
+                           cycles_per_call=cfg.cycles_per_call, draft_vocab=draft_vocab_of(llm),
+                           context_vocab=context_vocab_of(llm))
+    return row
+
+
 def draft_vocab_of(llm) -> Optional[int]:
-    """How many tokens the LLM's speculative engine drafts from (0: all), None without one (a
-    plain LLM, or pmap data parallel, which keeps no engine)."""
+    """How many tokens the LLM's speculative engine drafts from (0: all), None for a plain
+    one."""
     from jaxspec.spec.draft_vocab import restricted_size
     draft = _engine_draft(llm)
     return None if draft is None else (restricted_size(draft) or 0)
 
 
 def context_vocab_of(llm) -> Optional[int]:
-    """The context vocabulary a slot of the LLM's speculative engine drafts (0: none), None
-    without an engine (as `draft_vocab_of`)."""
+    """The context vocabulary a slot of the LLM's speculative engine drafts (0: none), None for
+    a plain one."""
     from jaxspec.spec.context_vocab import size
     draft = _engine_draft(llm)
     return None if draft is None else size(draft)
