@@ -266,7 +266,7 @@
 #   bash bench/gpu_plan.sh ncu_decode  # issue 4: ncu's warp states and memory sections of the
 #                                      #   Triton kernel at SmolLM2's heads, batch 64, N 1, 256
 #                                      #   rows: where its 3-4 us over a bare read go (sixtieth set)
-#   bash bench/gpu_plan.sh packrows    # issue 8: packs of 2, 3, 4, 6, 8 rows (--prefill-pack-rows
+#   bash bench/gpu_plan.sh packrows    # issue 8: packs of 2, 3, 4, 6, 8 rows (--pack-rows
 #                                      #   fine) against 2, 4, 8, batch 64, held-out ShareGPT
 #                                      #   (carry it), alternated; arithmetic on its lengths: 1.27x
 #                                      #   the tokens of groups of 11 against 1.56x (unmeasured)
@@ -391,7 +391,7 @@ case "${1:-}" in
     S="$BENCH --no-peers --max-tokens 128 --spec 3x2x4:4 --repeats 2 --batch-sizes 64 --num-prompts 384
        --dataset $PWD/.gpu/sharegpt_heldout.jsonl"
     i=0; for r in fine pow2 pow2 fine; do i=$((i + 1))
-      run packrows_${i}_$r 170 $S --prefill-pack-rows $r --json "$OUT/packrows_${i}_$r.json"
+      run packrows_${i}_$r 170 $S --pack-rows $r --json "$OUT/packrows_${i}_$r.json"
     done
     python3 -m bench.pass_parts "$OUT"/packrows_*.json
     ;;
@@ -447,9 +447,9 @@ case "${1:-}" in
     # first chunks; PK_ROUND names the files of a second round
     S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384 --dataset .gpu/sharegpt_heldout.jsonl"
     R=${PK_ROUND:-1}
-    run pw512_$R 150 $S --prefill-pack-tokens 512 --json "$OUT/pw512_$R.json"
+    run pw512_$R 150 $S --pack-tokens 512 --json "$OUT/pw512_$R.json"
     run pw1024_$R 150 $S --json "$OUT/pw1024_$R.json"
-    run pwoff_$R 150 $S --prefill-packing off --json "$OUT/pwoff_$R.json"
+    run pwoff_$R 150 $S --no-packing --json "$OUT/pwoff_$R.json"
     ;;
   packing_knobs)
     # with packed first chunks: admit every 1, 2 (default) or 3 calls, 4 or 8 cycles a call,
@@ -464,9 +464,9 @@ case "${1:-}" in
     S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384"
     [ "$1" = packing_sg ] && S="$S --dataset .gpu/sharegpt_heldout.jsonl"
     run ${1}_on 170 env XDG_CACHE_HOME=/tmp/ccpk $S --json "$OUT/${1}_on.json"
-    run ${1}_off 150 $S --prefill-packing off --json "$OUT/${1}_off.json"
+    run ${1}_off 150 $S --no-packing --json "$OUT/${1}_off.json"
     run ${1}_on2 150 env XDG_CACHE_HOME=/tmp/ccpk $S --json "$OUT/${1}_on2.json"
-    run ${1}_off2 150 $S --prefill-packing off --json "$OUT/${1}_off2.json"
+    run ${1}_off2 150 $S --no-packing --json "$OUT/${1}_off2.json"
     ;;
   slotgrowth)
     # Admissions pad their newcomers to the next slot count (1, 4, 16, 64) and the longest
@@ -476,10 +476,10 @@ case "${1:-}" in
     SG="--dataset .gpu/sharegpt_heldout.jsonl"
     # each with an empty compile cache of its own, so the rows' warmup_s are first warm-ups
     run sg_mt_4 150 env XDG_CACHE_HOME=/tmp/cc4 $S --json "$OUT/sg_mt_4.json"
-    run sg_mt_2 170 env XDG_CACHE_HOME=/tmp/cc2 $S --prefill-slot-growth 2 --json "$OUT/sg_mt_2.json"
+    run sg_mt_2 170 env XDG_CACHE_HOME=/tmp/cc2 $S --slot-growth 2 --json "$OUT/sg_mt_2.json"
     run sg_sg_4 150 $S $SG --json "$OUT/sg_sg_4.json"
-    run sg_sg_2 170 $S $SG --prefill-slot-growth 2 --json "$OUT/sg_sg_2.json"
-    run sg_mt_22 170 $S --prefill-slot-growth 2 --prefill-width-growth 2 --json "$OUT/sg_mt_22.json"
+    run sg_sg_2 170 $S $SG --slot-growth 2 --json "$OUT/sg_sg_2.json"
+    run sg_mt_22 170 $S --slot-growth 2 --width-growth 2 --json "$OUT/sg_mt_22.json"
     ;;
   fuseflags|fuseflags2)
     # XLA's experimental fusion passes against the small kernels around the GEMMs (residual adds,
@@ -615,7 +615,7 @@ case "${1:-}" in
   widths)
     S="$BENCH --no-peers --max-tokens 128 --num-prompts 512 --batch-sizes 64 --spec chain:4 --time-budget 260"
     run widths_4 280 $S --json "$OUT/widths_4.json"
-    run widths_2 280 $S --prefill-width-growth 2 --json "$OUT/widths_2.json"
+    run widths_2 280 $S --width-growth 2 --json "$OUT/widths_2.json"
     ;;
   steady)
     S="$BENCH --no-peers --max-tokens 128 --num-prompts 512"
@@ -904,16 +904,6 @@ for _ in range(2): jax.block_until_ready(f(kc, vc, 1))"
     S="$BENCH --no-peers --batch-sizes 1 --spec chain,6x8x40 --num-prompts 80 --max-tokens 128"
     run wide_shipped 280 $S --json "$OUT/wide_shipped.json"
     run wide_2x 280 $S --draft .gpu/run7/head.safetensors --json "$OUT/wide_2x.json"
-    ;;
-  gcpass)
-    # batch 64, MT-bench (GC_DATASET: another set): each timed pass's garbage-collection time,
-    # and the heap frozen after the warm-up (the default on a GPU) against not, alternated
-    S="$BENCH --no-peers --max-tokens 128 --spec chain:4 --repeats 3 --batch-sizes 64 --num-prompts 384"
-    [ -n "${GC_DATASET:-}" ] && S="$S --dataset $GC_DATASET"
-    for r in ${GC_ROUNDS:-1 2}; do
-      run gc_off$r 150 $S --gc-freeze off --json "$OUT/gc_off$r.json"
-      run gc_on$r 150 $S --gc-freeze on --json "$OUT/gc_on$r.json"
-    done
     ;;
   si_gen)
     run si_gen 580 python3 -m bench.train_gpu run --gguf $GGUF --out $HOME/si --self-instruct 40000 \
