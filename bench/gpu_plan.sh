@@ -201,8 +201,6 @@
 #   bash bench/gpu_plan.sh eagle3      # issue 7: train an EAGLE-3 head, tau vs the shipped EAGLE-1
 #                                      #   (carry .gpu/train/ and .gpu/run2/examples_sd.npz, the
 #                                      #   self-distilled answers of an earlier call, if present)
-#   bash bench/gpu_plan.sh gcpass      # issue 8: batch 64, MT-bench, garbage-collection time per
-#                                      #   timed pass, the heap frozen after warm-up or not
 #   bash bench/gpu_plan.sh si_gen      # issue 7: self-instruct data: the target writes 40,000
 #                                      #   queries and answers them, plus ShareGPT's first turns
 #                                      #   (carry .gpu/train/sharegpt.npz, from `python -m
