@@ -21,15 +21,31 @@ _DRAFT_FIELDS = {f.name for f in dataclasses.fields(DraftConfig)}
 
 
 def _prompt_kind(prompt: Prompt) -> str:
-    """'text', 'chat' or 'ids'; TypeError for anything else."""
+    """'text', 'chat' or 'ids'; for anything else a TypeError (a ValueError for a malformed
+    message) that says what a prompt may be and what was given."""
+    import numpy as np
+
+    from jaxspec.tokenizer import check_messages
     if isinstance(prompt, str):
         return "text"
     if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        check_messages(prompt)
         return "chat"
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+            for t in prompt):
         return "ids"
-    raise TypeError(f"a prompt is a string, a chat (list of messages) or a list of token ids; "
-                    f"got {type(prompt).__name__}")
+    forms = ("a prompt is a string, a chat (a list of {'role': ..., 'content': ...} message "
+             "dicts) or a list of token ids")
+    if isinstance(prompt, dict):
+        raise TypeError(f"{forms}; got one message (a dict): a chat is a list of them, "
+                        f"[{{'role': 'user', 'content': ...}}]")
+    if isinstance(prompt, (list, tuple)):
+        kinds = sorted({type(t).__name__ for t in prompt})
+        got = f"a {type(prompt).__name__} of {', '.join(kinds)}"
+    else:
+        got = f"{type(prompt).__name__} {prompt!r}"[:100]
+    raise TypeError(f"{forms}; got {got}")
 
 
 def _split_options(options: dict, engine: Optional[EngineConfig],
@@ -145,18 +161,39 @@ class LLM:
     # -- generation ----------------------------------------------------------------------
     def _requests(self, prompts, sampling_params):
         """(prompts as a list, their kinds, one SamplingParams each), with every check that
-        needs no encoding done."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (dict, int))):
+        needs no encoding done: a wrong type is a TypeError naming the argument (and the
+        request) and what it takes, raised before any work."""
+        one = isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts
+            and not isinstance(prompts[0], (str, list, tuple)))
+        if one:                  # a string, a chat, token ids (or one bad prompt, named below)
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            try:
+                _prompt_kind(prompts)
+            except TypeError as e:
+                raise TypeError(f"prompts must be one prompt or a list of them: {e}") from None
         if not prompts:
             raise ValueError("no prompts given")
-        sps = sampling_params if isinstance(sampling_params, (list, tuple)) else \
-            [sampling_params or SamplingParams()] * len(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sps = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            sps = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else None
+        if sps is None or not all(isinstance(sp, SamplingParams) for sp in sps):
+            got = sampling_params if sps is None else next(
+                sp for sp in sps if not isinstance(sp, SamplingParams))
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one "
+                            f"per prompt), got {type(got).__name__}")
         if len(sps) != len(prompts):
             raise ValueError(f"{len(sps)} sampling params for {len(prompts)} prompts")
-        kinds = [_prompt_kind(p) for p in prompts]
+        kinds = []
+        for i, p in enumerate(prompts):
+            try:
+                kinds.append(_prompt_kind(p))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"request {i}: {e}" if len(prompts) > 1 else str(e)) from None
         self._check_ids(prompts, kinds)
-        return list(prompts), kinds, list(sps)
+        return list(prompts), kinds, sps
 
     def _encoded(self, prompts, kinds, sps, first: int = 0) -> List[List[int]]:
         """Token ids of prompts, each checked to fit the context with its max_tokens."""
@@ -232,12 +269,19 @@ class LLM:
              ) -> List[RequestOutput]:
         """generate() for one conversation (a list of {"role", "content"} messages) or a list
         of them, each through the model's chat template."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        from jaxspec.tokenizer import check_messages
+        if isinstance(messages, dict):
+            raise TypeError("messages: a conversation is a list of {'role': ..., 'content': ...} "
+                            "message dicts, got one message (a dict): wrap it in a list")
+        if not isinstance(messages, (list, tuple)):
+            raise TypeError(f"messages must be a conversation (a list of "
+                            f"{{'role': ..., 'content': ...}} message dicts) or a list of them, "
+                            f"got {type(messages).__name__} {messages!r}"[:300])
+        if not messages:
+            raise ValueError("messages: no conversation given")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
         for i, conv in enumerate(convs):
-            if not isinstance(conv, (list, tuple)) or not conv or \
-                    not all(isinstance(m, dict) for m in conv):
-                raise TypeError(f"chat {i}: a conversation is a non-empty list of message "
-                                f"dicts, got {type(conv).__name__}")
+            check_messages(conv, f"chat {i}" if len(convs) > 1 else "chat")
         return self.generate(convs, sampling_params)
 
     def stream(self, prompts: Union[Prompt, Sequence[Prompt]],

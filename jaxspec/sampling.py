@@ -27,6 +27,20 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def _is_sequence(x) -> bool:
+    """A collection of items (a list, tuple, set, array), not a string or a mapping."""
+    return (not isinstance(x, (str, bytes, dict)) and hasattr(x, "__iter__")
+            and hasattr(x, "__len__"))
+
+
+def _type_name(x) -> str:
+    return type(x).__name__
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """What to generate.
@@ -48,6 +62,11 @@ class SamplingParams:
     ignore_eos          keep going past the model's EOS tokens
     logprobs            None: no logprobs; n >= 0: the log-probability of every emitted token and
                         of the n most likely alternatives, from the processed distribution
+    skip_special_tokens leave special tokens (EOS, end of turn) out of the text and the stream's
+                        text (HF and vLLM); token_ids keep them either way
+
+    A value of the wrong type (a string for a number, a bool for an integer) is a TypeError, a
+    value out of range a ValueError; both name the field and what it takes.
     """
     temperature: float = 0.0
     top_k: int = 0
@@ -62,8 +81,10 @@ class SamplingParams:
     stop: Tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
+        self._check_types()
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -96,6 +117,34 @@ class SamplingParams:
                                               and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
                              f"got {self.logprobs!r}")
+
+    def _check_types(self):
+        """TypeError for a field of the wrong kind, before any comparison could raise one that
+        names no field."""
+        numbers = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                   "presence_penalty")
+        for name in numbers:
+            v = getattr(self, name)
+            if not _is_number(v):
+                raise TypeError(f"{name} must be a number, got {v!r} ({_type_name(v)})")
+        for name, none_ok in (("top_k", False), ("max_tokens", False), ("seed", True),
+                              ("logprobs", True)):
+            v = getattr(self, name)
+            # a float is a number out of the integers' range (ValueError below), not a type error
+            if not (_is_number(v) or (none_ok and v is None)):
+                raise TypeError(f"{name} must be an integer{' or None' if none_ok else ''}, "
+                                f"got {v!r} ({_type_name(v)})")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {v!r} ({_type_name(v)})")
+            object.__setattr__(self, name, bool(v))
+        if not (isinstance(self.stop, str) or _is_sequence(self.stop)):
+            raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r} "
+                            f"({_type_name(self.stop)})")
+        if not _is_sequence(self.stop_token_ids):
+            raise TypeError(f"stop_token_ids must be a list of token ids, got "
+                            f"{self.stop_token_ids!r} ({_type_name(self.stop_token_ids)})")
 
     @property
     def greedy(self) -> bool:

@@ -54,10 +54,11 @@ class Tokenizer:
             return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def stream_decoder(self) -> Optional["StreamDecoder"]:
-        """A fresh incremental decoder for one request's tokens, or None where its text could
-        differ from `decode`'s (a tokenizer that cleans up spaces after decoding, or one without
-        a `tokenizers` backend): the engine then decodes windows of the output instead."""
+    def stream_decoder(self, skip_special_tokens: bool = False) -> Optional["StreamDecoder"]:
+        """A fresh incremental decoder for one request's tokens (its text that of
+        `decode(ids, skip_special_tokens)`), or None where its text could differ from `decode`'s
+        (a tokenizer that cleans up spaces after decoding, or one without a `tokenizers`
+        backend): the engine then decodes windows of the output instead."""
         backend = self._backend
         if backend is None:
             return None
@@ -65,11 +66,23 @@ class Tokenizer:
             from tokenizers.decoders import DecodeStream
         except ImportError:          # tokenizers < 0.21
             return None
-        return StreamDecoder(backend, DecodeStream(skip_special_tokens=False))
+        return StreamDecoder(backend, DecodeStream(skip_special_tokens=bool(skip_special_tokens)))
 
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        return self.hf.apply_chat_template(list(messages), tokenize=False,
-                                           add_generation_prompt=True)
+        """The chat template's text of a conversation, ending with the assistant's turn opened.
+        Messages are checked first (`check_messages`); a template that refuses them (roles out
+        of order, say) is a ValueError that says so."""
+        check_messages(messages)
+        try:
+            from jinja2 import TemplateError
+        except ImportError:          # transformers renders templates with jinja2
+            TemplateError = ()       # noqa: N806
+        try:
+            return self.hf.apply_chat_template(list(messages), tokenize=False,
+                                               add_generation_prompt=True)
+        except TemplateError as e:
+            raise ValueError(f"the model's chat template refused these messages: "
+                             f"{type(e).__name__}: {e}") from None
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> List[int]:
         # The template writes any BOS itself; encoding it again would double it.
@@ -107,6 +120,31 @@ class Tokenizer:
             reader = gguf_file.open_gguf(Path(path))
         meta = gguf_file.metadata(reader, include_tokenizer=True)
         return cls(fast_tokenizer_from_gguf_metadata(meta, str(path)), extra_eos_ids)
+
+
+def check_messages(messages, where: str = "chat") -> None:
+    """A conversation is a non-empty list of messages, each a dict with a string "role" and a
+    string "content" (what every chat template reads); TypeError or ValueError naming the first
+    message that is not. where: how errors name the conversation."""
+    if isinstance(messages, Mapping):
+        raise TypeError(f"{where}: a conversation is a list of messages, got one message (a "
+                        f"dict): wrap it in a list, [{{'role': 'user', 'content': ...}}]")
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError(f"{where}: a conversation is a list of {{'role': ..., 'content': ...}} "
+                        f"message dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError(f"{where}: a conversation needs at least one message")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise TypeError(f"{where}, message {i}: a message is a dict with 'role' and "
+                            f"'content', got {type(m).__name__}")
+        for key in ("role", "content"):
+            if key not in m:
+                raise ValueError(f"{where}, message {i}: no {key!r} (a message is a dict with "
+                                 f"'role' and 'content' strings), got keys {sorted(map(str, m))}")
+            if not isinstance(m[key], str):
+                raise TypeError(f"{where}, message {i}: {key!r} must be a string, got "
+                                f"{type(m[key]).__name__}")
 
 
 class StreamDecoder:

@@ -20,12 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.config import ModelConfig
+from jaxspec.config import ConfigError, ModelConfig
 from jaxspec.loading import cache
 from jaxspec.loading import gguf_file, hf
 from jaxspec.loading.common import WeightsError, assemble, flatten, param_shapes, unflatten
 
-__all__ = ["WeightsError", "load_model", "load_params", "default_model_path", "default_dtype"]
+__all__ = ["WeightsError", "load_model", "load_params", "default_model_path", "default_dtype",
+           "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,25 @@ def default_dtype():
     return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
 
 
+# The dtypes weights may be loaded in: the model runs in floating point of 16 bits or more.
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def resolve_dtype(dtype=None) -> np.dtype:
+    """dtype (None: `default_dtype()`; a name, numpy or jax dtype or scalar type) as a numpy
+    dtype; ConfigError naming `dtype` and the ones it may be for anything else."""
+    if dtype is None:
+        dtype = default_dtype()
+    try:
+        dt = np.dtype(jnp.dtype(dtype))
+    except (TypeError, ValueError):
+        dt = None
+    if dt is None or dt.name not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)} (a name, or a numpy or "
+                          f"jax dtype), got {dtype!r}")
+    return dt
+
+
 def _resolve(path) -> Path:
     p = default_model_path() if path is None else Path(path).expanduser()
     if not p.exists():
@@ -66,8 +86,8 @@ def _resolve(path) -> Path:
 def load_params(path=None, dtype=None, use_cache: bool = True, reader=None
                 ) -> Tuple[ModelConfig, dict]:
     """(config, params) without the tokenizer."""
+    dt = resolve_dtype(dtype)
     p = _resolve(path)
-    dt = np.dtype(jnp.dtype(dtype if dtype is not None else default_dtype()))
     t0 = time.perf_counter()
     if p.is_dir():
         cfg = hf.read_config(p)
@@ -97,6 +117,7 @@ def load_model(path: Union[str, Path, None] = None, dtype=None, use_cache: bool 
     """(ModelConfig, params, Tokenizer) for a target model; see the module docstring."""
     from jaxspec.tokenizer import Tokenizer
 
+    resolve_dtype(dtype)            # a bad dtype is named before any file is read
     p = _resolve(path)
     reader = None
     if not p.is_dir() and (p.suffix.lower() == ".gguf" or _has_gguf_magic(p)):

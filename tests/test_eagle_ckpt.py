@@ -292,6 +292,73 @@ def test_load_draft_reads_our_own_head_file(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _shipped_layout(d, head):
+    """A directory as the project ships its head: head.safetensors, token_ranking.safetensors
+    and a README.md card."""
+    from safetensors.numpy import save_file
+
+    from jaxspec.loading.eagle_ckpt import DEFAULT_HEAD_FILE, DEFAULT_RANKING_FILE, save_head
+    d.mkdir(parents=True, exist_ok=True)
+    save_head(d / DEFAULT_HEAD_FILE, head, {"steps": 1})
+    save_file({"ids": np.arange(67, dtype=np.int32)[::-1].copy()}, str(d / DEFAULT_RANKING_FILE))
+    (d / "README.md").write_text("# a head\n")
+    return d
+
+
+def test_load_draft_reads_a_directory_in_the_shipped_layout(tmp_path):
+    """draft=<directory> of our own head loads as its file does; a head of another shape names
+    the tensor, its shape and the expected one as a directory and as a file alike."""
+    from jaxspec.loading.eagle_ckpt import DEFAULT_HEAD_FILE, load_draft
+    head = eagle.init_eagle_params(CFG, jax.random.PRNGKey(3))
+    d = _shipped_layout(tmp_path / "head", head)
+    for got in (load_draft(d, CFG), load_draft(str(d), CFG)):
+        for a, b in zip(jax.tree_util.tree_leaves(head), jax.tree_util.tree_leaves(got)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    wide = ModelConfig(arch="LlamaForCausalLM", vocab_size=67, hidden_size=48,
+                       intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=12)
+    wrong = _shipped_layout(tmp_path / "wrong", eagle.init_eagle_params(wide,
+                                                                        jax.random.PRNGKey(4)))
+    for path in (wrong, wrong / DEFAULT_HEAD_FILE):
+        with pytest.raises(WeightsError, match=r"head.safetensors: tensor 'fc' has shape "
+                                               r"\(96, 48\), expected \(64, 32\)"):
+            load_draft(path, CFG)
+
+
+def test_load_draft_directory_errors_are_clear(tmp_path):
+    """Two head files in one directory, a corrupt head file, a corrupt config.json and a torch
+    file that pickles code: each a WeightsError naming the file, nothing executed."""
+    from jaxspec.loading.eagle_ckpt import DEFAULT_HEAD_FILE, load_draft, save_head
+    head = eagle.init_eagle_params(CFG, jax.random.PRNGKey(3))
+    two = _shipped_layout(tmp_path / "two", head)
+    save_head(two / "other.safetensors", head)
+    with pytest.raises(WeightsError, match="several head files .*head.safetensors, "
+                                           "other.safetensors"):
+        load_draft(two, CFG)
+    bad = _shipped_layout(tmp_path / "bad", head)
+    (bad / DEFAULT_HEAD_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    for path in (bad, bad / DEFAULT_HEAD_FILE):
+        with pytest.raises(WeightsError, match="head.safetensors: unreadable safetensors"):
+            load_draft(path, CFG)
+    cfg_dir = write(tmp_path / "cfg", eagle1_state_dict(np.random.default_rng(0)), "safetensors")
+    (cfg_dir / "config.json").write_text("{broken")
+    with pytest.raises(WeightsError, match="config.json: not valid JSON"):
+        load_draft(cfg_dir, CFG)
+    torch = pytest.importorskip("torch")
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    evil = tmp_path / "evil"
+    evil.mkdir()
+    torch.save({"fc.weight": torch.zeros(H, 2 * H), "x": Payload()}, evil / "pytorch_model.bin")
+    with pytest.raises(WeightsError, match="pytorch_model.bin: unreadable torch checkpoint"):
+        load_draft(evil, CFG)
+    assert not marker.exists()
+
+
 def test_widened_head_computes_the_same_and_round_trips(tmp_path):
     """eagle.widen_mlp keeps the head's function (new w_down rows are zero); its file records the
     width, loads back exactly, and a width the tensors do not have is named."""

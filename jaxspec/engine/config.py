@@ -116,8 +116,16 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
     def resolved(self, *, slots: int, speculative: bool, model_limit: int) -> "EngineConfig":
-        """Every None replaced by its default for an engine of `slots` slots in all."""
+        """Every None replaced by its default for an engine of `slots` slots in all. A
+        max_model_len past model_limit (the model's context length, or the KV rows the
+        backend holds) is capped to it, with a warning: the caller asked for more."""
+        import warnings
+
         max_len = min(self.max_model_len or defaults.MAX_MODEL_LEN, model_limit)
+        if self.max_model_len is not None and self.max_model_len > model_limit:
+            warnings.warn(f"max_model_len={self.max_model_len} is past this model's limit of "
+                          f"{model_limit} tokens (its context length, or the KV rows of the "
+                          f"backend): using max_model_len={model_limit}", stacklevel=4)
         chunk = min(self.prefill_chunk or defaults.prefill_chunk(), max_len)
         pack = self.pack_tokens or 2 * chunk
         out = dataclasses.replace(

@@ -6,10 +6,13 @@ the call's tokens are dropped, never streamed. Text is detokenized incrementally
 through the request's own decoder when the tokenizer has one, else by decoding only the tokens
 since the last call plus the one before them; an incomplete UTF-8 character at the end is held
 back until its bytes arrive, and text that could still become a stop string is held back from
-the stream.
+the stream. The text is what the user sees: special tokens (EOS, end of turn) are left out when
+the request's `skip_special_tokens` says so (the default), in the final text, the stream and the
+stop-string checks alike; its token ids keep them.
 """
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any, Callable, List, Optional
 
@@ -17,14 +20,49 @@ from jaxspec.engine.request import Request, StreamDelta
 from jaxspec.sampling import logprob_dicts
 
 
-class OutputProcessor:
-    """detokenize: token ids -> text (None: no text, no stop strings); stream_decoder: () -> a
-    fresh incremental decoder (`feed(ids) -> str`) or None."""
+def _takes_args(fn: Callable, n: int) -> bool:
+    """Whether fn can be called with n positional arguments (True when its signature is not
+    known: the caller's contract is then the full one)."""
+    try:
+        inspect.signature(fn).bind(*range(n))
+    except TypeError:
+        return False
+    except ValueError:      # no signature to read (some builtins)
+        return True
+    return True
 
-    def __init__(self, detokenize: Optional[Callable[[List[int]], str]] = None,
-                 stream_decoder: Optional[Callable[[], Any]] = None):
+
+class OutputProcessor:
+    """detokenize: (token ids, skip_special_tokens) -> text, or token ids -> text for a decoder
+    with no special tokens to skip (None: no text, no stop strings); stream_decoder:
+    (skip_special_tokens) -> a fresh incremental decoder (`feed(ids) -> str`) or None, or the
+    same with no argument."""
+
+    def __init__(self, detokenize: Optional[Callable[..., str]] = None,
+                 stream_decoder: Optional[Callable[..., Any]] = None):
         self.detokenize = detokenize
         self.stream_decoder = stream_decoder if detokenize is not None else None
+        self._arity: dict = {}      # callable -> whether it takes the skip flag
+
+    def _takes_flag(self, fn: Callable, n: int) -> bool:
+        # read once per callable (the attributes may be replaced), not once per call
+        got = self._arity.get(n)
+        if got is None or got[0] is not fn:
+            got = self._arity[n] = (fn, _takes_args(fn, n))
+        return got[1]
+
+    def decode(self, req: Request, ids: List[int]) -> str:
+        """Text of ids as this request shows it (special tokens per its sampling params)."""
+        if self._takes_flag(self.detokenize, 2):
+            return self.detokenize(ids, req.sp.skip_special_tokens)
+        return self.detokenize(ids)
+
+    def _new_decoder(self, req: Request):
+        if not self.stream_decoder:
+            return None
+        if self._takes_flag(self.stream_decoder, 1):
+            return self.stream_decoder(req.sp.skip_special_tokens)
+        return self.stream_decoder()
 
     def take(self, req: Request, tokens: List[int], lp=None) -> Optional[str]:
         """Appends the tokens that the request keeps; returns its finish reason or None.
@@ -72,13 +110,13 @@ class OutputProcessor:
         if req.read_offset >= len(ids):
             return req.detok_text
         if req.decoder is None:
-            req.decoder = (self.stream_decoder() if self.stream_decoder else None) or False
+            req.decoder = self._new_decoder(req) or False
         if req.decoder:
             req.detok_text += req.decoder.feed(ids[req.read_offset:])
             req.read_offset = len(ids)
         else:
-            prefix = self.detokenize(ids[req.prefix_offset:req.read_offset])
-            new = self.detokenize(ids[req.prefix_offset:])
+            prefix = self.decode(req, ids[req.prefix_offset:req.read_offset])
+            new = self.decode(req, ids[req.prefix_offset:])
             if len(new) > len(prefix) and not new.endswith("\ufffd"):
                 req.detok_text += new[len(prefix):]
                 req.prefix_offset, req.read_offset = req.read_offset, len(ids)
@@ -89,7 +127,7 @@ class OutputProcessor:
         req.finish_reason = reason
         req.t_finish = time.perf_counter()
         if self.detokenize is not None:
-            text = self.detokenize(req.output)
+            text = self.decode(req, req.output)
             if reason == "stop" and req.stop:
                 cut = [text.find(s) for s in req.stop if s in text]
                 text = text[:min(cut)] if cut else text

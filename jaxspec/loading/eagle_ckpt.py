@@ -100,8 +100,11 @@ def save_head(path, draft_params, meta: Optional[dict] = None) -> Path:
 def read_head_meta(path) -> dict:
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="numpy") as f:
-        text = (f.metadata() or {}).get(HEAD_META_KEY, "{}")
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            text = (f.metadata() or {}).get(HEAD_META_KEY, "{}")
+    except Exception as e:  # noqa: BLE001 -- the library's errors name no file
+        raise WeightsError(f"{path}: unreadable safetensors file ({e})") from None
     try:
         meta = json.loads(text)
     except json.JSONDecodeError as e:
@@ -122,7 +125,10 @@ def load_head(path, cfg: ModelConfig, dtype=None):
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"draft head file {str(path)!r} does not exist")
-    flat = load_file(str(path))
+    try:
+        flat = load_file(str(path))
+    except Exception as e:  # noqa: BLE001 -- the library's errors name no file
+        raise WeightsError(f"{path}: unreadable safetensors file ({e})") from None
     check_shapes(flat, eagle1_shapes(cfg, _mlp_width(read_head_meta(path), cfg, path)), str(path))
     params = unflatten_head(flat)
     cast = (lambda a: jnp.asarray(a, dtype)) if dtype is not None else jnp.asarray
@@ -198,8 +204,9 @@ def read_state_dict(path) -> Tuple[Dict[str, np.ndarray], dict]:
     """
     p = Path(path)
     if p.is_dir():
-        files = sorted(p.glob("*.safetensors")) or sorted(p.glob("pytorch_model*.bin")) \
-            or sorted(p.glob("*.bin"))
+        # a token ranking beside a head (DEFAULT_RANKING_FILE) is not part of its weights
+        files = [f for f in sorted(p.glob("*.safetensors")) if f.name != DEFAULT_RANKING_FILE] \
+            or sorted(p.glob("pytorch_model*.bin")) or sorted(p.glob("*.bin"))
         if not files:
             raise WeightsError(f"{p}: no *.safetensors or *.bin checkpoint file")
         cfg_path = p / "config.json"
@@ -207,11 +214,21 @@ def read_state_dict(path) -> Tuple[Dict[str, np.ndarray], dict]:
         files, cfg_path = [p], p.parent / "config.json"
     else:
         raise FileNotFoundError(f"draft checkpoint {str(p)!r} does not exist")
-    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    config = _read_config(cfg_path) if cfg_path.is_file() else {}
     tensors: Dict[str, np.ndarray] = {}
     for f in files:
         tensors.update(_read_file(f))
     return tensors, config
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WeightsError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise WeightsError(f"{path}: not a JSON object")
+    return config
 
 
 def _read_file(f: Path) -> Dict[str, np.ndarray]:
@@ -221,12 +238,19 @@ def _read_file(f: Path) -> Dict[str, np.ndarray]:
             return dict(load_file(str(f)))
         except Exception as e:  # noqa: BLE001 -- the library's errors name no file
             raise WeightsError(f"{f}: unreadable safetensors file ({e})") from e
-    import torch
+    try:
+        import torch
+    except ImportError:
+        raise WeightsError(f"{f}: a torch checkpoint needs torch installed to be read (with "
+                           "weights_only=True); a .safetensors file needs nothing") from None
 
     try:
         sd = torch.load(str(f), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001
         raise WeightsError(f"{f}: unreadable torch checkpoint ({e})") from e
+    if not isinstance(sd, dict):
+        raise WeightsError(f"{f}: a torch checkpoint of {type(sd).__name__}, expected a state "
+                           "dict of tensors")
     out = {}
     for k, v in sd.items():
         if not isinstance(v, torch.Tensor):
@@ -484,25 +508,49 @@ def load_eagle3_head(path, cfg: ModelConfig, dtype=None):
     return _eagle3_head(sd, config, cfg, str(path), dtype)
 
 
+# Tensor names of our own EAGLE-1 layout (`eagle1_shapes`); public heads name theirs
+# "fc.weight", "layers.0.*", "midlayer.*".
+OWN_HEAD_NAMES = frozenset(("fc", "fc_bias", "layers.attn_norm", "layers.wqkv", "layers.bqkv",
+                            "layers.wo", "layers.mlp_norm", "layers.w_gate_up", "layers.w_down"))
+
+
 def is_own_head_file(path) -> bool:
-    """A single .safetensors file written by `save_head` (it carries the jaxspec_head entry)."""
+    """A single .safetensors file written by `save_head`: the jaxspec_head entry and tensors of
+    our layout (`save_eagle3` writes the entry too, beside the public EAGLE-3 tensors)."""
     path = Path(path)
     if not (path.is_file() and path.suffix == ".safetensors"):
         return False
     try:
         from safetensors import safe_open
         with safe_open(str(path), framework="numpy") as f:
-            return HEAD_META_KEY in (f.metadata() or {})
+            return (HEAD_META_KEY in (f.metadata() or {})
+                    and not OWN_HEAD_NAMES.isdisjoint(f.keys()))
     except Exception:       # not readable as safetensors: the public loader says why
         return False
 
 
+def own_head_in_dir(path) -> Optional[Path]:
+    """The head file of a directory in our shipped layout (head.safetensors beside
+    token_ranking.safetensors and a card), or None for any other directory."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    own = [f for f in sorted(p.glob("*.safetensors")) if is_own_head_file(f)]
+    if len(own) > 1:
+        raise WeightsError(f"{p}: several head files ({', '.join(f.name for f in own)}): pass "
+                           "the one to load")
+    return own[0] if own else None
+
+
 def load_draft(path, cfg: ModelConfig, dtype=None):
-    """A draft checkpoint -> draft params: our own head file (`save_head`, what `jaxspec
-    train-eagle` writes), or a public one (dir, .safetensors or .bin) of either layout: an
-    EAGLE-1 params dict, or an Eagle3Head (layout told by config.json or the tensor names)."""
-    if is_own_head_file(path):
-        return load_head(path, cfg, dtype)
+    """A draft checkpoint -> draft params: our own head (`save_head`, what `jaxspec
+    train-eagle` writes: the file, or a directory holding it as the shipped head does), or a
+    public one (dir, .safetensors or .bin) of either layout: an EAGLE-1 params dict, or an
+    Eagle3Head (layout told by config.json or the tensor names). Only tensors are read (no
+    pickled code runs); a wrong shape names the tensor, its shape and the expected one."""
+    own = path if is_own_head_file(path) else own_head_in_dir(path)
+    if own is not None:
+        return load_head(own, cfg, dtype)
     sd, config = read_state_dict(path)
     origin = str(path)
     if is_eagle3_checkpoint(sd, config):
