@@ -93,6 +93,7 @@ class LLM:
         if kv_budget_gb is not None:
             per_slot = int(kv_budget_gb * 2**30) // (
                 econf.max_batch * kv_bytes_per_token(self.config, self._dtype()))
+            per_slot = min(per_slot, self.config.max_position_embeddings)
             econf = econf.replace(max_model_len=min(econf.max_model_len or per_slot, per_slot))
         self.engine = build_engine(self.config, self.params, econf, draft=draft, spec=spec,
                                    dcfg=dconf, eos_ids=self._eos_ids(), tokenizer=self.tokenizer,

@@ -132,6 +132,32 @@ class CompileCounter:
 _COUNTER = CompileCounter()
 
 
+def serve(engine, prompts, sps, arrive, abort_at):
+    """Requests added at their arrival step (arrive[i]) and aborted at abort_at[i], stepped
+    until all end; asserts no compilation and no delta after a final one. Returns (ids,
+    streamed tokens and final reason by request id)."""
+    streams, finals, ids, step = {}, {}, {}, 0
+    _COUNTER.on = True
+    try:
+        while len(ids) < len(prompts) or engine.has_work():
+            for i in np.flatnonzero(arrive == step):
+                ids[int(i)] = engine.add_request(prompts[i], sps[i])
+            for i, at in abort_at.items():
+                if at == step and i in ids:
+                    engine.abort(ids[i])
+            for d in engine.step():
+                assert d.request_id not in finals, "delta after the final one"
+                streams.setdefault(d.request_id, []).extend(d.token_ids)
+                if d.finished:
+                    finals[d.request_id] = d.finish_reason
+            step += 1
+            assert step < 5000
+    finally:
+        _COUNTER.on = False
+    assert _COUNTER.n == 0, "compiled after warm-up"
+    return ids, streams, finals
+
+
 def compiled_shapes(engine):
     """What the backend can run without compiling, and the calls that found no executable
     compiled ahead of time (each compiles through jit on a new shape): equal before and after
@@ -159,25 +185,7 @@ def test_requests_over_time_with_aborts_and_retracts(kind):
     sizes = compiled_shapes(engine)
     arrive = np.sort(rng.integers(0, n // 2, n))          # step at which each request arrives
     abort_at = {i: int(arrive[i] + rng.integers(0, 8)) for i in rng.choice(n, n // 10, False)}
-    streams, finals, ids, step = {}, {}, {}, 0
-    _COUNTER.on = True
-    try:
-        while len(ids) < n or engine.has_work():
-            for i in np.flatnonzero(arrive == step):
-                ids[int(i)] = engine.add_request(prompts[i], sps[i])
-            for i, at in abort_at.items():
-                if at == step and i in ids:
-                    engine.abort(ids[i])
-            for d in engine.step():
-                assert d.request_id not in finals, "delta after the final one"
-                streams.setdefault(d.request_id, []).extend(d.token_ids)
-                if d.finished:
-                    finals[d.request_id] = d.finish_reason
-            step += 1
-            assert step < 5000
-    finally:
-        _COUNTER.on = False
-    assert _COUNTER.n == 0, "compiled after warm-up"
+    ids, streams, finals = serve(engine, prompts, sps, arrive, abort_at)
     assert compiled_shapes(engine) == sizes
     if kind == "spec:3":      # 3 cycles per call, 1 while a single slot is active
         assert set(engine.stats.call_sizes) == {1, 3}
@@ -232,25 +240,7 @@ def test_no_compilation_over_a_churn_of_requests_after_warmup():
     sizes = compiled_shapes(engine)
     arrive = np.sort(rng.integers(0, n // 2, n))
     abort_at = {int(i): int(arrive[i] + rng.integers(0, 6)) for i in rng.choice(n, n // 8, False)}
-    streams, finals, ids, step = {}, {}, {}, 0
-    _COUNTER.on = True
-    try:
-        while len(ids) < n or engine.has_work():
-            for i in np.flatnonzero(arrive == step):
-                ids[int(i)] = engine.add_request(prompts[i], sps[i])
-            for i, at in abort_at.items():
-                if at == step and i in ids:
-                    engine.abort(ids[i])
-            for d in engine.step():
-                assert d.request_id not in finals, "delta after the final one"
-                streams.setdefault(d.request_id, []).extend(d.token_ids)
-                if d.finished:
-                    finals[d.request_id] = d.finish_reason
-            step += 1
-            assert step < 5000
-    finally:
-        _COUNTER.on = False
-    assert _COUNTER.n == 0, "compiled after warm-up"
+    ids, streams, finals = serve(engine, prompts, sps, arrive, abort_at)
     assert compiled_shapes(engine) == sizes
     stats = engine.stats
     assert set(stats.call_sizes) == {1, 2} and stats.retracts > 0
@@ -679,8 +669,9 @@ def test_sampling_penalties_logprobs_alone_busy_and_retracted(kind):
     assert len({tuple(o.output) for o in outs}) > len(outs) // 2   # unseeded rows differ
 
 
+@pytest.mark.parametrize("skip", [True, False], ids=["skip_special", "keep_special"])
 @pytest.mark.parametrize("stream", [False, True], ids=["windows", "stream_decoder"])
-def test_incremental_detokenization_equals_full_decode(smollm2_gguf, stream):
+def test_incremental_detokenization_equals_full_decode(smollm2_gguf, stream, skip):
     """The engine's per-step text (only new tokens decoded: by windows of the output, or the
     tokenizer's incremental decoder) equals decoding the whole output, with multi-byte
     characters split across tokens held back until complete; also for random token ids, whose
@@ -696,7 +687,10 @@ def test_incremental_detokenization_equals_full_decode(smollm2_gguf, stream):
         assert tok.stream_decoder() is not None      # SmolLM2's tokenizer takes the fast path
 
     def fresh():
-        return Request(0, [], SamplingParams(), frozenset(), ())
+        return Request(0, [], SamplingParams(skip_special_tokens=skip), frozenset(), ())
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=skip)
 
     text = "Café — naïve 日本語 emoji 🎉🚀 and plain words, then «quotes» ok."
     ids = tok.encode(text, add_special_tokens=False)
@@ -704,11 +698,11 @@ def test_incremental_detokenization_equals_full_decode(smollm2_gguf, stream):
     for t in ids:
         req.output.append(t)
         got = out.text_so_far(req)
-        full = tok.decode(req.output)
+        full = decode(req.output)
         assert full.startswith(got)            # never text the full decode does not have
         if not full.endswith("\ufffd"):
             assert got == full                 # and nothing held once the bytes are complete
-    assert got == tok.decode(ids) == text
+    assert got == decode(ids) == text
     assert (req.decoder is not False) == stream
     rng = random.Random(0)
     for _ in range(40):
@@ -716,7 +710,7 @@ def test_incremental_detokenization_equals_full_decode(smollm2_gguf, stream):
         ids = [rng.randrange(300 if rng.random() < 0.5 else tok.vocab_size) for _ in range(n)]
         while req.output != ids:
             req.output += ids[len(req.output):len(req.output) + rng.randint(1, 3)]
-            assert tok.decode(req.output).startswith(out.text_so_far(req))
+            assert decode(req.output).startswith(out.text_so_far(req))
 
 
 @pytest.mark.parametrize("kind", ["spec", "plain", "spec:3"])
