@@ -45,6 +45,9 @@ MODES = {
     "4x8x32": dict(max_batch=16, spec="4x8x32", **SPEC),
     "dp2-plain": dict(max_batch=8, data_parallel=2),
     "dp2-chain": dict(max_batch=8, data_parallel=2, spec="chain", **SPEC),
+    "dp2-pmap-plain": dict(max_batch=8, data_parallel=2, data_parallel_impl="pmap"),
+    "dp2-pmap-chain": dict(max_batch=8, data_parallel=2, data_parallel_impl="pmap",
+                           spec="chain", **SPEC),
     "tp3-plain": dict(max_batch=16, tensor_parallel=3),
     "tp3-chain": dict(max_batch=16, tensor_parallel=3, spec="chain", **SPEC),
 }

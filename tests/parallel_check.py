@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reference_runner import PlainRunner, SpecRunner, prefill  # noqa: E402
+from reference_runner import CompileCounter, PlainRunner, SpecRunner, prefill  # noqa: E402
 
 from jaxspec.build import build_engine  # noqa: E402
 from jaxspec.config import ModelConfig  # noqa: E402
@@ -102,24 +102,6 @@ def check(name, got, want):
 
 def ok(name):
     print("ok", name, flush=True)
-
-
-class CompileCounter:
-    """Counts XLA compilations (any function) while on, those a persistent compilation cache
-    answers included."""
-
-    def __init__(self):
-        self.n, self.on = 0, False
-        jax.monitoring.register_event_duration_secs_listener(self._event)
-        jax.monitoring.register_event_listener(self._hit)
-
-    def _event(self, name, _dur, **_kw):
-        if self.on and name == "/jax/core/compile/backend_compile_duration":
-            self.n += 1
-
-    def _hit(self, name, **_kw):
-        if self.on and name == "/jax/compilation_cache/cache_hits":
-            self.n += 1
 
 
 COMPILES = CompileCounter()

@@ -21,11 +21,13 @@ import numpy as np
 
 from jaxspec.decode import init_plain_state, plain_cycle
 from jaxspec.engine.admission import AdmitArgs, jit_admissions
+from jaxspec.models import llama
 from jaxspec.sampling import FULL, SamplingParams, flat_params, logprob_dicts, seed_key
 from jaxspec.spec.config import check_vocab, resolve_spec
 from jaxspec.spec.cycle import init_state, jit_cycle
 from jaxspec.spec.draft import check_head
 from jaxspec.xla_options import jit
+from pallas_kernels.kv_compact import kv_compact
 
 
 @dataclasses.dataclass
@@ -199,3 +201,46 @@ def prefill(cfg, spec, params, draft, state, tokens, lens, features=FULL, sampli
                                              jnp.asarray(lens), jnp.full(b, -1, jnp.int32),
                                              jax.tree_util.tree_map(jnp.asarray, adm), _key(0))
     return state, (first if emitted else first.tokens)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def plain_step(params, cfg, k, v, lens, tok):
+    """One token per slot (tok [B]) through the target with a KV cache (k, v, lens): -> (k, v,
+    lens + 1, logits [B, V]). The plainest reference decoding there is."""
+    b = tok.shape[0]
+    h, kn, vn, _ = llama.forward(params, cfg, tok[:, None], lens[:, None], k, v, lens,
+                                 jnp.ones((b, 1, 1), bool))
+    k, v = kv_compact(k, v, kn, vn, lens, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32))
+    return k, v, lens + 1, llama.lm_head(params, cfg, h[:, 0])
+
+
+def plain_greedy(params, cfg, prompt, n: int, max_len: int):
+    """n greedy tokens after `prompt`, one at a time through `plain_step` (batch 1)."""
+    c = init_plain_state(cfg, 1, max_len, params["embed"].dtype).target
+    k, v, lens = c.k, c.v, c.lens
+    for t in prompt:
+        k, v, lens, logits = plain_step(params, cfg, k, v, lens, jnp.array([t], jnp.int32))
+    out = []
+    for _ in range(n):
+        out.append(int(jnp.argmax(logits[0])))
+        k, v, lens, logits = plain_step(params, cfg, k, v, lens,
+                                        jnp.array([out[-1]], jnp.int32))
+    return out
+
+
+class CompileCounter:
+    """Counts XLA compilations (any function) while `on`, including those a persistent
+    compilation cache answers (scripts/test.sh shares one between the suite's processes)."""
+
+    def __init__(self):
+        self.n, self.on = 0, False
+        jax.monitoring.register_event_duration_secs_listener(self._event)
+        jax.monitoring.register_event_listener(self._hit)
+
+    def _event(self, name, _dur, **_kw):
+        if self.on and name == "/jax/core/compile/backend_compile_duration":
+            self.n += 1
+
+    def _hit(self, name, **_kw):
+        if self.on and name == "/jax/compilation_cache/cache_hits":
+            self.n += 1

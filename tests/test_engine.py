@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 
 from draft_models import agreeing_pair as _agreeing_pair
+from reference_runner import CompileCounter, plain_step
 from jaxspec.config import ModelConfig
 from jaxspec.engine import Engine, EngineConfig, PlainBackend, SpecBackend
 from jaxspec.engine.admission import AdmitArgs
 from jaxspec.kv import init_cache
-from jaxspec.models import llama
 from jaxspec.sampling import FULL, LEAN, SamplingParams
 from jaxspec.spec import SpecConfig
-from pallas_kernels.kv_compact import kv_compact
 
 CFG = ModelConfig(arch="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=96,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -38,13 +37,9 @@ def agreeing_pair():
     return _agreeing_pair(CFG, scale=0.02, lm_head_scale=0.5)
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
 def _plain_step(params, cfg, k, v, lens, tok):
-    b = tok.shape[0]
-    h, kn, vn, _ = llama.forward(params, cfg, tok[:, None], lens[:, None], k, v, lens,
-                                 jnp.ones((b, 1, 1), bool))
-    k, v = kv_compact(k, v, kn, vn, lens, jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32))
-    return k, v, lens + 1, jnp.argmax(llama.lm_head(params, cfg, h[:, 0]), -1).astype(jnp.int32)
+    k, v, lens, logits = plain_step(params, cfg, k, v, lens, tok)
+    return k, v, lens, jnp.argmax(logits, -1).astype(jnp.int32)
 
 
 _REF = {}
@@ -109,24 +104,6 @@ def make_engine(kind, kv_budget=None, eos=(), detokenize=None, short_rows=None, 
                         prefill_chunk=CHUNK, **kw)
     return Engine(backend, conf, vocab_size=CFG.vocab_size, eos_ids=eos, detokenize=detokenize,
                   stream_decoder=decoder)
-
-
-class CompileCounter:
-    """Counts XLA compilations (any function) while active, including those a persistent
-    compilation cache answers (scripts/test.sh shares one between the suite's processes)."""
-
-    def __init__(self):
-        self.n, self.on = 0, False
-        jax.monitoring.register_event_duration_secs_listener(self._event)
-        jax.monitoring.register_event_listener(self._hit)
-
-    def _event(self, name, _dur, **_kw):
-        if self.on and name == "/jax/core/compile/backend_compile_duration":
-            self.n += 1
-
-    def _hit(self, name, **_kw):
-        if self.on and name == "/jax/compilation_cache/cache_hits":
-            self.n += 1
 
 
 _COUNTER = CompileCounter()

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from reference_runner import plain_greedy as reference_plain_greedy
 from draft_models import agreeing_pair as _agreeing_pair
 from jaxspec.config import ModelConfig
 from jaxspec.kv import KVCache, init_cache
@@ -19,7 +20,6 @@ from jaxspec.spec import SpecConfig, init_state, jit_cycle
 from jaxspec.spec import draft as draft_lib
 from jaxspec.spec.cycle import cycle
 from jaxspec.spec.tree import build_tree
-from pallas_kernels.kv_compact import kv_compact
 
 CFG = ModelConfig(arch="LlamaForCausalLM", vocab_size=331, hidden_size=64, intermediate_size=96,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -37,28 +37,10 @@ def agreeing_pair():
     return _agreeing_pair(CFG, scale=0.02, lm_head_scale=0.5)
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def _plain_step(params, cfg, k, v, lens, tok):
-    h, kn, vn, _ = llama.forward(params, cfg, tok[:, None], lens[:, None], k, v, lens,
-                                 jnp.ones((1, 1, 1), bool))
-    k, v = kv_compact(k, v, kn, vn, lens, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32))
-    nxt = jnp.argmax(llama.lm_head(params, cfg, h[:, 0]), -1).astype(jnp.int32)
-    return k, v, lens + 1, nxt
-
-
 @functools.lru_cache(maxsize=None)
 def plain_greedy(prompt, n):
     """Plain greedy decoding, one token at a time through llama.forward with a KV cache."""
-    params = agreeing_pair()[0]
-    c = init_cache(CFG, 1, ROWS, jnp.float32)
-    k, v, lens = c.k, c.v, c.lens
-    for t in prompt:
-        k, v, lens, nxt = _plain_step(params, CFG, k, v, lens, jnp.array([t], jnp.int32))
-    out = []
-    for _ in range(n):
-        out.append(int(nxt[0]))
-        k, v, lens, nxt = _plain_step(params, CFG, k, v, lens, nxt)
-    return out
+    return reference_plain_greedy(agreeing_pair()[0], CFG, prompt, n, ROWS)
 
 
 @functools.partial(jax.jit, static_argnames="cfg")

@@ -10,18 +10,16 @@ Engines are built only by `make_engine` and driven only by `Driver` (add_request
 and the deltas they return), so a new engine constructor changes only those."""
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from reference_runner import plain_step
 from draft_models import agreeing_pair as _agreeing_pair
 from jaxspec.config import ModelConfig
 from jaxspec.kv import init_cache
-from jaxspec.models import llama
 from jaxspec.sampling import SamplingParams
 from jaxspec.spec import SpecConfig
-from pallas_kernels.kv_compact import kv_compact
 
 CFG = ModelConfig(arch="LlamaForCausalLM", vocab_size=331, hidden_size=64, intermediate_size=96,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -110,12 +108,9 @@ def agreeing_pair():
     return _agreeing_pair(CFG, scale=0.06, lm_head_scale=1.0)
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
 def _plain_step(params, cfg, k, v, lens, tok):
-    h, kn, vn, _ = llama.forward(params, cfg, tok[:, None], lens[:, None], k, v, lens,
-                                 jnp.ones((1, 1, 1), bool))
-    k, v = kv_compact(k, v, kn, vn, lens, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32))
-    return k, v, lens + 1, llama.lm_head(params, cfg, h[:, 0])[0]
+    k, v, lens, logits = plain_step(params, cfg, k, v, lens, tok)
+    return k, v, lens, logits[0]
 
 
 def _penalized(logits, prompt, out, sp):

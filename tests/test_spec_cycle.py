@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from reference_runner import plain_greedy as reference_plain_greedy
 from draft_models import agreeing_pair as _agreeing_pair, candidate_paths as _cycle_paths
 from jaxspec.config import ModelConfig
 from jaxspec.engine.admission import AdmitArgs, jit_admissions
@@ -16,7 +17,6 @@ from jaxspec.models import eagle, llama
 from jaxspec.sampling import FULL, LEAN
 from jaxspec.spec import SpecConfig, init_state, jit_cycle
 from jaxspec.spec import draft as draft_lib
-from pallas_kernels.kv_compact import kv_compact
 from reference_runner import SpecRunner, prefill
 
 # vocab 331 appears in no other dimension, so the jaxpr test can spot vocab-sized arrays.
@@ -46,26 +46,9 @@ def agreeing_pair():
     return _agreeing_pair(CFG, scale=0.02, lm_head_scale=0.5)
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def _plain_step(params, cfg, k, v, lens, tok):
-    h, kn, vn, _ = llama.forward(params, cfg, tok[:, None], lens[:, None], k, v, lens,
-                                 jnp.ones((1, 1, 1), bool))
-    k, v = kv_compact(k, v, kn, vn, lens, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32))
-    nxt = jnp.argmax(llama.lm_head(params, cfg, h[:, 0]), -1).astype(jnp.int32)
-    return k, v, lens + 1, nxt
-
-
 def plain_greedy(params, cfg, prompt, n, max_len=MAX_LEN):
     """Reference: one token at a time through llama.forward with a KV cache."""
-    c = init_cache(cfg, 1, max_len, params["embed"].dtype)
-    k, v, lens = c.k, c.v, c.lens
-    for t in prompt:
-        k, v, lens, nxt = _plain_step(params, cfg, k, v, lens, jnp.array([t], jnp.int32))
-    out = []
-    for _ in range(n):
-        out.append(int(nxt[0]))
-        k, v, lens, nxt = _plain_step(params, cfg, k, v, lens, nxt)
-    return out
+    return reference_plain_greedy(params, cfg, prompt, n, max_len)
 
 
 @functools.lru_cache(maxsize=None)
