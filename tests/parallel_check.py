@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from reference_runner import CompileCounter, PlainRunner, SpecRunner, prefill  # noqa: E402
+from reference_runner import serve as serve_over_time  # noqa: E402
 
 from jaxspec.build import build_engine  # noqa: E402
 from jaxspec.config import ModelConfig  # noqa: E402
@@ -225,21 +226,7 @@ def churn(eng, *, aborts: bool):
                          PROMPTS[5], PROMPTS[6][::-1]]
     arrive = [0, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 6, 8, 9]
     abort_at = {2: 4, 8: 7} if aborts else {}
-    ids, streams, finals, step = {}, {}, {}, 0
-    while len(ids) < len(prompts) or eng.has_work():
-        for i, at in enumerate(arrive):
-            if at == step:
-                ids[i] = eng.add_request(prompts[i], sps[i])
-        for i, at in abort_at.items():
-            if at == step:
-                eng.abort(ids[i])
-        for d in eng.step():
-            assert d.request_id not in finals, "delta after the final one"
-            streams.setdefault(d.request_id, []).extend(d.token_ids)
-            if d.finished:
-                finals[d.request_id] = d.finish_reason
-        step += 1
-        assert step < 2000
+    ids, streams, finals = serve_over_time(eng, prompts, sps, arrive, abort_at, max_steps=2000)
     reqs = [eng.pop_finished(ids[i]) for i in range(len(prompts))]
     return reqs, [streams.get(ids[i], []) for i in range(len(prompts))], \
         [finals[ids[i]] for i in range(len(prompts))], sorted(abort_at)

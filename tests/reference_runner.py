@@ -244,3 +244,25 @@ class CompileCounter:
     def _hit(self, name, **_kw):
         if self.on and name == "/jax/compilation_cache/cache_hits":
             self.n += 1
+
+
+def serve(engine, prompts, sps, arrive, abort_at, max_steps: int = 5000):
+    """Request i added at step arrive[i] (and aborted at abort_at[i] if it is there), stepped
+    until all end; asserts no delta follows a request's final one. -> (engine ids by index,
+    streamed tokens and final reason by engine id)."""
+    arrive = np.asarray(arrive)
+    streams, finals, ids, step = {}, {}, {}, 0
+    while len(ids) < len(prompts) or engine.has_work():
+        for i in np.flatnonzero(arrive == step):
+            ids[int(i)] = engine.add_request(prompts[i], sps[i])
+        for i, at in abort_at.items():
+            if at == step and i in ids:
+                engine.abort(ids[i])
+        for d in engine.step():
+            assert d.request_id not in finals, "delta after the final one"
+            streams.setdefault(d.request_id, []).extend(d.token_ids)
+            if d.finished:
+                finals[d.request_id] = d.finish_reason
+        step += 1
+        assert step < max_steps
+    return ids, streams, finals

@@ -13,6 +13,7 @@ import pytest
 
 from draft_models import agreeing_pair as _agreeing_pair
 from reference_runner import CompileCounter, plain_step
+from reference_runner import serve as reference_serve
 from jaxspec.config import ModelConfig
 from jaxspec.engine import Engine, EngineConfig, PlainBackend, SpecBackend
 from jaxspec.engine.admission import AdmitArgs
@@ -110,29 +111,14 @@ _COUNTER = CompileCounter()
 
 
 def serve(engine, prompts, sps, arrive, abort_at):
-    """Requests added at their arrival step (arrive[i]) and aborted at abort_at[i], stepped
-    until all end; asserts no compilation and no delta after a final one. Returns (ids,
-    streamed tokens and final reason by request id)."""
-    streams, finals, ids, step = {}, {}, {}, 0
+    """`reference_runner.serve`, asserting that nothing compiles while it runs."""
     _COUNTER.on = True
     try:
-        while len(ids) < len(prompts) or engine.has_work():
-            for i in np.flatnonzero(arrive == step):
-                ids[int(i)] = engine.add_request(prompts[i], sps[i])
-            for i, at in abort_at.items():
-                if at == step and i in ids:
-                    engine.abort(ids[i])
-            for d in engine.step():
-                assert d.request_id not in finals, "delta after the final one"
-                streams.setdefault(d.request_id, []).extend(d.token_ids)
-                if d.finished:
-                    finals[d.request_id] = d.finish_reason
-            step += 1
-            assert step < 5000
+        out = reference_serve(engine, prompts, sps, arrive, abort_at)
     finally:
         _COUNTER.on = False
     assert _COUNTER.n == 0, "compiled after warm-up"
-    return ids, streams, finals
+    return out
 
 
 def compiled_shapes(engine):
