@@ -82,8 +82,6 @@ def test_describe_has_every_field():
 
 
 def test_library_follows_the_environment(monkeypatch, tmp_path):
-    import jax
-
     from jaxspec import compile_cache, config, xla_options
     from jaxspec.loading import cache, eagle_ckpt
     from pallas_kernels import _compat, backend_rule
