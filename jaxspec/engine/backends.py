@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jaxspec import defaults, envs
 from jaxspec.config import ModelConfig
 from jaxspec.decode import init_plain_state, plain_cycle
-from jaxspec.engine.admission import AdmitArgs, jit_admissions
+from jaxspec.engine.admission import jit_admissions
 from jaxspec.engine.compile import Programs
 from jaxspec.parallel.placement import OneDevice
 from jaxspec.sampling import FULL, VARIANTS, Features
@@ -60,15 +60,14 @@ class _Backend:
         self.placement = placement or OneDevice()
         self.replicas = self.placement.replicas
         self.dtype = params["embed"].dtype
-        self._draft_shapes = draft_params
-        self._admits, advance, self._axes = jit_admissions(cfg, spec, slots, max_len, self.dtype)
+        self._draft_shapes = draft_params     # unplaced: sizes the draft cache (`_make_state`)
+        admits, advance, self._axes = jit_admissions(cfg, spec, slots, max_len, self.dtype)
         self.params, self.draft_params = self.placement.weights(params, draft_params)
         self.key = self.placement.replicated(_engine_key(seed))
         self.programs = Programs(envs.JAXSPEC_CYCLE_COPIES if cycle_copies is None
                                  else cycle_copies)
-        self._state0 = None
         # The placement's per-device forms need the state's split, so the state comes first.
-        self._jitted = dict(cycles=cycles, admits=self._admits, advance=advance)
+        self._jitted = dict(cycles=cycles, admits=admits, advance=advance)
         self._built = None
 
     def _build(self):
@@ -120,9 +119,6 @@ class _Backend:
             return got
         state, out = got
         return state, self._tokens(out)
-
-    def padding_admit_args(self, a: int):
-        return AdmitArgs.host(a)
 
 
 class SpecBackend(_Backend):

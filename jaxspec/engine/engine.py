@@ -61,6 +61,8 @@ class Engine:
         budget = config.kv_budget or self.slots * backend.max_len
         self.scheduler = Scheduler(self.slots, self.emit, budget, config.admit_interval or 1)
         self.planner = PrefillPlanner(config, self.slots, backend.replicas)
+        # key-advance calls (resumed sampling requests) over all slots: their slot counts
+        self.advance_buckets = buckets(1, self.slots, config.slot_growth)
         self.output = OutputProcessor(detokenize, stream_decoder)
         self.state = backend.init_state()
         self.requests: Dict[RequestId, Request] = {}       # live: waiting or running
@@ -235,7 +237,7 @@ class Engine:
         """moved: (slot, key advance) of resumed requests that sample. Rare: one call."""
         if not moved:
             return
-        a = bucket(len(moved), buckets(1, self.slots, self.config.slot_growth))
+        a = bucket(len(moved), self.advance_buckets)
         idx, adv = np.full(a, self.slots, np.int32), np.zeros(a, np.int32)
         idx[:len(moved)], adv[:len(moved)] = zip(*moved)
         self.state = self.backend.advance_keys(self.state, idx, adv)
@@ -332,7 +334,7 @@ class Engine:
             adm = self.planner.padding(a, w, form)
             calls += [functools.partial(be.admit, form=form, parts=adm.parts, features=f)
                       for f in variants]
-        for a in buckets(1, self.slots, self.config.slot_growth) if FULL in variants else ():
+        for a in self.advance_buckets if FULL in variants else ():
             calls.append(functools.partial(be.advance_keys,
                                            slot_idx=np.full(a, self.slots, np.int32),
                                            advance=np.zeros(a, np.int32)))
