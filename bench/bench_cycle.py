@@ -1,4 +1,5 @@
-"""Cost of one speculative cycle at Llama-3-8B shape (random bf16 weights, batch 1, ~1K prefix).
+"""Cost of one speculative cycle at Llama-3-8B shape (random bf16 weights, batch 1 or --batch B,
+~1K prefix each row).
 
 For each (steps, topk, tokens): cycle time (median over repeats of back-to-back dispatches,
 blocked at the end), its ratio to a plain decode step measured in the same run, and the bytes
@@ -7,6 +8,7 @@ a large device-to-device copy in the same run. Then the draft steps and the catc
 and without the topk == 1 argmax path and the catch-up's dead-row skip.
 
     python bench/bench_cycle.py            # GPU, Llama-3-8B shape
+    python bench/bench_cycle.py --batch 64 --shapes "3,2,4"   # the same at batch 64
     python bench/bench_cycle.py --tiny     # any backend, tiny shape: checks the script runs
 JSON goes to $OUT/bench_cycle.json when OUT is set.
 """
@@ -76,40 +78,40 @@ def nbytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
-def plain_decode_ms(cfg, params, prefix, max_len, n, repeats):
+def plain_decode_ms(cfg, params, prefix, max_len, n, repeats, batch=1):
     dt = params["embed"].dtype
-    shape = (cfg.num_layers, 1, cfg.num_kv_heads, max_len, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
 
     # Weights are arguments, never closed over: a closure would bake them in as constants.
-    @functools.partial(jit, rows=1, donate_argnums=1)
+    @functools.partial(jit, rows=batch, donate_argnums=1)
     def step_fn(p, c):
         k, v, lens, tok = c
         h, kn, vn, _ = llama.forward(p, cfg, tok[:, None], lens[:, None], k, v, lens,
-                                     jnp.ones((1, 1, 1), bool))
-        k, v = kv_compact(k, v, kn, vn, lens, jnp.zeros((1, 1), jnp.int32),
-                          jnp.ones((1,), jnp.int32))
+                                     jnp.ones((batch, 1, 1), bool))
+        k, v = kv_compact(k, v, kn, vn, lens, jnp.zeros((batch, 1), jnp.int32),
+                          jnp.ones((batch,), jnp.int32))
         nxt = jnp.argmax(llama.lm_head(p, cfg, h[:, 0]), -1).astype(jnp.int32)
         return k, v, lens + 1, nxt
 
     step = functools.partial(step_fn, params)
 
-    reset = jax.jit(lambda c: (c[0], c[1], jnp.full((1,), prefix, jnp.int32), c[3]),
+    reset = jax.jit(lambda c: (c[0], c[1], jnp.full((batch,), prefix, jnp.int32), c[3]),
                     donate_argnums=0)
-    carry = (jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.full((1,), prefix, jnp.int32),
-             jnp.zeros((1,), jnp.int32))
+    carry = (jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.full((batch,), prefix, jnp.int32),
+             jnp.zeros((batch,), jnp.int32))
     ms, _ = timed(step, carry, n, repeats, reset)
     return ms
 
 
-def spec_state(cfg, spec, prefix, max_len, dtype, key):
-    st = init_state(cfg, spec, 1, max_len, dtype)
+def spec_state(cfg, spec, prefix, max_len, dtype, key, batch=1):
+    st = init_state(cfg, spec, batch, max_len, dtype)
     k1, k2 = jax.random.split(key)
     seed = draft_lib.DraftSeed(
-        jax.random.randint(k1, (1, spec.topk), 0, cfg.vocab_size, jnp.int32),
-        -jnp.arange(spec.topk, dtype=jnp.float32)[None],
-        (jax.random.normal(k2, (1, cfg.hidden_size))).astype(dtype), st.seed.ctx)
-    return st.replace(target=KVCache(st.target.k, st.target.v, jnp.full((1,), prefix, jnp.int32)),
-                      seed=seed)
+        jax.random.randint(k1, (batch, spec.topk), 0, cfg.vocab_size, jnp.int32),
+        jnp.broadcast_to(-jnp.arange(spec.topk, dtype=jnp.float32), (batch, spec.topk)),
+        (jax.random.normal(k2, (batch, cfg.hidden_size))).astype(dtype), st.seed.ctx)
+    return st.replace(target=KVCache(st.target.k, st.target.v,
+                                     jnp.full((batch,), prefix, jnp.int32)), seed=seed)
 
 
 # The cycle's compiled variants: what the engine runs for greedy batches (LEAN) and for batches
@@ -142,26 +144,28 @@ def vocab_top_k_impl(name: str):
     jax.clear_caches()
 
 
-def prefix_reset(prefix):
-    """A jitted, donating SpecState -> SpecState that sets the target's lens back to prefix
-    (batch 1), so back-to-back cycles all run over the same committed prefix."""
+def prefix_reset(prefix, batch=1):
+    """A jitted, donating SpecState -> SpecState that sets the target's lens back to prefix,
+    so back-to-back cycles all run over the same committed prefix."""
     return jax.jit(lambda s: s.replace(target=KVCache(s.target.k, s.target.v,
-                                                      jnp.full((1,), prefix, jnp.int32))),
+                                                      jnp.full((batch,), prefix, jnp.int32))),
                    donate_argnums=0)
 
 
-def cycle_ms(cfg, params, head, spec, prefix, max_len, n, repeats, variant="lean"):
-    cyc = jit_cycle(cfg, spec, features=VARIANTS[variant], slots=1)
-    active = jnp.ones((1,), bool)
-    st = spec_state(cfg, spec, prefix, max_len, params["embed"].dtype, jax.random.PRNGKey(3))
+def cycle_ms(cfg, params, head, spec, prefix, max_len, n, repeats, variant="lean", batch=1):
+    cyc = jit_cycle(cfg, spec, features=VARIANTS[variant], slots=batch)
+    active = jnp.ones((batch,), bool)
+    st = spec_state(cfg, spec, prefix, max_len, params["embed"].dtype, jax.random.PRNGKey(3),
+                    batch)
     ms, _ = timed(lambda s: cyc(params, head, s, active)[0], st, n, repeats,
-                  prefix_reset(prefix))
+                  prefix_reset(prefix, batch))
     return ms
 
 
-def draft_steps_ms(cfg, params, head, spec, prefix, max_len, n, repeats):
-    st = spec_state(cfg, spec, prefix, max_len, params["embed"].dtype, jax.random.PRNGKey(4))
-    f = jit(functools.partial(draft_lib.draft_tree, cfg=cfg, spec=spec), rows=1)
+def draft_steps_ms(cfg, params, head, spec, prefix, max_len, n, repeats, batch=1):
+    st = spec_state(cfg, spec, prefix, max_len, params["embed"].dtype, jax.random.PRNGKey(4),
+                    batch)
+    f = jit(functools.partial(draft_lib.draft_tree, cfg=cfg, spec=spec), rows=batch)
     # The draft cache is read only; chaining the root token keeps dispatches dependent.
     step = lambda seed: seed._replace(tokens=f(params, head, draft_k=st.draft_k,  # noqa: E731
                                                draft_v=st.draft_v, lens=st.target.lens,
@@ -170,15 +174,17 @@ def draft_steps_ms(cfg, params, head, spec, prefix, max_len, n, repeats):
     return ms
 
 
-def catch_up_ms(cfg, params, head, spec, prefix, max_len, n, repeats):
-    st = spec_state(cfg, spec, prefix, max_len, params["embed"].dtype, jax.random.PRNGKey(5))
+def catch_up_ms(cfg, params, head, spec, prefix, max_len, n, repeats, batch=1):
+    st = spec_state(cfg, spec, prefix, max_len, params["embed"].dtype, jax.random.PRNGKey(5),
+                    batch)
     r = spec.num_steps + 1
-    feats = jnp.ones((1, r, cfg.hidden_size), params["embed"].dtype)
-    toks = jnp.zeros((1, r), jnp.int32)
-    n_live = jnp.full((1,), r, jnp.int32)   # a full accept: every row live, all but one dead after KV
+    feats = jnp.ones((batch, r, cfg.hidden_size), params["embed"].dtype)
+    toks = jnp.zeros((batch, r), jnp.int32)
+    # a full accept: every row live, all but one dead after KV
+    n_live = jnp.full((batch,), r, jnp.int32)
     base = st.target.lens
 
-    @functools.partial(jit, rows=1, donate_argnums=2)
+    @functools.partial(jit, rows=batch, donate_argnums=2)
     def step_fn(p, hd, c):
         dk, dv, _ = c
         return draft_lib.catch_up(p, hd, cfg, spec, dk, dv, base, feats, toks, n_live)
@@ -192,6 +198,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shape (CPU check)")
     ap.add_argument("--prefix", type=int, default=None, help="committed tokens (default 1024)")
+    ap.add_argument("--batch", type=int, default=1, help="slots, each over the same prefix")
     ap.add_argument("--cycles", type=int, default=None, help="dispatches per repeat")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--shapes", default=None, help="e.g. 1,1,2;3,1,4")
@@ -232,21 +239,22 @@ def main(argv=None):
     bw = copy_bandwidth((64 << 20) if a.tiny else (2 << 30), 10 if a.tiny else 20, repeats)
     res = {"device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
            "jax": jax.__version__, "model": "tiny" if a.tiny else "llama3-8b-shape",
-           "dtype": jnp.dtype(dtype).name, "batch": 1, "prefix": prefix,
+           "dtype": jnp.dtype(dtype).name, "batch": a.batch, "prefix": prefix,
            "copy_bw_GBps": bw / 1e9, "target_read_bytes": target_read,
            "target_all_bytes": nbytes(params), "draft_layer_bytes": draft_layer_b,
            "lm_head_bytes": lm_head_b, "kernel_defaults": settings, "cycles": []}
-    print(f"# {res['device']} {res['model']} {res['dtype']} prefix {prefix}; copy "
+    print(f"# {res['device']} {res['model']} {res['dtype']} batch {a.batch} prefix {prefix}; copy "
           f"{bw / 1e9:.0f} GB/s; target {target_read / 1e9:.2f} GB, draft layer "
           f"{draft_layer_b / 1e9:.3f} GB, lm_head {lm_head_b / 1e9:.3f} GB", flush=True)
 
     gemms = a.gemm.split(",")
     with gemm_backend(gemms[0]):
-        decode = plain_decode_ms(cfg, params, prefix, max_len, n, repeats)
+        decode = plain_decode_ms(cfg, params, prefix, max_len, n, repeats, batch=a.batch)
     res["decode_ms"], res["gemm"] = decode, gemms[0]
     for g in gemms[1:]:
         with gemm_backend(g):
-            res[f"decode_{g}_ms"] = plain_decode_ms(cfg, params, prefix, max_len, n, repeats)
+            res[f"decode_{g}_ms"] = plain_decode_ms(cfg, params, prefix, max_len, n, repeats,
+                                                    batch=a.batch)
         print(f"# plain decode with {g} GEMMs {res[f'decode_{g}_ms']:.3f} ms", flush=True)
     res["decode_floor_ms"] = target_read / bw * 1e3
     print(f"# plain decode {decode:.3f} ms (floor {res['decode_floor_ms']:.3f})", flush=True)
@@ -258,15 +266,15 @@ def main(argv=None):
         for v in variants:
             with gemm_backend(gemms[0]):
                 row[f"cycle_{v}_ms"] = cycle_ms(cfg, params, head, spec, prefix, max_len, n,
-                                                repeats, v)
+                                                repeats, v, batch=a.batch)
             for g in gemms[1:]:
                 with gemm_backend(g):
                     row[f"cycle_{v}_{g}_ms"] = cycle_ms(cfg, params, head, spec, prefix,
-                                                        max_len, n, repeats, v)
+                                                        max_len, n, repeats, v, batch=a.batch)
             for impl in (a.top_k_impls.split(",") if a.top_k_impls and k > 1 else []):
                 with vocab_top_k_impl(impl):
                     row[f"cycle_{v}_{impl}_ms"] = cycle_ms(cfg, params, head, spec, prefix,
-                                                           max_len, n, repeats, v)
+                                                           max_len, n, repeats, v, batch=a.batch)
         row["cycle_ms"] = row[f"cycle_{variants[0]}_ms"]
         row["variant"] = variants[0]
         row["floor_ms"] = (target_read + s * (draft_layer_b + lm_head_b)) / bw * 1e3
@@ -280,28 +288,31 @@ def main(argv=None):
                                                / (decode / res["decode_floor_ms"]))
         if not a.no_ablation:
             off_skip = dataclasses.replace(spec, skip_dead_rows=False)
-            row["catch_up_ms"] = catch_up_ms(cfg, params, head, spec, prefix, max_len, n, repeats)
+            row["catch_up_ms"] = catch_up_ms(cfg, params, head, spec, prefix, max_len, n,
+                                             repeats, batch=a.batch)
             row["catch_up_no_skip_ms"] = catch_up_ms(cfg, params, head, off_skip, prefix,
-                                                     max_len, n, repeats)
+                                                     max_len, n, repeats, batch=a.batch)
+            row["cycle_no_skip_ms"] = cycle_ms(cfg, params, head, off_skip, prefix, max_len, n,
+                                               repeats, batch=a.batch)
             if s > 1:
                 row["draft_steps_ms"] = draft_steps_ms(cfg, params, head, spec, prefix, max_len,
-                                                       n, repeats)
+                                                       n, repeats, batch=a.batch)
             if k == 1:
                 soft = dataclasses.replace(spec, argmax_topk1=False)
                 row["catch_up_softmax_ms"] = catch_up_ms(cfg, params, head, soft, prefix,
-                                                         max_len, n, repeats)
+                                                         max_len, n, repeats, batch=a.batch)
                 if s > 1:
-                    row["draft_steps_softmax_ms"] = draft_steps_ms(cfg, params, head, soft, prefix,
-                                                                   max_len, n, repeats)
+                    row["draft_steps_softmax_ms"] = draft_steps_ms(
+                        cfg, params, head, soft, prefix, max_len, n, repeats, batch=a.batch)
                 both = dataclasses.replace(spec, argmax_topk1=False, skip_dead_rows=False)
                 row["cycle_no_opt_ms"] = cycle_ms(cfg, params, head, both, prefix, max_len, n,
-                                                  repeats)
+                                                  repeats, batch=a.batch)
         res["cycles"].append(row)
         print("# " + json.dumps(row), flush=True)
 
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        Path(os.environ["OUT"], "bench_cycle.json").write_text(json.dumps(res, indent=1))
+        Path(os.environ["OUT"], f"bench_cycle{'' if a.batch == 1 else f'_b{a.batch}'}.json").write_text(json.dumps(res, indent=1))
 
     def f(row, key):
         return f"{row[key]:8.3f}" if key in row else "       -"
@@ -309,9 +320,9 @@ def main(argv=None):
     for g in gemms[1:]:
         print(f"(decode with {g} GEMMs {res[f'decode_{g}_ms']:.3f} ms)")
     print(f"\ndecode ({gemms[0]} GEMMs) {decode:.3f} ms  floor {res['decode_floor_ms']:.3f} ms  copy "
-          f"{bw / 1e9:.0f} GB/s  ({res['device']}, {res['model']}, prefix {prefix})")
+          f"{bw / 1e9:.0f} GB/s  ({res['device']}, {res['model']}, batch {a.batch}, prefix {prefix})")
     print(" S  K   N |  cycle ms  x decode |  floor ms  x decode | x floor (at decode's rate) | "
-          "draft ms (softmax) | catch-up ms (no skip) (softmax) | cycle no-opt")
+          "draft ms (softmax) | catch-up ms (no skip) (softmax) | cycle no-skip | cycle no-opt")
     for row in res["cycles"]:
         s, k, t = row["shape"]
         others = [v for v in list(VARIANTS) + [f"{x}_{i}" for x in VARIANTS
@@ -325,7 +336,8 @@ def main(argv=None):
               f"{row['cycle_over_floor']:7.3f} ({row['cycle_over_decode_rate_floor']:.3f})"
               f"{'':12s} | {f(row, 'draft_steps_ms')} {f(row, 'draft_steps_softmax_ms')} | "
               f"{f(row, 'catch_up_ms')} {f(row, 'catch_up_no_skip_ms')} "
-              f"{f(row, 'catch_up_softmax_ms')} | {f(row, 'cycle_no_opt_ms')}")
+              f"{f(row, 'catch_up_softmax_ms')} | {f(row, 'cycle_no_skip_ms')} | "
+              f"{f(row, 'cycle_no_opt_ms')}")
     return res
 
 
