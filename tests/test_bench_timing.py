@@ -127,7 +127,7 @@ def test_alternate_takes_its_compiled_copies_in_turn():
 
 
 def test_kernel_defaults_set_for_one_run(monkeypatch):
-    """`--kernel-default` (bench_cycle, profile_cycle, bench_engine): a tree_attention _MOSAIC_*
+    """`--kernel-default` (bench_cycle, profile_cycle): a tree_attention _MOSAIC_*
     constant or a top-k policy constant set from a literal before the run; anything else is
     refused by name."""
     from bench.common import set_kernel_defaults
@@ -187,7 +187,7 @@ def test_topk_kernel_form_set_for_one_run(monkeypatch):
 
 
 def test_heads_of_the_timed_rows(monkeypatch):
-    """`--heads` (bench_kernels, kernel_ab): the rows' inputs and scale follow "Hq,Hkv,D";
+    """`--heads` (bench_kernels, read_floor): the rows' inputs and scale follow "Hq,Hkv,D";
     specs that name no heads, or query heads that do not group over the KV heads, are refused."""
     for name in ("HQ", "HKV", "D", "SM_SCALE"):
         monkeypatch.setattr(bk, name, getattr(bk, name))   # restored after
@@ -200,55 +200,3 @@ def test_heads_of_the_timed_rows(monkeypatch):
     for bad in ("9,3", "9,4,64", "a,b,c", "0,1,64"):
         with pytest.raises(ValueError, match="--heads"):
             bk.set_heads(bad)
-
-
-def test_any_module_runs_with_defaults_set(monkeypatch, tmp_path):
-    """bench/with_defaults.py: the defaults are set before the module runs as __main__, and the
-    module gets its own arguments, options included."""
-    import json
-    import sys
-
-    from bench import with_defaults
-    from pallas_kernels import vocab_topk
-    monkeypatch.setattr(vocab_topk, "FUSED_MAX_CHUNKS", vocab_topk.FUSED_MAX_CHUNKS)  # restored
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
-    (tmp_path / "probe_mod.py").write_text(
-        "import json, sys\nfrom pallas_kernels import vocab_topk\n"
-        "if __name__ == '__main__':\n"
-        "    json.dump(dict(argv=sys.argv[1:], fused=vocab_topk.FUSED_MAX_CHUNKS),\n"
-        "              open(sys.argv[1], 'w'))\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    seen = tmp_path / "seen.json"
-    with_defaults.main(["--kernel-default", "vocab_topk.FUSED_MAX_CHUNKS=0", "probe_mod",
-                        str(seen), "--batch-sizes", "1"])
-    assert json.loads(seen.read_text()) == {"argv": [str(seen), "--batch-sizes", "1"],
-                                            "fused": 0}
-    with pytest.raises(ValueError, match="expected NAME=VALUE"):
-        with_defaults.main(["--kernel-default", "FUSED", "probe_mod"])
-
-
-def test_kernel_ab_checks_fail_runs_that_disagree(monkeypatch):
-    """`kernel_ab --repeats K`: a check runs the kernel K times at its own split count, and
-    fails unless every run gives the first's output bit for bit (here a stand-in that returns
-    the reference, once nudged in its third run), as a kernel whose CTAs race would."""
-    import numpy as np
-
-    from bench import kernel_ab
-    calls = []
-
-    def stand_in(q, kc, vc, layer, sl, kn, vn, mask, **kw):
-        calls.append(kw)
-        out = kernel_ab.ta.tree_attention_reference(q, kc, vc, layer, sl, kn, vn, mask,
-                                                    sm_scale=kw["sm_scale"])
-        return out + (1e-3 if nudge and len(calls) == 3 else 0.0)
-
-    monkeypatch.setattr(kernel_ab.ta, "tree_attention_pallas", stand_in)
-    monkeypatch.setitem(bk.RESULTS, "check", [])
-    for nudge, ok in ((True, False), (False, True)):
-        calls.clear()
-        kernel_ab.check(1, 1, 512, 8, 2, 64, 2, False, extra={"mosaic_ring": (128, 3)},
-                        repeats=4)
-        row = bk.RESULTS["check"][-1]
-        assert row["ok"] is ok and np.isnan(row["rel_err"]) != ok and len(calls) == 4
-        assert all(kw["num_splits"] == 2 and kw["backend"] == "mosaic"
-                   and kw["mosaic_ring"] == (128, 3) for kw in calls)
