@@ -166,10 +166,12 @@ def _accepts(text: str) -> List[float]:
     return values
 
 
-def _add_config_options(ap, cls, title: str, skip=()):
+def _add_config_options(ap, cls, title: str, skip=(), more_help=None):
     """One option per field of a config dataclass, named after it (--prefill-chunk for
-    prefill_chunk), typed after its annotation, its help from the dataclass's docstring; unset,
-    the field keeps its default (None: the tuned default, `jaxspec.defaults`)."""
+    prefill_chunk), typed after its annotation, its help from the dataclass's docstring (and
+    more_help's line for it: default, this benchmark's MORE_HELP); unset, the field keeps its
+    default (None: the tuned default, `jaxspec.defaults`)."""
+    more_help = MORE_HELP if more_help is None else more_help
     from jaxspec.engine.config import PACK_ROWS
     choices = {"pack_rows": PACK_ROWS, "layer_layout": ("scan", "unrolled")}
     group = ap.add_argument_group(title)
@@ -178,7 +180,7 @@ def _add_config_options(ap, cls, title: str, skip=()):
         if f.name in skip:
             continue
         kind = (typing.get_args(types[f.name]) or (types[f.name],))[0]
-        doc = docs.get(f.name, "").rstrip(".") + MORE_HELP.get(f.name, "")
+        doc = docs.get(f.name, "").rstrip(".") + more_help.get(f.name, "")
         if f.default is not None:
             doc += f" (default: {f.default})"
         elif "None:" not in doc:
