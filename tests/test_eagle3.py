@@ -2,8 +2,8 @@
 (`jaxspec.train.eagle3.forward`) row by row; greedy speculative == plain greedy with a random and
 with an agreeing head (chain and tree, prompts of different lengths); the drafted tree (tokens
 and scores) equals a step-by-step reference built from the sequence form; public-layout
-checkpoints are told apart from EAGLE-1 ones, bad files name the tensor, and one runs through
-`LLM`."""
+checkpoints written by `save_eagle3` load back exactly and are told apart from EAGLE-1 ones, bad
+files name the tensor, and one runs through `LLM` (public layouts: test_eagle3_public.py)."""
 import functools
 import json
 
@@ -291,12 +291,13 @@ def test_public_checkpoint_round_trip_and_detection(tmp_path):
     # also through load_eagle3 (the params dict + head config)
     p, hc = load_eagle3(path, CFG)
     assert hc["draft_vocab_size"] == head.config.draft_vocab_size
-    # no config.json: told by the tensor names; default target layers
+    # no config.json: told by the tensor names, and refused (RoPE, norm epsilon and target
+    # layers are not in the tensors)
     sd = public_state_dict(random_pair()[1])
     save_file(sd, str(tmp_path / "bare.safetensors"))
-    bare = load_draft(tmp_path / "bare.safetensors", CFG)
-    assert isinstance(bare, eagle3.Eagle3Head)
-    assert bare.config.aux_layers == eagle3.default_aux_layers(CFG.num_layers)
+    with pytest.raises(WeightsError, match="bare.safetensors: an EAGLE-3 head needs its "
+                                           "config.json beside it"):
+        load_draft(tmp_path / "bare.safetensors", CFG)
 
 
 @pytest.mark.parametrize("name,value,match", [

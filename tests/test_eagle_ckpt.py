@@ -159,7 +159,8 @@ def test_eagle1_wrong_dtype_and_config(tmp_path):
 def test_eagle1_rejects_eagle3_file(tmp_path):
     sd = eagle1_state_dict(np.random.default_rng(5))
     sd["midlayer.hidden_norm.weight"] = np.ones(H, np.float32)
-    with pytest.raises(WeightsError, match="unexpected tensor"):
+    with pytest.raises(WeightsError, match=r"an EAGLE-3 head \(tensors "
+                                           r"midlayer.hidden_norm.weight\), not an EAGLE-1 one"):
         load_eagle1(write(tmp_path, sd, "safetensors"), CFG)
 
 
@@ -187,7 +188,8 @@ def eagle3_state_dict(rng):
 
 EAGLE3_CONFIG = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": H,
                  "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": F3,
-                 "vocab_size": 67, "draft_vocab_size": VD}
+                 "vocab_size": 67, "draft_vocab_size": VD, "rms_norm_eps": 1e-5,
+                 "rope_theta": 10000.0}
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])

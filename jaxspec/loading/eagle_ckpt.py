@@ -1,11 +1,12 @@
-"""Draft head files: our own EAGLE-1 head format, and public EAGLE-1 / EAGLE-3 checkpoints.
+"""Draft head files: our own EAGLE-1 head format, public EAGLE-1 checkpoints, and the one entry
+that tells every kind apart (`load_draft`). Public EAGLE-3 heads: `jaxspec.loading.eagle3_ckpt`.
 
 Our format (`save_head` / `load_head`): one safetensors file of the params of
 `jaxspec.models.eagle` (flat keys "fc", "fc_bias", "layers.wqkv", ...), fp32 or bf16, plus a JSON
 `jaxspec_head` metadata entry (the target's shape, how it was trained). No pickle anywhere.
 
 Public EAGLE-1 heads (SafeAILab/EAGLE, eagle/model/cnets.py), `pytorch_model.bin` or
-`model.safetensors` beside a `config.json` (the target's Llama config):
+`model.safetensors` beside a `config.json` (the target's Llama / Qwen2 config):
     fc.weight [H, 2H] (input = concat(embed, feature)), fc.bias [H] (optional)
     layers.0.self_attn.{q,k,v,o}_proj.weight (+ q/k/v bias for Qwen2 targets)
     layers.0.mlp.{gate,up,down}_proj.weight, layers.0.post_attention_layernorm.weight
@@ -13,23 +14,11 @@ Public EAGLE-1 heads (SafeAILab/EAGLE, eagle/model/cnets.py), `pytorch_model.bin
 converted to eagle.py's layout (torch [out, in] weights transposed to [in, out], q/k/v and
 gate/up fused). HF rotate-half RoPE layout, so q/k need no permutation.
 
-Public EAGLE-3 heads (the layout SGLang and SpecForge load: LlamaForCausalLMEagle3):
-    fc.weight [H, 3H] (three target layers fused), midlayer.input_layernorm.weight,
-    midlayer.hidden_norm.weight, midlayer.self_attn.{q,k,v}_proj.weight [*, 2H] (the layer reads
-    concat(norm(embed), norm(fc out))), midlayer.self_attn.o_proj.weight,
-    midlayer.post_attention_layernorm.weight, midlayer.mlp.{gate,up,down}_proj.weight,
-    norm.weight, lm_head.weight [Vd, H], d2t [Vd] (draft id -> target id offset), t2d [V] bool
-converted to EAGLE3 params (our layout):
-    fc [3H, H]; input_norm [H]; hidden_norm [H]
-    layers: wqkv [1, 2H, Q + 2K], wo [1, Q, H], mlp_norm [1, H], w_gate_up [1, H, 2F], w_down [1, F, H]
-    final_norm [H]; lm_head [H, Vd]; d2t [Vd] int32 (target id = draft id + d2t[draft id]);
-    t2d [V] bool (target id is in the draft vocabulary)
-Shapes come from the head's own config.json (its intermediate size may differ from the target's).
-The forward these params mean is `jaxspec.train.eagle3.forward` (sequence form, tested against a
-torch port of the published module) and `jaxspec.models.eagle3` (cached, tree drafting), which
-runs them as an `Eagle3Head` (`load_eagle3_head`; `load_draft` tells the two layouts apart).
-`save_eagle3` writes a head back in the public layout (model.safetensors + config.json, with
-eagle_config.eagle_aux_hidden_state_layer_ids naming the target layers it reads).
+Which version a public checkpoint is: its tensors (an EAGLE-3 head has midlayer.* or a
+hidden_norm, and d2t / t2d; an EAGLE-1 head's one layer is layers.0.* without a hidden_norm) and
+config.json's architectures where they name one (*Eagle3* SGLang / vLLM classes; *Eagle* their
+EAGLE-1 ones; the EAGLE repository writes the target's class). When the two disagree, or a loader
+for one version is given the other, the error says which is which.
 """
 from __future__ import annotations
 
@@ -42,11 +31,16 @@ import numpy as np
 from jaxspec import envs
 from jaxspec.config import ModelConfig
 from jaxspec.loading.common import WeightsError
+from jaxspec.loading.eagle3_ckpt import (  # noqa: F401 -- the public EAGLE-3 API, also here
+    check_version, eagle3_config_json, eagle3_head, eagle3_state_dict, is_eagle3_checkpoint,
+    load_eagle3, load_eagle3_head, save_eagle3)
+from jaxspec.loading.state_dict import (  # noqa: F401 -- read_state_dict: also here
+    RANKING_FILE, cast_tree, float_tensor, read_state_dict, to_jax)
 
 HEAD_META_KEY = "jaxspec_head"
 DEFAULT_HEAD_DIR = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-135m-instruct-eagle1"
 DEFAULT_HEAD_FILE = "head.safetensors"
-DEFAULT_RANKING_FILE = "token_ranking.safetensors"
+DEFAULT_RANKING_FILE = RANKING_FILE
 # The default model's shape: the shipped head was trained for it and nothing else.
 DEFAULT_TARGET_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                             num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)
@@ -195,86 +189,11 @@ def check_shapes(flat: Mapping[str, np.ndarray], expected: Mapping[str, Tuple[in
                                "floating-point dtype")
 
 
-# -- public checkpoints ------------------------------------------------------------------------
-def read_state_dict(path) -> Tuple[Dict[str, np.ndarray], dict]:
-    """(tensors as numpy, config.json or {}) from a checkpoint dir or a .safetensors / .bin file.
-
-    bf16 tensors come back as ml_dtypes bfloat16 arrays; a .bin is read with
-    torch.load(weights_only=True), so no pickled code runs.
-    """
-    p = Path(path)
-    if p.is_dir():
-        # a token ranking beside a head (DEFAULT_RANKING_FILE) is not part of its weights
-        files = [f for f in sorted(p.glob("*.safetensors")) if f.name != DEFAULT_RANKING_FILE] \
-            or sorted(p.glob("pytorch_model*.bin")) or sorted(p.glob("*.bin"))
-        if not files:
-            raise WeightsError(f"{p}: no *.safetensors or *.bin checkpoint file")
-        cfg_path = p / "config.json"
-    elif p.is_file():
-        files, cfg_path = [p], p.parent / "config.json"
-    else:
-        raise FileNotFoundError(f"draft checkpoint {str(p)!r} does not exist")
-    config = _read_config(cfg_path) if cfg_path.is_file() else {}
-    tensors: Dict[str, np.ndarray] = {}
-    for f in files:
-        tensors.update(_read_file(f))
-    return tensors, config
-
-
-def _read_config(path: Path) -> dict:
-    try:
-        config = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WeightsError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise WeightsError(f"{path}: not a JSON object")
-    return config
-
-
-def _read_file(f: Path) -> Dict[str, np.ndarray]:
-    if f.suffix == ".safetensors":
-        from safetensors.numpy import load_file
-        try:
-            return dict(load_file(str(f)))
-        except Exception as e:  # noqa: BLE001 -- the library's errors name no file
-            raise WeightsError(f"{f}: unreadable safetensors file ({e})") from e
-    try:
-        import torch
-    except ImportError:
-        raise WeightsError(f"{f}: a torch checkpoint needs torch installed to be read (with "
-                           "weights_only=True); a .safetensors file needs nothing") from None
-
-    try:
-        sd = torch.load(str(f), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise WeightsError(f"{f}: unreadable torch checkpoint ({e})") from e
-    if not isinstance(sd, dict):
-        raise WeightsError(f"{f}: a torch checkpoint of {type(sd).__name__}, expected a state "
-                           "dict of tensors")
-    out = {}
-    for k, v in sd.items():
-        if not isinstance(v, torch.Tensor):
-            continue
-        if v.dtype == torch.bfloat16:
-            import ml_dtypes
-            out[k] = v.float().numpy().astype(ml_dtypes.bfloat16)
-        else:
-            out[k] = v.numpy()
-    return out
-
-
-def _get(sd, name, shape, origin, optional=False):
-    if name not in sd:
-        if optional:
-            return None
-        raise WeightsError(f"{origin}: missing tensor {name!r}")
-    a = sd[name]
-    if tuple(a.shape) != tuple(shape):
-        raise WeightsError(f"{origin}: tensor {name!r} has shape {tuple(a.shape)}, expected "
-                           f"{tuple(shape)}")
-    if not (np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16"):
-        raise WeightsError(f"{origin}: tensor {name!r} has dtype {a.dtype}, expected floating point")
-    return np.asarray(a, np.float32)
+# -- public EAGLE-1 checkpoints --------------------------------------------------------------
+# config.json architectures of an EAGLE-1 head this layer runs: the target classes the EAGLE
+# repository writes (Llama, Qwen2), SGLang's and vLLM's EAGLE-1 classes.
+EAGLE1_ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLMEagle",
+                "Qwen2ForCausalLMEagle", "EagleLlamaForCausalLM")
 
 
 def _check_config(config: Mapping, cfg: ModelConfig, origin: str, keys) -> None:
@@ -289,7 +208,7 @@ def convert_eagle1(sd: Mapping[str, np.ndarray], cfg: ModelConfig, origin: str =
     """A public EAGLE-1 state dict -> draft params (numpy) of jaxspec.models.eagle for `cfg`."""
     h, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
     sd = {k[len("model."):] if k.startswith("model.") else k: v for k, v in sd.items()}
-    g = lambda n, s, opt=False: _get(sd, n, s, origin, opt)  # noqa: E731
+    g = lambda n, s, opt=False: float_tensor(sd, n, s, origin, opt)  # noqa: E731
     a = "layers.0.self_attn."
     m = "layers.0.mlp."
     fc = g("fc.weight", (h, 2 * h))
@@ -323,22 +242,22 @@ def convert_eagle1(sd: Mapping[str, np.ndarray], cfg: ModelConfig, origin: str =
                            "decoder layer; is this an EAGLE-3 or a multi-layer head?)")
     params = {"fc": fc.T, "fc_bias": fc_b if fc_b is not None else np.zeros((h,), np.float32),
               "layers": layers}
-    return _cast(params, dtype)
+    return cast_tree(params, dtype)
 
 
 def _eagle1_params(sd, config, cfg: ModelConfig, origin: str, dtype):
     """A public EAGLE-1 state dict and its config.json -> draft params (jax arrays, fp32 unless
     `dtype`), shapes and config checked against the target `cfg`."""
-    import jax
-    import jax.numpy as jnp
-
+    check_version(sd, config, 1, origin)
+    archs = list(config.get("architectures") or ())
+    if any(a not in EAGLE1_ARCHS for a in archs):
+        raise WeightsError(f"{origin}: config.json architectures={archs}: not a supported EAGLE-1 "
+                           f"head; supported: {', '.join(EAGLE1_ARCHS)}")
     _check_config(config, cfg, origin, [("hidden_size", "hidden_size"),
                                         ("num_attention_heads", "num_heads"),
                                         ("num_key_value_heads", "num_kv_heads"),
                                         ("intermediate_size", "intermediate_size")])
-    params = convert_eagle1(sd, cfg, origin)
-    dt = dtype if dtype is not None else jnp.float32
-    return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dt), params)
+    return to_jax(convert_eagle1(sd, cfg, origin), dtype)
 
 
 def load_eagle1(path, cfg: ModelConfig, dtype=None):
@@ -346,166 +265,6 @@ def load_eagle1(path, cfg: ModelConfig, dtype=None):
     sd, config = read_state_dict(path)
     origin = str(path)
     return _eagle1_params(sd, config, cfg, origin, dtype)
-
-
-def eagle3_head_config(config: Mapping, cfg: ModelConfig, sd: Optional[Mapping] = None) -> dict:
-    """Shapes of an EAGLE-3 head from its config.json (defaults: the target's; with the state
-    dict `sd`, the draft vocabulary and MLP sizes a config leaves out come from its tensors)."""
-    config = dict(config)
-    if sd is not None:
-        named = {k[len("model."):] if k.startswith("model.") else k: v for k, v in sd.items()}
-        if "draft_vocab_size" not in config and "d2t" in named:
-            config["draft_vocab_size"] = int(np.asarray(named["d2t"]).shape[0])
-        gate = named.get("midlayer.mlp.gate_proj.weight")
-        if "intermediate_size" not in config and gate is not None:
-            config["intermediate_size"] = int(gate.shape[0])
-    h = config.get("hidden_size", cfg.hidden_size)
-    heads = config.get("num_attention_heads", cfg.num_heads)
-    kv_heads = config.get("num_key_value_heads",
-                          heads if "num_attention_heads" in config else cfg.num_kv_heads)
-    d = config.get("head_dim") or h // heads
-    return dict(hidden_size=h, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
-                intermediate_size=config.get("intermediate_size", cfg.intermediate_size),
-                vocab_size=config.get("vocab_size", cfg.vocab_size),
-                draft_vocab_size=config.get("draft_vocab_size",
-                                            config.get("vocab_size", cfg.vocab_size)),
-                rms_norm_eps=config.get("rms_norm_eps", cfg.rms_norm_eps),
-                rope_theta=config.get("rope_theta", cfg.rope_theta),
-                norm_before_residual=bool(config.get("norm_before_residual", False)))
-
-
-def convert_eagle3(sd: Mapping[str, np.ndarray], hc: Mapping, origin: str = "EAGLE-3 head",
-                   dtype=np.float32) -> dict:
-    """A public EAGLE-3 state dict -> EAGLE3 params (numpy; layout in the module docstring)."""
-    h, f = hc["hidden_size"], hc["intermediate_size"]
-    q, kv = hc["num_heads"] * hc["head_dim"], hc["num_kv_heads"] * hc["head_dim"]
-    v, vd = hc["vocab_size"], hc["draft_vocab_size"]
-    sd = {k[len("model."):] if k.startswith("model.") else k: x for k, x in sd.items()}
-    g = lambda n, s, opt=False: _get(sd, n, s, origin, opt)  # noqa: E731
-    a, m = "midlayer.self_attn.", "midlayer.mlp."
-    wq, wk, wv = g(a + "q_proj.weight", (q, 2 * h)), g(a + "k_proj.weight", (kv, 2 * h)), \
-        g(a + "v_proj.weight", (kv, 2 * h))
-    params = {
-        "fc": g("fc.weight", (h, 3 * h)).T,
-        "input_norm": g("midlayer.input_layernorm.weight", (h,)),
-        "hidden_norm": g("midlayer.hidden_norm.weight", (h,)),
-        "layers": {
-            "wqkv": np.concatenate([wq.T, wk.T, wv.T], axis=1)[None],
-            "wo": g(a + "o_proj.weight", (h, q)).T[None],
-            "mlp_norm": g("midlayer.post_attention_layernorm.weight", (h,))[None],
-            "w_gate_up": np.concatenate([g(m + "gate_proj.weight", (f, h)).T,
-                                         g(m + "up_proj.weight", (f, h)).T], axis=1)[None],
-            "w_down": g(m + "down_proj.weight", (h, f)).T[None],
-        },
-        "final_norm": g("norm.weight", (h,)),
-        "lm_head": g("lm_head.weight", (vd, h)).T,
-    }
-    params = _cast(params, dtype)
-    params["d2t"] = _index_tensor(sd, "d2t", (vd,), origin).astype(np.int32)
-    t2d = _index_tensor(sd, "t2d", (v,), origin)
-    params["t2d"] = t2d.astype(bool)
-    ids = np.arange(vd) + params["d2t"]
-    if ids.min() < 0 or ids.max() >= v:
-        raise WeightsError(f"{origin}: tensor 'd2t' maps draft ids outside the target vocabulary "
-                           f"[0, {v})")
-    if int(params["t2d"].sum()) != vd:
-        raise WeightsError(f"{origin}: tensor 't2d' marks {int(params['t2d'].sum())} target ids, "
-                           f"expected draft_vocab_size={vd}")
-    if "embed_tokens.weight" in sd:
-        params["embed"] = _cast(g("embed_tokens.weight", (v, h)), dtype)
-    return params
-
-
-def _index_tensor(sd, name, shape, origin):
-    if name not in sd:
-        raise WeightsError(f"{origin}: missing tensor {name!r}")
-    a = np.asarray(sd[name])
-    if tuple(a.shape) != tuple(shape):
-        raise WeightsError(f"{origin}: tensor {name!r} has shape {tuple(a.shape)}, expected "
-                           f"{tuple(shape)}")
-    if not (np.issubdtype(a.dtype, np.integer) or a.dtype == bool):
-        raise WeightsError(f"{origin}: tensor {name!r} has dtype {a.dtype}, expected an integer "
-                           "or bool dtype")
-    return a
-
-
-def load_eagle3(path, cfg: ModelConfig, dtype=None):
-    """A public EAGLE-3 checkpoint -> (EAGLE3 params as jax arrays, head shape dict)."""
-    import jax
-    import jax.numpy as jnp
-
-    sd, config = read_state_dict(path)
-    hc = eagle3_head_config(config, cfg)
-    if hc["vocab_size"] != cfg.vocab_size:
-        raise WeightsError(f"{path}: config.json vocab_size={hc['vocab_size']} but the target "
-                           f"has {cfg.vocab_size}")
-    params = convert_eagle3(sd, hc, str(path))
-    dt = dtype if dtype is not None else jnp.float32
-    out = jax.tree_util.tree_map(
-        lambda x: jnp.asarray(x, dt) if np.issubdtype(x.dtype, np.floating)
-        or x.dtype.name == "bfloat16" else jnp.asarray(x), params)
-    return out, hc
-
-
-def _cast(tree, dtype):
-    if isinstance(tree, dict):
-        return {k: _cast(v, dtype) for k, v in tree.items()}
-    return np.asarray(tree, dtype)
-
-
-# -- EAGLE-3 heads as Eagle3Head (inference), detection, and the public layout on disk ------------
-def eagle3_aux_layers(config: Mapping, cfg: ModelConfig) -> Tuple[int, ...]:
-    """The target layers an EAGLE-3 head reads: config.json's
-    eagle_config.eagle_aux_hidden_state_layer_ids (SGLang's key; the ids name the layers whose
-    outputs are taken) or the same key at the top level, else SpecForge's default."""
-    from jaxspec.models.eagle3 import default_aux_layers
-
-    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
-        or config.get("eagle_aux_hidden_state_layer_ids")
-    if ids is None:
-        return default_aux_layers(cfg.num_layers)
-    ids = tuple(int(i) for i in ids)
-    if len(ids) != 3 or not all(0 <= i < cfg.num_layers for i in ids):
-        raise WeightsError(f"config.json eagle_aux_hidden_state_layer_ids={list(ids)}: an EAGLE-3 "
-                           f"head reads three target layers in [0, {cfg.num_layers})")
-    return ids
-
-
-def is_eagle3_checkpoint(sd: Mapping[str, np.ndarray], config: Mapping) -> bool:
-    """EAGLE-3 by config.json (an *Eagle3* architecture) or by its tensors (midlayer.*, d2t)."""
-    if any("eagle3" in str(a).lower() for a in config.get("architectures") or ()):
-        return True
-    names = {k[len("model."):] if k.startswith("model.") else k for k in sd}
-    return "d2t" in names or any(k.startswith("midlayer.") for k in names)
-
-
-def _eagle3_head(sd, config, cfg: ModelConfig, origin: str, dtype):
-    import jax
-    import jax.numpy as jnp
-
-    from jaxspec.models.eagle3 import Eagle3Config, Eagle3Head
-
-    hc = eagle3_head_config(config, cfg, sd)
-    if hc["vocab_size"] != cfg.vocab_size:
-        raise WeightsError(f"{origin}: config.json vocab_size={hc['vocab_size']} but the target "
-                           f"has {cfg.vocab_size}")
-    if hc["num_heads"] % hc["num_kv_heads"] or hc["head_dim"] % 2:
-        raise WeightsError(f"{origin}: config.json num_attention_heads={hc['num_heads']}, "
-                           f"num_key_value_heads={hc['num_kv_heads']}, head_dim={hc['head_dim']} "
-                           "do not make a valid attention layer")
-    params = convert_eagle3(sd, hc, origin)
-    dt = dtype if dtype is not None else jnp.float32
-    params = jax.tree_util.tree_map(
-        lambda x: jnp.asarray(x, dt) if np.issubdtype(x.dtype, np.floating)
-        or x.dtype.name == "bfloat16" else jnp.asarray(x), params)
-    return Eagle3Head(params, Eagle3Config.from_dict(hc, eagle3_aux_layers(config, cfg)))
-
-
-def load_eagle3_head(path, cfg: ModelConfig, dtype=None):
-    """A public EAGLE-3 checkpoint -> `jaxspec.models.eagle3.Eagle3Head` (what the speculative
-    cycle runs); the target layers it reads come from its config.json (eagle3_aux_layers)."""
-    sd, config = read_state_dict(path)
-    return _eagle3_head(sd, config, cfg, str(path), dtype)
 
 
 # Tensor names of our own EAGLE-1 layout (`eagle1_shapes`); public heads name theirs
@@ -545,78 +304,15 @@ def own_head_in_dir(path) -> Optional[Path]:
 def load_draft(path, cfg: ModelConfig, dtype=None):
     """A draft checkpoint -> draft params: our own head (`save_head`, what `jaxspec
     train-eagle` writes: the file, or a directory holding it as the shipped head does), or a
-    public one (dir, .safetensors or .bin) of either layout: an EAGLE-1 params dict, or an
-    Eagle3Head (layout told by config.json or the tensor names). Only tensors are read (no
-    pickled code runs); a wrong shape names the tensor, its shape and the expected one."""
+    public one (dir, .safetensors or .bin) of either version: an EAGLE-1 params dict, or an
+    Eagle3Head (the version told by the tensor names and config.json, which must agree). Only
+    tensors are read (no pickled code runs); a wrong shape names the tensor, its shape and the
+    expected one."""
     own = path if is_own_head_file(path) else own_head_in_dir(path)
     if own is not None:
         return load_head(own, cfg, dtype)
     sd, config = read_state_dict(path)
     origin = str(path)
     if is_eagle3_checkpoint(sd, config):
-        return _eagle3_head(sd, config, cfg, origin, dtype)
+        return eagle3_head(sd, config, cfg, origin, dtype)
     return _eagle1_params(sd, config, cfg, origin, dtype)
-
-
-def eagle3_state_dict(head) -> Dict[str, np.ndarray]:
-    """An Eagle3Head -> the public tensors (torch [out, in] layout, q/k/v and gate/up split),
-    the inverse of convert_eagle3."""
-    p, hc = head.params, head.config
-    q, kv = hc.num_heads * hc.head_dim, hc.num_kv_heads * hc.head_dim
-    f = hc.intermediate_size
-    a = lambda x: np.asarray(x)  # noqa: E731
-    lay = {k: a(v)[0] for k, v in p["layers"].items()}
-    wqkv = lay["wqkv"]
-    sd = {"fc.weight": a(p["fc"]).T,
-          "midlayer.input_layernorm.weight": a(p["input_norm"]),
-          "midlayer.hidden_norm.weight": a(p["hidden_norm"]),
-          "midlayer.self_attn.q_proj.weight": wqkv[:, :q].T,
-          "midlayer.self_attn.k_proj.weight": wqkv[:, q:q + kv].T,
-          "midlayer.self_attn.v_proj.weight": wqkv[:, q + kv:].T,
-          "midlayer.self_attn.o_proj.weight": lay["wo"].T,
-          "midlayer.post_attention_layernorm.weight": lay["mlp_norm"],
-          "midlayer.mlp.gate_proj.weight": lay["w_gate_up"][:, :f].T,
-          "midlayer.mlp.up_proj.weight": lay["w_gate_up"][:, f:].T,
-          "midlayer.mlp.down_proj.weight": lay["w_down"].T,
-          "norm.weight": a(p["final_norm"]), "lm_head.weight": a(p["lm_head"]).T,
-          "d2t": a(p["d2t"]).astype(np.int64), "t2d": a(p["t2d"]).astype(bool)}
-    if "embed" in p:
-        sd["embed_tokens.weight"] = a(p["embed"])
-    return {k: np.ascontiguousarray(v) for k, v in sd.items()}
-
-
-def eagle3_config_json(head, cfg: ModelConfig, extra: Optional[dict] = None) -> dict:
-    """config.json of a public EAGLE-3 head (what SGLang / SpecForge read, and eagle3_head_config
-    and eagle3_aux_layers read back)."""
-    hc = head.config
-    out = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-           "hidden_size": hc.hidden_size, "num_attention_heads": hc.num_heads,
-           "num_key_value_heads": hc.num_kv_heads, "head_dim": hc.head_dim,
-           "intermediate_size": hc.intermediate_size, "vocab_size": hc.vocab_size,
-           "draft_vocab_size": hc.draft_vocab_size, "rms_norm_eps": hc.rms_norm_eps,
-           "rope_theta": hc.rope_theta, "norm_before_residual": hc.norm_before_residual,
-           "num_hidden_layers": 1, "hidden_act": "silu", "tie_word_embeddings": False,
-           "max_position_embeddings": cfg.max_position_embeddings,
-           "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(hc.aux_layers)}}
-    if extra:
-        out["jaxspec"] = extra
-    return out
-
-
-def save_eagle3(out_dir, head, cfg: ModelConfig, dtype="bfloat16",
-                meta: Optional[dict] = None) -> Path:
-    """Writes an Eagle3Head as OUT_DIR/model.safetensors + config.json in the public layout
-    (floating tensors in `dtype`; d2t int64, t2d bool as SpecForge writes them)."""
-    import ml_dtypes
-    from safetensors.numpy import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    dt = ml_dtypes.bfloat16 if str(dtype) == "bfloat16" else np.dtype(dtype)
-    sd = {k: (v.astype(dt) if np.issubdtype(v.dtype, np.floating) or v.dtype.name == "bfloat16"
-              else v) for k, v in eagle3_state_dict(head).items()}
-    save_file(sd, str(out / "model.safetensors"),
-              metadata={HEAD_META_KEY: json.dumps(meta or {}, default=str)})
-    (out / "config.json").write_text(json.dumps(eagle3_config_json(head, cfg, meta), indent=1,
-                                                default=str))
-    return out

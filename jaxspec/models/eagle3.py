@@ -4,7 +4,7 @@ The same pieces as `jaxspec.models.eagle` (fuse input, qkv with RoPE, attention 
 attention kernel, finish layer, logits), with the same signatures, so the drafting code runs
 either head (`jaxspec.spec.draft` picks the module from the draft params' type). One row:
 
-    h        = fc(concat(low, mid, high target layer outputs))  [.., 3H] -> [.., H]  (catch-up
+    h        = fc(concat(low, mid, high target layer outputs))  [.., 3Ht] -> [.., H]  (catch-up
                rows); a later draft step feeds the head's own previous `out` here, without fc
     residual = h                      (norm_before_residual: hidden_norm(h))
     x        = concat(input_norm(embed(token)), hidden_norm(h))                        [.., 2H]
@@ -18,7 +18,11 @@ ids, so the tree, verify and the catch-up only ever see target ids. Lossless sam
 draft probabilities (verify.py), so a token outside the draft vocabulary is simply never drafted.
 
 Positions are EAGLE-1's: a row pairs the feature of position t with the token of t+1 and runs at
-RoPE position t.
+RoPE position t. The layer is a Llama decoder layer whatever the target's family (a Qwen3 target's
+head has no q/k norm): its shapes, norms' epsilon and RoPE (theta, scaling) are the head's own
+(`Eagle3Config.layer_config`), from its config.json, not the target's. Ht, the width of the
+target layers fc reads, is the target's hidden size; H, the head's, may differ (the head then
+brings its own embedding).
 
 The head is an `Eagle3Head`: its arrays (a pytree) and its shapes (`Eagle3Config`, frozen and
 hashable, a static part of the pytree), so jitted functions that take draft params compile per
@@ -27,13 +31,13 @@ head shape with no extra static argument.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Tuple
+from typing import Mapping, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxspec.config import ModelConfig, layout_of
+from jaxspec.config import ModelConfig, RopeScaling, layout_of
 from jaxspec.models import llama
 from pallas_kernels.tree_attention import tree_attention
 
@@ -59,32 +63,43 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     norm_before_residual: bool = False
+    rope_scaling: Optional[RopeScaling] = None
+    target_hidden_size: Optional[int] = None    # Ht; None: the head's hidden_size
 
     @classmethod
     def from_dict(cls, hc: Mapping, aux_layers) -> "Eagle3Config":
-        """From `eagle_ckpt.eagle3_head_config`'s dict."""
+        """From `eagle3_ckpt.head_config`'s dict."""
         names = [f.name for f in dataclasses.fields(cls) if f.name != "aux_layers"]
         return cls(aux_layers=tuple(int(i) for i in aux_layers),
                    **{k: hc[k] for k in names if k in hc})
 
     def as_dict(self) -> dict:
-        """The dict form `jaxspec.train.eagle3.forward` takes."""
-        return dataclasses.asdict(self)
+        """The dict form `jaxspec.train.eagle3.forward` takes (rope_scaling stays a
+        RopeScaling)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @property
+    def feature_width(self) -> int:
+        """fc's input width: three target layers, 3 Ht."""
+        return 3 * (self.target_hidden_size or self.hidden_size)
 
     def layer_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The target config with the head's shapes (RoPE, attention split, MLP)."""
-        return dataclasses.replace(cfg, hidden_size=self.hidden_size, num_heads=self.num_heads,
-                                   num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                                   intermediate_size=self.intermediate_size,
-                                   rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-                                   num_layers=1)
+        """The head's decoder layer as a one-layer Llama config: its own shapes, epsilon and
+        RoPE; only the vocabulary and context length are the target's."""
+        return ModelConfig(arch="LlamaForCausalLM", vocab_size=cfg.vocab_size,
+                           hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=1,
+                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                           head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+                           rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+                           max_position_embeddings=cfg.max_position_embeddings)
 
 
 @struct.dataclass
 class Eagle3Head:
-    """params: fc [3H, H], input_norm, hidden_norm [H], layers (wqkv [1, 2H, Q + 2K], wo,
+    """params: fc [3Ht, H], input_norm, hidden_norm [H], layers (wqkv [1, 2H, Q + 2K], wo,
     mlp_norm, w_gate_up, w_down), final_norm [H], lm_head [H, Vd], d2t [Vd] int32, t2d [V] bool,
-    optionally embed [V, H] (else the target's). Layout: jaxspec/loading/eagle_ckpt.py."""
+    optionally embed [V, H] (else the target's). Layout: jaxspec/loading/eagle3_ckpt.py."""
     params: dict
     config: Eagle3Config = struct.field(pytree_node=False)
 
@@ -114,7 +129,8 @@ def init_eagle3_head(cfg: ModelConfig, key, draft_ids=None, aux_layers=None,
                       head_dim=cfg.head_dim, intermediate_size=f, vocab_size=v,
                       draft_vocab_size=vd,
                       aux_layers=tuple(aux_layers or default_aux_layers(cfg.num_layers)),
-                      rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta)
+                      rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+                      rope_scaling=cfg.rope_scaling)
     qkv = hc.num_heads * hc.head_dim + 2 * hc.num_kv_heads * hc.head_dim
     ks = iter(jax.random.split(key, 8))
 
@@ -138,10 +154,10 @@ def _layer(head: Eagle3Head):
 
 
 def fuse_input(params, head: Eagle3Head, tokens, features):
-    """tokens [B, N] (target ids); features [B, N, 3H] (target layers: fc applied) or [B, N, H]
+    """tokens [B, N] (target ids); features [B, N, 3Ht] (target layers: fc applied) or [B, N, H]
     (the head's own previous output). Returns (x [B, N, 2H] for q/k/v, residual [B, N, H])."""
     p, hc = head.params, head.config
-    h = features @ p["fc"] if features.shape[-1] != hc.hidden_size else features
+    h = features @ p["fc"] if features.shape[-1] == hc.feature_width else features
     hn = llama.rms_norm(h, p["hidden_norm"], hc.rms_norm_eps)
     embed = p["embed"] if "embed" in p else params["embed"]
     e = llama.rms_norm(embed[jnp.maximum(tokens, 0)].astype(h.dtype), p["input_norm"],
@@ -187,7 +203,7 @@ def to_target(head: Eagle3Head, draft_ids):
 
 
 def target_features(captured):
-    """captured [3, B, N, H] (llama.forward's capture of `aux_layers`) -> [B, N, 3H] in the
+    """captured [3, B, N, Ht] (llama.forward's capture of `aux_layers`) -> [B, N, 3Ht] in the
     order low, mid, high (the fc's input order)."""
     return jnp.concatenate(list(captured), axis=-1)
 
