@@ -62,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
     from jaxspec import SamplingParams
     prompts = list(PROMPTS[:args.prompts])
     say(f"jaxspec demo: {MODEL} answers {len(prompts)} prompt(s) twice, greedily: by plain "
-        "decoding and by speculative decoding with its EAGLE draft head.")
+        "decoding,")
+    say("and by speculative decoding with its EAGLE draft head (the same text, fewer forwards "
+        "of the model).")
     plain, spec = load()
     say("compiling the programs both will run (XLA; once a process) ...")
     t0 = time.perf_counter()

@@ -300,19 +300,6 @@ def test_demo_knows_when_the_weights_are_converted_the_first_time(smollm2_pair, 
 
 
 @pytest.mark.real_weights
-def test_chat_with_smollm2_answers_sensibly(smollm2_pair, monkeypatch, capsys):
-    plain = smollm2_pair[0]
-    monkeypatch.setattr(cli_chat, "load_llm", lambda args: plain)
-    monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?\n"))
-    assert cli.main(["chat", "--max-tokens", "32"]) == 0
-    out = capsys.readouterr().out
-    ref = plain.chat([{"role": "user", "content": "What is the capital of France?"}],
-                     SamplingParams(max_tokens=32))[0]
-    assert ref.finish_reason == "stop"      # it ended on <|im_end|>, left out of the text
-    assert out == ref.text + "\n\n" and "Paris" in out and "<|im_end|>" not in out
-
-
-@pytest.mark.real_weights
 def test_demo_prints_plain_and_speculative_replies_and_the_speedup(smollm2_pair, monkeypatch,
                                                                    capsys):
     monkeypatch.setattr(demo, "load", lambda: smollm2_pair)
@@ -332,3 +319,16 @@ def test_demo_prints_plain_and_speculative_replies_and_the_speedup(smollm2_pair,
     assert re.fullmatch(r"\d+\.\d\dx", spec[4])
     for name, _ in demo.LEGEND:
         assert re.search(rf"^  {re.escape(name)}\s+\S", out, re.M), name
+
+
+@pytest.mark.real_weights
+def test_chat_with_smollm2_answers_sensibly(smollm2_pair, monkeypatch, capsys):
+    plain = smollm2_pair[0]
+    monkeypatch.setattr(cli_chat, "load_llm", lambda args: plain)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?\n"))
+    assert cli.main(["chat", "--max-tokens", "32"]) == 0
+    out = capsys.readouterr().out
+    ref = plain.chat([{"role": "user", "content": "What is the capital of France?"}],
+                     SamplingParams(max_tokens=32))[0]
+    assert ref.finish_reason == "stop"      # it ended on <|im_end|>, left out of the text
+    assert out == ref.text + "\n\n" and "Paris" in out and "<|im_end|>" not in out
