@@ -448,6 +448,24 @@ def test_eagle1_unsupported_architecture_is_named(tmp_path):
         load_draft(path, TARGET)
 
 
+def test_a_head_wider_than_its_target_runs_the_cycle(tmp_path):
+    """A head of hidden size 48 on a 32-wide target (target_hidden_size, its own embedding):
+    the speculative cycle runs it (fc reads the target's layers, later steps the head's own
+    output) and greedy output equals plain greedy decoding."""
+    import jax
+
+    from jaxspec.spec import SpecConfig
+    from reference_runner import SpecRunner, plain_greedy
+
+    writer, naming, fmt, spec, conf, dtype = HEADS["wider-than-target"]
+    head = load_draft(write_head(tmp_path / "w", random_head(**spec), conf), TARGET)
+    params = llama.init_random_params(TARGET, jax.random.PRNGKey(0), scale=0.2)
+    prompts = [[5, 17, 42, 8, 9], list(range(30, 50))]
+    runner = SpecRunner(TARGET, params, head, SpecConfig(3, 2, 5), max_slots=2, max_len=96)
+    for p, r in zip(prompts, runner.generate(prompts, [12, 12], eos_ids=())):
+        assert r.token_ids == plain_greedy(params, TARGET, p, 12, 96)
+
+
 # ---------------------------------------------------------------- through LLM
 
 
