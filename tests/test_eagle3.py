@@ -95,13 +95,19 @@ def reference_outputs(which):
 # ---------------------------------------------------------------- the cached head
 
 
-@pytest.mark.parametrize("norm_before_residual", [False, True])
-def test_cached_head_equals_sequence_forward(norm_before_residual):
-    """Two cached chunks (the second over the first's draft KV) == the causal sequence form, for
-    target features (fc applied) and for the head's own output fed back (no fc)."""
+@pytest.mark.parametrize("norm_before_residual,own_rope",
+                         [(False, False), (True, False), (False, True)])
+def test_cached_head_equals_sequence_forward(norm_before_residual, own_rope):
+    """Two cached chunks (the second over the first's draft KV) == the causal sequence form (the
+    one training runs), for target features (fc applied) and for the head's own output fed
+    back (no fc); own_rope: a head whose RoPE is not the target's (a public head's theta and
+    llama3 scaling), which both forms must take from the head."""
+    from jaxspec.config import RopeScaling
     params, head = random_pair()
+    rope = ({"rope_theta": CFG.rope_theta * 7,
+             "rope_scaling": RopeScaling("llama3", 8.0, 1.0, 4.0, 4)} if own_rope else {})
     head = eagle3.Eagle3Head(head.params, eagle3.Eagle3Config(
-        **{**head.config.as_dict(), "norm_before_residual": norm_before_residual}))
+        **{**head.config.as_dict(), "norm_before_residual": norm_before_residual, **rope}))
     hc = head.config
     b, t, r1 = 2, 11, 6
     keys = jax.random.split(jax.random.PRNGKey(9), 3)

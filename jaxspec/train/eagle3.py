@@ -17,7 +17,6 @@ config says norm_before_residual):
 """
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -25,17 +24,15 @@ import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.models import llama
+from jaxspec.models.eagle3 import Eagle3Config
 from jaxspec.train.loss import causal_attention
 from jaxspec.xla_options import jit
 
 
 def head_model_config(cfg: ModelConfig, hc: dict) -> ModelConfig:
-    """The target config with the head's own shapes (for RoPE and the attention split)."""
-    return dataclasses.replace(cfg, hidden_size=hc["hidden_size"], num_heads=hc["num_heads"],
-                               num_kv_heads=hc["num_kv_heads"], head_dim=hc["head_dim"],
-                               intermediate_size=hc["intermediate_size"],
-                               rms_norm_eps=hc.get("rms_norm_eps", cfg.rms_norm_eps),
-                               rope_theta=hc.get("rope_theta", cfg.rope_theta), num_layers=1)
+    """The head's decoder layer as inference runs it (`Eagle3Config.layer_config`): its own
+    shapes, epsilon and RoPE, never the target's scaling or q/k norms."""
+    return Eagle3Config.from_dict(hc, ()).layer_config(cfg)
 
 
 def forward(p, hc: dict, cfg: ModelConfig, embed, tokens, features, positions):
