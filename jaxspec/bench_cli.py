@@ -15,7 +15,9 @@ Modes:
             HF transformers peers (static cache compiled or eager, prompt lookup) when torch
             has CUDA, or those named by --peers anywhere;
             --json (and --plot) are rewritten after every run, '"partial": true' until the end
-  serve     Poisson arrivals at --request-rate: throughput, TTFT, TPOT, latency percentiles
+  serve     Poisson arrivals at --request-rate: throughput, TTFT, TPOT, latency percentiles;
+            with --url, against an OpenAI-compatible server (jaxspec serve, vLLM, SGLang, ...)
+            instead of in-process, at a --request-rate and/or --max-concurrency, ITL added
   accuracy  GSM8K: accuracy of plain and speculative answers, and whether they are identical
   cycle     Llama-3-8B-shaped random weights: cycle cost vs a decode step; acceptance is only
             ever assumed (--assume-accept) or replayed (--replay-accept), never measured
@@ -119,6 +121,12 @@ def _at_least(low, base=int, above: bool = False):
     return parse
 
 
+def _url(text: str) -> str:
+    if not re.match(r"https?://[^/\s]+", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: a base URL such as http://127.0.0.1:8000")
+    return text.rstrip("/")
+
+
 def _batch_list(text: str) -> List[int]:
     try:
         sizes = sorted({int(b) for b in text.split(",") if b.strip()})
@@ -211,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="jaxspec-bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=MODES, default=None,
-                    help="default: serve if --request-rate is given, else sweep")
+                    help="default: serve if --request-rate or --url is given, else sweep")
     ap.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2-135M)")
     ap.add_argument("--draft", default=None,
                     help="EAGLE-1 or EAGLE-3 head checkpoint, or 'random' (an untrained head, "
@@ -283,6 +291,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests per second (inf: all at once)")
     serve.add_argument("--num-requests", type=_at_least(1), default=None,
                        help="requests to send (default: --num-prompts; prompts repeat)")
+    serve.add_argument("--url", default=None, type=_url,
+                       help="benchmark the OpenAI-compatible server at this base URL "
+                            "(http://host:port) over HTTP instead of serving in-process; no "
+                            "model is loaded here")
+    serve.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
+                       help="--url: /v1/chat/completions (the server's chat template) or "
+                            "/v1/completions (the user message as raw text) (default: chat)")
+    serve.add_argument("--max-concurrency", type=_at_least(1), default=None,
+                       help="--url: requests in flight at most (default: no limit)")
+    serve.add_argument("--served-model", default=None,
+                       help="--url: the model name to request (default: the first of the "
+                            "server's /v1/models)")
+    serve.add_argument("--ignore-eos", action="store_true",
+                       help="--url: ask the server to generate --max-tokens every time "
+                            "(vLLM's and SGLang's ignore_eos)")
+    serve.add_argument("--request-timeout", type=_at_least(0.0, float, above=True),
+                       default=600.0, help="--url: seconds one request may take (default: 600)")
     cyc = ap.add_argument_group("cycle mode")
     cyc.add_argument("--shape", choices=("llama3-8b", "tiny"), default="llama3-8b")
     cyc.add_argument("--prefix", type=_at_least(1), default=None,
@@ -321,7 +346,13 @@ def _defaults(args, ap: Optional[argparse.ArgumentParser] = None):
     if args.spec is None:
         args.spec = "chain,tree" if gpu else "chain"
     if args.mode is None:
-        args.mode = "serve" if args.request_rate is not None else "sweep"
+        args.mode = "serve" if args.request_rate is not None or args.url else "sweep"
+    url_only = [f for f in ("max_concurrency", "served_model") if getattr(args, f) is not None]
+    url_only += ["ignore_eos"] if args.ignore_eos else []
+    if args.url and args.mode != "serve":
+        ap.error(f"--url benchmarks a server: it runs in serve mode, not {args.mode}")
+    if url_only and not args.url:
+        ap.error(f"{_flag(url_only[0])} is for a server at --url")
     if args.dataset is None:
         args.dataset = "gsm8k" if args.mode == "accuracy" else "mt-bench"
     if args.prefill_chunk is None:      # as LLM() resolves it, so that the checks below see it
@@ -674,6 +705,8 @@ def _print_sweep_tail(args, result):
 
 # ----------------------------------------------------------------------------- serve
 def run_serve(args, result):
+    if args.url:
+        return run_serve_url(args, result)
     from jaxspec.benchmark import serving
     from jaxspec.benchmark import runner as R
     prompts, modes, target = _setup(args, result)
@@ -708,6 +741,46 @@ def run_serve(args, result):
                    f"{_fmt(r['p50_e2e_s'] and r['p50_e2e_s'] * ms, '{:.0f}'):>10s}")
     for note in result["notes"]:
         _say(args, f"note: {note}")
+
+
+def run_serve_url(args, result):
+    """Serve mode against a server at --url: one run of the requests, nothing loaded here."""
+    from jaxspec.benchmark import prompts as P
+    from jaxspec.benchmark import url_serving
+    prompts = P.load_prompts(args.dataset, args.num_prompts)
+    if not prompts:
+        raise SystemExit(f"--dataset {args.dataset}: no prompts")
+    n = args.num_requests or len(prompts)
+    chats = [prompts[i % len(prompts)]["chat"] for i in range(n)]
+    rate = math.inf if args.request_rate is None else args.request_rate
+    model = args.served_model or url_serving.served_model(args.url)
+    result["model_label"] = f"{model} at {args.url}"
+    bar = tqdm(total=n, desc="requests", disable=args.quiet)
+    row = url_serving.run(args.url, chats, endpoint=args.endpoint, model=model,
+                          max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, request_rate=rate,
+                          max_concurrency=args.max_concurrency, seed=args.seed or 0,
+                          ignore_eos=args.ignore_eos, timeout=args.request_timeout,
+                          progress=bar.update)
+    bar.close()
+    result["serving"] = [{"mode": "url", **row}]
+    _checkpoint(args, result)
+    limit = f"concurrency {args.max_concurrency}" if args.max_concurrency else "no limit"
+    _say(args, f"\nserving: {n} requests at {rate} req/s, {limit} | {result['model_label']} | "
+               f"{args.endpoint} | {result['dataset']} | {args.max_tokens} new tokens")
+    _say(args, f"{'done':>6s} {'req/s':>7s} {'tok/s':>8s} {'TTFT p50/p90/p99 ms':>22s} "
+               f"{'ITL p50/p90/p99 ms':>22s} {'TPOT p50 ms':>11s} {'E2E p50/p90/p99 ms':>22s}")
+
+    def trio(k):
+        return "/".join(_fmt(row.get(f"p{q}_{k}") and row[f"p{q}_{k}"] * 1e3, "{:.0f}")
+                        for q in (50, 90, 99))
+    _say(args, f"{row['completed']:3d}/{n:<2d} {row.get('request_throughput', 0):7.2f} "
+               f"{row.get('output_throughput', 0):8.1f} {trio('ttft_s'):>22s} "
+               f"{trio('itl_s'):>22s} "
+               f"{_fmt(row.get('p50_tpot_s') and row['p50_tpot_s'] * 1e3, '{:.1f}'):>11s} "
+               f"{trio('e2e_s'):>22s}")
+    for e in row["errors"]:
+        _say(args, f"error: {e}")
 
 
 # ----------------------------------------------------------------------------- accuracy

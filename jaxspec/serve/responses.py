@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from typing import Dict, List, Optional
 
 from jaxspec.engine import StreamDelta
 
 DONE = "data: [DONE]\n\n"
+# JSON has no infinity: a token the filters (top-k, top-p, min-p) removed, of logprob -inf,
+# shows this instead (vLLM's choice).
+MIN_LOGPROB = -9999.0
 
 
 def sse(obj: dict) -> str:
     """One server-sent event carrying obj as JSON."""
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":"),
+                                 allow_nan=False) + "\n\n"
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) else MIN_LOGPROB
 
 
 class TokenText:
@@ -33,8 +42,8 @@ def completion_logprobs(ids: List[int], lps: List[Dict[int, float]], text: Token
     for s in tokens:
         offsets.append(offset)
         offset += len(s)
-    return {"tokens": tokens, "token_logprobs": [lp[t] for t, lp in zip(ids, lps)],
-            "top_logprobs": [{text.text(k): v for k, v in lp.items()} for lp in lps],
+    return {"tokens": tokens, "token_logprobs": [_lp(lp[t]) for t, lp in zip(ids, lps)],
+            "top_logprobs": [{text.text(k): _lp(v) for k, v in lp.items()} for lp in lps],
             "text_offset": offsets}
 
 
@@ -44,7 +53,7 @@ def chat_logprobs(ids: List[int], lps: List[Dict[int, float]], top: int,
     alternatives, most likely first."""
     def entry(t, v):
         s = text.text(t)
-        return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": _lp(v), "bytes": list(s.encode("utf-8"))}
 
     content = []
     for t, lp in zip(ids, lps):
