@@ -83,7 +83,8 @@ def add_model_options(p: argparse.ArgumentParser):
                         "STEPSxTOPKxTOKENS such as 4x8x32; alone, with the shipped head "
                         "(default with --draft: the tuned shape for one request)")
     g.add_argument("--max-model-len", type=_max_model_len, default=DEFAULT_MAX_MODEL_LEN,
-                   metavar="N", help=f"tokens of context, prompt and reply (default {DEFAULT_MAX_MODEL_LEN})")
+                   metavar="N",
+                   help=f"tokens of context, prompt and reply (default {DEFAULT_MAX_MODEL_LEN})")
 
 
 def _max_model_len(text: str) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import List
+from typing import List, Optional
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = (
@@ -124,7 +124,7 @@ def reply(mode: str, llm, prompt: str, sp):
     out = stream_reply(llm, [_user(prompt)], sp, writer(sys.stdout, indent="    "))
     n, secs = len(out.token_ids), out.metrics["latency_s"]
     figures = f"{n} tokens in {secs:.1f} s = {n / secs:.1f} tokens/s"
-    if out.accept_lens:
+    if accept_length([out]) is not None:
         figures += f", {accept_length([out]):.2f} tokens per forward of the model"
     say(f"\n    [{figures}]")
     return out
@@ -135,19 +135,20 @@ def _agreement(plain: List[int], spec: List[int]) -> str:
         return "the same tokens both ways, as greedy speculative decoding promises"
     k = next((i for i, (x, y) in enumerate(zip(plain, spec)) if x != y), min(len(plain),
                                                                                len(spec)))
-    return (f"the replies part at token {k}: floating-point rounding between a one-token "
-            "forward and the verify forward flipped a near-tie")
+    return (f"the replies part at token {k} (a one-token forward and the verify forward may "
+            "round a near-tie differently)")
 
 
-def accept_length(outs) -> float:
-    """Tokens per cycle over all cycles of these requests, the bonus token included."""
-    cycles = [a + 1 for o in outs for a in o.accept_lens]
-    return sum(cycles) / len(cycles)
+def accept_length(outs) -> Optional[float]:
+    """Tokens per cycle over all cycles of these requests, the bonus token included (None
+    without a cycle: a reply of the prefill's one token)."""
+    cycles = [a + 1 for o in outs for a in o.accept_lens or ()]
+    return sum(cycles) / len(cycles) if cycles else None
 
 
 def summary(results) -> List[str]:
     """The table of both modes and its legend, as lines."""
-    rows, base = [], None
+    base = None
     lines = [f"{'':13}{'tokens':>8}{'seconds':>10}{'tokens/s':>10}{'accept':>8}{'speedup':>9}"]
     for mode, outs in results.items():
         n = sum(len(o.token_ids) for o in outs)
@@ -155,9 +156,9 @@ def summary(results) -> List[str]:
         rate = n / secs
         base = base or rate
         acc = accept_length(outs) if mode != "plain" else 1.0
-        lines.append(f"{mode:13}{n:>8}{secs:>10.1f}{rate:>10.1f}{acc:>8.2f}"
+        acc_text = "-" if acc is None else f"{acc:.2f}"
+        lines.append(f"{mode:13}{n:>8}{secs:>10.1f}{rate:>10.1f}{acc_text:>8}"
                      f"{rate / base:>8.2f}x")
-        rows.append((mode, rate))
     lines.append("")
     lines += [f"  {name:9} {text}" for name, text in LEGEND]
     return lines

@@ -77,9 +77,9 @@ def test_argument_errors_are_one_line_before_any_model_loads(argv, match, capsys
     assert no_loading == []
 
 
-def test_the_installed_command_reports_one_line_and_loads_nothing(tmp_path):
-    """Through the `jaxspec` entry point in a process of its own: exit code 2, one line, and
-    the params cache (where a load writes the converted weights) untouched."""
+def test_a_process_of_its_own_reports_one_line_and_loads_nothing(tmp_path):
+    """`jaxspec.cli.main` (the `jaxspec` entry point) in a process of its own: exit code 2, one
+    line, and the params cache (where a load writes the converted weights) untouched."""
     env = dict(os.environ, JAXSPEC_CACHE=str(tmp_path / "cache"))
     run = subprocess.run([sys.executable, "-c", "import sys; from jaxspec.cli import main; "
                           "sys.exit(main())", "generate", "hi", "--top-p", "2"],
