@@ -1,8 +1,10 @@
 """Attention of N new (tree) query tokens over a slot's cached prefix plus the N new keys.
 
 Semantics (`tree_attention_reference`): for slot b, query n attends to cache rows t < seq_lens[b]
-of layer `layer`, and to new keys m with tree_mask[b, n, m]. GQA: query head h reads KV head
-h // (Hq // Hkv). Softmax in fp32.
+of layer `layer` (and t >= window_start[b, n] with a sliding window), and to new keys m with
+tree_mask[b, n, m] (which holds the window for them). GQA: query head h reads KV head
+h // (Hq // Hkv). Scores soft-capped (cap * tanh(s / cap)) where `softcap` is given, before the
+mask. Softmax in fp32.
 
 Kernel (Pallas, Triton lowering), flash-decoding style:
   * one program per (row block, prefix split, slot * KV head). The rows of a tile are the N tree
@@ -11,7 +13,9 @@ Kernel (Pallas, Triton lowering), flash-decoding style:
   * the live prefix of slot b (rows < seq_lens[b]) is cut into `num_splits` equal chunks at run
     time, so a short slot costs short loops and batch 1 with a long prefix still fills the GPU.
     The loop is bounded by seq_lens[b]: rows past it are never loaded. `default_config` sizes
-    the splits (about 512 keys each);
+    the splits (about 512 keys each). With a sliding window the live prefix starts at the key
+    block of the earliest row a tile's queries see: rows before every query's window are never
+    loaded either;
   * split 0 also attends to the N new keys under the tree mask (one new key, decoding's, by
     a vector step rather than a key block: `_vector_step`);
   * each program writes an unnormalised partial (o, running max m, sum l); a second Pallas
@@ -62,6 +66,9 @@ _FUSED_MERGE_SPLITS = 2
 # mask as an additive bias tile (8 KB a warpgroup: a 128-key tile would overflow shared memory
 # with two warpgroups), which saves the Triton kernel's launch; larger ones keep its tree part.
 _MOSAIC_TREE_KEYS = 64
+# Heads wider than 128 (Gemma's 256): row tiles of at most 64 rows over 32-key blocks in two
+# stages, so that the fp32 accumulator stays in registers and the K/V ring in shared memory.
+_WIDE_HEAD_TILE = (64, 32)
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -72,7 +79,7 @@ from pallas_kernels._compat import on_gpu
 from pallas_kernels._compat import store as _store
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "softcap"))
 def tree_attention_reference(
     q,          # [B, N, Hq, D]
     k_cache,    # [L, B, Hkv, T, D]
@@ -84,6 +91,8 @@ def tree_attention_reference(
     tree_mask,  # [B, N, N] bool: query n may see new key m
     sm_scale: float,
     slots=None,  # [B] int32: the cache slot of each query row (None: row b is slot b)
+    window_start=None,  # [B, N] int32: the first cache row query n sees (None: row 0)
+    softcap=None,       # scores -> softcap * tanh(scores / softcap) (None: as they are)
 ):
     b, n, hq, d = q.shape
     hkv, t = k_cache.shape[2], k_cache.shape[3]
@@ -94,10 +103,13 @@ def tree_attention_reference(
         kc = jnp.take(kc, slots, axis=0, mode="clip")
         vc = jnp.take(vc, slots, axis=0, mode="clip")
     qg = q.reshape(b, n, hkv, g, d).astype(jnp.float32) * sm_scale
-    s_pre = jnp.einsum("bnhgd,bhtd->bhgnt", qg, kc.astype(jnp.float32))
-    live = jnp.arange(t)[None, :] < seq_lens[:, None]                     # [B, T]
-    s_pre = jnp.where(live[:, None, None, None, :], s_pre, MASK_VALUE)
-    s_new = jnp.einsum("bnhgd,bhmd->bhgnm", qg, k_new.astype(jnp.float32))
+    s_pre = _capped(jnp.einsum("bnhgd,bhtd->bhgnt", qg, kc.astype(jnp.float32)), softcap)
+    rows = jnp.arange(t)[None, None, :]
+    live = rows < seq_lens[:, None, None]                                 # [B, 1, T]
+    if window_start is not None:                                          # -> [B, N, T]
+        live = live & (rows >= window_start[:, :, None])
+    s_pre = jnp.where(live[:, None, None, :, :], s_pre, MASK_VALUE)
+    s_new = _capped(jnp.einsum("bnhgd,bhmd->bhgnm", qg, k_new.astype(jnp.float32)), softcap)
     s_new = jnp.where(tree_mask[:, None, None, :, :], s_new, MASK_VALUE)
     s = jnp.concatenate([s_pre, s_new], axis=-1)
     p = jax.nn.softmax(s, axis=-1)
@@ -106,12 +118,19 @@ def tree_attention_reference(
     return o.reshape(b, n, hq, d).astype(q.dtype)
 
 
-def _flash_step(q, k, v, valid, carry, scale_log2):
-    """One online-softmax step over a key block; `valid` [rows, keys] or broadcastable."""
+def _capped(s, softcap):
+    """Scores soft-capped: softcap * tanh(s / softcap) (None or 0: s). In base-2 units too, with
+    softcap in those units."""
+    return s if not softcap else softcap * jnp.tanh(s / softcap)
+
+
+def _flash_step(q, k, v, valid, carry, scale_log2, softcap=0.0):
+    """One online-softmax step over a key block; `valid` [rows, keys] or broadcastable.
+    softcap: the soft-cap in base-2 units (the natural one times log2 e; 0: none)."""
     o, m, l = carry
     prec = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=prec) * scale_log2
-    s = jnp.where(valid, s, MASK_VALUE)
+    s = jnp.where(valid, _capped(s, softcap), MASK_VALUE)
     m_next = jnp.maximum(m, s.max(axis=-1))
     corr = jnp.exp2(m - m_next)
     p = jnp.exp2(s - m_next[:, None])
@@ -121,14 +140,14 @@ def _flash_step(q, k, v, valid, carry, scale_log2):
     return o_next, m_next, l_next
 
 
-def _vector_step(q, k, v, seen, carry, scale_log2):
+def _vector_step(q, k, v, seen, carry, scale_log2, softcap=0.0):
     """`_flash_step` over one key: k, v [D], seen a scalar bool. Products and sums on the
     vector units: a 16-row dot's block costs a decode tile about as much as a prefix block
     (its layout changes and barriers), for one key. Decoding (N == 1) takes it."""
     o, m, l = carry
     f32 = jnp.float32
     s = jnp.sum(q.astype(f32) * k.astype(f32)[None, :], axis=1) * scale_log2
-    s = jnp.where(seen, s, MASK_VALUE)
+    s = jnp.where(seen, _capped(s, softcap), MASK_VALUE)
     m_next = jnp.maximum(m, s)
     corr, p = jnp.exp2(m - m_next), jnp.exp2(s - m_next)
     return corr[:, None] * o + p[:, None] * v.astype(f32)[None, :], m_next, corr * l + p
@@ -145,7 +164,8 @@ def _store_rows(out_ref, o, b, h, r, live, group, col0=0):
 def _tree_attention_kernel(
     layer_ref,     # [1] int32
     seq_lens_ref,  # [B] int32
-    *refs,         # with `indirect`: slots [B] int32, the cache slot of each query row; then
+    *refs,         # with `indirect`: slots [B] int32, the cache slot of each query row; with
+                   # `windowed`: window_start [B, N] int32, each query's first cache row; then
                    # q [B, Hkv, R, D] (rows r = n * G + g; packed: qkv [B, N, Hq + 2 Hkv, D]),
                    # k, v [L, Bc, Hkv, T, D], kn, vn [B, Hkv, N, D] (packed: the same qkv),
                    # mask [B, N, N] int8; with `merge_in`: the prefix's split partials
@@ -165,9 +185,12 @@ def _tree_attention_kernel(
     indirect: bool = False,
     merge_in: bool = False,
     new_only: bool = False,
+    windowed: bool = False,
+    softcap: float = 0.0,
 ):
     # No slot map unless asked for: even a constant one costs an iota kernel per call.
     slots_ref, refs = (refs[0], refs[1:]) if indirect else (None, refs)
+    window_ref, refs = (refs[0], refs[1:]) if windowed else (None, refs)
     q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref = refs[:6]
     out_refs = refs[9:] if merge_in else refs[6:]
     rb, split, bh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -177,17 +200,22 @@ def _tree_attention_kernel(
     layer = layer_ref[0]
     slot = jnp.clip(slots_ref[b], 0, k_ref.shape[1] - 1) if indirect else b
     seq_len = jnp.clip(seq_lens_ref[b], 0, t_max)
-    # This split's share of the live prefix, a whole number of key blocks.
-    chunk = pl.cdiv(pl.cdiv(seq_len, num_splits), block_k) * block_k
-    start = split * chunk
-    end = jnp.minimum(start + chunk, seq_len)
-    num_blocks = pl.cdiv(jnp.maximum(end - start, 0), block_k)
 
     # Inputs are not padded to the block sizes: loads past the end are masked instead (no extra
     # XLA pad ops around the kernel, which cost as much as the kernel at batch 1).
     r = rb * block_r + jnp.arange(block_r)
     row_live = r < num_rows
     rows = pl.ds(rb * block_r, block_r)
+    first = jnp.int32(0)   # the first live prefix row, a key block's first
+    if windowed:   # row r's window starts at its query's row; the tile's earliest bounds the loop
+        lo = _load(window_ref.at[b, jnp.minimum(r // group, num_new - 1)])
+        first = jnp.clip(jnp.min(jnp.where(row_live, lo, t_max)), 0, seq_len)
+        first = (first // block_k) * block_k
+    # This split's share of the live prefix, a whole number of key blocks.
+    chunk = pl.cdiv(pl.cdiv(seq_len - first, num_splits), block_k) * block_k
+    start = first + split * chunk
+    end = jnp.minimum(start + chunk, seq_len)
+    num_blocks = pl.cdiv(jnp.maximum(end - start, 0), block_k)
     head_dim = k_ref.shape[-1]
     if packed:   # row r is query head h * G + g of token n = r // G
         n_of_r = jnp.minimum(r // group, num_new - 1)[:, None]
@@ -207,7 +235,10 @@ def _tree_attention_kernel(
                   other=0.0)
         v = _load(v_ref.at[layer, slot, h, pl.ds(t0, block_k), :], mask=live[:, None],
                   other=0.0)
-        return _flash_step(q, k, v, live[None, :], carry, scale_log2)
+        valid = live[None, :]
+        if windowed:
+            valid = valid & ((t0 + key_iota)[None, :] >= lo[:, None])
+        return _flash_step(q, k, v, valid, carry, scale_log2, softcap)
 
     if merge_in:   # the prefix was done by another kernel: start from its merged splits
         carry = _merge_partials(*refs[6:9], bh, rows, row_live)
@@ -232,12 +263,12 @@ def _tree_attention_kernel(
         # Index arrays on both axes (a gather): interpret mode cannot mix them with slices.
         cols = jnp.minimum(m0 + new_iota, num_new - 1)
         allowed = _load(mask_ref.at[b, query[:, None], cols[None, :]]) != 0
-        return _flash_step(q, k, v, allowed & key_live[None, :], carry, scale_log2)
+        return _flash_step(q, k, v, allowed & key_live[None, :], carry, scale_log2, softcap)
 
     def vector_body(j, carry):   # num_new == 1: one key, one value row, one mask bit
         k, v = ((kn_ref[b, 0, kh, :], vn_ref[b, 0, kh + num_kv_heads, :]) if packed
                 else (kn_ref[b, h, 0, :], vn_ref[b, h, 0, :]))
-        return _vector_step(q, k, v, mask_ref[b, 0, 0] != 0, carry, scale_log2)
+        return _vector_step(q, k, v, mask_ref[b, 0, 0] != 0, carry, scale_log2, softcap)
 
     new_body = vector_body if num_new == 1 else block_body
 
@@ -371,8 +402,8 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
     """
     rows = num_new * (num_q_heads // num_kv_heads)
     # Up to 128 rows per tile: fewer re-reads of each KV block than 64-row tiles, and larger
-    # dots.
-    block_r = min(max(16, _next_pow2(rows)), 128)
+    # dots. Heads wider than 128 halve the tile (`_WIDE_HEAD_TILE`).
+    block_r = min(max(16, _next_pow2(rows)), 128 if head_dim <= 128 else _WIDE_HEAD_TILE[0])
     block_k = 64
     programs = batch * num_kv_heads * pl.cdiv(rows, block_r)
     by_length = pl.cdiv(cache_len, _SPLIT_KEYS)
@@ -391,13 +422,15 @@ def default_config(batch, num_new, num_q_heads, num_kv_heads, head_dim, cache_le
         # Decode-like tiles over a few small heads and at most 512 keys (SmolLM2 at batch 1):
         # one split of 128-key blocks and no combine kernel, whose launch costs more than the
         # splits save on so little work. Wider heads keep the rule.
-        return block_r, 128, 1, num_warps, 3
+        block_k, num_splits = 128, 1
+    if head_dim > 128:
+        return block_r, min(block_k, _WIDE_HEAD_TILE[1]), num_splits, num_warps, 2
     return block_r, block_k, num_splits, num_warps, 3
 
 
 _TUNING = ("block_r", "block_k", "block_n", "num_splits", "num_warps", "num_stages",
            "interpret", "causal", "skip_before", "live_rows", "backend", "mosaic_ring",
-           "mosaic_profile")
+           "mosaic_profile", "softcap")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",) + _TUNING)
@@ -411,6 +444,7 @@ def tree_attention_pallas(
     v_new,      # [B, Hkv, N, D]
     tree_mask,  # [B, N, N] bool
     slots=None,  # [B] int32 cache slot of each row (None: row b is slot b)
+    window_start=None,  # [B, N] int32 first cache row of each query (None: row 0)
     *,
     sm_scale: float,
     **tuning,
@@ -420,12 +454,14 @@ def tree_attention_pallas(
     assert hq % hkv == 0, f"{hq=} must be a multiple of {hkv=}"
     return _launch(_query_rows(q, hkv), k_cache, v_cache, layer, seq_lens,
                    k_new.astype(k_cache.dtype), v_new.astype(v_cache.dtype), tree_mask,
-                   (b, n, hq, d), q.dtype, slots, sm_scale=sm_scale, packed=False, **tuning)
+                   (b, n, hq, d), q.dtype, slots, window_start, sm_scale=sm_scale, packed=False,
+                   **tuning)
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "sm_scale") + _TUNING)
 def tree_attention_packed_pallas(qkv, k_cache, v_cache, layer, seq_lens, tree_mask, slots=None,
-                                 *, num_heads: int, sm_scale: float, **tuning):
+                                 window_start=None, *, num_heads: int, sm_scale: float,
+                                 **tuning):
     """`tree_attention_packed` by the kernel, which reads q, k_new and v_new out of qkv itself:
     no slice or transpose kernel between the projection and the attention."""
     b, n, heads, d = qkv.shape
@@ -434,8 +470,8 @@ def tree_attention_packed_pallas(qkv, k_cache, v_cache, layer, seq_lens, tree_ma
         f"qkv holds {heads} heads; expected {num_heads} query + 2 x {hkv} KV heads")
     qkv = qkv.astype(k_cache.dtype)
     return _launch(qkv, k_cache, v_cache, layer, seq_lens, qkv, qkv, tree_mask,
-                   (b, n, num_heads, d), k_cache.dtype, slots, sm_scale=sm_scale, packed=True,
-                   **tuning)
+                   (b, n, num_heads, d), k_cache.dtype, slots, window_start, sm_scale=sm_scale,
+                   packed=True, **tuning)
 
 
 def _query_rows(q, num_kv_heads):
@@ -448,10 +484,11 @@ def _query_rows(q, num_kv_heads):
 
 
 def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_shape, dtype,
-            slots, *,
+            slots, window_start=None, *,
             sm_scale: float, packed: bool, block_r=None, block_k=None, block_n=None,
             num_splits=None, num_warps=None, num_stages=None, interpret=False, causal=False,
-            skip_before=False, live_rows=0, backend=None, mosaic_ring=None, mosaic_profile=""):
+            skip_before=False, live_rows=0, backend=None, mosaic_ring=None, mosaic_profile="",
+            softcap=None):
     """The attention kernel (and the combine when split) for queries of q_shape [B, N, Hq, D].
     causal: the caller's masks never let a query see a later new key (prompt chunks, packs):
     each row block stops at its last query's key block instead of visiting them all.
@@ -464,7 +501,9 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     to `_MOSAIC_TREE_KEYS` tokens), or None: `mosaic_serves` decides.
     mosaic_ring: (keys a block, ring slots) of the Mosaic kernel (None: its defaults).
     mosaic_profile: a directory for the Mosaic kernel's timelines (`prefix_partials_mgpu`'s
-    `profile`; device only)."""
+    `profile`; device only).
+    window_start [B, N]: each query's first cache row (a sliding window); softcap: scores
+    soft-capped. Either takes the Triton kernel (Mosaic's has neither)."""
     b, n, hq, d = q_shape
     hkv = k_cache.shape[2]
     t = k_cache.shape[3]
@@ -473,7 +512,10 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     rows = n * g
     live_len = min(t, live_rows) if live_rows else t
     cfg = default_config(b, n, hq, hkv, d, live_len)
-    mosaic = backend == "mosaic" or (backend is None and mosaic_serves(
+    plain = window_start is None and not softcap
+    if backend == "mosaic" and not plain:
+        raise ValueError("the Mosaic prefix kernel takes no sliding window or soft-cap")
+    mosaic = backend == "mosaic" or (backend is None and plain and mosaic_serves(
         rows, live_len, t, d, dtype, batch=b))
     if mosaic:
         ring = mosaic_ring or (pm.BLOCK_KV, pm.STEPS)
@@ -492,10 +534,12 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     kernel = functools.partial(
         _tree_attention_kernel, scale_log2=sm_scale * _LOG2E, num_kv_heads=hkv, group=g,
         num_new=n, block_r=block_r, block_k=block_k, block_n=block_n, packed=packed,
-        causal=causal, skip_before=skip_before, indirect=slots is not None)
+        causal=causal, skip_before=skip_before, indirect=slots is not None,
+        windowed=window_start is not None, softcap=(softcap or 0.0) * _LOG2E)
     slot_map = () if slots is None else (slots.astype(jnp.int32),)
-    operands = (layer, seq_lens.astype(jnp.int32), *slot_map, q_in, k_cache, v_cache, kn_in,
-                vn_in, tree_mask.astype(jnp.int8))
+    window = () if window_start is None else (window_start.astype(jnp.int32),)
+    operands = (layer, seq_lens.astype(jnp.int32), *slot_map, *window, q_in, k_cache, v_cache,
+                kn_in, vn_in, tree_mask.astype(jnp.int8))
     params = _CompilerParams(num_warps=num_warps, num_stages=num_stages)
     if mosaic:
         tree_split = pm.tree_split_pays(b, hkv, pm.padded_rows(rows), live_len, num_splits,
@@ -615,43 +659,52 @@ def _combine(partials, extra, q_shape, dtype, num_kv_heads, interpret):
 def kernel_supported(q, k_cache) -> bool:
     """Shapes the kernel is built and checked for; the reference covers the rest."""
     d = q.shape[-1]
-    return (on_gpu() and d in (64, 128)
+    return (on_gpu() and d in (64, 128, 256)
             and q.shape[2] % k_cache.shape[2] == 0 and q.shape[1] <= 4096
             and k_cache.dtype == q.dtype)
 
 
 def tree_attention(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask, *, sm_scale,
                    causal: bool = False, skip_before: bool = False, slots=None,
-                   live_rows: int = 0):
+                   live_rows: int = 0, window_start=None, softcap=None):
     """Dispatch: the Pallas kernel on GPU, the reference elsewhere; under a mesh with a model
     axis, per shard of the heads (`head_sharding`). causal: the masks never let a query see a
     later new key (the kernel skips those key blocks; the reference computes the same);
     skip_before: nor a key before the first one the previous query sees (packs). slots [B]:
     the cache slot of each query row (None: row b is slot b). live_rows: the longest prefix
-    while this runs (0: not known), which sizes the kernel's splits."""
+    while this runs (0: not known), which sizes the kernel's splits. window_start [B, N]: the
+    first cache row each query sees (a sliding window; tree_mask holds it for the new keys).
+    softcap: scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
+    kw = dict(sm_scale=sm_scale, causal=causal, skip_before=skip_before, live_rows=live_rows,
+              softcap=softcap)
     if model_axis_size() is not None and k_cache.shape[2] % model_axis_size() == 0:
         from jax.sharding import PartitionSpec as P
         h, r = MODEL_AXIS, P()
         kv, new = P(None, None, h, None, None), P(None, h, None, None)
-        fn = functools.partial(_tree_attention_local, sm_scale=sm_scale, causal=causal,
-                               skip_before=skip_before, live_rows=live_rows)
-        args = (q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask)
-        args += () if slots is None else (slots,)
-        specs = (P(None, None, h, None), kv, kv, r, r, new, new, r, r)[:len(args)]
+        extra = {k: x for k, x in (("slots", slots), ("window_start", window_start))
+                 if x is not None}
+
+        def fn(*a):
+            return _tree_attention_local(*a[:8], **dict(zip(extra, a[8:])), **kw)
+
+        args = (q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask, *extra.values())
+        specs = (P(None, None, h, None), kv, kv, r, r, new, new, r) + (r,) * len(extra)
         return per_head_shard(fn, specs, P(None, None, h, None))(*args)
     return _tree_attention_local(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask,
-                                 slots, sm_scale=sm_scale, causal=causal,
-                                 skip_before=skip_before, live_rows=live_rows)
+                                 slots, window_start, **kw)
 
 
 def _tree_attention_local(q, k_cache, v_cache, layer, seq_lens, k_new, v_new, tree_mask,
-                          slots=None, *, sm_scale, causal=False, skip_before=False, live_rows=0):
+                          slots=None, window_start=None, *, sm_scale, causal=False,
+                          skip_before=False, live_rows=0, softcap=None):
     if kernel_supported(q, k_cache):
         return tree_attention_pallas(q, k_cache, v_cache, layer, seq_lens, k_new, v_new,
-                                     tree_mask, slots, sm_scale=sm_scale, causal=causal,
-                                     skip_before=skip_before, live_rows=live_rows)
+                                     tree_mask, slots, window_start, sm_scale=sm_scale,
+                                     causal=causal, skip_before=skip_before, live_rows=live_rows,
+                                     softcap=softcap)
     return tree_attention_reference(q, k_cache, v_cache, layer, seq_lens, k_new, v_new,
-                                    tree_mask, sm_scale=sm_scale, slots=slots)
+                                    tree_mask, sm_scale=sm_scale, slots=slots,
+                                    window_start=window_start, softcap=softcap)
 
 
 def split_packed(qkv, num_heads: int, num_kv_heads: int):
@@ -664,20 +717,20 @@ def split_packed(qkv, num_heads: int, num_kv_heads: int):
 
 def tree_attention_packed(qkv, k_cache, v_cache, layer, seq_lens, tree_mask, *, num_heads,
                           sm_scale, causal: bool = False, skip_before: bool = False, slots=None,
-                          live_rows: int = 0):
+                          live_rows: int = 0, window_start=None, softcap=None):
     """`tree_attention` with q, k_new and v_new packed in one array, qkv [B, N, Hq + 2 Hkv, D]
     (query heads, then KV heads' keys, then their values), as a fused projection gives them.
     On the GPU the kernel reads them in place; elsewhere, or under a model mesh, they are split
     and `tree_attention` runs."""
+    kw = dict(sm_scale=sm_scale, causal=causal, skip_before=skip_before, live_rows=live_rows,
+              softcap=softcap)
     if model_axis_size() is None:
         kv_heads = k_cache.shape[2]
         probe = jax.ShapeDtypeStruct(qkv.shape[:2] + (num_heads, qkv.shape[-1]), qkv.dtype)
         if kernel_supported(probe, k_cache) and qkv.shape[2] == num_heads + 2 * kv_heads:
             return tree_attention_packed_pallas(qkv, k_cache, v_cache, layer, seq_lens,
-                                                tree_mask, slots, num_heads=num_heads,
-                                                sm_scale=sm_scale, causal=causal,
-                                                skip_before=skip_before, live_rows=live_rows)
+                                                tree_mask, slots, window_start,
+                                                num_heads=num_heads, **kw)
     q, k, v = split_packed(qkv, num_heads, k_cache.shape[2])
-    return tree_attention(q, k_cache, v_cache, layer, seq_lens, k, v, tree_mask,
-                          sm_scale=sm_scale, causal=causal, skip_before=skip_before,
-                          slots=slots, live_rows=live_rows)
+    return tree_attention(q, k_cache, v_cache, layer, seq_lens, k, v, tree_mask, slots=slots,
+                          window_start=window_start, **kw)

@@ -28,12 +28,13 @@ def _pack(q, kn, vn):
     return jnp.concatenate([q, kn.transpose(0, 2, 1, 3), vn.transpose(0, 2, 1, 3)], axis=2)
 
 
-def _kernel(entry, q, kc, vc, layer, sl, kn, vn, mask, slots=None, **tune):
+def _kernel(entry, q, kc, vc, layer, sl, kn, vn, mask, slots=None, window_start=None, **tune):
     """The Pallas kernel by its separate-input entry or its packed one (`_pack`)."""
     if entry == "packed":
         return ta.tree_attention_packed_pallas(_pack(q, kn, vn), kc, vc, layer, sl, mask, slots,
-                                               num_heads=q.shape[2], **tune)
-    return ta.tree_attention_pallas(q, kc, vc, layer, sl, kn, vn, mask, slots, **tune)
+                                               window_start, num_heads=q.shape[2], **tune)
+    return ta.tree_attention_pallas(q, kc, vc, layer, sl, kn, vn, mask, slots, window_start,
+                                    **tune)
 
 
 def _rel_err(out, ref):
@@ -294,3 +295,129 @@ def test_one_slot_long_prefix_fills_one_wave_of_two_programs_per_sm():
     assert ta.default_config(8, 1, 32, 8, 128, 8192)[2] == 16
     assert ta.default_config(1, 16, 32, 8, 128, 32768)[2] == 33
     assert ta.default_config(1, 1, 9, 3, 64, 8192)[2] == 22
+
+
+# ------------------------------------------------------------------ sliding windows, soft-caps
+
+
+def _dense_reference(q, kc, vc, layer, sl, kn, vn, mask, scale, window_start, softcap):
+    """Numpy attention with every rule spelt out per (slot, query, head): cache rows t with
+    window_start <= t < seq_len, new keys under the mask, scores soft-capped before masking."""
+    q, kc, vc, kn, vn = (np.asarray(x, np.float64) for x in (q, kc, vc, kn, vn))
+    b, n, hq, d = q.shape
+    hkv = kc.shape[2]
+    out = np.zeros(q.shape)
+    for s in range(b):
+        for i in range(n):
+            rows = np.arange(int(window_start[s, i]), int(sl[s]))
+            seen = np.flatnonzero(np.asarray(mask[s, i]))
+            for h in range(hq):
+                kh = h // (hq // hkv)
+                keys = np.concatenate([kc[layer, s, kh, rows], kn[s, kh, seen]])
+                vals = np.concatenate([vc[layer, s, kh, rows], vn[s, kh, seen]])
+                sc = keys @ q[s, i, h] * scale
+                sc = softcap * np.tanh(sc / softcap) if softcap else sc
+                p = np.exp(sc - sc.max())
+                out[s, i, h] = p @ vals / p.sum()
+    return out
+
+
+def _window_inputs(seed, b, n, hq, hkv, d, t, dtype, seq_lens, window):
+    """Inputs of a tree at positions seq_len + depth, depth = n % 4 (nodes of a 4-deep tree),
+    with each query's window start (positions > p - window) and the window in its mask."""
+    q, kc, vc, sl, kn, vn, mask = _inputs(seed, b, n, hq, hkv, d, t, 2, dtype, seq_lens)
+    pos = sl[:, None] + jnp.arange(n)[None] % 4
+    start = jnp.maximum(pos - window + 1, 0).astype(jnp.int32)
+    mask = mask & (pos[:, :, None] - pos[:, None, :] < window)
+    return q, kc, vc, sl, kn, vn, mask, start
+
+
+def test_reference_window_and_softcap_spelt_out():
+    q, kc, vc, sl, kn, vn, mask, start = _window_inputs(11, 2, 6, 4, 2, 16, 40, jnp.float32,
+                                                        [37, 9], window=5)
+    for softcap in (None, 1.5):
+        ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask,
+                                          sm_scale=0.25, window_start=start, softcap=softcap)
+        want = _dense_reference(q, kc, vc, 1, sl, kn, vn, mask, 0.25, np.asarray(start), softcap)
+        np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-5, atol=1e-5)
+    # the window and the cap both change the result
+    plain = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask, sm_scale=0.25)
+    assert _rel_err(plain, ref) > 1e-2
+    unwindowed = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask,
+                                             sm_scale=0.25, softcap=1.5)
+    assert _rel_err(unwindowed, ref) > 1e-2
+
+
+# b, n, hq, hkv, d, t, seq_lens, window: decoding (one key, the vector step) and trees; GQA
+# 2 and 4; head dims 64, 128 and 256; windows shorter than the tree, and than the prefix.
+WINDOW_CASES = [
+    (2, 1, 8, 2, 64, 96, [96, 20], 17),
+    (2, 7, 8, 2, 128, 80, [80, 3], 3),
+    (1, 12, 4, 1, 256, 48, [41], 9),
+]
+
+
+@pytest.mark.parametrize("entry", ["separate", "packed"])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"n{c[1]}d{c[4]}w{c[7]}")
+def test_kernel_window_and_softcap_match_reference(case, softcap, entry):
+    b, n, hq, hkv, d, t, seq_lens, window = case
+    q, kc, vc, sl, kn, vn, mask, start = _window_inputs(3, b, n, hq, hkv, d, t, jnp.float32,
+                                                       seq_lens, window)
+    scale = 1 / math.sqrt(d)
+    layer = jnp.int32(1)
+    ref = ta.tree_attention_reference(q, kc, vc, layer, sl, kn, vn, mask, sm_scale=scale,
+                                      window_start=start, softcap=softcap)
+
+    @jax.jit
+    def both(q, kc, vc, sl, kn, vn, mask, start):
+        return [_kernel(entry, q, kc, vc, layer, sl, kn, vn, mask, None, start, sm_scale=scale,
+                        block_k=16, num_splits=splits, interpret=True, softcap=softcap)
+                for splits in (1, 3)]
+
+    for out in both(q, kc, vc, sl, kn, vn, mask, start):
+        assert _rel_err(out, ref) < TOL[jnp.float32]
+
+
+def test_kernel_reads_no_block_before_every_window():
+    """A tile's prefix loop starts at the key block of its queries' earliest window start: rows
+    before that block (NaN here) are never loaded, and the result is the reference's."""
+    b, n, hq, hkv, d, t = 1, 4, 4, 2, 64, 64
+    q, kc, vc, sl, kn, vn, mask = _inputs(2, b, n, hq, hkv, d, t, 1, jnp.float32, [60])
+    start = jnp.asarray([[40, 41, 42, 43]], jnp.int32)
+    ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, sm_scale=0.125,
+                                      window_start=start)
+    before = (jnp.arange(t) < 32)[None, None, None, :, None]    # blocks of 16: 40 -> row 32
+    kc_p, vc_p = jnp.where(before, jnp.nan, kc), jnp.where(before, jnp.nan, vc)
+    for splits in (1, 2):
+        out = ta.tree_attention_pallas(q, kc_p, vc_p, jnp.int32(0), sl, kn, vn, mask, None,
+                                       start, sm_scale=0.125, block_k=16, num_splits=splits,
+                                       interpret=True)
+        assert np.isfinite(np.asarray(out)).all()
+        assert _rel_err(out, ref) < TOL[jnp.float32]
+
+
+def test_dispatch_passes_window_and_softcap_off_gpu():
+    q, kc, vc, sl, kn, vn, mask, start = _window_inputs(4, 2, 3, 8, 2, 64, 24, jnp.float32,
+                                                        [9, 20], window=6)
+    want = ta.tree_attention_reference(q, kc, vc, jnp.int32(0), sl, kn, vn, mask,
+                                       sm_scale=0.125, window_start=start, softcap=3.0)
+    out = ta.tree_attention_packed(_pack(q, kn, vn), kc, vc, jnp.int32(0), sl, mask,
+                                   num_heads=8, sm_scale=0.125, window_start=start, softcap=3.0)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
+def test_mosaic_takes_no_window_or_softcap():
+    q, kc, vc, sl, kn, vn, mask, start = _window_inputs(4, 1, 16, 8, 2, 64, 128, jnp.bfloat16,
+                                                        [100], window=6)
+    with pytest.raises(ValueError, match="Mosaic prefix kernel takes no sliding window"):
+        ta.tree_attention_pallas(q, kc, vc, jnp.int32(0), sl, kn, vn, mask, None, start,
+                                 sm_scale=0.125, backend="mosaic", interpret=True)
+
+
+def test_wide_heads_take_smaller_tiles():
+    """Heads of 256 (Gemma): row tiles of at most 64 rows over 32-key blocks, two stages."""
+    block_r, block_k, _, _, stages = ta.default_config(1, 16, 8, 1, 256, 4096)
+    assert (block_r, block_k, stages) == (64, 32, 2)
+    assert ta.default_config(1, 1, 4, 1, 256, 256)[1] == 32
+    assert ta.default_config(1, 16, 8, 1, 128, 4096)[:2] == (128, 64)

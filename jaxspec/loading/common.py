@@ -28,6 +28,22 @@ class TensorSource(Protocol):
         ...
 
 
+def norm_names(cfg: ModelConfig) -> Dict[str, str]:
+    """HF norm tensor name within a layer -> its params key. Llama's post_attention_layernorm
+    is the MLP's input norm; in Gemma's four-norm layers it normalises the attention's output,
+    and pre_feedforward_layernorm is the MLP's input norm."""
+    out = {"input_layernorm.weight": "attn_norm"}
+    if cfg.sandwich_norms:
+        out.update({"pre_feedforward_layernorm.weight": "mlp_norm",
+                    "post_attention_layernorm.weight": "post_attn_norm",
+                    "post_feedforward_layernorm.weight": "post_mlp_norm"})
+    else:
+        out["post_attention_layernorm.weight"] = "mlp_norm"
+    if cfg.qk_norm:
+        out.update({"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"})
+    return out
+
+
 def expected_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
     """HF tensor name -> shape ([out, in] for Linear weights) that `cfg` implies."""
     h, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -35,10 +51,12 @@ def expected_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (v, h)
+    norms = {n: ((cfg.head_dim,) if key in ("q_norm", "k_norm") else (h,))
+             for n, key in norm_names(cfg).items()}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        out.update({p + n: shape for n, shape in norms.items()})
         out.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (k, h),
             p + "self_attn.v_proj.weight": (k, h), p + "self_attn.o_proj.weight": (h, q),
             p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
@@ -76,22 +94,16 @@ def assemble(cfg: ModelConfig, src: TensorSource, dtype, origin: str) -> Dict[st
     near one copy of the model."""
     check_source(cfg, src, origin)
     dt = np.dtype(dtype)
-    h, f, l = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    qkv = cfg.q_size + 2 * cfg.kv_size
-    layers = {
-        "attn_norm": np.empty((l, h), dt), "wqkv": np.empty((l, h, qkv), dt),
-        "wo": np.empty((l, cfg.q_size, h), dt), "mlp_norm": np.empty((l, h), dt),
-        "w_gate_up": np.empty((l, h, 2 * f), dt), "w_down": np.empty((l, f, h), dt),
-    }
-    if cfg.attention_bias:
-        layers["bqkv"] = np.empty((l, qkv), dt)
+    layers = {k[len("layers."):]: np.empty(shape, dt)
+              for k, shape in param_shapes(cfg).items() if k.startswith("layers.")}
+    norms = norm_names(cfg)
 
     get = src.read
-    for i in range(l):
+    for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        layers["attn_norm"][i] = get(p + "input_layernorm.weight")
-        layers["mlp_norm"][i] = get(p + "post_attention_layernorm.weight")
+        for name, key in norms.items():
+            layers[key][i] = get(p + name)
         layers["wqkv"][i] = np.concatenate(
             [get(a + "q_proj.weight").T, get(a + "k_proj.weight").T, get(a + "v_proj.weight").T],
             axis=1)
@@ -115,9 +127,10 @@ def param_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
     h, f, l = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     qkv = cfg.q_size + 2 * cfg.kv_size
     out = {"embed": (cfg.vocab_size, h), "final_norm": (h,),
-           "layers.attn_norm": (l, h), "layers.wqkv": (l, h, qkv), "layers.wo": (l, cfg.q_size, h),
-           "layers.mlp_norm": (l, h), "layers.w_gate_up": (l, h, 2 * f),
-           "layers.w_down": (l, f, h)}
+           "layers.wqkv": (l, h, qkv), "layers.wo": (l, cfg.q_size, h),
+           "layers.w_gate_up": (l, h, 2 * f), "layers.w_down": (l, f, h)}
+    for key in norm_names(cfg).values():
+        out["layers." + key] = (l, cfg.head_dim) if key in ("q_norm", "k_norm") else (l, h)
     if cfg.attention_bias:
         out["layers.bqkv"] = (l, qkv)
     if not cfg.tie_word_embeddings:

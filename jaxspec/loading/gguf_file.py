@@ -2,6 +2,8 @@
 
 llama.cpp's converter permutes the rows of Q and K of "llama" models so that its RoPE can rotate
 adjacent pairs; the forward here (like HF) rotates halves, so the permutation is undone on load.
+For Gemma it stores every norm weight plus one (its RMSNorm multiplies by the weight, Gemma's by
+1 + weight); the one is taken off on load, so the params mean what an HF checkpoint's do.
 """
 from __future__ import annotations
 
@@ -33,18 +35,33 @@ _LAYER_NAMES = {
     "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Gemma's four norms a layer: "ffn_norm" is the MLP's input norm as in llama, which HF names
+# pre_feedforward_layernorm there (its post_attention_layernorm follows the attention).
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES, "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_GEMMA_ARCHS = ("gemma2", "gemma3")
 _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
 _BLK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def hf_name(gguf_name: str) -> Optional[str]:
+def layer_names(arch: str) -> Dict[str, str]:
+    """GGUF tensor name within a block -> HF name within a layer, for `general.architecture`."""
+    return _GEMMA_LAYER_NAMES if arch in _GEMMA_ARCHS else _LAYER_NAMES
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> Optional[str]:
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     m = _BLK.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    names = layer_names(arch)
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 
@@ -168,10 +185,12 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 class GGUFSource:
     def __init__(self, path: Path, reader, cfg: ModelConfig):
         self.path, self.cfg = path, cfg
-        self.permuted = reader.fields["general.architecture"].contents() == "llama"
+        self.arch = reader.fields["general.architecture"].contents()
+        self.permuted = self.arch == "llama"
+        self.norm_shift = self.arch in _GEMMA_ARCHS
         self._t = {}
         for t in reader.tensors:
-            n = hf_name(t.name)
+            n = hf_name(t.name, self.arch)
             if n is not None:
                 self._t[n] = t
         for t in self._t.values():
@@ -192,7 +211,7 @@ class GGUFSource:
         gg = {v: k for k, v in _TOP_NAMES.items()}.get(name)
         if gg is None:
             m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-            inv = {v: k for k, v in _LAYER_NAMES.items()}
+            inv = {v: k for k, v in layer_names(self.arch).items()}
             gg = f"blk.{m.group(1)}.{inv[m.group(2)]}" if m and m.group(2) in inv else name
         return repr(gg)
 
@@ -202,6 +221,8 @@ class GGUFSource:
             w = _unpermute(w, self.cfg.num_heads)
         elif self.permuted and ".self_attn.k_proj." in name:
             w = _unpermute(w, self.cfg.num_kv_heads)
+        elif self.norm_shift and name.endswith("norm.weight"):
+            w = w.astype(np.float32) - 1.0
         return w
 
 

@@ -1,13 +1,25 @@
-"""Llama-family target model (Llama 2/3, Mistral, Qwen2, SmolLM2) as pure functions.
+"""Decoder-only target models as pure functions: Llama 2/3 (SmolLM2), Mistral, Qwen2, Qwen3,
+Gemma 2 and Gemma 3 (text), one forward for all of them.
 
 Params pytree (stacked over layers so a `lax.scan` runs them and the jitted call has few leaves):
   embed       [V, H]
   layers      attn_norm [L, H], wqkv [L, H, Q + 2K], bqkv [L, Q + 2K] (Qwen2 only),
-              wo [L, Q, H], mlp_norm [L, H], w_gate_up [L, H, 2F], w_down [L, F, H]
+              wo [L, Q, H], mlp_norm [L, H], w_gate_up [L, H, 2F], w_down [L, F, H];
+              q_norm, k_norm [L, D] (Qwen3, Gemma 3: RMSNorm of each q and k head before RoPE);
+              post_attn_norm, post_mlp_norm [L, H] (Gemma: norms of the attention's and the
+              MLP's outputs before their residual adds)
   final_norm  [H]
   lm_head     [H, V] (absent when the embedding is tied)
 with Q = num_heads * head_dim, K = num_kv_heads * head_dim. q/k/v and gate/up are fused so a
-decode step launches fewer, larger matmuls (small models are launch-bound at batch 1).
+decode step launches fewer, larger matmuls (small models are launch-bound at batch 1). The
+optional layer params are applied where present, so an EAGLE head's layer (which has none) runs
+through the same functions. Family features without params come from the config
+(`ModelConfig`: norm weight offset, embedding scale, activation, query scale, sliding windows
+and their RoPE base, soft-capping); their defaults are Llama's and compile to nothing.
+
+Sliding-window layers (Mistral, Gemma) mask: a query at position p sees cache rows and new keys
+at positions > p - window (cache row t holds position t). The cache keeps every row of every
+layer (no ring buffer); the attention kernel skips the key blocks before a window.
 
 Blocked layout (tensor parallel, `jaxspec.parallel.tensor_parallel.shard_params`): wqkv
 [L, H, M, (Q + 2K) / M], bqkv [L, M, (Q + 2K) / M] and w_gate_up [L, H, M, 2F / M], where block m
@@ -28,51 +40,34 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxspec.config import ModelConfig, layout_of
+from jaxspec.models.rope import apply_rope, rope_inv_freq, rope_tables  # noqa: F401 (re-export)
 from pallas_kernels.tree_attention import split_packed, tree_attention, tree_attention_packed
 
 
-def rms_norm(x, w, eps):
+def rms_norm(x, w, eps, offset: float = 0.0):
+    """RMSNorm over the last axis in fp32, scaled by (offset + w) (Gemma's norms: offset 1)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+    wf = w.astype(jnp.float32)
+    return (xf * (wf + offset if offset else wf)).astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """[D/2] inverse frequencies, with llama3 / linear scaling applied (numpy, static)."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    rs = cfg.rope_scaling
-    if rs is None:
-        return inv.astype(np.float32)
-    if rs.kind == "linear":
-        return (inv / rs.factor).astype(np.float32)
-    # llama3: long wavelengths divided by factor, short kept, smooth blend between.
-    low_wl = rs.original_max_position_embeddings / rs.low_freq_factor
-    high_wl = rs.original_max_position_embeddings / rs.high_freq_factor
-    wl = 2 * np.pi / inv
-    smooth = (rs.original_max_position_embeddings / wl - rs.low_freq_factor) / (
-        rs.high_freq_factor - rs.low_freq_factor)
-    blended = (1 - smooth) * inv / rs.factor + smooth * inv
-    out = np.where(wl > low_wl, inv / rs.factor, np.where(wl < high_wl, inv, blended))
-    return out.astype(np.float32)
+def norm(cfg: ModelConfig, x, w):
+    """The model's RMSNorm of x with weight w (its eps and weight offset)."""
+    return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_weight_offset)
 
 
-def rope_tables(positions, inv_freq):
-    """positions [B, N] int32 -> (cos, sin) [B, N, 1, D/2] fp32. Computed once per forward and
-    shared by every layer: per layer, XLA launched a kernel each for them."""
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq          # [B, N, D/2]
-    return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
-
-
-def apply_rope(x, positions, inv_freq, tables=None):
-    """x [B, N, H, D] (HF rotate-half layout), positions [B, N] int32; tables: rope_tables'."""
-    cos, sin = rope_tables(positions, inv_freq) if tables is None else tables
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+def _qk_norm(cfg, lp, qk, heads_q: int, heads_k: int, blocks: int = 1):
+    """qk [..., M * (Hq/M + Hkv/M), D] (per block m its q heads, then its k heads) with q_norm
+    and k_norm applied per head, where the layer has them."""
+    if "q_norm" not in lp:
+        return qk
+    d = qk.shape[-1]
+    w = jnp.concatenate([jnp.broadcast_to(lp["q_norm"], (heads_q // blocks, d)),
+                         jnp.broadcast_to(lp["k_norm"], (heads_k // blocks, d))])
+    return norm(cfg, qk, jnp.tile(w, (blocks, 1)) if blocks > 1 else w)
 
 
 def qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm=False, tables=None):
@@ -85,7 +80,7 @@ def qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm=False, tables=None):
         return split_packed(qkv_packed(cfg, lp, x, positions, inv_freq, skip_norm, tables),
                             cfg.num_heads, cfg.num_kv_heads)
     b, n, _ = x.shape
-    h = x if skip_norm else rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    h = x if skip_norm else norm(cfg, x, lp["attn_norm"])
     qkv = _fused_matmul(h, lp["wqkv"])                                   # [B, N, M, C]
     if "bqkv" in lp:
         qkv = qkv + lp["bqkv"].reshape(qkv.shape[-2:])
@@ -93,7 +88,9 @@ def qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm=False, tables=None):
     hq, hkv, d = cfg.num_heads // m, cfg.num_kv_heads // m, cfg.head_dim
     # q and k heads of each block rotated together: one elementwise pass instead of two.
     qk, v = jnp.split(qkv, [(cfg.q_size + cfg.kv_size) // m], axis=-1)
-    qk = apply_rope(qk.reshape(b, n, m * (hq + hkv), d), positions, inv_freq, tables)
+    qk = _qk_norm(cfg, lp, qk.reshape(b, n, m * (hq + hkv), d), cfg.num_heads,
+                  cfg.num_kv_heads, m)
+    qk = apply_rope(qk, positions, inv_freq, tables)
     qk = qk.reshape(b, n, m, hq + hkv, d)
     q = qk[:, :, :, :hq].reshape(b, n, cfg.num_heads, d)
     k = qk[:, :, :, hq:].reshape(b, n, cfg.num_kv_heads, d).transpose(0, 2, 1, 3)
@@ -107,38 +104,43 @@ def qkv_packed(cfg, lp, x, positions, inv_freq, skip_norm=False, tables=None):
     where separate q, k and v took three (`tree_attention_packed`). skip_norm, tables: as in
     `qkv_proj`."""
     b, n, _ = x.shape
-    h = x if skip_norm else rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    h = x if skip_norm else norm(cfg, x, lp["attn_norm"])
     qkv = h @ lp["wqkv"]
     if "bqkv" in lp:
         qkv = qkv + lp["bqkv"]
     d = cfg.head_dim
     qk, v = jnp.split(qkv, [cfg.q_size + cfg.kv_size], axis=-1)
-    qk = apply_rope(qk.reshape(b, n, cfg.num_heads + cfg.num_kv_heads, d), positions, inv_freq,
-                    tables)
+    qk = _qk_norm(cfg, lp, qk.reshape(b, n, cfg.num_heads + cfg.num_kv_heads, d),
+                  cfg.num_heads, cfg.num_kv_heads)
+    qk = apply_rope(qk, positions, inv_freq, tables)
     return jnp.concatenate([qk, v.reshape(b, n, cfg.num_kv_heads, d)], axis=2)
 
 
 def attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer, seq_lens, new_mask,
-                    skip_norm=False, tables=None, slots=None):
+                    skip_norm=False, tables=None, slots=None, window_start=None):
     """Returns (attention output [B, N, H], k_new, v_new [B, Hkv, N, D]). slots [B]: the cache
-    slot of each row (None: row b is slot b)."""
+    slot of each row (None: row b is slot b). window_start [B, N]: the first cache row each
+    query sees (a sliding window's; None: row 0); new_mask then holds the window too."""
     b, n, _ = x.shape
-    scale = cfg.head_dim ** -0.5
+    lay = layout_of(cfg)
+    kw = dict(sm_scale=cfg.attn_scale, causal=lay.causal_chunks, skip_before=lay.packed_chunks,
+              slots=slots, live_rows=lay.live_rows)
+    if window_start is not None:
+        kw["window_start"] = window_start
+    if cfg.attn_logit_softcap is not None:
+        kw["softcap"] = cfg.attn_logit_softcap
     if lp["wqkv"].ndim == 2:
         qkv = qkv_packed(cfg, lp, x, positions, inv_freq, skip_norm, tables)
         o = tree_attention_packed(qkv, cache_k, cache_v, layer, seq_lens, new_mask,
-                                  num_heads=cfg.num_heads, sm_scale=scale,
-                                  causal=layout_of(cfg).causal_chunks,
-                                  skip_before=layout_of(cfg).packed_chunks,
-                                  slots=slots, live_rows=layout_of(cfg).live_rows)
+                                  num_heads=cfg.num_heads, **kw)
         _, k, v = split_packed(qkv, cfg.num_heads, cfg.num_kv_heads)
     else:   # blocked (tensor-parallel) weights
         q, k, v = qkv_proj(cfg, lp, x, positions, inv_freq, skip_norm, tables)
-        o = tree_attention(q, cache_k, cache_v, layer, seq_lens, k, v, new_mask, sm_scale=scale,
-                           causal=layout_of(cfg).causal_chunks,
-                           skip_before=layout_of(cfg).packed_chunks, slots=slots,
-                           live_rows=layout_of(cfg).live_rows)
-    return o.reshape(b, n, cfg.q_size) @ lp["wo"], k, v
+        o = tree_attention(q, cache_k, cache_v, layer, seq_lens, k, v, new_mask, **kw)
+    out = o.reshape(b, n, cfg.q_size) @ lp["wo"]
+    if "post_attn_norm" in lp:
+        out = norm(cfg, out, lp["post_attn_norm"])
+    return out, k, v
 
 
 def _fused_matmul(x, w):
@@ -149,10 +151,16 @@ def _fused_matmul(x, w):
 
 
 def mlp_block(cfg, lp, x):
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    """x [..., H] -> the gated MLP's output [..., H] (normed after, where the layer says)."""
+    h = norm(cfg, x, lp["mlp_norm"])
     g, u = jnp.split(_fused_matmul(h, lp["w_gate_up"]), 2, axis=-1)      # [..., M, F / M] each
-    act = jax.nn.silu(g) * u
-    return act.reshape(act.shape[:-2] + (-1,)) @ lp["w_down"]
+    gate = (jax.nn.gelu(g, approximate=True) if cfg.hidden_act == "gelu_tanh"
+            else jax.nn.silu(g))
+    act = gate * u
+    out = act.reshape(act.shape[:-2] + (-1,)) @ lp["w_down"]
+    if "post_mlp_norm" in lp:
+        out = norm(cfg, out, lp["post_mlp_norm"])
+    return out
 
 
 def forward(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, seq_lens, new_mask,
@@ -166,47 +174,93 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache_k, cache_v, seq_l
     """
     inv_freq = jnp.asarray(rope_inv_freq(cfg))
     tables = rope_tables(positions, inv_freq)
-    x = params["embed"][tokens]
+    sliding = cfg.window_layers
+    windowed = any(sliding)
+    if windowed:   # what a sliding layer attends with instead: computed once for all of them
+        local = dict(tables=tables, window_start=window_start(cfg, positions),
+                     mask=window_mask(cfg, positions, new_mask))
+        if cfg.rope_local_theta is not None:
+            local["tables"] = rope_tables(positions, jnp.asarray(rope_inv_freq(cfg, local=True)))
+        full = dict(tables=tables, window_start=jnp.zeros_like(positions), mask=new_mask)
+    x = embed(params, cfg, tokens)
 
     def layer_fn(x, inp):
-        lp, layer = inp
+        lp, layer, slide = inp   # slide: a Python bool, a traced one, or None (no windows)
+        kind = dict(tables=tables, window_start=None, mask=new_mask)
+        if slide is True:
+            kind = local
+        elif slide is not None and slide is not False:   # traced: this layer's kind
+            kind = jax.tree_util.tree_map(lambda a, b: jnp.where(slide, a, b), local, full)
         a, k, v = attention_block(cfg, lp, x, positions, inv_freq, cache_k, cache_v, layer,
-                                   seq_lens, new_mask, tables=tables, slots=slots)
+                                  seq_lens, kind["mask"], tables=kind["tables"], slots=slots,
+                                  window_start=kind["window_start"])
         x = x + a
         x = x + mlp_block(cfg, lp, x)
         return x, (k, v, x if capture_layers else None)
 
+    # Layers all of one kind run it as a constant; mixed ones (Gemma) pick per layer in a scan.
+    uniform = all(sliding) or not windowed
     if layout_of(cfg).unroll_layers or isinstance(params["layers"], (list, tuple)):
         ys = [None] * cfg.num_layers
         for i in range(cfg.num_layers):
             lp = layer_slice(params["layers"], i)
-            x, ys[i] = layer_fn(x, (lp, jnp.int32(i)))
+            x, ys[i] = layer_fn(x, (lp, jnp.int32(i), sliding[i] if windowed else None))
         k_new, v_new = jnp.stack([y[0] for y in ys]), jnp.stack([y[1] for y in ys])
         # only the chosen layers' outputs are stacked (an [L, B, N, H] stack is large at 8B)
         captured = jnp.stack([ys[i][2] for i in capture_layers]) if capture_layers else None
     else:
-        layers = (params["layers"], jnp.arange(cfg.num_layers, dtype=jnp.int32))
-        x, (k_new, v_new, outs) = jax.lax.scan(layer_fn, x, layers,
+        idx = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        if uniform:
+            slide = True if windowed else None
+            body = lambda x, inp: layer_fn(x, (*inp, slide))  # noqa: E731
+            layers = (params["layers"], idx)
+        else:
+            body, layers = layer_fn, (params["layers"], idx, jnp.asarray(sliding))
+        x, (k_new, v_new, outs) = jax.lax.scan(body, x, layers,
                                                unroll=min(layout_of(cfg).scan_unroll,
                                                           cfg.num_layers))
         captured = outs[jnp.asarray(capture_layers)] if capture_layers else None
     return x, k_new, v_new, captured
 
 
+def embed(params, cfg: ModelConfig, tokens):
+    """tokens [B, N] -> [B, N, H]: embedding rows, times the config's scale in their dtype
+    (Gemma's sqrt(H), rounded to the weights' dtype as HF does)."""
+    x = params["embed"][tokens]
+    if cfg.embed_scale != 1.0:
+        x = x * jnp.asarray(cfg.embed_scale, x.dtype)
+    return x
+
+
+def window_start(cfg: ModelConfig, positions):
+    """positions [B, N] -> [B, N] the first cache row each query sees through the sliding
+    window: keys at positions > p - window (HF's convention), row t holding position t."""
+    return jnp.maximum(positions - (cfg.sliding_window - 1), 0).astype(jnp.int32)
+
+
+def window_mask(cfg: ModelConfig, positions, new_mask):
+    """new_mask [B, N, N] restricted to new keys inside each query's sliding window."""
+    dist = positions[:, :, None] - positions[:, None, :]
+    return new_mask & (dist < cfg.sliding_window)
+
+
 def final_norm(params, cfg: ModelConfig, hidden):
     """hidden [..., H] from `forward` -> the normed state the lm_head reads (EAGLE-1's feature)."""
-    return rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
+    return norm(cfg, hidden, params["final_norm"])
 
 
-def project_logits(params, normed):
-    """normed [..., H] -> fp32 logits [..., V] (the lm_head alone, as EAGLE-1 drafts use it)."""
+def project_logits(params, normed, cfg: ModelConfig = None):
+    """normed [..., H] -> fp32 logits [..., V] (the lm_head alone, as EAGLE-1 drafts use it);
+    with cfg, soft-capped where the model is (`final_logit_softcap`)."""
     w = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return jnp.dot(normed, w.astype(normed.dtype), preferred_element_type=jnp.float32)
+    logits = jnp.dot(normed, w.astype(normed.dtype), preferred_element_type=jnp.float32)
+    cap = None if cfg is None else cfg.final_logit_softcap
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def lm_head(params, cfg: ModelConfig, hidden):
     """hidden [..., H] (before the final norm) -> fp32 logits [..., V]."""
-    return project_logits(params, final_norm(params, cfg, hidden))
+    return project_logits(params, final_norm(params, cfg, hidden), cfg)
 
 
 def causal_mask(batch: int, n: int, n_valid=None):
@@ -233,6 +287,12 @@ def init_random_params(cfg: ModelConfig, key, dtype=jnp.float32, scale=0.02):
     }
     if cfg.attention_bias:
         layers["bqkv"] = rnd((l, qkv))
+    if cfg.qk_norm:
+        layers["q_norm"] = (1.0 + rnd((l, cfg.head_dim))).astype(dtype)
+        layers["k_norm"] = (1.0 + rnd((l, cfg.head_dim))).astype(dtype)
+    if cfg.sandwich_norms:
+        layers["post_attn_norm"] = (1.0 + rnd((l, h))).astype(dtype)
+        layers["post_mlp_norm"] = (1.0 + rnd((l, h))).astype(dtype)
     params = {"embed": rnd((cfg.vocab_size, h)), "layers": layers,
               "final_norm": (1.0 + rnd((h,))).astype(dtype)}
     if not cfg.tie_word_embeddings:

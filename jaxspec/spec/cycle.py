@@ -117,7 +117,7 @@ def cycle(params, draft_params, state: SpecState, active, *, cfg: ModelConfig, s
         lens, tree.mask, draft_lib.capture_layers(draft_params))
     normed = llama.final_norm(params, cfg, hidden)                          # [B, N, H]
     feats = draft_lib.target_features(draft_params, normed, captured)       # [B, N, H or 3H]
-    logits = llama.project_logits(params, normed)                           # [B, N, V]
+    logits = llama.project_logits(params, normed, cfg)                      # [B, N, V]
     # Row i sees the committed counts plus the tokens on its own path (no [B, N, V] counts).
     logits = _penalized(logits, sp, lambda: apply_tree_penalties(logits, sp, hist,
                                                                  *path_tokens(tree, s)))
