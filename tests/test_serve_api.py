@@ -143,6 +143,42 @@ def test_models_health_and_metrics(tiny_llm):
         assert metric(url, "jaxspec_spec_decode_cycles_total") == 0     # plain decoding
 
 
+def test_several_prompts_are_several_choices(tiny_llm):
+    prompts = ["Hello there", "A much longer prompt than the first one"]
+    refs = tiny_llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    with served(build_app(tiny_llm, served_model_name=NAME)) as url:
+        body = {"model": NAME, "prompt": prompts, "max_tokens": 20, "temperature": 0,
+                "ignore_eos": True}
+        r = _post(url, "/v1/completions", body).json()
+        assert [c["text"] for c in r["choices"]] == [ref.text for ref in refs]
+        assert [c["index"] for c in r["choices"]] == [0, 1]
+        assert r["usage"]["completion_tokens"] == 40
+        texts = ["", ""]
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                          timeout=60) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        texts[c["index"]] += c["text"]
+        assert texts == [ref.text for ref in refs]
+
+
+def test_an_engine_failure_fails_its_requests_and_health(tiny_llm, monkeypatch):
+    def fail(*a, **k):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(tiny_llm.engine, "step", fail)
+    try:
+        with served(build_app(tiny_llm, served_model_name=NAME)) as url:
+            r = _post(url, "/v1/completions", {"model": NAME, "prompt": "hi"})
+            assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
+            assert httpx.get(url + "/health").status_code == 503
+            r = _post(url, "/v1/completions", {"model": NAME, "prompt": "hi"})
+            assert r.status_code == 503 and "device lost" in r.json()["error"]["message"]
+    finally:
+        tiny_llm.engine.drop(list(tiny_llm.engine.requests))    # what the failure left
+
+
 def test_full_queue_answers_503_with_retry_after_and_leaving_clients_free_slots(tiny_llm):
     with served(build_app(tiny_llm, served_model_name=NAME, max_queue=1)) as url:
         body = {"model": NAME, "prompt": "hi", "stream": True, **LONG}
