@@ -37,7 +37,7 @@ LEGEND = (
 def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--prompts", type=int, default=2, metavar="N",
                    help=f"how many of the demo's {len(PROMPTS)} prompts to answer (default 2)")
-    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, metavar="N",
                    help=f"tokens per reply at most (default {MAX_TOKENS})")
 
 

@@ -77,6 +77,21 @@ def test_argument_errors_are_one_line_before_any_model_loads(argv, match, capsys
     assert no_loading == []
 
 
+def test_every_sampling_option_reaches_the_sampling_params(no_loading, capsys):
+    argv = ["generate", "hi", "--max-tokens", "7", "--temperature", "0.7", "--top-p", "0.9",
+            "--top-k", "5", "--min-p", "0.1", "--seed", "4", "--repetition-penalty", "1.2",
+            "--frequency-penalty", "0.5", "--presence-penalty", "-0.3", "--stop", "x",
+            "--stop", "yz", "--ignore-eos"]
+    assert cli.main(argv) == 2      # the load, refused here, comes after every check
+    _one_error_line(capsys, "jaxspec generate: error: RuntimeError: a model load")
+    assert no_loading[0].sampling == SamplingParams(
+        max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=4,
+        repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=-0.3,
+        stop=("x", "yz"), ignore_eos=True)
+    assert cli.main(["chat"]) == 2
+    assert no_loading[1].sampling == SamplingParams(max_tokens=cli_chat.MAX_TOKENS)
+
+
 def test_a_process_of_its_own_reports_one_line_and_loads_nothing(tmp_path):
     """`jaxspec.cli.main` (the `jaxspec` entry point) in a process of its own: exit code 2, one
     line, and the params cache (where a load writes the converted weights) untouched."""
