@@ -8,6 +8,9 @@ from jaxspec import envs
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                    "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Multimodal checkpoints whose language model runs as the text-only architecture (its
+# `text_config`; the loader leaves the other towers out).
+TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 # HF `hidden_act` / `hidden_activation` names -> the MLP gate's activation.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
                "gelu_tanh": "gelu_tanh"}
@@ -154,9 +157,12 @@ class ModelConfig:
         """From a parsed HF `config.json`."""
         archs = d.get("architectures") or [d.get("model_type", "?")]
         arch = archs[0]
+        if arch in TEXT_OF_MULTIMODAL:
+            d, arch = _text_config(d, arch), TEXT_OF_MULTIMODAL[arch]
         if arch not in SUPPORTED_ARCHS:
             raise ConfigError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+                f"unsupported architecture {arch!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHS + tuple(TEXT_OF_MULTIMODAL))}")
         try:
             n_heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
@@ -186,6 +192,22 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks required field {e.args[0]!r}") from None
+
+
+def _text_config(d: Mapping[str, Any], arch: str) -> dict:
+    """A multimodal config's `text_config` with transformers' defaults filled in (released
+    Gemma 3 configs give only what differs from them), the token ids and tying of the whole
+    model where it states them."""
+    import transformers
+
+    if not isinstance(d.get("text_config"), Mapping):
+        raise ConfigError(f"{arch} config.json lacks its text_config")
+    cls = {"Gemma3ForConditionalGeneration": transformers.Gemma3TextConfig}[arch]
+    out = cls.from_dict(dict(d["text_config"])).to_dict()
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if d.get(key) is not None:
+            out[key] = d[key]
+    return out
 
 
 def _hf_rope_parameters(d: Mapping[str, Any]):

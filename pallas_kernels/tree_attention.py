@@ -69,6 +69,8 @@ _MOSAIC_TREE_KEYS = 64
 # Heads wider than 128 (Gemma's 256): row tiles of at most 64 rows over 32-key blocks in two
 # stages, so that the fp32 accumulator stays in registers and the K/V ring in shared memory.
 _WIDE_HEAD_TILE = (64, 32)
+# fp32 caches: row tiles of at most this many rows by head dim (`_launch`).
+_FP32_WIDE_ROWS = {128: 64, 256: 32}
 
 
 from pallas_kernels._compat import MASK_VALUE  # noqa: F401  (ta.MASK_VALUE for callers)
@@ -512,6 +514,10 @@ def _launch(q_in, k_cache, v_cache, layer, seq_lens, kn_in, vn_in, tree_mask, q_
     rows = n * g
     live_len = min(t, live_rows) if live_rows else t
     cfg = default_config(b, n, hq, hkv, d, live_len)
+    if jnp.dtype(k_cache.dtype).itemsize > 2 and d >= 128:
+        # 4-byte tiles (fp32 caches): fewer rows and two stages keep q and the K/V ring inside
+        # shared memory, which the 16-bit tiles of these head dims fill.
+        cfg = (min(cfg[0], _FP32_WIDE_ROWS[d]), cfg[1], cfg[2], cfg[3], 2)
     plain = window_start is None and not softcap
     if backend == "mosaic" and not plain:
         raise ValueError("the Mosaic prefix kernel takes no sliding window or soft-cap")

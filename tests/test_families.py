@@ -373,8 +373,8 @@ def _hf_config(kind, **over):
 
 @pytest.mark.parametrize("config, message", [
     (dict(architectures=["Qwen3MoeForCausalLM"]), "unsupported architecture 'Qwen3MoeForCausalLM'"),
-    (dict(architectures=["Gemma3ForConditionalGeneration"]),
-     "unsupported architecture 'Gemma3ForConditionalGeneration'"),
+    (dict(architectures=["LlavaForConditionalGeneration"]),
+     "unsupported architecture 'LlavaForConditionalGeneration'"),
     (dict(architectures=["PhiForCausalLM"]), "supported: LlamaForCausalLM, MistralForCausalLM"),
     (dict(layer_types=["sliding_attention"] * 5 + ["chunked_attention"]),
      r"unsupported layer type\(s\) \['chunked_attention'\]"),
@@ -416,3 +416,42 @@ def test_older_gemma3_config_reads_as_the_saved_one(family):
     old.update(rope_theta=1e6, rope_local_base_freq=10000.0, sliding_window_pattern=6,
                rope_scaling={"rope_type": "linear", "factor": 2.0})
     assert ModelConfig.from_hf(old) == cfg
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: its language model (tensors
+    under language_model.model.*) loads as a Gemma3ForCausalLM and its text logits are
+    transformers'; the vision tower and projector are left out. A text_config that gives only
+    what differs from transformers' defaults (as released) reads the same."""
+    import transformers
+
+    _, kw = FAMILIES["gemma3"]
+    # no final soft-cap: released Gemma 3 configs have none, and transformers' multimodal class
+    # would not apply one
+    text = transformers.Gemma3TextConfig(**dict(kw, num_hidden_layers=2, sliding_window_pattern=2,
+                                                final_logit_softcapping=None))
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    torch.manual_seed(5)
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=255,
+        boi_token_index=253, eoi_token_index=254, eos_token_id=[2, 106]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 1.0 if "embed" in name else 0.1 if "norm" in name else 0.2)
+    model.eval()
+    model.save_pretrained(tmp_path / "mm")
+    cfg, params = load_params(tmp_path / "mm", dtype=jnp.float32, use_cache=False)
+    assert cfg.arch == "Gemma3ForCausalLM" and cfg.window_layers == (True, False)
+    assert cfg.eos_token_ids == (2, 106) and cfg.sliding_window == 8
+    assert not any("vision" in k for k in common.flatten(params))
+    for ids in PROMPTS:
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([ids])).logits[0].numpy()
+        assert_close(our_logits(cfg, params, ids), ref)
+    d = json.loads((tmp_path / "mm" / "config.json").read_text())
+    defaults = transformers.Gemma3TextConfig().to_dict()
+    d["text_config"] = {k: v for k, v in d["text_config"].items() if v != defaults.get(k)}
+    assert "head_dim" not in d["text_config"]   # 256 is the default
+    assert ModelConfig.from_hf(d) == cfg

@@ -92,13 +92,24 @@ class SafetensorsFile:
         return np.frombuffer(raw, dtype=_ST_DTYPES[dt_name]).reshape(shape)
 
 
+# A multimodal checkpoint's language model under the names of a text-only one (Gemma 3 4B+:
+# Gemma3ForConditionalGeneration, saved as language_model.model.* by transformers 4 and 5, or
+# model.language_model.*); its other towers are left out.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                 "model.multi_modal_projector.")
+
+
 class HFSource:
-    """Tensors of an HF directory under their HF names (with the `model.` prefix)."""
+    """Tensors of an HF directory under their HF names (with the `model.` prefix; a multimodal
+    checkpoint's language model as a text-only model's)."""
 
     def __init__(self, model_dir: Path):
         self.dir = model_dir
         self.files = weight_files(model_dir)
         self._where: Dict[str, object] = {}
+        self._keys: Dict[str, str] = {}
         self._shapes: Dict[str, Tuple[int, ...]] = {}
         if self.files[0].suffix == ".safetensors":
             for f in self.files:
@@ -111,11 +122,18 @@ class HFSource:
                 for name, arr in sd.items():
                     self._add(name, arr, arr.shape)
 
-    def _add(self, name, where, shape):
+    def _add(self, key, where, shape):
+        if key.startswith(_OTHER_TOWERS):
+            return
+        name = key
+        for prefix, text in _TEXT_PREFIXES:
+            if name.startswith(prefix):
+                name = text + name[len(prefix):]
         # Checkpoints saved from the bare decoder lack the "model." prefix.
         if not name.startswith(("model.", "lm_head.")):
             name = "model." + name
         self._where[name] = where
+        self._keys[name] = key
         self._shapes[name] = tuple(shape)
 
     def names(self):
@@ -125,15 +143,11 @@ class HFSource:
         return self._shapes[name]
 
     def describe(self, name):
-        return repr(name)
+        return repr(self._keys.get(name, name))
 
     def read(self, name):
         w = self._where[name]
-        if isinstance(w, SafetensorsFile):
-            for key in (name, name[len("model."):]):
-                if key in w.entries:
-                    return w.read(key)
-        return w
+        return w.read(self._keys[name]) if isinstance(w, SafetensorsFile) else w
 
 
 def weight_files(model_dir: Path) -> List[Path]:
