@@ -754,7 +754,9 @@ def run_serve_url(args, result):
     chats = [prompts[i % len(prompts)]["chat"] for i in range(n)]
     rate = math.inf if args.request_rate is None else args.request_rate
     model = args.served_model or url_serving.served_model(args.url)
-    result["model_label"] = f"{model} at {args.url}"
+    # the server's model, dtype and device are its own: none of this machine's
+    result.update(model_label=f"{model} at {args.url}", model=model, dtype=None,
+                  matmul_precision=None, url=args.url)
     bar = tqdm(total=n, desc="requests", disable=args.quiet)
     row = url_serving.run(args.url, chats, endpoint=args.endpoint, model=model,
                           max_tokens=args.max_tokens, temperature=args.temperature,

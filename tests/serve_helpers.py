@@ -82,14 +82,15 @@ def wait_idle(url: str, llm, timeout: float = 30.0):
     assert not e.finished_requests and not e.scheduler.runs
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_chat_dir(tmp_path_factory, smollm2_gguf):
     return write_tiny_chat_model(tmp_path_factory.mktemp("serve") / "tiny-chat", smollm2_gguf)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_llm(tiny_chat_dir):
-    """One tiny LLM for the server test files (its programs compiled once): 8 slots."""
+    """The tiny LLM a server test file serves (8 slots); each file that imports the fixture
+    has its own."""
     from jaxspec import LLM
 
     return LLM(str(tiny_chat_dir), max_batch=8, max_model_len=256)

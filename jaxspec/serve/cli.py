@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     """Loads the model, warms up (unless --no-warmup) and serves until SIGINT or SIGTERM; then
     requests in flight finish (up to --shutdown-timeout) and it returns 0."""
     from jaxspec.config import ConfigError
+    from jaxspec.loading.common import WeightsError
     from jaxspec.serve.app import build_app
     from jaxspec.serve.server import serve_forever
 
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     log = logging.getLogger("jaxspec.serve")
     try:
         llm = build_llm(args)
-    except ConfigError as e:
+    except (ConfigError, WeightsError, OSError, ValueError) as e:   # what the user gave
         print(f"jaxspec serve: error: {e}", file=sys.stderr)
         return 2
     name = served_name(args)
