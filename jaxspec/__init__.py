@@ -2,13 +2,18 @@
 from jaxspec.config import ConfigError, ModelConfig
 from jaxspec.sampling import SamplingParams
 
+# name -> module; imported on first use so `import jaxspec` stays light (LLM pulls in loaders)
+_LAZY = {"LLM": "jaxspec.llm", "RequestOutput": "jaxspec.llm",
+         "EngineConfig": "jaxspec.engine.config", "SpecConfig": "jaxspec.spec.config",
+         "DraftConfig": "jaxspec.spec.config"}
+
 
 def __getattr__(name):
-    # LLM pulls in the loaders; import it lazily so `import jaxspec` stays light.
-    if name in ("LLM", "RequestOutput"):
-        from jaxspec import llm
-        return getattr(llm, name)
-    raise AttributeError(name)
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'jaxspec' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "ModelConfig", "ConfigError"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "EngineConfig", "SpecConfig", "DraftConfig",
+           "ModelConfig", "ConfigError"]

@@ -265,3 +265,16 @@ def test_smollm2_end_of_turn_left_out_and_the_shipped_head_directory_loads(smoll
     assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
     raw = spec_llm.chat(chat, SamplingParams(max_tokens=48, skip_special_tokens=False))[0]
     assert raw.token_ids == out.token_ids and raw.text == out.text + "<|im_end|>"
+
+
+def test_the_package_exports_its_config_classes():
+    """What the README and error messages name as `jaxspec.X` is importable from `jaxspec`."""
+    import jaxspec
+    from jaxspec.engine.config import EngineConfig
+    from jaxspec.spec.config import DraftConfig, SpecConfig
+    assert (jaxspec.EngineConfig, jaxspec.DraftConfig, jaxspec.SpecConfig) == (
+        EngineConfig, DraftConfig, SpecConfig)
+    assert set(jaxspec.__all__) >= {"LLM", "SamplingParams", "EngineConfig", "DraftConfig",
+                                    "SpecConfig", "RequestOutput"}
+    with pytest.raises(AttributeError, match="no attribute 'Engine'"):
+        jaxspec.Engine
