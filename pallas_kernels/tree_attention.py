@@ -106,11 +106,13 @@ def tree_attention_reference(
         vc = jnp.take(vc, slots, axis=0, mode="clip")
     qg = q.reshape(b, n, hkv, g, d).astype(jnp.float32) * sm_scale
     s_pre = _capped(jnp.einsum("bnhgd,bhtd->bhgnt", qg, kc.astype(jnp.float32)), softcap)
-    rows = jnp.arange(t)[None, None, :]
-    live = rows < seq_lens[:, None, None]                                 # [B, 1, T]
-    if window_start is not None:                                          # -> [B, N, T]
-        live = live & (rows >= window_start[:, :, None])
-    s_pre = jnp.where(live[:, None, None, :, :], s_pre, MASK_VALUE)
+    if window_start is None:
+        live = jnp.arange(t)[None, :] < seq_lens[:, None]                 # [B, T]
+        s_pre = jnp.where(live[:, None, None, None, :], s_pre, MASK_VALUE)
+    else:
+        rows = jnp.arange(t)[None, None, :]
+        live = (rows < seq_lens[:, None, None]) & (rows >= window_start[:, :, None])  # [B, N, T]
+        s_pre = jnp.where(live[:, None, None, :, :], s_pre, MASK_VALUE)
     s_new = _capped(jnp.einsum("bnhgd,bhmd->bhgnm", qg, k_new.astype(jnp.float32)), softcap)
     s_new = jnp.where(tree_mask[:, None, None, :, :], s_new, MASK_VALUE)
     s = jnp.concatenate([s_pre, s_new], axis=-1)
@@ -208,14 +210,16 @@ def _tree_attention_kernel(
     r = rb * block_r + jnp.arange(block_r)
     row_live = r < num_rows
     rows = pl.ds(rb * block_r, block_r)
-    first = jnp.int32(0)   # the first live prefix row, a key block's first
+    # This split's share of the live prefix, a whole number of key blocks.
     if windowed:   # row r's window starts at its query's row; the tile's earliest bounds the loop
         lo = _load(window_ref.at[b, jnp.minimum(r // group, num_new - 1)])
         first = jnp.clip(jnp.min(jnp.where(row_live, lo, t_max)), 0, seq_len)
-        first = (first // block_k) * block_k
-    # This split's share of the live prefix, a whole number of key blocks.
-    chunk = pl.cdiv(pl.cdiv(seq_len - first, num_splits), block_k) * block_k
-    start = first + split * chunk
+        first = (first // block_k) * block_k     # the first live prefix row, a block's first
+        chunk = pl.cdiv(pl.cdiv(seq_len - first, num_splits), block_k) * block_k
+        start = first + split * chunk
+    else:
+        chunk = pl.cdiv(pl.cdiv(seq_len, num_splits), block_k) * block_k
+        start = split * chunk
     end = jnp.minimum(start + chunk, seq_len)
     num_blocks = pl.cdiv(jnp.maximum(end - start, 0), block_k)
     head_dim = k_ref.shape[-1]

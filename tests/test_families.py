@@ -455,3 +455,70 @@ def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path):
     d["text_config"] = {k: v for k, v in d["text_config"].items() if v != defaults.get(k)}
     assert "head_dim" not in d["text_config"]   # 256 is the default
     assert ModelConfig.from_hf(d) == cfg
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_blocked_layout_forward_equals_flat(m):
+    """Tensor parallel's blocked weights (each block its heads' q, k and v) with q/k norms,
+    windows and Gemma's norms: the forward on one device computes what the flat layout does."""
+    from jaxspec.parallel.tensor_parallel import _blocked_layer
+
+    cfg, params, _ = _agreeing_gemma3(window=3)
+    cfg = dataclasses.replace(cfg, num_heads=8, num_kv_heads=4, head_dim=16)
+    params = llama.init_random_params(cfg, jax.random.PRNGKey(3), scale=0.3)
+    blocked = dict(params, layers=_blocked_layer(params["layers"], cfg, m))
+    ids = jnp.asarray([PROMPTS[1][:12]], jnp.int32)
+    pos = jnp.arange(12, dtype=jnp.int32)[None]
+    cache = init_cache(cfg, 1, 8, jnp.float32)
+
+    def run(p):
+        h, kn, _, _ = llama.forward(p, cfg, ids, pos, cache.k, cache.v, cache.lens,
+                                    llama.causal_mask(1, 12))
+        return llama.lm_head(p, cfg, h), kn
+
+    (a, ka), (b, kb) = run(params), run(blocked)
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(kb, ka, rtol=1e-5, atol=1e-5)
+
+
+def _gguf_meta(arch, **keys):
+    meta = {"general.architecture": arch, f"{arch}.embedding_length": 64,
+            f"{arch}.attention.head_count": 4, f"{arch}.feed_forward_length": 128,
+            f"{arch}.block_count": 6, f"{arch}.attention.key_length": 32}
+    meta.update({f"{arch}.{k}": v for k, v in keys.items()})
+    return meta
+
+
+def test_gguf_gemma_rules_as_llama_cpp_loads_them():
+    """What a Gemma GGUF leaves out, filled in as llama.cpp does: Gemma 3 slides five layers of
+    six where a window is stored (none without), RoPE base 10000 there, no soft-cap; Gemma 2
+    slides every other layer (4096 unless stored) and caps at 50 / 30; the query scale is
+    head_dim's, but (hidden / heads)'s at the 27B layer counts; a stored pattern wins."""
+    from jaxspec.config import model_config_from_gguf as read
+
+    g3 = read(_gguf_meta("gemma3", **{"attention.sliding_window": 512}), vocab_size=9,
+              tie_word_embeddings=True)
+    assert g3.window_layers == (True,) * 5 + (False,) and g3.sliding_window == 512
+    assert (g3.rope_local_theta, g3.rope_theta, g3.final_logit_softcap) == (10000.0, 1e6, None)
+    assert g3.query_pre_attn_scalar == 32 and g3.qk_norm and g3.embed_scale == 8.0
+    assert read(_gguf_meta("gemma3"), vocab_size=9,
+                tie_word_embeddings=True).window_layers == (False,) * 6
+    g2 = read(_gguf_meta("gemma2"), vocab_size=9, tie_word_embeddings=True)
+    assert g2.window_layers == (True, False) * 3 and g2.sliding_window == 4096
+    assert (g2.attn_logit_softcap, g2.final_logit_softcap) == (50.0, 30.0) and not g2.qk_norm
+    big = read(_gguf_meta("gemma3", block_count=62, **{"attention.sliding_window": 1024}),
+               vocab_size=9, tie_word_embeddings=True)
+    assert big.query_pre_attn_scalar == 64 / 4
+    stored = read(_gguf_meta("gemma3", **{"attention.sliding_window": 8,
+                                          "attention.sliding_window_pattern": 2}),
+                  vocab_size=9, tie_word_embeddings=True)
+    assert stored.window_layers == (True, False) * 3
+    flags = [True, True, False, True, True, False]
+    per_layer = read(_gguf_meta("gemma3", **{"attention.sliding_window": 8,
+                                             "attention.sliding_window_pattern": flags}),
+                     vocab_size=9, tie_word_embeddings=True)
+    assert per_layer.window_layers == tuple(flags)
+    with pytest.raises(ConfigError, match="sliding_window_pattern has 2 entries for 6 layers"):
+        read(_gguf_meta("gemma3", **{"attention.sliding_window": 8,
+                                     "attention.sliding_window_pattern": [True, False]}),
+             vocab_size=9, tie_word_embeddings=True)

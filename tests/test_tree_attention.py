@@ -421,3 +421,31 @@ def test_wide_heads_take_smaller_tiles():
     assert (block_r, block_k, stages) == (64, 32, 2)
     assert ta.default_config(1, 1, 4, 1, 256, 256)[1] == 32
     assert ta.default_config(1, 16, 8, 1, 128, 4096)[:2] == (128, 64)
+
+
+@pytest.mark.skipif(not ta.on_gpu(), reason="the compiled kernel needs a GPU")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", [
+    (4, 1, 8, 1, 256, 4096, [4096, 100, 3000, 1], 512),
+    (2, 12, 8, 2, 128, 2048, [2000, 700], 256),
+    (1, 64, 8, 4, 256, 1024, [900], 100),
+    (1, 256, 4, 1, 256, 512, [0], 64),
+    (8, 1, 16, 8, 256, 8192, [8192] * 8, None),
+], ids=lambda c: f"b{c[0]}n{c[1]}d{c[4]}w{c[7]}")
+def test_compiled_kernel_windows_softcaps_and_wide_heads(case, dtype):
+    """On the GPU, the compiled kernel (its default tiles, heads of 256 included) through the
+    dispatch, with a window and a soft-cap, against the reference."""
+    b, n, hq, hkv, d, t, seq_lens, window = case
+    q, kc, vc, sl, kn, vn, mask, start = _window_inputs(0, b, n, hq, hkv, d, t, dtype,
+                                                       seq_lens, window or t + n)
+    start = start if window else None
+    for softcap in (None, 20.0):
+        with jax.default_matmul_precision("highest"):   # no TF32 in the fp32 reference
+            ref = ta.tree_attention_reference(q, kc, vc, jnp.int32(1), sl, kn, vn, mask,
+                                              sm_scale=d ** -0.5, window_start=start,
+                                              softcap=softcap)
+        out = ta.tree_attention_packed(_pack(q, kn, vn), kc, vc, jnp.int32(1), sl, mask,
+                                       num_heads=hq, sm_scale=d ** -0.5, window_start=start,
+                                       softcap=softcap)
+        assert np.isfinite(np.asarray(out, np.float32)).all()
+        assert _rel_err(out, ref) < (1e-4 if dtype == jnp.float32 else 2e-2)
