@@ -522,3 +522,31 @@ def test_gguf_gemma_rules_as_llama_cpp_loads_them():
         read(_gguf_meta("gemma3", **{"attention.sliding_window": 8,
                                      "attention.sliding_window_pattern": [True, False]}),
              vocab_size=9, tie_word_embeddings=True)
+
+
+def test_llm_serves_a_gemma3_directory(family, tmp_path):
+    """The engine (admission by chunks and packs, the cycle, the stop path) over a Gemma 3 HF
+    directory with a random EAGLE-1 head: greedy outputs equal transformers'."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxspec import LLM, SamplingParams
+
+    src, model, cfg, params = family("gemma3")
+    d = tmp_path / "gemma3"
+    shutil.copytree(src, d)
+    raw = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(cfg.vocab_size)}, "<0>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<0>", bos_token="<1>",
+                            eos_token="<2>").save_pretrained(d)
+    head = eagle.init_eagle_params(cfg, jax.random.PRNGKey(1), scale=0.2)
+    llm = LLM(str(d), draft=head, spec=SHAPES["tree"], dtype=jnp.float32, max_batch=2,
+              max_model_len=MAX_LEN)
+    assert llm.config == cfg
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
+    for ids, o in zip(PROMPTS, outs):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)
+        assert o.token_ids == ref[0, len(ids):].tolist()
