@@ -127,16 +127,6 @@ class ModelConfig:
         """The factor on q.k: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
-    def llama_layer(self) -> "ModelConfig":
-        """This config's shapes with a Llama decoder layer's features (SiLU, plain RMSNorm
-        weights, head_dim ** -0.5 scaling, no window, soft-capping or q/k norm): the layer an
-        EAGLE head runs, whatever the target's family."""
-        return dataclasses.replace(
-            self, arch="LlamaForCausalLM", sliding_window=None, sliding_layers=None,
-            qk_norm=False, norm_weight_offset=0.0, sandwich_norms=False, embed_scale=1.0,
-            hidden_act="silu", query_pre_attn_scalar=None, rope_local_theta=None,
-            attn_logit_softcap=None, final_logit_softcap=None)
-
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim

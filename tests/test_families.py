@@ -551,15 +551,3 @@ def test_llm_serves_a_gemma3_directory(family, tmp_path):
             ref = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)
         assert o.token_ids == ref[0, len(ids):].tolist()
 
-
-def test_llama_layer_of_a_family_config(family):
-    """`ModelConfig.llama_layer`: the shapes of the target with a Llama layer's features, the
-    layer EAGLE heads (Llama decoder layers, whatever the target) run."""
-    _, _, cfg, _ = family("gemma3")
-    plain = cfg.llama_layer()
-    assert (plain.hidden_size, plain.num_heads, plain.head_dim, plain.rope_theta) == \
-        (cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.rope_theta)
-    assert plain.window_layers == (False,) * cfg.num_layers and plain.hidden_act == "silu"
-    assert (plain.norm_weight_offset, plain.attn_scale, plain.final_logit_softcap) == \
-        (0.0, cfg.head_dim ** -0.5, None)
-    assert not (plain.qk_norm or plain.sandwich_norms) and plain.embed_scale == 1.0
