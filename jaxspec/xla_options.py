@@ -14,6 +14,21 @@ through XLA_FLAGS: other JAX code in the process keeps XLA's defaults, and it wo
 jaxspec is imported. Options a backend's compiler does not use are ignored by it (the CPU).
 `JAXSPEC_GEMM=auto|cublas|triton` or `gemm_backend(...)` (programs built inside it; benchmarks
 time both in one process) choose the GEMMs: auto is the rule above, cublas and triton force one.
+
+Collectives (tensor parallel). `COLLECTIVE_FLAGS` names sets of XLA GPU options about the
+collectives that `collective_flags(name)` adds to the programs built inside it, so a benchmark
+compares them in one process; outside it (the default, "default") nothing is added. Each option
+exists in jaxlib 0.10.2's XLA (an unknown name or enum value fails the compile; the tests compile
+every set):
+  cmdbuf       xla_gpu_enable_command_buffer with COLLECTIVES beside the kernel kinds: the
+               all-reduces are recorded in the program's CUDA graphs instead of splitting them
+               into pieces launched one by one around each collective.
+  sync         xla_gpu_disable_async_collectives for all-reduce, reduce-scatter, all-gather:
+               the collectives run on the compute stream (no cross-stream events), where a
+               batch-1 step has nothing to overlap them with.
+  cmdbuf_sync  both.
+  lhs          xla_gpu_enable_latency_hiding_scheduler: async collectives scheduled to overlap
+               the independent work around them.
 """
 from __future__ import annotations
 
@@ -29,6 +44,14 @@ GEMM_BACKENDS = ("auto", "cublas", "triton")
 _CUBLAS = {"xla_gpu_enable_triton_gemm": False}
 _override: Optional[str] = None
 
+_CMDBUF = {"xla_gpu_enable_command_buffer":
+           "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,COLLECTIVES"}
+_SYNC = {"xla_gpu_disable_async_collectives": "ALLREDUCE,REDUCESCATTER,ALLGATHER"}
+COLLECTIVE_FLAGS: Dict[str, Dict[str, Any]] = {
+    "default": {}, "cmdbuf": _CMDBUF, "sync": _SYNC, "cmdbuf_sync": {**_CMDBUF, **_SYNC},
+    "lhs": {"xla_gpu_enable_latency_hiding_scheduler": True}}
+_collectives = "default"
+
 
 def gemm_choice() -> str:
     """The GEMM rule programs built now follow (one of GEMM_BACKENDS)."""
@@ -39,7 +62,8 @@ def compiler_options(rows: Optional[int] = None) -> Dict[str, Any]:
     """Options of a program whose smallest product has `rows` rows (None: not known)."""
     choice = gemm_choice()
     auto_cublas = choice == "auto" and rows is not None and rows >= CUBLAS_MIN_ROWS
-    return dict(_CUBLAS) if choice == "cublas" or auto_cublas else {}
+    gemm = dict(_CUBLAS) if choice == "cublas" or auto_cublas else {}
+    return {**gemm, **COLLECTIVE_FLAGS[_collectives]}
 
 
 def jit(fun=None, *, rows: Optional[int] = None, **kwargs):
@@ -64,3 +88,17 @@ def gemm_backend(name: str):
         yield
     finally:
         _override = saved
+
+
+@contextlib.contextmanager
+def collective_flags(name: str):
+    """Programs built inside get the XLA options of COLLECTIVE_FLAGS[name] (module notes)."""
+    global _collectives
+    if name not in COLLECTIVE_FLAGS:
+        raise ValueError(f"unknown collective flag set {name!r}; choose from "
+                         f"{', '.join(COLLECTIVE_FLAGS)}")
+    saved, _collectives = _collectives, name
+    try:
+        yield
+    finally:
+        _collectives = saved

@@ -32,6 +32,27 @@ The draft head's decoder layer is sharded by the same rules (it is a Llama layer
 
 Requirements: num_kv_heads % M == 0 (then num_heads too) and intermediate_size % M == 0.
 
+Schedules (`TensorParallel(schedule=)`), the collectives of one layer in the compiled program:
+  "megatron"              the layout above: two all-reduces of [rows, H] a layer. Weights and KV
+                          caches split M ways: what large batches and long contexts need.
+  "replicated_attention"  wqkv, bqkv, wo and the KV caches whole on every device, the MLP split
+                          as above: attention runs on every device on the whole (replicated)
+                          residual stream, and the MLP's partial sums meet in one all-reduce a
+                          layer. Each device reads the attention weights whole (at Llama-3 8B 19%
+                          of a layer's bytes, so 0.60 of one device's weight bytes a step at M = 2
+                          against 0.50) and keeps the whole KV cache: the schedule for few rows a
+                          step, where each collective's fixed cost outweighs the bytes (batch 1).
+                          Exact as the Megatron form is: the only split sum is the MLP down
+                          projection's, as in Megatron; nothing else changes order. Requires
+                          intermediate_size % M == 0 only. Its mesh axis is `MLP_AXIS`, not
+                          "model": the Pallas kernels then run whole on every device (their
+                          operands are replicated) instead of per head shard.
+A sequence-parallel schedule (reduce-scatter before each norm, the norm on 1/M of the rows,
+all-gather after it) needs sharding constraints on activations inside the model code; weights
+and caches alone cannot ask GSPMD for it. Both Megatron-style schedules keep one full-sum per
+RMSNorm input, so at least one collective a norm (two a layer) is the floor for attention split
+over heads; one a layer needs the attention replicated.
+
 Kernels: the Pallas kernels (tree attention, KV compaction) are custom calls that GSPMD cannot
 split; given sharded operands it would gather them (the whole KV cache) around each call. The
 programs of a backend placed by `TensorParallel` trace under `jax.set_mesh(mesh)`, and under a
@@ -44,7 +65,8 @@ Multi-host: see `jaxspec.parallel.distributed`.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import re
+from typing import Dict, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +77,8 @@ from jaxspec.config import ConfigError, ModelConfig
 from jaxspec.parallel.placement import MaskCache, OneDevice
 
 AXIS = "model"
+MLP_AXIS = "mlp"            # the replicated_attention schedule's mesh axis (see the notes)
+SCHEDULES = ("megatron", "replicated_attention")
 
 
 def make_mesh(model_parallel: Optional[int] = None, devices: Optional[Sequence] = None,
@@ -67,8 +91,10 @@ def make_mesh(model_parallel: Optional[int] = None, devices: Optional[Sequence] 
     return Mesh(np.asarray(devs[:n]), (axis,))
 
 
-def check_shardable(cfg: ModelConfig, m: int) -> None:
-    if cfg.num_kv_heads % m:
+def check_shardable(cfg: ModelConfig, m: int, schedule: str = "megatron") -> None:
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if schedule == "megatron" and cfg.num_kv_heads % m:
         raise ConfigError(
             f"tensor parallel over {m} devices needs num_kv_heads={cfg.num_kv_heads} to be a "
             f"multiple of {m} (each device holds whole kv heads and the q heads that read them)")
@@ -104,15 +130,21 @@ def unblock_qkv(w, cfg: ModelConfig):
     return jnp.concatenate([x.reshape(x.shape[:-2] + (-1,)) for x in (q, k, v)], axis=-1)
 
 
-def _blocked_layer(lp: dict, cfg: ModelConfig, m: int) -> dict:
-    out = dict(lp, wqkv=block_qkv(lp["wqkv"], cfg, m),
-               w_gate_up=block_gate_up(lp["w_gate_up"], m))
-    if "bqkv" in lp:
-        out["bqkv"] = block_qkv(lp["bqkv"], cfg, m)
+def _blocked_layer(lp: dict, cfg: ModelConfig, m: int, schedule: str = "megatron") -> dict:
+    """The layer in the blocked layout of what `schedule` splits (the attention's q/k/v stay
+    flat where they are replicated)."""
+    out = dict(lp, w_gate_up=block_gate_up(lp["w_gate_up"], m))
+    if schedule == "megatron":
+        out["wqkv"] = block_qkv(lp["wqkv"], cfg, m)
+        if "bqkv" in lp:
+            out["bqkv"] = block_qkv(lp["bqkv"], cfg, m)
     return out
 
 
-def _layer_specs(lp: dict, axis: str) -> dict:
+_ATTENTION = ("wqkv", "bqkv", "wo")
+
+
+def _layer_specs(lp: dict, axis: str, schedule: str = "megatron") -> dict:
     """PartitionSpecs of one layer dict (stacked or not) in the blocked layout."""
     def on(x, dim_from_end):
         spec = [None] * x.ndim
@@ -121,7 +153,9 @@ def _layer_specs(lp: dict, axis: str) -> dict:
 
     specs = {}
     for name, x in lp.items():
-        if name in ("wqkv", "w_gate_up", "wo", "w_down"):
+        if schedule == "replicated_attention" and name in _ATTENTION:
+            specs[name] = P()
+        elif name in ("wqkv", "w_gate_up", "wo", "w_down"):
             specs[name] = on(x, 2)          # block axis / rows
         elif name == "bqkv":
             specs[name] = on(x, 2)
@@ -144,11 +178,12 @@ def _vocab_ok(cfg: ModelConfig, m: int, vocab: str) -> bool:
     return vocab != "replicate" and cfg.vocab_size % m == 0
 
 
-def param_specs(params, cfg: ModelConfig, m: int, axis: str = AXIS, vocab: str = "auto"):
+def param_specs(params, cfg: ModelConfig, m: int, axis: str = AXIS, vocab: str = "auto",
+                schedule: str = "megatron"):
     """PartitionSpec pytree for target params already in the blocked layout."""
     shard_v = _vocab_ok(cfg, m, vocab)
     specs = {k: P() for k in params if k != "layers"}
-    specs["layers"] = _map_layers(params["layers"], lambda lp: _layer_specs(lp, axis))
+    specs["layers"] = _map_layers(params["layers"], lambda lp: _layer_specs(lp, axis, schedule))
     if shard_v and (vocab == "shard" or "lm_head" in params):
         specs["embed"] = P(axis, None)
     if shard_v and vocab == "shard" and "lm_head" in params:
@@ -168,39 +203,44 @@ def _place(tree, specs, mesh: Mesh):
     return jax.tree_util.tree_map(put, tree, shardings)
 
 
-def shard_params(params, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS, vocab: str = "auto"):
+def shard_params(params, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS, vocab: str = "auto",
+                 schedule: str = "megatron"):
     """Target params -> blocked layout, placed with NamedShardings over mesh[axis].
 
     vocab: 'auto' shards an untied embedding over the vocab when it divides evenly and keeps the
     lm_head whole (see the module notes), 'shard' shards both (or the tied embedding),
-    'replicate' keeps both whole on every device."""
+    'replicate' keeps both whole on every device. schedule: see the module notes."""
     m = mesh.shape[axis]
-    check_shardable(cfg, m)
+    check_shardable(cfg, m, schedule)
     blocked = dict(params, layers=_map_layers(params["layers"],
-                                              lambda lp: _blocked_layer(lp, cfg, m)))
-    return _place(blocked, param_specs(blocked, cfg, m, axis, vocab), mesh)
+                                              lambda lp: _blocked_layer(lp, cfg, m, schedule)))
+    return _place(blocked, param_specs(blocked, cfg, m, axis, vocab, schedule), mesh)
 
 
-def shard_draft_params(draft_params, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS):
+def shard_draft_params(draft_params, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS,
+                       schedule: str = "megatron"):
     """EAGLE-1 draft params: its decoder layer as the target's; fc and fc_bias replicated."""
     m = mesh.shape[axis]
-    check_shardable(cfg, m)
+    check_shardable(cfg, m, schedule)
     from jaxspec.models.eagle import mlp_width
     f = mlp_width(draft_params)
     if f % m:
         raise ConfigError(f"the draft head's MLP width {f} does not split over {m} devices")
-    blocked = dict(draft_params, layers=_map_layers(draft_params["layers"],
-                                                    lambda lp: _blocked_layer(lp, cfg, m)))
+    blocked = dict(draft_params, layers=_map_layers(
+        draft_params["layers"], lambda lp: _blocked_layer(lp, cfg, m, schedule)))
     specs = {k: P() for k in blocked if k != "layers"}
-    specs["layers"] = _map_layers(blocked["layers"], lambda lp: _layer_specs(lp, axis))
+    specs["layers"] = _map_layers(blocked["layers"], lambda lp: _layer_specs(lp, axis, schedule))
     return _place(blocked, specs, mesh)
 
 
-def state_shardings(state, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS):
+def state_shardings(state, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS,
+                    schedule: str = "megatron"):
     """NamedSharding pytree for a decode state: KV caches ([L, B, Hkv, T, D], the only 5-D
-    arrays of SpecState / PlainState / KVCache) on the kv-head axis, the rest replicated."""
-    kv = NamedSharding(mesh, P(None, None, axis, None, None))
+    arrays of SpecState / PlainState / KVCache) on the kv-head axis (whole under the
+    replicated_attention schedule), the rest replicated."""
     rep = NamedSharding(mesh, P())
+    kv = rep if schedule == "replicated_attention" else NamedSharding(
+        mesh, P(None, None, axis, None, None))
 
     def pick(x):
         return kv if x.ndim == 5 and x.shape[2] == cfg.num_kv_heads else rep
@@ -208,11 +248,28 @@ def state_shardings(state, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS):
     return jax.tree_util.tree_map(pick, state)
 
 
-def shard_state(state, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS):
+def shard_state(state, cfg: ModelConfig, mesh: Mesh, axis: str = AXIS,
+                schedule: str = "megatron"):
     """Places a decode state (SpecState, PlainState, KVCache) per `state_shardings`."""
-    check_shardable(cfg, mesh.shape[axis])
-    sh = state_shardings(state, cfg, mesh, axis)
+    check_shardable(cfg, mesh.shape[axis], schedule)
+    sh = state_shardings(state, cfg, mesh, axis, schedule)
     return _place(state, jax.tree_util.tree_map(lambda s: s.spec, sh), mesh)
+
+
+# --------------------------------------------------------------------------------- collectives
+
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
+_COLLECTIVE_RE = re.compile(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def count_collectives(hlo_text: str) -> Dict[str, int]:
+    """{op: instructions} of the collectives in an optimized HLO module's text (an async pair
+    counts once, by its -start). A loop body counts once however often it runs: count
+    programs whose layers are unrolled (`ModelConfig.with_layout(unroll_layers=True)`)."""
+    found = {op: 0 for op in COLLECTIVES}
+    for m in _COLLECTIVE_RE.finditer(hlo_text):
+        found[m.group(1)] += 1
+    return found
 
 
 # ------------------------------------------------------------------------------ jitted entries
@@ -236,12 +293,23 @@ def _global_inputs(tree, mesh: Mesh):
 class TensorParallel(OneDevice):
     """A placement (`parallel.placement`) over a one-axis model mesh: weights sharded by the
     layout above, the state's KV caches on kv heads, the programs traced and run under the mesh
-    (the kernels per head shard). The draft head must be an EAGLE-1 head (a Llama layer)."""
+    (the kernels per head shard). The draft head must be an EAGLE-1 head (a Llama layer).
+
+    mesh: a one-axis mesh named AXIS (`make_mesh`). schedule: one of SCHEDULES (the module
+    notes); "replicated_attention" places everything over the same devices on an axis named
+    MLP_AXIS (`self.mesh`)."""
     replicas = 1
 
-    def __init__(self, mesh: Mesh, cfg: ModelConfig, vocab: str = "auto"):
-        check_shardable(cfg, mesh.shape[AXIS])
-        self.mesh, self.cfg, self.vocab = mesh, cfg, vocab
+    def __init__(self, mesh: Mesh, cfg: ModelConfig, vocab: str = "auto",
+                 schedule: str = "megatron"):
+        if AXIS not in mesh.axis_names:
+            raise ConfigError(f"TensorParallel needs a mesh with a {AXIS!r} axis (make_mesh), "
+                              f"got axes {mesh.axis_names}")
+        check_shardable(cfg, mesh.shape[AXIS], schedule)
+        if schedule == "replicated_attention":
+            mesh = Mesh(mesh.devices, (MLP_AXIS,))
+        self.axis = MLP_AXIS if schedule == "replicated_attention" else AXIS
+        self.mesh, self.cfg, self.vocab, self.schedule = mesh, cfg, vocab, schedule
         self.put_mask = MaskCache(lambda m: jax.device_put(m, NamedSharding(mesh, P())))
 
     def weights(self, params, draft_params):
@@ -249,13 +317,14 @@ class TensorParallel(OneDevice):
         if draft_params is not None and is_eagle3(draft_params):
             raise ConfigError("tensor_parallel > 1 with an EAGLE-3 head is not supported; use "
                               "an EAGLE-1 head or tensor_parallel=1")
-        params = shard_params(params, self.cfg, self.mesh, vocab=self.vocab)
+        params = shard_params(params, self.cfg, self.mesh, self.axis, self.vocab, self.schedule)
         if draft_params is not None:
-            draft_params = shard_draft_params(draft_params, self.cfg, self.mesh)
+            draft_params = shard_draft_params(draft_params, self.cfg, self.mesh, self.axis,
+                                              self.schedule)
         return params, draft_params
 
     def state(self, make, slots: int, axes):
-        return shard_state(make(slots), self.cfg, self.mesh)
+        return shard_state(make(slots), self.cfg, self.mesh, self.axis, self.schedule)
 
     def program(self, jitted, kind: str):
         return _OnMesh(jitted, self.mesh)
