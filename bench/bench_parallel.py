@@ -17,11 +17,18 @@ accepts, and every replica runs the same number of cycles.
 
 Tensor parallel (Llama-3-8B shape, random bf16, model axis over all GPUs): per-call time of a
 plain decode step and of a speculative cycle (chain and tree presets) at batch 1 and 64, the
-backend over one device against over `parallel.TensorParallel` (the 8B model fits one H200; the
-point is the split).
+backend over one device against over `parallel.TensorParallel`, for each schedule of
+--tp-schedules (`megatron`: two all-reduces a layer; `replicated_attention`: one, the attention
+whole on every device; `:replicate` keeps the embedding whole too, no all-reduce at its lookup)
+and each XLA collective flag set of --tp-flags (`xla_options.COLLECTIVE_FLAGS`, built into the
+programs, so one process compares them); each ratio is against the one-device time measured in
+the same process. --profile prints each TP step's collectives (optimized HLO) and, with OUT set,
+writes the HLO and a jax.profiler trace (the 8B model fits one H200; the point is the split).
 
     python bench/bench_parallel.py                 # GPU (2x H200): both parts
     python bench/bench_parallel.py --part dp       # or tp; --dp-impl engine: shard_map only
+    python bench/bench_parallel.py --part tp --tp-spec chain --tp-schedules \
+        megatron,replicated_attention:replicate --tp-flags default,cmdbuf_sync --profile
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python bench/bench_parallel.py --tiny
                                                    # CPU: tiny shapes, checks the script runs
 JSON goes to $OUT/bench_parallel.json when OUT is set.
@@ -29,6 +36,7 @@ JSON goes to $OUT/bench_parallel.json when OUT is set.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,8 +53,10 @@ from jaxspec.config import ModelConfig  # noqa: E402
 from jaxspec.engine import EngineConfig, EngineStats, PlainBackend, SpecBackend  # noqa: E402
 from jaxspec.models import eagle, llama  # noqa: E402
 from jaxspec.parallel import DataParallel, OneDevice, TensorParallel, make_mesh  # noqa: E402
+from jaxspec.parallel.tensor_parallel import SCHEDULES, count_collectives  # noqa: E402
 from jaxspec.sampling import LEAN, SamplingParams  # noqa: E402
 from jaxspec.spec.config import resolve_spec  # noqa: E402
+from jaxspec.xla_options import COLLECTIVE_FLAGS, collective_flags  # noqa: E402
 
 TINY = ModelConfig(arch="LlamaForCausalLM", vocab_size=512, hidden_size=128,
                    intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
@@ -284,37 +294,88 @@ def dp_device_only(cfg, p, d, args, replicas, preset):
 # ------------------------------------------------------------------------------ tensor parallel
 
 
+def tp_configs(args):
+    """[(label, schedule, vocab)] from --tp-schedules: SCHEDULE or SCHEDULE:VOCAB each."""
+    out = []
+    for item in args.tp_schedules:
+        schedule, _, vocab = item.partition(":")
+        out.append((item, schedule, vocab or "auto"))
+    return out
+
+
+def tp_backend(cfg, p, d, preset, batch, args, placement):
+    """One decode step a call (plain) or one spec cycle a call, greedy, over `placement`."""
+    if preset == "plain":
+        return PlainBackend(cfg, p, batch, args.prompt_len + args.cycles + 64, n_steps=1,
+                            placement=placement)
+    emit = resolve_spec(preset).max_emit
+    return SpecBackend(cfg, p, d, preset, batch, args.prompt_len + args.cycles * emit + 64,
+                       placement=placement)
+
+
+def tp_profile(be, state, mask, args, label):
+    """The compiled step's collectives (optimized HLO), its HLO text under $OUT/tp_hlo/, and with
+    OUT set a jax.profiler trace of a few steps under $OUT/tp_trace/LABEL."""
+    _, low = be.cycle(state, mask, LEAN, size=1, lower=True)
+    hlo = low.compile().as_text()
+    counts = {k: v for k, v in count_collectives(hlo).items() if v}
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "tp_hlo").mkdir(parents=True, exist_ok=True)
+        Path(out, "tp_hlo", f"{label}.txt").write_text(hlo)
+        call = compiled_cycle(be, state, mask)
+        state = call(state)
+        jax.block_until_ready(state)
+        with jax.profiler.trace(str(Path(out, "tp_trace", label))):
+            for _ in range(4):
+                state = call(state)
+            jax.block_until_ready(state)
+    layers = be.cfg.num_layers
+    print(f"   collectives {label}: {counts} in the step ({layers} target layers; a layer loop "
+          f"counts once unless unrolled)", flush=True)
+    return state, counts
+
+
+def _tp_time(cfg, p, d, preset, batch, args, placement, label, flags="default"):
+    """-> (ms a call, collectives or None) of the backend over `placement`, its programs built
+    under the collective flag set `flags`."""
+    fill = lambda s: _fill(s, args.prompt_len)      # noqa: E731
+    with collective_flags(flags):
+        be = tp_backend(cfg, p, d, preset, batch, args, placement)
+    state = be.init_state()
+    mask = be.placement.put_mask(np.ones((batch,), bool))
+    counts = None
+    if args.profile and isinstance(placement, TensorParallel):
+        state, counts = tp_profile(be, state, mask, args, label)
+    state, ms = time_back_to_back(compiled_cycle(be, state, mask), state, args, fill)
+    del state, be
+    return ms, counts
+
+
 def tp_step_times(cfg, args, model_parallel, save=lambda rows: None):
-    """Per-call ms of a plain decode step and of a spec cycle (one a call, greedy), the backend
-    over one device vs over the model axis."""
+    """Per-call ms of a plain decode step and of a spec cycle (one a call, greedy) at each
+    batch: the backend on one device, then over the model axis for each schedule (and vocab
+    layout) of --tp-schedules and each collective flag set of --tp-flags; every ratio is against
+    the one-device time measured just before it in this process."""
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     p, d = random_pair(cfg, dtype)
     mesh = make_mesh(model_parallel)
-    fill = lambda s: _fill(s, args.prompt_len)      # noqa: E731
     rows = []
     for batch in args.tp_batches:
         for preset in ["plain"] + args.tp_spec:
-            times = {}
-            for label, placement in (("single", OneDevice()), ("tp", TensorParallel(mesh, cfg))):
-                if preset == "plain":
-                    be = PlainBackend(cfg, p, batch, args.prompt_len + args.cycles + 64,
-                                      n_steps=1, placement=placement)
-                else:
-                    emit = resolve_spec(preset).max_emit
-                    be = SpecBackend(cfg, p, d, preset, batch,
-                                     args.prompt_len + args.cycles * emit + 64,
-                                     placement=placement)
-                state = be.init_state()
-                mask = be.placement.put_mask(np.ones((batch,), bool))
-                state, times[label] = time_back_to_back(compiled_cycle(be, state, mask), state,
-                                                        args, fill)
-                del state, be
-            rows.append(dict(part="tp", mode=preset, batch=batch, model_parallel=model_parallel,
-                             single_ms=times["single"], tp_ms=times["tp"],
-                             speedup=times["single"] / times["tp"]))
-            save(rows)
-            print(f"tp {preset:6s} batch {batch:3d}: 1 GPU {times['single']:.2f} ms, "
-                  f"{model_parallel} GPUs {times['tp']:.2f} ms", flush=True)
+            single, _ = _tp_time(cfg, p, d, preset, batch, args, OneDevice(), "single")
+            for label, schedule, vocab in tp_configs(args):
+                for flags in args.tp_flags:
+                    pl = TensorParallel(mesh, cfg, vocab=vocab, schedule=schedule)
+                    name = f"{preset}_b{batch}_{schedule}_{vocab}_{flags}"
+                    ms, counts = _tp_time(cfg, p, d, preset, batch, args, pl, name, flags)
+                    rows.append(dict(part="tp", mode=preset, batch=batch,
+                                     model_parallel=model_parallel, schedule=schedule,
+                                     vocab=vocab, flags=flags, single_ms=single, tp_ms=ms,
+                                     speedup=single / ms, collectives=counts))
+                    save(rows)
+                    print(f"tp {preset:6s} batch {batch:3d} {label} [{flags}]: 1 GPU "
+                          f"{single:.2f} ms, {model_parallel} GPUs {ms:.2f} ms", flush=True)
     return rows
 
 
@@ -341,16 +402,37 @@ def main(argv=None):
                     help="the engine rows' first chunks packed (EngineConfig(packing=))")
     ap.add_argument("--tp-spec", default="chain,tree")
     ap.add_argument("--tp-batches", default="1,64")
+    ap.add_argument("--tp-schedules", default="megatron",
+                    help="TensorParallel schedules, each SCHEDULE or SCHEDULE:VOCAB (vocab "
+                         f"auto, shard or replicate); schedules: {', '.join(SCHEDULES)}")
+    ap.add_argument("--tp-flags", default="default",
+                    help="collective XLA flag sets (xla_options.COLLECTIVE_FLAGS): "
+                         f"{', '.join(COLLECTIVE_FLAGS)}")
+    ap.add_argument("--profile", action="store_true",
+                    help="tp: print each step's collectives (optimized HLO); with OUT set, "
+                         "write the HLO to $OUT/tp_hlo/ and a jax.profiler trace to "
+                         "$OUT/tp_trace/")
     args = ap.parse_args(argv)
     args.tp_spec = [x for x in args.tp_spec.split(",") if x]
     args.tp_batches = [int(x) for x in args.tp_batches.split(",")]
+    args.tp_schedules = [x for x in args.tp_schedules.split(",") if x]
+    args.tp_flags = [x for x in args.tp_flags.split(",") if x]
+    for x in args.tp_flags:
+        if x not in COLLECTIVE_FLAGS:
+            ap.error(f"--tp-flags: unknown set {x!r}; choose from {', '.join(COLLECTIVE_FLAGS)}")
+    for item in args.tp_schedules:
+        schedule, _, vocab = item.partition(":")
+        if schedule not in SCHEDULES or vocab not in ("", "auto", "shard", "replicate"):
+            ap.error(f"--tp-schedules: {item!r} is not SCHEDULE[:VOCAB] with SCHEDULE one of "
+                     f"{', '.join(SCHEDULES)} and VOCAB auto, shard or replicate")
     n = jax.local_device_count()
     if n < 2:
         sys.exit(f"needs at least 2 devices, found {n}")
     dp_cfg, tp_cfg = (TINY, TINY) if args.tiny else (SMOLLM2_135M, LLAMA3_8B)
     if args.tiny:
         args.slots, args.prompt_len, args.max_tokens = min(args.slots, 4), 16, 16
-        args.cycles, args.reps, args.tp_batches = 4, 1, [2]
+        args.cycles, args.reps = 4, 1
+        args.tp_batches = [min(b, 2) for b in args.tp_batches]
     dp_cfg = dp_cfg.with_layout(unroll_layers=jax.default_backend() == "gpu")
     tp_cfg = tp_cfg.with_layout(unroll_layers=jax.default_backend() == "gpu")
     rows = []
@@ -406,8 +488,10 @@ def main(argv=None):
                   f"{r['pmap_cycle_ms']:7.2f}) ms/cycle  scaling {r['scaling']:.2f}x (pmap "
                   f"{r['pmap_scaling']:.2f}x)")
         else:
-            print(f"tp {r['mode']:6s} batch {r['batch']:3d}   1 GPU {r['single_ms']:7.2f} ms  "
-                  f"{r['model_parallel']} GPUs {r['tp_ms']:7.2f} ms  x{r['speedup']:.2f}")
+            print(f"tp {r['mode']:6s} batch {r['batch']:3d}  {r['schedule']:20s} "
+                  f"{r['vocab']:9s} {r['flags']:11s}  1 GPU {r['single_ms']:7.2f} ms  "
+                  f"{r['model_parallel']} GPUs {r['tp_ms']:7.2f} ms  x{r['speedup']:.2f}"
+                  + (f"  {r['collectives']}" if r["collectives"] else ""))
 
 
 if __name__ == "__main__":
