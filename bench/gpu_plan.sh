@@ -34,6 +34,10 @@
 #   parallel      data parallel, one GPU against two: the engine, pmap, the compiled cycle alone
 #   parallel_calls  the engine's calls alone on one and two GPUs, then four batches of requests
 #   parallel_tp   tensor parallel at 8B: decode step and cycles, batch 1 and 64
+#   tp_batch1     tensor parallel at 8B, one GPU against two, plain decode and chain cycle: batch 1
+#                 for each schedule (megatron; replicated_attention, embedding whole) and
+#                 collective flag set (default, cmdbuf, cmdbuf_sync) with the HLO's collectives
+#                 and profiler traces, then batch 64 (default and cmdbuf_sync)
 # Training (carry what each names):
 #   lossweight    the shipped head fine-tuned with the token term at 1.0 and 0.1 (stage 4's run;
 #                 WEIGHTS=1.0 TRAIN_S=330 is stage 4's own); carry .gpu/train/
@@ -136,6 +140,14 @@ case "${1:-}" in
     ;;
   parallel_tp)
     run parallel_tp 360 python3 bench/bench_parallel.py --part tp --reps 3
+    ;;
+  tp_batch1)
+    TP="python3 bench/bench_parallel.py --part tp --tp-spec chain --reps 3
+        --tp-schedules megatron,replicated_attention:replicate"
+    run tp_batch1 320 $TP --tp-batches 1 --tp-flags default,cmdbuf,cmdbuf_sync --profile
+    cp "$OUT/bench_parallel.json" "$OUT/tp_batch1.json"
+    run tp_batch64 270 $TP --tp-batches 64 --tp-flags default,cmdbuf_sync
+    cp "$OUT/bench_parallel.json" "$OUT/tp_batch64.json"
     ;;
   lossweight)
     run lossweight 590 python3 -m bench.train_gpu run --gguf "$GGUF" --out "$OUT" --mode sd \
