@@ -153,7 +153,7 @@ def eagle1_loss(draft_params, params, cfg: ModelConfig, tokens, features, loss_m
     target = feats[:, 1:]
     m0 = loss_mask[:, 1:].astype(jnp.float32)                                # [B, T-1]
     head_dt = params["embed"].dtype
-    t_logits = jax.lax.stop_gradient(llama.project_logits(params, target.astype(head_dt)))
+    t_logits = jax.lax.stop_gradient(llama.project_logits(params, target.astype(head_dt), cfg))
     t_p = jax.nn.softmax(t_logits / target_temperature if target_temperature != 1.0 else t_logits,
                          axis=-1)
     t_top = jnp.argmax(t_logits, -1)
