@@ -94,6 +94,7 @@ case "${1:-}" in
     run cycle 390 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 3 \
       --shapes "1,1,2;3,1,4;5,8,32;6,10,60" --variants lean
     run cycle_profile 200 python3 -m bench.profile_cycle --shapes "6,10,60" --variant lean
+    run cycle_b64 120 python3 bench/bench_cycle.py --batch 64 --cycles 10 --repeats 3 --shapes "3,2,4"
     ;;
   decode)
     run decode 250 python3 -m bench.bench_decode --layouts static --only llama3-8b --program engine --gemm auto,triton
