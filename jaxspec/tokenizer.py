@@ -119,7 +119,23 @@ class Tokenizer:
         if reader is None:
             reader = gguf_file.open_gguf(Path(path))
         meta = gguf_file.metadata(reader, include_tokenizer=True)
+        if meta.get("tokenizer.ggml.model") in _SENTENCEPIECE:
+            return cls(_sentencepiece_from_gguf(Path(path)), extra_eos_ids)
         return cls(fast_tokenizer_from_gguf_metadata(meta, str(path)), extra_eos_ids)
+
+
+# GGUF tokenizer models that are SentencePiece vocabularies (Llama 2, Mistral, Gemma):
+# transformers' own GGUF reader builds them, with their scores and byte fallback.
+_SENTENCEPIECE = ("llama",)
+
+
+def _sentencepiece_from_gguf(path: Path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
+                                             local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise WeightsError(f"{path}: cannot build its SentencePiece tokenizer ({e})") from None
 
 
 def check_messages(messages, where: str = "chat") -> None:

@@ -284,14 +284,46 @@ _GGUF_NORMS = {
 }
 
 
-def write_family_gguf(path, kind, model):
+def sentencepiece_vocab(n: int):
+    """A SentencePiece vocabulary of n pieces laid out as GGUF stores Gemma's: pad, eos, bos, unk,
+    then the letters and every prefix of a few words, longer pieces scored higher (BPE merges
+    are recovered from them), filler to n (no byte pieces: n is a tiny model's).
+    -> (tokens, scores, types, merges)."""
+    gguf = pytest.importorskip("gguf")
+    T = gguf.TokenType
+    words = ["Hello", "\u2581world", "\u2581the", "\u2581cat", "\u2581sat", "\u2581on",
+             "\u2581a", "\u2581mat"]
+    pieces = sorted({w[:i] for w in words for i in range(1, len(w) + 1)} | set("".join(words)),
+                    key=lambda p: (len(p), p))
+    pieces += [f"x{i}" for i in range(n)]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + pieces[:n - 4]
+    types = [T.CONTROL, T.CONTROL, T.CONTROL, T.UNKNOWN] + [T.NORMAL] * (n - 4)
+    scores = [0.0] * 4 + [float(len(t)) for t in tokens[4:]]
+    merges = list(dict.fromkeys(f"{w[:i]} {w[i]}" for w in words for i in range(1, len(w))))
+    return tokens, scores, types, merges
+
+
+def write_family_gguf(path, kind, model, vocab=None):
     """The GGUF llama.cpp's converter writes for this family: Gemma's norm weights stored plus
-    one, its sliding window and soft-caps and the global RoPE's linear scaling as metadata."""
+    one, its sliding window and soft-caps and the global RoPE's linear scaling as metadata;
+    vocab: (tokens, scores, types, merges) of a SentencePiece tokenizer to store beside them."""
     gguf = pytest.importorskip("gguf")
     arch = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3"}[kind]
     hc = model.config
     gemma = kind.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
+    if vocab is not None:
+        tokens, scores, types, merges = vocab
+        w.add_tokenizer_model("llama")
+        w.add_token_merges(merges)
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(2)
+        w.add_eos_token_id(1)
+        w.add_unk_token_id(3)
+        w.add_pad_token_id(0)
+        w.add_add_bos_token(True)
     w.add_block_count(hc.num_hidden_layers)
     w.add_context_length(hc.max_position_embeddings)
     w.add_embedding_length(hc.hidden_size)
@@ -551,3 +583,28 @@ def test_llm_serves_a_gemma3_directory(family, tmp_path):
             ref = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)
         assert o.token_ids == ref[0, len(ids):].tolist()
 
+
+
+def test_llm_serves_a_gemma3_gguf_with_its_sentencepiece_vocabulary(family, tmp_path):
+    """A Gemma GGUF carries a SentencePiece vocabulary (tokenizer model 'llama'): LLM builds it
+    with transformers' GGUF reader, encodes text as transformers does, and its greedy output
+    equals transformers' on the same ids."""
+    from transformers import AutoTokenizer
+
+    from jaxspec import LLM, SamplingParams
+
+    _, model, cfg, _ = family("gemma3")
+    model = model.float()
+    vocab = sentencepiece_vocab(cfg.vocab_size)
+    path = write_family_gguf(tmp_path / "gemma3.gguf", "gemma3", model, vocab)
+    ref_tok = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    llm = LLM(str(path), dtype=jnp.float32, max_batch=1, max_model_len=MAX_LEN)
+    text = "Hello world the cat sat on a mat"
+    ids = ref_tok(text)["input_ids"]
+    assert ids[0] == 2 and 3 not in ids     # bos first; every word in the vocabulary
+    out = llm.generate(text, SamplingParams(max_tokens=NEW, ignore_eos=True))[0]
+    assert out.prompt_token_ids == ids
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)
+    assert out.token_ids == ref[0, len(ids):].tolist()
+    assert out.text == ref_tok.decode(out.token_ids, skip_special_tokens=True)
