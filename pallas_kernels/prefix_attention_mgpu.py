@@ -450,7 +450,7 @@ def prefix_partials_mgpu(q_rows, k_cache, v_cache, layer, seq_lens, slots=None, 
     splits leave idle (`tree_split_pays`).
     profile: a directory where Mosaic GPU's profiler writes each call's timeline of the
     kernel's named regions (`region`), a Chrome trace a call: every warpgroup's start by the
-    GPU's global timer, its regions by the SM's clock (`bench/mosaic_timeline.py` reads it).
+    GPU's global timer, its regions by the SM's clock (chrome://tracing or Perfetto reads it).
     Device only; the regions' timestamps cost a shared-memory store each."""
     b, hkv, r, d = q_rows.shape
     tree = tree_bias is not None
