@@ -16,6 +16,8 @@
 #   tau           the shipped head's tau over both MT-bench turns (the default 16,128 + 256
 #                 drafted tokens, then all 49,152), then tau at temperature 1 against greedy
 #   digest        greedy outputs in fp32 on the GPU: every single-device mode against plain
+#   families      the compiled Triton tree kernel with windows, soft-caps and 256-wide heads
+#                 against its reference, and the model families' parity tests, on the GPU
 # 8B shape, random weights:
 #   cycle         the speculative cycle against a plain decode step and its bytes floor, batch 1,
 #                 four tree shapes; then where the (6,10,60) cycle's kernel time goes
@@ -89,6 +91,10 @@ case "${1:-}" in
     ;;
   digest)
     run digest 500 python3 bench/greedy_digest.py --modes plain,naive,chain,tree,4x8x32 --json "$OUT/digest.json"
+    ;;
+  families)
+    run families 500 env JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m pytest -q -p no:cacheprovider \
+      tests/test_tree_attention.py -k compiled_kernel tests/test_families.py
     ;;
   cycle)
     run cycle 390 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 3 \
