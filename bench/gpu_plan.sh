@@ -93,8 +93,9 @@ case "${1:-}" in
     run digest 500 python3 bench/greedy_digest.py --modes plain,naive,chain,tree,4x8x32 --json "$OUT/digest.json"
     ;;
   families)
-    run families 500 env JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m pytest -q -p no:cacheprovider \
-      tests/test_tree_attention.py -k compiled_kernel tests/test_families.py
+    P="env JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m pytest -q -p no:cacheprovider"
+    run families_kernel 250 $P tests/test_tree_attention.py -k compiled_kernel
+    run families 300 $P tests/test_families.py
     ;;
   cycle)
     run cycle 390 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 3 \
