@@ -1,4 +1,5 @@
-"""Test models for the speculative cycle: a target and an EAGLE head built to agree."""
+"""Test models: a target and an EAGLE head built to agree (the speculative cycle's tests), and
+tiny random Llama directories beside a tokenizer (the API's and the server's tests)."""
 import dataclasses
 
 import jax
@@ -90,3 +91,27 @@ def candidate_paths(cands, slot):
             j = int(par[j])
         out[tuple(reversed(path))] = float(score[c])
     return out
+
+
+def write_tiny_llama(d, vocab_size: int, context: int, bos: int, eos: int,
+                     tie: bool = False):
+    """config.json and model.safetensors of a 2-layer random Llama (hidden 64) in directory d,
+    beside whatever tokenizer files the caller wrote there. Returns d."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from jaxspec.config import ModelConfig
+    from jaxspec.loading.common import expected_shapes
+
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama",
+                  vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=context, rms_norm_eps=1e-5, rope_theta=10000.0,
+                  tie_word_embeddings=tie, bos_token_id=bos, eos_token_id=eos)
+    (d / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(0)
+    shapes = expected_shapes(ModelConfig.from_hf(config))
+    save_file({n: (rng.standard_normal(s) * (1.0 if len(s) == 1 else 0.3)).astype(np.float32)
+               for n, s in shapes.items()}, str(d / "model.safetensors"))
+    return d

@@ -3,10 +3,8 @@ and an app served by uvicorn on a free loopback port in a thread."""
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 
@@ -14,27 +12,14 @@ def write_tiny_chat_model(d: Path, smollm2_gguf: Path, context: int = 512) -> Pa
     """config.json, model.safetensors (random weights) and SmolLM2's tokenizer files: a
     2-layer Llama whose greedy output is random text (EOS rarely), prompts encoded as the real
     model would encode them."""
-    from safetensors.numpy import save_file
-
-    from jaxspec.config import ModelConfig
-    from jaxspec.loading.common import expected_shapes
+    from draft_models import write_tiny_llama
     from jaxspec.tokenizer import Tokenizer
 
     d.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer.from_gguf(smollm2_gguf)
     tok.hf.save_pretrained(d)
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama",
-                  vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=context, rms_norm_eps=1e-5, rope_theta=10000.0,
-                  tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
-                  eos_token_id=tok.eos_token_ids[0])
-    (d / "config.json").write_text(json.dumps(config))
-    rng = np.random.default_rng(0)
-    shapes = expected_shapes(ModelConfig.from_hf(config))
-    save_file({n: (rng.standard_normal(s) * (1.0 if len(s) == 1 else 0.3)).astype(np.float32)
-               for n, s in shapes.items()}, str(d / "model.safetensors"))
-    return d
+    return write_tiny_llama(d, tok.vocab_size, context, tok.bos_token_id,
+                            tok.eos_token_ids[0], tie=True)
 
 
 @contextlib.contextmanager

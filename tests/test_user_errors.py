@@ -2,10 +2,8 @@
 takes, raised before any work, and the same LLM generates afterwards; a value that would be
 adjusted is warned about. Special tokens are left out of the text by default (skip_special_tokens,
 as HF and vLLM), in the final text, the stream and the stop-string checks alike."""
-import json
 import warnings
 
-import numpy as np
 import pytest
 
 from jaxspec import LLM, SamplingParams
@@ -23,12 +21,10 @@ _CONTEXT = 512
 
 def _write_tiny_chat_model(d):
     """config.json, model.safetensors (random weights) and tokenizer files of a tiny Llama."""
-    from safetensors.numpy import save_file
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from jaxspec.config import ModelConfig
-    from jaxspec.loading.common import expected_shapes
+    from draft_models import write_tiny_llama
     from jaxspec.tokenizer import _bytes_to_unicode
 
     spell = _bytes_to_unicode()
@@ -41,18 +37,7 @@ def _write_tiny_chat_model(d):
                                   eos_token="<|im_end|>", bos_token="<|endoftext|>",
                                   clean_up_tokenization_spaces=False)
     tok.save_pretrained(d)
-    vocab = len(tok)
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab,
-                  hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=_CONTEXT,
-                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    (d / "config.json").write_text(json.dumps(config))
-    rng = np.random.default_rng(0)
-    shapes = expected_shapes(ModelConfig.from_hf(config))
-    save_file({n: (rng.standard_normal(s) * (1.0 if len(s) == 1 else 0.3)).astype(np.float32)
-               for n, s in shapes.items()}, str(d / "model.safetensors"))
-    return d
+    return write_tiny_llama(d, len(tok), _CONTEXT, tok.bos_token_id, tok.eos_token_id)
 
 
 @pytest.fixture(scope="module")
