@@ -45,6 +45,14 @@ def spec(slots: int) -> str:
     return "3x2x4" if slots >= WIDE_CHAIN_MIN_SLOTS else "chain"
 
 
+def max_batch() -> int:
+    """`LLM`'s slots per replica when none are asked for: MAX_BATCH on a GPU (a step reads the
+    weights once for all its slots); 1 on a CPU, which computes every slot whether it holds a
+    request or not (SmolLM2 on 2 cores: one request ran at 3.8 tokens/s over 8 slots and 22.4
+    over 1; several requests take the same time either way)."""
+    return MAX_BATCH if on_gpu() else 1
+
+
 def cycles_per_call(slots: int) -> int:
     """Speculative cycles per device call: on a GPU 4 for several slots and 2 for one, so the
     host's cost per call hides behind the device's work; a CPU runs the cycles on the host

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator, List, Optional, Sequence, Union
 
-from jaxspec import compile_cache
+from jaxspec import compile_cache, defaults
 from jaxspec.build import build_engine
 from jaxspec.config import ConfigError
 from jaxspec.engine import EngineConfig, RequestOutput, StreamDelta
@@ -57,6 +57,8 @@ def _split_options(options: dict, engine: Optional[EngineConfig],
                           "draft, spec, dtype, kv_budget_gb, data_parallel, data_parallel_impl, "
                           "tensor_parallel, engine, draft_config, and the fields of "
                           "jaxspec.EngineConfig and jaxspec.DraftConfig")
+    if engine is None and "max_batch" not in options:
+        options = dict(options, max_batch=defaults.max_batch())
     engine = (engine or EngineConfig()).replace(
         **{k: v for k, v in options.items() if k in _ENGINE_FIELDS})
     draft_config = dataclasses.replace(draft_config or DraftConfig(), **{

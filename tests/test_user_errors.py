@@ -263,3 +263,19 @@ def test_the_package_exports_its_config_classes():
                                     "SpecConfig", "RequestOutput"}
     with pytest.raises(AttributeError, match="no attribute 'Engine'"):
         jaxspec.Engine
+
+
+def test_llm_slots_default_to_what_the_device_pays_for(tiny_chat_dir, monkeypatch):
+    """A CPU computes every slot, held or not: LLM() there has one, unless asked; a GPU's
+    default is MAX_BATCH (a step reads the weights once for all slots)."""
+    from jaxspec import defaults
+    one = LLM(str(tiny_chat_dir), max_model_len=64)
+    assert one.max_batch == one.engine.backend.slots == 1
+    out = one.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4,
+                                                                       ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    assert LLM(str(tiny_chat_dir), max_batch=3, max_model_len=64).max_batch == 3
+    assert LLM(str(tiny_chat_dir), engine=EngineConfig(max_model_len=64)).max_batch == \
+        EngineConfig().max_batch        # an EngineConfig given whole is taken as it is
+    monkeypatch.setattr(defaults, "on_gpu", lambda: True)
+    assert defaults.max_batch() == defaults.MAX_BATCH == 8
