@@ -216,8 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxspec.sampling import SamplingParams
     from jaxspec.spec.config import DraftConfig
 
-    ap = argparse.ArgumentParser(prog="jaxspec-bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from jaxspec.cli import Parser
+    ap = Parser(prog="jaxspec-bench", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=MODES, default=None,
                     help="default: serve if --request-rate or --url is given, else sweep")
     ap.add_argument("--model", default=None, help="HF model dir or .gguf (default: SmolLM2-135M)")

@@ -54,27 +54,20 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {one_line(e)} (--debug shows the traceback)"
 
 
-@contextlib.contextmanager
-def one_line_usage_errors():
-    """argparse's errors as one line (its usage block left out) while the command runs: every
-    parser the command builds, its own or a library's, reports the same way."""
+class Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line (the usage block left out): the parser of every
+    jaxspec command (`jaxspec-bench` and `jaxspec train-eagle` included) and of its
+    sub-commands."""
+
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
-
-    saved = argparse.ArgumentParser.error
-    argparse.ArgumentParser.error = error
-    try:
-        yield
-    finally:
-        argparse.ArgumentParser.error = saved
 
 
 def guarded(prog: str, debug: bool, fn: Callable[[], Optional[int]]) -> int:
     """fn()'s exit code; an exception (a SystemExit with a message included) as one line on
     stderr and exit code 2, or, with debug, raised with its traceback."""
     try:
-        with one_line_usage_errors():
-            return fn() or 0
+        return fn() or 0
     except SystemExit as e:
         if isinstance(e.code, int) or e.code is None:
             return e.code or 0
@@ -98,7 +91,7 @@ def build_parser():
     """(the `jaxspec` parser, {command: its sub-parser})."""
     import importlib
 
-    ap = argparse.ArgumentParser(prog="jaxspec", epilog=EPILOG, description=(
+    ap = Parser(prog="jaxspec", epilog=EPILOG, description=(
         "EAGLE speculative decoding for Llama-family models in JAX."))
     ap.add_argument("--version", action="version", version=f"jaxspec {version()}")
     sub = ap.add_subparsers(dest="cmd", title="commands", metavar="COMMAND")
@@ -129,15 +122,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not argv:
         ap.print_help()
         return 0
-    with one_line_usage_errors():
-        try:
-            args, unknown = ap.parse_known_args(argv)
-            p, mod = parsers[args.cmd]
-            if unknown:     # named by the command's parser, with its usage
-                p.error(f"unrecognized arguments: {' '.join(unknown)}")
-            mod.check(p, args)
-        except SystemExit as e:
-            return e.code or 0
+    try:
+        args, unknown = ap.parse_known_args(argv)
+        p, mod = parsers[args.cmd]
+        if unknown:     # named by the command's parser
+            p.error(f"unrecognized arguments: {' '.join(unknown)}")
+        mod.check(p, args)
+    except SystemExit as e:
+        return e.code or 0
     return guarded(f"jaxspec {args.cmd}", args.debug, lambda: mod.run(args))
 
 
@@ -159,16 +151,15 @@ def serve(argv: List[str]) -> int:
     except ImportError as e:
         print(f"{prog}: error: {_serve_missing(e)}", file=sys.stderr)
         return 2
-    p = argparse.ArgumentParser(prog=prog, description=serve_cli.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog=prog, description=serve_cli.__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     serve_cli.add_arguments(p)
     with contextlib.suppress(argparse.ArgumentError):     # unless it has a --debug of its own
         add_debug(p)
-    with one_line_usage_errors():
-        try:
-            args = p.parse_args(argv)
-        except SystemExit as e:
-            return e.code or 0
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:
+        return e.code or 0
     return guarded(prog, bool(getattr(args, "debug", False)), lambda: serve_cli.run(args))
 
 

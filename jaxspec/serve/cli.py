@@ -147,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     """`python -m jaxspec.serve.cli`: the same as `jaxspec serve`."""
-    ap = argparse.ArgumentParser(prog="jaxspec serve", description=__doc__)
+    from jaxspec.cli import Parser
+    ap = Parser(prog="jaxspec serve", description=__doc__)
     add_arguments(ap)
     return run(ap.parse_args(argv))
 

@@ -30,7 +30,8 @@ from jaxspec.train.loss import FEATURE_WEIGHT, TOKEN_WEIGHT
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxspec train-eagle", description=__doc__.split("\n\n")[0])
+    from jaxspec.cli import Parser
+    p = Parser(prog="jaxspec train-eagle", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF dir or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output directory (checkpoints, logs, head)")
     p.add_argument("--data", default=None, help=".npz of prompts/responses (default: ShareGPT)")
