@@ -48,8 +48,8 @@ def spec(slots: int) -> str:
 def max_batch() -> int:
     """`LLM`'s slots per replica when none are asked for: MAX_BATCH on a GPU (a step reads the
     weights once for all its slots); 1 on a CPU, which computes every slot whether it holds a
-    request or not (SmolLM2 on 2 cores: one request ran at 3.8 tokens/s over 8 slots and 22.4
-    over 1; several requests take the same time either way)."""
+    request or not, so idle slots slow the one request down by about their number
+    (bench/RESULTS.md#cpu)."""
     return MAX_BATCH if on_gpu() else 1
 
 
