@@ -249,20 +249,22 @@ def build_app(llm, *, served_model_name: str, max_queue: int = 256) -> FastAPI:
     async def metrics():
         return Response(svc.metrics.exposition(), media_type=metrics_lib.CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def answer(request: Request, body, kind: str, encode, source):
+        """One request's answer: its checks, then source()'s prompts encoded off the event loop
+        by encode (-> a list of token-id prompts), then generation."""
         t0 = time.perf_counter()
         svc.check_model(body.model)
         body.check_supported()
-        prompts = await svc.off_loop(svc.encode_prompts, body.prompts())
-        return await svc.generate(request, body, "completion", prompts, t0)
+        prompts = await svc.off_loop(encode, source())
+        return await svc.generate(request, body, kind, prompts, t0)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await answer(request, body, "completion", svc.encode_prompts, body.prompts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        t0 = time.perf_counter()
-        svc.check_model(body.model)
-        body.check_supported()
-        prompt = await svc.off_loop(svc.encode_chat, body.conversation())
-        return await svc.generate(request, body, "chat", [prompt], t0)
+        return await answer(request, body, "chat", lambda c: [svc.encode_chat(c)],
+                            body.conversation)
 
     return app
