@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 from pathlib import Path
 
 from jaxspec.sampling import SamplingParams
@@ -147,7 +146,6 @@ def load_llm(args):
                max_model_len=args.max_model_len)
 
 
-_request_ids = itertools.count()
 
 
 def writer(out, indent: str = ""):
@@ -163,11 +161,9 @@ def stream_reply(llm, prompt, sp: SamplingParams, write):
     """Generates one reply, passing its text to write() as it comes (LLM.stream); returns its
     RequestOutput, with the figures LLM.generate gives (accept lengths, tokens/s). A caller
     interrupted mid-reply (Ctrl-C) leaves nothing running: the stream aborts the request."""
-    rid = f"cli-{next(_request_ids)}"
-    deltas = llm.stream(prompt, sp, request_ids=[rid])
-    req = llm.engine.requests[rid]      # the request the stream serves, read once it ends
+    deltas = llm.stream(prompt, sp)
     with contextlib.closing(deltas):
         for d in deltas:
             if d.text:
                 write(d.text)
-    return req.output_record(0, llm.spec is not None)
+    return d.output

@@ -292,8 +292,10 @@ class LLM:
                request_ids: Optional[Sequence[Any]] = None) -> Iterator[StreamDelta]:
         """Yields StreamDelta(request_id, token_ids, text, finished, finish_reason, logprobs) as
         tokens come: per request, the deltas concatenate to the final output (tokens past a stop are
-        never sent; text is held back while it could still become a stop string). request_ids
-        (unique, default: the engine's) may be passed to `abort` while iterating."""
+        never sent; text is held back while it could still become a stop string), and the last
+        one carries the whole request as `output` (the RequestOutput `generate` would return,
+        request_id its stream's). request_ids (unique, default: the engine's) may be passed to
+        `abort` while iterating."""
         encoded, sps = self._normalize(prompts, sampling_params)
         if request_ids is not None and len(request_ids) != len(encoded):
             raise ValueError(f"{len(request_ids)} request ids for {len(encoded)} prompts")
@@ -307,10 +309,13 @@ class LLM:
                 self._pump()
                 for rid in ids:
                     for d in self._inbox.pop(rid, ()):
-                        yield d
                         if d.finished:
                             pending.discard(rid)
-                            self.engine.finished_requests.pop(rid, None)
+                            req = self.engine.finished_requests.pop(rid, None)
+                            if req is not None:
+                                d = dataclasses.replace(d, output=req.output_record(
+                                    rid, self.spec is not None))
+                        yield d
         finally:   # a consumer that stops early leaves nothing running
             self._drop(pending)
 

@@ -209,3 +209,11 @@ def test_penalties_logprobs_and_seeds_in_generate_and_stream(llm):
     deltas = list(llm.stream("Once upon a time", sp))
     assert [t for d in deltas for t in d.token_ids] == out[0].token_ids
     assert "".join(d.text for d in deltas) == out[0].text
+    # the last delta carries the whole request, as generate returns it
+    assert [d.output is None for d in deltas] == [True] * (len(deltas) - 1) + [False]
+    whole = deltas[-1].output
+    assert whole.request_id == deltas[-1].request_id
+    assert (whole.token_ids, whole.text, whole.finish_reason) == (
+        out[0].token_ids, out[0].text, out[0].finish_reason)
+    assert whole.logprobs == [lp for d in deltas for lp in d.logprobs]
+    assert whole.prompt_token_ids == out[0].prompt_token_ids

@@ -18,6 +18,7 @@ class StreamDelta:
     finished: bool
     finish_reason: Optional[str]      # "stop", "length", "abort" once finished
     logprobs: Optional[List[dict]] = None   # per new token {token: logprob}, when asked for
+    output: Optional["RequestOutput"] = None    # `LLM.stream`'s last delta: the whole request
 
 
 @dataclasses.dataclass
