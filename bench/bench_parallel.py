@@ -19,7 +19,9 @@ Tensor parallel (Llama-3-8B shape, random bf16, model axis over all GPUs): per-c
 plain decode step and of a speculative cycle (chain and tree presets) at batch 1 and 64, the
 backend over one device against over `parallel.TensorParallel`, for each schedule of
 --tp-schedules (`megatron`: two all-reduces a layer; `replicated_attention`: one, the attention
-whole on every device; `:replicate` keeps the embedding whole too, no all-reduce at its lookup)
+whole on every device; `:replicate` keeps the embedding whole too, no all-reduce at its lookup;
+a third field `:oneshot` takes that one all-reduce through the Pallas one-shot kernel,
+`pallas_kernels.allreduce_mgpu`, where it serves)
 and each XLA collective flag set of --tp-flags (`xla_options.COLLECTIVE_FLAGS`, built into the
 programs, so one process compares them); each ratio is against the one-device time measured in
 the same process. --profile prints each TP step's collectives (optimized HLO) and, with OUT set,
@@ -53,7 +55,8 @@ from jaxspec.config import ModelConfig  # noqa: E402
 from jaxspec.engine import EngineConfig, EngineStats, PlainBackend, SpecBackend  # noqa: E402
 from jaxspec.models import eagle, llama  # noqa: E402
 from jaxspec.parallel import DataParallel, OneDevice, TensorParallel, make_mesh  # noqa: E402
-from jaxspec.parallel.tensor_parallel import SCHEDULES, count_collectives  # noqa: E402
+from jaxspec.parallel.tensor_parallel import (ALLREDUCES, SCHEDULES,  # noqa: E402
+                                              count_collectives)
 from jaxspec.sampling import LEAN, SamplingParams  # noqa: E402
 from jaxspec.spec.config import resolve_spec  # noqa: E402
 from jaxspec.xla_options import COLLECTIVE_FLAGS, collective_flags  # noqa: E402
@@ -295,11 +298,22 @@ def dp_device_only(cfg, p, d, args, replicas, preset):
 
 
 def tp_configs(args):
-    """[(label, schedule, vocab)] from --tp-schedules: SCHEDULE or SCHEDULE:VOCAB each."""
+    """[(label, schedule, vocab, allreduce)] from --tp-schedules: SCHEDULE[:VOCAB[:ALLREDUCE]]
+    each (a bad item is a ValueError naming it)."""
     out = []
     for item in args.tp_schedules:
-        schedule, _, vocab = item.partition(":")
-        out.append((item, schedule, vocab or "auto"))
+        schedule, vocab, allreduce = (item.split(":") + ["", ""])[:3]
+        vocab, allreduce = vocab or "auto", allreduce or "xla"
+        if (item.count(":") > 2 or schedule not in SCHEDULES
+                or vocab not in ("auto", "shard", "replicate") or allreduce not in ALLREDUCES):
+            raise ValueError(
+                f"--tp-schedules: {item!r} is not SCHEDULE[:VOCAB[:ALLREDUCE]] with SCHEDULE one "
+                f"of {', '.join(SCHEDULES)}, VOCAB auto, shard or replicate and ALLREDUCE one of "
+                f"{', '.join(ALLREDUCES)}")
+        if allreduce == "oneshot" and schedule != "replicated_attention":
+            raise ValueError(f"--tp-schedules: {item!r}: oneshot serves the "
+                             "replicated_attention schedule only")
+        out.append((item, schedule, vocab, allreduce))
     return out
 
 
@@ -364,14 +378,15 @@ def tp_step_times(cfg, args, model_parallel, save=lambda rows: None):
     for batch in args.tp_batches:
         for preset in ["plain"] + args.tp_spec:
             single, _ = _tp_time(cfg, p, d, preset, batch, args, OneDevice(), "single")
-            for label, schedule, vocab in tp_configs(args):
+            for label, schedule, vocab, allreduce in tp_configs(args):
                 for flags in args.tp_flags:
-                    pl = TensorParallel(mesh, cfg, vocab=vocab, schedule=schedule)
-                    name = f"{preset}_b{batch}_{schedule}_{vocab}_{flags}"
+                    pl = TensorParallel(mesh, cfg, vocab=vocab, schedule=schedule,
+                                        allreduce=allreduce)
+                    name = f"{preset}_b{batch}_{schedule}_{vocab}_{allreduce}_{flags}"
                     ms, counts = _tp_time(cfg, p, d, preset, batch, args, pl, name, flags)
                     rows.append(dict(part="tp", mode=preset, batch=batch,
                                      model_parallel=model_parallel, schedule=schedule,
-                                     vocab=vocab, flags=flags, single_ms=single, tp_ms=ms,
+                                     vocab=vocab, allreduce=allreduce, flags=flags, single_ms=single, tp_ms=ms,
                                      speedup=single / ms, collectives=counts))
                     save(rows)
                     print(f"tp {preset:6s} batch {batch:3d} {label} [{flags}]: 1 GPU "
@@ -403,8 +418,9 @@ def main(argv=None):
     ap.add_argument("--tp-spec", default="chain,tree")
     ap.add_argument("--tp-batches", default="1,64")
     ap.add_argument("--tp-schedules", default="megatron",
-                    help="TensorParallel schedules, each SCHEDULE or SCHEDULE:VOCAB (vocab "
-                         f"auto, shard or replicate); schedules: {', '.join(SCHEDULES)}")
+                    help="TensorParallel schedules, each SCHEDULE[:VOCAB[:ALLREDUCE]] (vocab "
+                         f"auto, shard or replicate; allreduce {', '.join(ALLREDUCES)}, "
+                         f"oneshot with replicated_attention); schedules: {', '.join(SCHEDULES)}")
     ap.add_argument("--tp-flags", default="default",
                     help="collective XLA flag sets (xla_options.COLLECTIVE_FLAGS): "
                          f"{', '.join(COLLECTIVE_FLAGS)}")
@@ -420,11 +436,10 @@ def main(argv=None):
     for x in args.tp_flags:
         if x not in COLLECTIVE_FLAGS:
             ap.error(f"--tp-flags: unknown set {x!r}; choose from {', '.join(COLLECTIVE_FLAGS)}")
-    for item in args.tp_schedules:
-        schedule, _, vocab = item.partition(":")
-        if schedule not in SCHEDULES or vocab not in ("", "auto", "shard", "replicate"):
-            ap.error(f"--tp-schedules: {item!r} is not SCHEDULE[:VOCAB] with SCHEDULE one of "
-                     f"{', '.join(SCHEDULES)} and VOCAB auto, shard or replicate")
+    try:
+        tp_configs(args)
+    except ValueError as e:
+        ap.error(str(e))
     n = jax.local_device_count()
     if n < 2:
         sys.exit(f"needs at least 2 devices, found {n}")
@@ -489,7 +504,7 @@ def main(argv=None):
                   f"{r['pmap_scaling']:.2f}x)")
         else:
             print(f"tp {r['mode']:6s} batch {r['batch']:3d}  {r['schedule']:20s} "
-                  f"{r['vocab']:9s} {r['flags']:11s}  1 GPU {r['single_ms']:7.2f} ms  "
+                  f"{r['vocab']:9s} {r.get('allreduce', 'xla'):7s} {r['flags']:11s}  1 GPU {r['single_ms']:7.2f} ms  "
                   f"{r['model_parallel']} GPUs {r['tp_ms']:7.2f} ms  x{r['speedup']:.2f}"
                   + (f"  {r['collectives']}" if r["collectives"] else ""))
 

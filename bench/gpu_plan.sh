@@ -40,6 +40,9 @@
 #                 for each schedule (megatron; replicated_attention, embedding whole) and
 #                 collective flag set (default, cmdbuf, cmdbuf_sync) with the HLO's collectives
 #                 and profiler traces, then batch 64 (default and cmdbuf_sync)
+#   tp_oneshot    the one-shot all-reduce kernel: its tests on two GPUs, the all-reduce alone
+#                 against XLA's (rows 1-64 of 4096), then plain decode and chain cycle at batch
+#                 1, replicated_attention with XLA's all-reduce against with the kernel's
 # Training (carry what each names):
 #   lossweight    the shipped head fine-tuned with the token term at 1.0 and 0.1 (stage 4's run;
 #                 WEIGHTS=1.0 TRAIN_S=330 is stage 4's own); carry .gpu/train/
@@ -156,6 +159,13 @@ case "${1:-}" in
     cp "$OUT/bench_parallel.json" "$OUT/tp_batch1.json"
     run tp_batch64 270 $TP --tp-batches 64 --tp-flags default,cmdbuf_sync
     cp "$OUT/bench_parallel.json" "$OUT/tp_batch64.json"
+    ;;
+  tp_oneshot)
+    run tp_oneshot_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_allreduce_mgpu.py
+    run tp_allreduce 120 python3 bench/bench_allreduce.py
+    run tp_oneshot 330 python3 bench/bench_parallel.py --part tp --tp-spec chain --reps 3 \
+      --tp-batches 1 --tp-schedules replicated_attention:replicate,replicated_attention:replicate:oneshot
+    cp "$OUT/bench_parallel.json" "$OUT/tp_oneshot.json"
     ;;
   lossweight)
     run lossweight 590 python3 -m bench.train_gpu run --gguf "$GGUF" --out "$OUT" --mode sd \

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 from jaxspec.config import ModelConfig, layout_of
 from jaxspec.models.rope import apply_rope, rope_inv_freq, rope_tables  # noqa: F401 (re-export)
+from pallas_kernels import allreduce_mgpu
 from pallas_kernels.tree_attention import split_packed, tree_attention, tree_attention_packed
 
 
@@ -150,14 +151,36 @@ def _fused_matmul(x, w):
     return jnp.einsum("...h,hmc->...mc", x, w)
 
 
-def mlp_block(cfg, lp, x):
-    """x [..., H] -> the gated MLP's output [..., H] (normed after, where the layer says)."""
-    h = norm(cfg, x, lp["mlp_norm"])
-    g, u = jnp.split(_fused_matmul(h, lp["w_gate_up"]), 2, axis=-1)      # [..., M, F / M] each
+def _mlp(cfg, h, w_gate_up, w_down):
+    """h [..., H] normed -> the gated MLP's output [..., H] before any post-norm."""
+    g, u = jnp.split(_fused_matmul(h, w_gate_up), 2, axis=-1)      # [..., M, F / M] each
     gate = (jax.nn.gelu(g, approximate=True) if cfg.hidden_act == "gelu_tanh"
             else jax.nn.silu(g))
     act = gate * u
-    out = act.reshape(act.shape[:-2] + (-1,)) @ lp["w_down"]
+    return act.reshape(act.shape[:-2] + (-1,)) @ w_down
+
+
+def _mlp_over_shards(cfg, h, w_gate_up, w_down, m: int):
+    """`_mlp` with its weights split over the context mesh's `allreduce_mgpu.AXIS` (size m):
+    each device runs its F / m columns of w_gate_up [H, M, 2F / M] and rows of w_down, and the
+    partial sums meet in `allreduce_mgpu.allreduce` (the one-shot kernel where it serves)."""
+    from jax.sharding import PartitionSpec as P
+    axis = allreduce_mgpu.AXIS
+
+    def local(h, wgu, wd):
+        return allreduce_mgpu.allreduce(_mlp(cfg, h, wgu, wd), axis, m)
+    return jax.shard_map(local, in_specs=(P(), P(None, axis, None), P(axis, None)),
+                         out_specs=P(), check_vma=False)(h, w_gate_up, w_down)
+
+
+def mlp_block(cfg, lp, x):
+    """x [..., H] -> the gated MLP's output [..., H] (normed after, where the layer says)."""
+    h = norm(cfg, x, lp["mlp_norm"])
+    m = allreduce_mgpu.axis_size()
+    if m:
+        out = _mlp_over_shards(cfg, h, lp["w_gate_up"], lp["w_down"], m)
+    else:
+        out = _mlp(cfg, h, lp["w_gate_up"], lp["w_down"])
     if "post_mlp_norm" in lp:
         out = norm(cfg, out, lp["post_mlp_norm"])
     return out

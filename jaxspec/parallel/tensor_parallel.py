@@ -47,6 +47,13 @@ Schedules (`TensorParallel(schedule=)`), the collectives of one layer in the com
                           intermediate_size % M == 0 only. Its mesh axis is `MLP_AXIS`, not
                           "model": the Pallas kernels then run whole on every device (their
                           operands are replicated) instead of per head shard.
+All-reduce (`TensorParallel(allreduce=)`), under the replicated_attention schedule:
+  "xla"      GSPMD inserts the MLP's all-reduce (NCCL on GPU).
+  "oneshot"  the MLP runs in a shard_map over the mesh axis `allreduce_mgpu.AXIS` and its partial
+             sums meet in `pallas_kernels.allreduce_mgpu.allreduce`: on two Hopper GPUs, inputs
+             up to 64 KB (a few rows of the hidden state) take a Pallas kernel that reads the
+             peer's partial sum over NVLink in one kernel; anything else, and every CPU, takes
+             lax.psum. The same sums in the same order as "xla" at two devices.
 A sequence-parallel schedule (reduce-scatter before each norm, the norm on 1/M of the rows,
 all-gather after it) needs sharding constraints on activations inside the model code; weights
 and caches alone cannot ask GSPMD for it. Both Megatron-style schedules keep one full-sum per
@@ -75,10 +82,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxspec.config import ConfigError, ModelConfig
 from jaxspec.parallel.placement import MaskCache, OneDevice
+from pallas_kernels.allreduce_mgpu import AXIS as ONESHOT_AXIS
 
 AXIS = "model"
 MLP_AXIS = "mlp"            # the replicated_attention schedule's mesh axis (see the notes)
 SCHEDULES = ("megatron", "replicated_attention")
+ALLREDUCES = ("xla", "oneshot")
 
 
 def make_mesh(model_parallel: Optional[int] = None, devices: Optional[Sequence] = None,
@@ -297,19 +306,28 @@ class TensorParallel(OneDevice):
 
     mesh: a one-axis mesh named AXIS (`make_mesh`). schedule: one of SCHEDULES (the module
     notes); "replicated_attention" places everything over the same devices on an axis named
-    MLP_AXIS (`self.mesh`)."""
+    MLP_AXIS (`self.mesh`). allreduce: one of ALLREDUCES (the module notes); "oneshot" needs
+    the replicated_attention schedule and names the axis `allreduce_mgpu.AXIS`."""
     replicas = 1
 
     def __init__(self, mesh: Mesh, cfg: ModelConfig, vocab: str = "auto",
-                 schedule: str = "megatron"):
+                 schedule: str = "megatron", allreduce: str = "xla"):
         if AXIS not in mesh.axis_names:
             raise ConfigError(f"TensorParallel needs a mesh with a {AXIS!r} axis (make_mesh), "
                               f"got axes {mesh.axis_names}")
         check_shardable(cfg, mesh.shape[AXIS], schedule)
+        if allreduce not in ALLREDUCES:
+            raise ConfigError(f"allreduce must be one of {', '.join(ALLREDUCES)}, got "
+                              f"{allreduce!r}")
+        if allreduce == "oneshot" and schedule != "replicated_attention":
+            raise ConfigError("allreduce='oneshot' needs schedule='replicated_attention' (the "
+                              f"kernel serves the MLP's one all-reduce a layer), got {schedule!r}")
+        self.axis = AXIS
         if schedule == "replicated_attention":
-            mesh = Mesh(mesh.devices, (MLP_AXIS,))
-        self.axis = MLP_AXIS if schedule == "replicated_attention" else AXIS
+            self.axis = ONESHOT_AXIS if allreduce == "oneshot" else MLP_AXIS
+            mesh = Mesh(mesh.devices, (self.axis,))
         self.mesh, self.cfg, self.vocab, self.schedule = mesh, cfg, vocab, schedule
+        self.allreduce = allreduce
         self.put_mask = MaskCache(lambda m: jax.device_put(m, NamedSharding(mesh, P())))
 
     def weights(self, params, draft_params):
