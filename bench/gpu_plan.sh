@@ -50,6 +50,12 @@
 #                 the shipped head; carry .gpu/stage4/ and .gpu/train/sharegpt_more2.npz
 #   eagle3        stage 1 of the EAGLE-3 head (checkpoints/smollm2-135m-instruct-eagle3);
 #                 carry .gpu/train/
+#   eagle3_more   the EAGLE-3 head's next stage: from HEAD (default .gpu/eagle3, the card's
+#                 head) on its answers (.gpu/eagle3_answers/) and 27,832 later turns more
+#                 (.gpu/train/sharegpt_more2.npz); the new head and answers land in $OUT
+# Measured (HEAD: an EAGLE-3 head directory, beside the shipped EAGLE-1 head, one call each):
+#   eagle3_tau    tau over both MT-bench turns, chain and tree, both heads
+#   eagle3_e2e    end to end at batch 1 and 64 against plain, both heads
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
@@ -187,6 +193,28 @@ case "${1:-}" in
       --gguf "$GGUF" --out "$OUT" --arch eagle3 --mode sd --data .gpu/train/sharegpt.npz \
       --more-data .gpu/train/sharegpt_more.npz --gen-seconds 60 --draft-vocab 16384 --ttt-steps 6 \
       --batch-size 32 --lr 6e-4 --warmup 200 --questions 0 --precompute-share 0.45 --train-seconds 340
+    ;;
+  eagle3_more)
+    A=.gpu/eagle3_answers
+    run eagle3_more 590 env XLA_PYTHON_CLIENT_MEM_FRACTION=.92 python3 -m bench.train_gpu run \
+      --gguf "$GGUF" --out "$OUT" --arch eagle3 --mode sd --init-head "${HEAD:-.gpu/eagle3}" \
+      --sd-data $A/examples_sd_first.npz $A/examples_sd_more.npz \
+      --more-data .gpu/train/sharegpt_more2.npz --gen-seconds 150 --ttt-steps 6 --lr 2e-4 \
+      --warmup 50 --train-seconds ${TRAIN_S:-330} --questions 0 --precompute-share 0.45
+    rm -f "$OUT"/examples_sd_first.npz    # the carried answers; the new ones come back
+    ;;
+  eagle3_tau)
+    A="python3 -m bench.bench_accept --model $GGUF --presets chain tree --questions 80 --max-new 256 --turns 2"
+    run tau_eagle3 280 $A --head "${HEAD:-.gpu/eagle3}" --out "$OUT/tau_eagle3.json"
+    run tau_eagle1 280 $A --draft-vocab 16384 --context-vocab 256 --out "$OUT/tau_eagle1.json"
+    ;;
+  eagle3_e2e)
+    E="$BENCH --no-peers --max-tokens 128 --repeats 2 --spec default"
+    for b in 1 64; do n=80; [ $b = 64 ] && n=384
+      run e2e_eagle3_b$b 140 $E --batch-sizes $b --num-prompts $n --draft "${HEAD:-.gpu/eagle3}" \
+        --json "$OUT/e2e_eagle3_b$b.json"
+      run e2e_eagle1_b$b 140 $E --batch-sizes $b --num-prompts $n --json "$OUT/e2e_eagle1_b$b.json"
+    done
     ;;
   *) sed -n "2,/^set -uo/p" "$0" | sed '$d'; exit 2 ;;
 esac
