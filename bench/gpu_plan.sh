@@ -18,6 +18,8 @@
 #   digest        greedy outputs in fp32 on the GPU: every single-device mode against plain
 #   families      the compiled Triton tree kernel with windows, soft-caps and 256-wide heads
 #                 against its reference, and the model families' parity tests, on the GPU
+#   serve         `jaxspec serve` at 64 requests in flight against offline generate on the same
+#                 384 prompts, 64 slots, plain then the shipped head at the default spec
 # 8B shape, random weights:
 #   cycle         the speculative cycle against a plain decode step and its bytes floor, batch 1,
 #                 four tree shapes; then where the (6,10,60) cycle's kernel time goes
@@ -105,6 +107,12 @@ case "${1:-}" in
     P="env JAX_DEFAULT_MATMUL_PRECISION=highest python3 -m pytest -q -p no:cacheprovider"
     run families_kernel 250 $P tests/test_tree_attention.py -k compiled_kernel
     run families 300 $P tests/test_families.py
+    ;;
+  serve)
+    S="python3 -m bench.serve_vs_offline --model $GGUF --num-prompts 384 --max-tokens 128
+       --concurrency 64 --max-batch 64 --passes 3"
+    run serve_plain 280 $S
+    run serve_spec 280 $S --draft default
     ;;
   cycle)
     run cycle 390 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 3 \
