@@ -40,11 +40,14 @@
 #   parallel_tp   tensor parallel at 8B: decode step and cycles, batch 1 and 64
 #   tp_batch1     tensor parallel at 8B, one GPU against two, plain decode and chain cycle: batch 1
 #                 for each schedule (megatron; replicated_attention, embedding whole) and
-#                 collective flag set (default, cmdbuf, cmdbuf_sync) with the HLO's collectives
-#                 and profiler traces, then batch 64 (default and cmdbuf_sync)
-#   tp_oneshot    the one-shot all-reduce kernel: its tests on two GPUs, the all-reduce alone
-#                 against XLA's (rows 1-64 of 4096), then plain decode and chain cycle at batch
-#                 1, replicated_attention with XLA's all-reduce against with the kernel's
+#                 collective flag set (default, cmdbuf_sync, oneshot: XLA's one-shot all-reduce
+#                 kernel) with the HLO's collectives and profiler traces, then batch 64
+#                 (default and oneshot)
+#   tp_oneshot    the one-shot Pallas all-reduce kernel: its tests on two GPUs (the part stops
+#                 if they fail or hang), the all-reduce alone (NCCL, XLA's one-shot kernel, the
+#                 Pallas kernel; rows 1-64 of 4096), then plain decode and chain cycle at batch
+#                 1, replicated_attention with XLA's all-reduce (default and oneshot flags)
+#                 against with the Pallas kernel's
 # Training (carry what each names):
 #   lossweight    the shipped head fine-tuned with the token term at 1.0 and 0.1 (stage 4's run;
 #                 WEIGHTS=1.0 TRAIN_S=330 is stage 4's own); carry .gpu/train/
@@ -169,17 +172,22 @@ case "${1:-}" in
   tp_batch1)
     TP="python3 bench/bench_parallel.py --part tp --tp-spec chain --reps 3
         --tp-schedules megatron,replicated_attention:replicate"
-    run tp_batch1 320 $TP --tp-batches 1 --tp-flags default,cmdbuf,cmdbuf_sync --profile
+    run tp_batch1 320 $TP --tp-batches 1 --tp-flags default,cmdbuf_sync,oneshot --profile
     cp "$OUT/bench_parallel.json" "$OUT/tp_batch1.json"
-    run tp_batch64 270 $TP --tp-batches 64 --tp-flags default,cmdbuf_sync
+    run tp_batch64 270 $TP --tp-batches 64 --tp-flags default,oneshot
     cp "$OUT/bench_parallel.json" "$OUT/tp_batch64.json"
+    # at most 8 files come back from a call: the HLO and traces as one archive
+    tar czf "$OUT/tp_profile.tgz" -C "$OUT" tp_hlo tp_trace && rm -rf "$OUT/tp_hlo" "$OUT/tp_trace"
     ;;
   tp_oneshot)
-    run tp_oneshot_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_allreduce_mgpu.py
-    run tp_allreduce 120 python3 bench/bench_allreduce.py
-    run tp_oneshot 330 python3 bench/bench_parallel.py --part tp --tp-spec chain --reps 3 \
-      --tp-batches 1 --tp-schedules replicated_attention:replicate,replicated_attention:replicate:oneshot
-    cp "$OUT/bench_parallel.json" "$OUT/tp_oneshot.json"
+    run tp_oneshot_tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_allreduce_mgpu.py \
+      || NO_PALLAS=--no-pallas   # the Pallas kernel failed or hung: time XLA's alone
+    run tp_allreduce 120 python3 bench/bench_allreduce.py ${NO_PALLAS:-}
+    TP="python3 bench/bench_parallel.py --part tp --tp-spec chain --reps 3 --tp-batches 1"
+    run tp_oneshot_xla 200 $TP --tp-schedules replicated_attention:replicate --tp-flags default,oneshot
+    cp "$OUT/bench_parallel.json" "$OUT/tp_oneshot_xla.json"
+    [ -n "${NO_PALLAS:-}" ] || run tp_oneshot_pallas 120 $TP \
+      --tp-schedules replicated_attention:replicate:oneshot
     ;;
   lossweight)
     run lossweight 590 python3 -m bench.train_gpu run --gguf "$GGUF" --out "$OUT" --mode sd \

@@ -29,6 +29,10 @@ every set):
   cmdbuf_sync  both.
   lhs          xla_gpu_enable_latency_hiding_scheduler: async collectives scheduled to overlap
                the independent work around them.
+  oneshot      xla_gpu_unsupported_use_all_reduce_one_shot_kernel: XLA's own one-shot kernel
+               for the all-reduces of one host that fit it (each device reads its peers'
+               buffers and sums them in one kernel) instead of NCCL's.
+  cmdbuf_oneshot  cmdbuf and oneshot.
 """
 from __future__ import annotations
 
@@ -47,9 +51,11 @@ _override: Optional[str] = None
 _CMDBUF = {"xla_gpu_enable_command_buffer":
            "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,COLLECTIVES"}
 _SYNC = {"xla_gpu_disable_async_collectives": "ALLREDUCE,REDUCESCATTER,ALLGATHER"}
+_ONESHOT = {"xla_gpu_unsupported_use_all_reduce_one_shot_kernel": True}
 COLLECTIVE_FLAGS: Dict[str, Dict[str, Any]] = {
     "default": {}, "cmdbuf": _CMDBUF, "sync": _SYNC, "cmdbuf_sync": {**_CMDBUF, **_SYNC},
-    "lhs": {"xla_gpu_enable_latency_hiding_scheduler": True}}
+    "lhs": {"xla_gpu_enable_latency_hiding_scheduler": True}, "oneshot": _ONESHOT,
+    "cmdbuf_oneshot": {**_CMDBUF, **_ONESHOT}}
 _collectives = "default"
 
 
