@@ -180,13 +180,13 @@ case "${1:-}" in
     tar czf "$OUT/tp_profile.tgz" -C "$OUT" tp_hlo tp_trace && rm -rf "$OUT/tp_hlo" "$OUT/tp_trace"
     ;;
   tp_oneshot)
-    run tp_oneshot_tests 100 python3 -m pytest -q -p no:cacheprovider tests/test_allreduce_mgpu.py \
+    run tp_oneshot_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_allreduce_mgpu.py \
       || NO_PALLAS=--no-pallas   # the Pallas kernel failed or hung: time XLA's alone
-    run tp_allreduce 120 python3 bench/bench_allreduce.py ${NO_PALLAS:-}
+    run tp_allreduce 100 python3 bench/bench_allreduce.py ${NO_PALLAS:-}
     TP="python3 bench/bench_parallel.py --part tp --tp-spec chain --reps 3 --tp-batches 1"
     run tp_oneshot_xla 200 $TP --tp-schedules replicated_attention:replicate --tp-flags default,oneshot
     cp "$OUT/bench_parallel.json" "$OUT/tp_oneshot_xla.json"
-    [ -n "${NO_PALLAS:-}" ] || run tp_oneshot_pallas 120 $TP \
+    [ -n "${NO_PALLAS:-}" ] || run tp_oneshot_pallas 110 $TP \
       --tp-schedules replicated_attention:replicate:oneshot
     ;;
   lossweight)

@@ -1,8 +1,9 @@
 """The one-shot all-reduce kernel (`pallas_kernels.allreduce_mgpu`): which inputs take it, that it
 lowers to a Mosaic GPU kernel reading its peer through XLA's collective metadata (on any
 machine: lowering for CUDA runs on a CPU), and on two Hopper GPUs that it equals the exact sum,
-alone and chained as a step chains them. The engine over `allreduce="oneshot"` (the kernel's
-psum on a CPU) is checked against single-device references in tests/test_tp_schedules.py."""
+alone and chained as a step chains them, and that the engine over it gives the engine over
+NCCL's greedy outputs. The engine over `allreduce="oneshot"` on a CPU (the kernel's psum) is
+checked against single-device references in tests/test_tp_schedules.py."""
 import re
 
 import jax
@@ -83,3 +84,39 @@ def test_equals_the_exact_sum_on_two_gpus(shape):
     want = np.asarray(psum(x), np.float32)
     for _ in range(3):   # again: the semaphores start each call from zero
         np.testing.assert_array_equal(np.asarray(kernel(x), np.float32), want)
+
+
+@pytest.mark.skipif(not _two_hopper_gpus(), reason="needs two Hopper GPUs")
+@pytest.mark.parametrize("spec", [None, "chain"])
+def test_engine_over_the_kernel_equals_the_engine_over_nccl(spec, monkeypatch):
+    """The engine over TensorParallel(replicated_attention) in bf16, a hidden state of one tile
+    (4096) so that every MLP all-reduce of a decode step or chain cycle takes the kernel: its
+    greedy outputs equal the same engine's with XLA's all-reduce token for token (the sums are
+    bitwise equal)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import parallel_check as pc
+    from jaxspec import build
+    from jaxspec.config import ModelConfig
+    from jaxspec.engine import EngineConfig
+    from jaxspec.parallel import TensorParallel, make_mesh
+
+    cfg = ModelConfig(arch="LlamaForCausalLM", vocab_size=512, hidden_size=4096,
+                      intermediate_size=2048, num_layers=2, num_heads=32, num_kv_heads=8,
+                      head_dim=128)
+    p, d = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), pc.pair(cfg))
+    kernel_calls = []
+    real = ar.oneshot
+    monkeypatch.setattr(ar, "oneshot", lambda *a: kernel_calls.append(a[0].shape) or real(*a))
+    outs = {}
+    for allreduce in ("xla", "oneshot"):
+        monkeypatch.setattr(build, "placement", lambda cfg, dp, tp, impl="shard_map": (
+            TensorParallel(make_mesh(tp), cfg, schedule="replicated_attention",
+                           allreduce=allreduce)))
+        econf = EngineConfig(max_batch=2, max_model_len=pc.MAX_LEN, prefill_chunk=16)
+        eng = build.build_engine(cfg, p, econf, draft=d if spec else None, spec=spec,
+                                 tensor_parallel=2)
+        outs[allreduce] = [r.output for r in pc.serve(eng, pc.PROMPTS, pc.greedy())]
+    assert kernel_calls, "no all-reduce took the kernel"
+    assert outs["oneshot"] == outs["xla"]
