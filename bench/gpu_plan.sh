@@ -22,7 +22,9 @@
 #                 384 prompts, 64 slots, plain then the shipped head at the default spec
 # 8B shape, random weights:
 #   cycle         the speculative cycle against a plain decode step and its bytes floor, batch 1,
-#                 four tree shapes; then where the (6,10,60) cycle's kernel time goes
+#                 four tree shapes (SHAPES), the catch-up's dead-row skip at batch 64; then
+#                 where the (6,10,60) cycle's kernel time goes (PROFILE=0 leaves it out: all
+#                 three may not fit one call from a cold compile cache)
 #   decode        the engine's decode step against its floor (8B under the GEMM rule and with
 #                 Triton GEMMs, SmolLM2 shape), then the batch-64 step's kernels
 #   kernels_e2e   the decode step (E2E=decode) or the cycle (E2E=cycle) with the Pallas kernels
@@ -119,9 +121,9 @@ case "${1:-}" in
     ;;
   cycle)
     run cycle 390 python3 bench/bench_cycle.py --no-ablation --cycles 20 --repeats 3 \
-      --shapes "1,1,2;3,1,4;5,8,32;6,10,60" --variants lean
-    run cycle_profile 200 python3 -m bench.profile_cycle --shapes "6,10,60" --variant lean
+      --shapes "${SHAPES:-1,1,2;3,1,4;5,8,32;6,10,60}" --variants lean
     run cycle_b64 120 python3 bench/bench_cycle.py --batch 64 --cycles 10 --repeats 3 --shapes "3,2,4"
+    [ "${PROFILE:-1}" = 0 ] || run cycle_profile 200 python3 -m bench.profile_cycle --shapes "6,10,60" --variant lean
     ;;
   decode)
     run decode 250 python3 -m bench.bench_decode --layouts static --only llama3-8b --program engine --gemm auto,triton
