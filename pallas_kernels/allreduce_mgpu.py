@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.head_sharding import context_axis_size
+
 TILE = 4096            # elements a tile: 32 a thread of one warpgroup (128 threads), one token
 #                        of an 8B model's hidden state, its loads all in flight at once
 MAX_BYTES = 64 * 1024  # larger inputs take lax.psum: one thread block reads the peer tile by
@@ -38,16 +40,8 @@ AXIS = "mlp_oneshot"
 
 
 def axis_size():
-    """Size of the context mesh's AXIS when the MLP should run over it, else None (no mesh, no
-    such axis, size 1, or already inside a shard_map over it)."""
-    get = getattr(jax.sharding, "get_abstract_mesh", None)
-    mesh = get() if get is not None else None
-    if mesh is None or getattr(mesh, "empty", True) or AXIS not in mesh.axis_names:
-        return None
-    if AXIS in getattr(mesh, "manual_axes", ()):
-        return None
-    n = mesh.shape[AXIS]
-    return n if n > 1 else None
+    """Size of the context mesh's AXIS when the MLP should run over it, else None."""
+    return context_axis_size(AXIS)
 
 
 def reference(x, axis_name):

@@ -18,14 +18,20 @@ MODEL_AXIS = "model"
 
 def model_axis_size() -> Optional[int]:
     """Size of the context mesh's model axis when the kernels should run per shard, else None
-    (no mesh, no such axis, size 1, or already inside a shard_map over it)."""
+    (`context_axis_size`)."""
+    return context_axis_size(MODEL_AXIS)
+
+
+def context_axis_size(axis: str) -> Optional[int]:
+    """Size of the context mesh's `axis` when code should run per shard of it, else None (no
+    mesh, no such axis, size 1, or already inside a shard_map over it)."""
     get = getattr(jax.sharding, "get_abstract_mesh", None)
     mesh = get() if get is not None else None
-    if mesh is None or getattr(mesh, "empty", True) or MODEL_AXIS not in mesh.axis_names:
+    if mesh is None or getattr(mesh, "empty", True) or axis not in mesh.axis_names:
         return None
-    if MODEL_AXIS in getattr(mesh, "manual_axes", ()):
+    if axis in getattr(mesh, "manual_axes", ()):
         return None
-    n = mesh.shape[MODEL_AXIS]
+    n = mesh.shape[axis]
     return n if n > 1 else None
 
 
