@@ -25,7 +25,8 @@ a third field `:oneshot` takes that one all-reduce through the Pallas one-shot k
 and each XLA collective flag set of --tp-flags (`xla_options.COLLECTIVE_FLAGS`, built into the
 programs, so one process compares them); each ratio is against the one-device time measured in
 the same process. --profile prints each TP step's collectives (optimized HLO) and, with OUT set,
-writes the HLO and a jax.profiler trace (the 8B model fits one H200; the point is the split).
+writes the HLO and a jax.profiler trace and prints each GPU's device time a step by kernel kind
+(collectives, GEMMs, attention, ...; the 8B model fits one H200; the point is the split).
 
     python bench/bench_parallel.py                 # GPU (2x H200): both parts
     python bench/bench_parallel.py --part dp       # or tp; --dp-impl engine: shard_map only
@@ -329,27 +330,56 @@ def tp_backend(cfg, p, d, preset, batch, args, placement):
 
 def tp_profile(exe, call, state, label):
     """The compiled step's collectives (optimized HLO); with OUT set, its HLO text under
-    $OUT/tp_hlo/ and a jax.profiler trace of 4 steps under $OUT/tp_trace/LABEL."""
+    $OUT/tp_hlo/, a jax.profiler trace of TRACED steps under $OUT/tp_trace/LABEL and each GPU's
+    device time a step by kernel kind (`tp_device_time`). -> (state, {"collectives": counts,
+    "device_ms": [per GPU {kind: ms}]})."""
     hlo = exe.as_text()
     counts = {k: v for k, v in count_collectives(hlo).items() if v}
+    print(f"   collectives {label}: {counts} in the step (a layer loop counts once unless "
+          "unrolled)", flush=True)
+    device_ms = []
     out = os.environ.get("OUT")
     if out:
         Path(out, "tp_hlo").mkdir(parents=True, exist_ok=True)
         Path(out, "tp_hlo", f"{label}.txt").write_text(hlo)
         state = call(state)
         jax.block_until_ready(state)
-        with jax.profiler.trace(str(Path(out, "tp_trace", label))):
-            for _ in range(4):
+        trace_dir = str(Path(out, "tp_trace", label))
+        with jax.profiler.trace(trace_dir):
+            for _ in range(TRACED):
                 state = call(state)
             jax.block_until_ready(state)
-    print(f"   collectives {label}: {counts} in the step (a layer loop counts once unless "
-          "unrolled)", flush=True)
-    return state, counts
+        device_ms = tp_device_time(trace_dir, TRACED, label)
+    return state, {"collectives": counts, "device_ms": device_ms}
+
+
+TRACED = 4     # steps a profile traces
+
+
+def tp_device_time(trace_dir, steps, label):
+    """[per GPU {kernel kind: ms a step}] from the trace (kinds as bench.profile_cycle sorts
+    kernel names: collective, gemm, tree_attention, ...), printed a line a GPU."""
+    from bench.profile_cycle import kind_of
+    from jaxspec.benchmark import trace
+    events = trace.load_trace(trace_dir)
+    per_gpu = []
+    for i, pid in enumerate(sorted(trace.gpu_pids(events))):
+        kinds = {}
+        for e in events:
+            if e.get("ph") == "X" and e.get("pid") == pid:
+                k = kind_of(e["name"])
+                kinds[k] = kinds.get(k, 0.0) + e.get("dur", 0) / steps / 1e3
+        per_gpu.append(kinds)
+        print(f"   device ms a step, GPU {i} ({label}): total {sum(kinds.values()):.3f}; "
+              + ", ".join(f"{k} {ms:.3f}" for k, ms in sorted(kinds.items(),
+                                                            key=lambda kv: -kv[1])), flush=True)
+    return per_gpu
 
 
 def _tp_time(cfg, p, d, preset, batch, args, placement, label, flags="default"):
-    """-> (ms a call, collectives or None) of the backend over `placement`, its programs built
-    under the collective flag set `flags` (compiled once: the profile reads the same one)."""
+    """-> (ms a call, `tp_profile`'s record or None) of the backend over `placement`, its
+    programs built under the collective flag set `flags` (compiled once: the profile reads the
+    same one)."""
     fill = lambda s: _fill(s, args.prompt_len)      # noqa: E731
     with collective_flags(flags):
         be = tp_backend(cfg, p, d, preset, batch, args, placement)
@@ -358,12 +388,12 @@ def _tp_time(cfg, p, d, preset, batch, args, placement, label, flags="default"):
     _, low = be.cycle(state, mask, LEAN, size=1, lower=True)
     exe, weights = low.compile(), be.weights
     call = lambda s: exe(*weights, s, mask)[0]      # noqa: E731
-    counts = None
+    profiled = None
     if args.profile and isinstance(placement, TensorParallel):
-        state, counts = tp_profile(exe, call, fill(state), label)
+        state, profiled = tp_profile(exe, call, fill(state), label)
     state, ms = time_back_to_back(call, state, args, fill)
     del state, be
-    return ms, counts
+    return ms, profiled
 
 
 def tp_step_times(cfg, args, model_parallel, save=lambda rows: None):
@@ -383,11 +413,12 @@ def tp_step_times(cfg, args, model_parallel, save=lambda rows: None):
                     pl = TensorParallel(mesh, cfg, vocab=vocab, schedule=schedule,
                                         allreduce=allreduce)
                     name = f"{preset}_b{batch}_{schedule}_{vocab}_{allreduce}_{flags}"
-                    ms, counts = _tp_time(cfg, p, d, preset, batch, args, pl, name, flags)
+                    ms, profiled = _tp_time(cfg, p, d, preset, batch, args, pl, name, flags)
                     rows.append(dict(part="tp", mode=preset, batch=batch,
                                      model_parallel=model_parallel, schedule=schedule,
-                                     vocab=vocab, allreduce=allreduce, flags=flags, single_ms=single, tp_ms=ms,
-                                     speedup=single / ms, collectives=counts))
+                                     vocab=vocab, allreduce=allreduce, flags=flags,
+                                     single_ms=single, tp_ms=ms,
+                                     speedup=single / ms, **(profiled or {})))
                     save(rows)
                     print(f"tp {preset:6s} batch {batch:3d} {label} [{flags}]: 1 GPU "
                           f"{single:.2f} ms, {model_parallel} GPUs {ms:.2f} ms", flush=True)
@@ -504,9 +535,10 @@ def main(argv=None):
                   f"{r['pmap_scaling']:.2f}x)")
         else:
             print(f"tp {r['mode']:6s} batch {r['batch']:3d}  {r['schedule']:20s} "
-                  f"{r['vocab']:9s} {r.get('allreduce', 'xla'):7s} {r['flags']:11s}  1 GPU {r['single_ms']:7.2f} ms  "
+                  f"{r['vocab']:9s} {r.get('allreduce', 'xla'):7s} {r['flags']:11s}  1 GPU "
+                  f"{r['single_ms']:7.2f} ms  "
                   f"{r['model_parallel']} GPUs {r['tp_ms']:7.2f} ms  x{r['speedup']:.2f}"
-                  + (f"  {r['collectives']}" if r["collectives"] else ""))
+                  + (f"  {r['collectives']}" if r.get("collectives") else ""))
 
 
 if __name__ == "__main__":

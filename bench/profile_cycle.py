@@ -2,7 +2,8 @@
 
 Traces `--calls` back-to-back calls of each program with jax.profiler (CUDA graphs kept on, so
 the traced run is the timed one) and prints, per program, the device time per call by kernel name
-and by kind (GEMMs, tree attention and its combine, KV compaction, top-k, other fusions, copies),
+and by kind (collectives, GEMMs, tree attention and its combine, KV compaction, top-k, other
+fusions, copies),
 next to the wall time per call of the same run. Kernel time under the wall time is launch gaps:
 time the GPU sat between kernels.
 
@@ -28,7 +29,9 @@ from bench.common import add_kernel_default, apply_kernel_defaults
 from jaxspec.benchmark import trace
 
 # Kernel name -> kind, first match wins.
-_KINDS = [("tree_attention_combine", r"tree_attention_combine"),
+_KINDS = [("collective",
+           r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|one[-_]?shot|collective"),
+          ("tree_attention_combine", r"tree_attention_combine"),
           ("tree_attention", r"tree_attention"), ("kv_compact", r"kv_compact"),
           ("gemm", r"gemm|nvjet|xmma|cutlass|sm90|cublas|matmul|dot"),
           ("topk", r"topk|top_k|sort"), ("copy", r"memcpy|memset|copy"),

@@ -20,8 +20,6 @@ serves (`serves`) and `lax.psum` elsewhere; `reference` is the psum. Call both i
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -72,9 +70,11 @@ def oneshot(x, axis_name):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     flat = x.reshape(-1)
+
+    def oneshot_allreduce(x_ref, y_ref, ready, done):   # the name profiles show
+        _kernel(x_ref, y_ref, ready, done, axis_name=axis_name, tiles=flat.size // TILE)
     call = plgpu.kernel(
-        functools.partial(_kernel, axis_name=axis_name, tiles=flat.size // TILE),
-        out_type=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
+        oneshot_allreduce, out_type=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
         scratch_types=[plgpu.SemaphoreType.REGULAR, plgpu.SemaphoreType.REGULAR])
     return call(flat).reshape(x.shape)
 

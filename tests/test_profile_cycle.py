@@ -7,9 +7,11 @@ def test_profile_table_sums_device_time_by_kind_and_name():
     """Per-call ms by kernel name and kind, kernels per call, and the first-to-last span."""
     assert [kind_of(n) for n in ("tree_attention_combine", "tree_attention__5", "kv_compact",
                                  "gemm_fusion_dot_3", "nvjet_sm90_tss", "loop_add_fusion_63",
-                                 "void stream_executor::cuda::Run<16ul, float>", "memcpy32_post")
+                                 "void stream_executor::cuda::Run<16ul, float>", "memcpy32_post",
+                                 "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "oneshot_allreduce",
+                                 "all-reduce-start.3", "input_reduce_fusion_1")
             ] == ["tree_attention_combine", "tree_attention", "kv_compact", "gemm", "gemm",
-                  "fusion", "other", "copy"]
+                  "fusion", "other", "copy", "collective", "collective", "collective", "reduce"]
     # Two calls, each: a GEMM of 30 us, attention of 10 us, a fusion of 5 us, 2 us apart.
     ev = []
     for c in range(2):

@@ -179,7 +179,8 @@ def check_collectives(schedule, allreduce):
             want = {op: PER_LAYER[schedule, allreduce] if op == "all-reduce" else 0
                     for op in two}
             assert per_layer == want, (schedule, allreduce, kind, batch, per_layer, two, four)
-            print(f"{schedule} {allreduce} {kind} batch {batch}: per layer {per_layer['all-reduce']:g} "
+            print(f"{schedule} {allreduce} {kind} batch {batch}: per layer "
+                  f"{per_layer['all-reduce']:g} "
                   f"all-reduce; 2 layers {two}", flush=True)
     pc.ok(f"tp2-collectives-{schedule}-{allreduce}")
 
