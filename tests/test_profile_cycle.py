@@ -25,3 +25,27 @@ def test_profile_table_sums_device_time_by_kind_and_name():
     assert abs(row["by_kind"]["tree_attention"] - 0.010) < 1e-12
     assert abs(row["span_ms"] - (1049.0 / 2 / 1e3)) < 1e-12      # first start to last end
     assert row["by_name"]["loop_add_fusion_2"] == [0.005, 1.0]
+
+
+def test_tp_device_time_splits_each_gpu_by_kind(tmp_path):
+    """bench_parallel --profile's summary of a two-GPU trace (synthetic perfetto events): per GPU
+    and step, device ms by kernel kind; host events and other processes left out."""
+    import gzip
+    import json
+    from bench.bench_parallel import tp_device_time
+    meta = [{"ph": "M", "name": "process_name", "pid": p, "args": {"name": n}}
+            for p, n in ((1, "/host:CPU"), (7, "/device:GPU:0"), (9, "/device:GPU:1"))]
+    spans = []
+    for step in range(2):
+        t = 1000.0 * step
+        for pid, ar_us in ((7, 40.0), (9, 25.0)):
+            spans += [{"ph": "X", "pid": pid, "name": "gemm_fusion_dot_1", "ts": t, "dur": 300.0},
+                      {"ph": "X", "pid": pid, "name": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL",
+                       "ts": t + 310, "dur": ar_us},
+                      {"ph": "X", "pid": pid, "name": "loop_add_fusion", "ts": t + 400, "dur": 10.0}]
+        spans.append({"ph": "X", "pid": 1, "name": "PjitFunction(cycle)", "ts": t, "dur": 900.0})
+    with gzip.open(tmp_path / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + spans}, f)
+    got = tp_device_time(str(tmp_path), 2, "synthetic")
+    assert got == [{"gemm": 0.3, "collective": 0.04, "fusion": 0.01},
+                   {"gemm": 0.3, "collective": 0.025, "fusion": 0.01}]
