@@ -42,7 +42,8 @@ def test_tp_device_time_splits_each_gpu_by_kind(tmp_path):
             spans += [{"ph": "X", "pid": pid, "name": "gemm_fusion_dot_1", "ts": t, "dur": 300.0},
                       {"ph": "X", "pid": pid, "name": "ncclDevKernel_AllReduce_Sum_bf16_RING_LL",
                        "ts": t + 310, "dur": ar_us},
-                      {"ph": "X", "pid": pid, "name": "loop_add_fusion", "ts": t + 400, "dur": 10.0}]
+                      {"ph": "X", "pid": pid, "name": "loop_add_fusion", "ts": t + 400,
+                       "dur": 10.0}]
         spans.append({"ph": "X", "pid": 1, "name": "PjitFunction(cycle)", "ts": t, "dur": 900.0})
     with gzip.open(tmp_path / "host.trace.json.gz", "wt") as f:
         json.dump({"traceEvents": meta + spans}, f)
