@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -337,7 +338,7 @@ def tp_profile(exe, call, state, label):
     counts = {k: v for k, v in count_collectives(hlo).items() if v}
     print(f"   collectives {label}: {counts} in the step (a layer loop counts once unless "
           "unrolled)", flush=True)
-    device_ms = []
+    device_ms, launches = [], {}
     out = os.environ.get("OUT")
     if out:
         Path(out, "tp_hlo").mkdir(parents=True, exist_ok=True)
@@ -350,7 +351,8 @@ def tp_profile(exe, call, state, label):
                 state = call(state)
             jax.block_until_ready(state)
         device_ms = tp_device_time(trace_dir, TRACED, label)
-    return state, {"collectives": counts, "device_ms": device_ms}
+        launches = host_launches(trace_dir, TRACED, label)
+    return state, {"collectives": counts, "device_ms": device_ms, "host_launches": launches}
 
 
 TRACED = 4     # steps a profile traces
@@ -374,6 +376,23 @@ def tp_device_time(trace_dir, steps, label):
               + ", ".join(f"{k} {ms:.3f}" for k, ms in sorted(kinds.items(),
                                                             key=lambda kv: -kv[1])), flush=True)
     return per_gpu
+
+
+_LAUNCH = {"graphs": re.compile(r"^cu(da)?GraphLaunch"),
+           "kernels": re.compile(r"^cu(da)?LaunchKernel")}
+
+
+def host_launches(trace_dir, steps, label):
+    """{graphs, kernels}: the host's CUDA graph and kernel launches a step, from the trace's
+    runtime-API events: a collective outside the command buffers splits the step's graph and
+    launches its kernels one by one."""
+    from jaxspec.benchmark import trace
+    events = trace.load_trace(trace_dir)
+    got = {k: sum(1 for e in events if e.get("ph") == "X" and rx.match(str(e.get("name", ""))))
+           / steps for k, rx in _LAUNCH.items()}
+    print(f"   host launches a step ({label}): {got['graphs']:g} graphs, {got['kernels']:g} "
+          "kernels", flush=True)
+    return got
 
 
 def _tp_time(cfg, p, d, preset, batch, args, placement, label, flags="default"):
@@ -471,6 +490,9 @@ def main(argv=None):
         tp_configs(args)
     except ValueError as e:
         ap.error(str(e))
+    if args.profile:   # before the backend starts: the traced steps keep their CUDA graphs
+        from jaxspec.benchmark.trace import keep_graphs_while_profiling
+        keep_graphs_while_profiling()
     n = jax.local_device_count()
     if n < 2:
         sys.exit(f"needs at least 2 devices, found {n}")

@@ -29,10 +29,11 @@ def test_profile_table_sums_device_time_by_kind_and_name():
 
 def test_tp_device_time_splits_each_gpu_by_kind(tmp_path):
     """bench_parallel --profile's summary of a two-GPU trace (synthetic perfetto events): per GPU
-    and step, device ms by kernel kind; host events and other processes left out."""
+    and step, device ms by kernel kind (host events left out), and the host's graph and kernel
+    launches a step."""
     import gzip
     import json
-    from bench.bench_parallel import tp_device_time
+    from bench.bench_parallel import host_launches, tp_device_time
     meta = [{"ph": "M", "name": "process_name", "pid": p, "args": {"name": n}}
             for p, n in ((1, "/host:CPU"), (7, "/device:GPU:0"), (9, "/device:GPU:1"))]
     spans = []
@@ -44,9 +45,14 @@ def test_tp_device_time_splits_each_gpu_by_kind(tmp_path):
                        "ts": t + 310, "dur": ar_us},
                       {"ph": "X", "pid": pid, "name": "loop_add_fusion", "ts": t + 400,
                        "dur": 10.0}]
-        spans.append({"ph": "X", "pid": 1, "name": "PjitFunction(cycle)", "ts": t, "dur": 900.0})
+        spans += [{"ph": "X", "pid": 1, "name": "PjitFunction(cycle)", "ts": t, "dur": 900.0},
+                  {"ph": "X", "pid": 1, "name": "cudaGraphLaunch", "ts": t + 1, "dur": 5.0},
+                  {"ph": "X", "pid": 1, "name": "cuLaunchKernel", "ts": t + 7, "dur": 2.0},
+                  {"ph": "X", "pid": 1, "name": "cuLaunchKernelEx", "ts": t + 9, "dur": 2.0},
+                  {"ph": "X", "pid": 1, "name": "cudaGraphLaunch", "ts": t + 11, "dur": 5.0}]
     with gzip.open(tmp_path / "host.trace.json.gz", "wt") as f:
         json.dump({"traceEvents": meta + spans}, f)
     got = tp_device_time(str(tmp_path), 2, "synthetic")
     assert got == [{"gemm": 0.3, "collective": 0.04, "fusion": 0.01},
                    {"gemm": 0.3, "collective": 0.025, "fusion": 0.01}]
+    assert host_launches(str(tmp_path), 2, "synthetic") == {"graphs": 2, "kernels": 2}
