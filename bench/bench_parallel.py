@@ -53,12 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import LLAMA3_8B, SMOLLM2_135M, device_name, median, write_json  # noqa: E402
 from jaxspec.build import build_engine  # noqa: E402
-from jaxspec.config import ModelConfig  # noqa: E402
+from jaxspec.config import ConfigError, ModelConfig  # noqa: E402
 from jaxspec.engine import EngineConfig, EngineStats, PlainBackend, SpecBackend  # noqa: E402
 from jaxspec.models import eagle, llama  # noqa: E402
 from jaxspec.parallel import DataParallel, OneDevice, TensorParallel, make_mesh  # noqa: E402
 from jaxspec.parallel.tensor_parallel import (ALLREDUCES, SCHEDULES,  # noqa: E402
-                                              count_collectives)
+                                              check_allreduce, count_collectives)
 from jaxspec.sampling import LEAN, SamplingParams  # noqa: E402
 from jaxspec.spec.config import resolve_spec  # noqa: E402
 from jaxspec.xla_options import COLLECTIVE_FLAGS, collective_flags  # noqa: E402
@@ -307,14 +307,15 @@ def tp_configs(args):
         schedule, vocab, allreduce = (item.split(":") + ["", ""])[:3]
         vocab, allreduce = vocab or "auto", allreduce or "xla"
         if (item.count(":") > 2 or schedule not in SCHEDULES
-                or vocab not in ("auto", "shard", "replicate") or allreduce not in ALLREDUCES):
+                or vocab not in ("auto", "shard", "replicate")):
             raise ValueError(
                 f"--tp-schedules: {item!r} is not SCHEDULE[:VOCAB[:ALLREDUCE]] with SCHEDULE one "
                 f"of {', '.join(SCHEDULES)}, VOCAB auto, shard or replicate and ALLREDUCE one of "
                 f"{', '.join(ALLREDUCES)}")
-        if allreduce == "oneshot" and schedule != "replicated_attention":
-            raise ValueError(f"--tp-schedules: {item!r}: oneshot serves the "
-                             "replicated_attention schedule only")
+        try:
+            check_allreduce(schedule, allreduce)
+        except ConfigError as e:
+            raise ValueError(f"--tp-schedules: {item!r}: {e}") from None
         out.append((item, schedule, vocab, allreduce))
     return out
 
@@ -331,9 +332,9 @@ def tp_backend(cfg, p, d, preset, batch, args, placement):
 
 def tp_profile(exe, call, state, label):
     """The compiled step's collectives (optimized HLO); with OUT set, its HLO text under
-    $OUT/tp_hlo/, a jax.profiler trace of TRACED steps under $OUT/tp_trace/LABEL and each GPU's
-    device time a step by kernel kind (`tp_device_time`). -> (state, {"collectives": counts,
-    "device_ms": [per GPU {kind: ms}]})."""
+    $OUT/tp_hlo/, a jax.profiler trace of TRACED steps under $OUT/tp_trace/LABEL, each GPU's
+    device time a step by kernel kind (`tp_device_time`) and the host's launches
+    (`host_launches`). -> (state, {"collectives", "device_ms", "host_launches"})."""
     hlo = exe.as_text()
     counts = {k: v for k, v in count_collectives(hlo).items() if v}
     print(f"   collectives {label}: {counts} in the step (a layer loop counts once unless "
@@ -347,34 +348,31 @@ def tp_profile(exe, call, state, label):
         jax.block_until_ready(state)
         trace_dir = str(Path(out, "tp_trace", label))
         with jax.profiler.trace(trace_dir):
+            t0 = time.perf_counter()
             for _ in range(TRACED):
                 state = call(state)
             jax.block_until_ready(state)
-        device_ms = tp_device_time(trace_dir, TRACED, label)
-        launches = host_launches(trace_dir, TRACED, label)
+            wall_ms = (time.perf_counter() - t0) / TRACED * 1e3
+        from jaxspec.benchmark import trace
+        events = trace.load_trace(trace_dir)
+        device_ms = tp_device_time(events, TRACED, label, wall_ms)
+        launches = host_launches(events, TRACED, label)
     return state, {"collectives": counts, "device_ms": device_ms, "host_launches": launches}
 
 
 TRACED = 4     # steps a profile traces
 
 
-def tp_device_time(trace_dir, steps, label):
-    """[per GPU {kernel kind: ms a step}] from the trace (kinds as bench.profile_cycle sorts
-    kernel names: collective, gemm, tree_attention, ...), printed a line a GPU."""
-    from bench.profile_cycle import kind_of
+def tp_device_time(events, steps, label, wall_ms):
+    """[per GPU {kernel kind: ms a step}] of a trace's events, each GPU's table printed by
+    `bench.profile_cycle.table` (kinds as it sorts kernel names: collective, gemm, ...)."""
+    from bench.profile_cycle import table
     from jaxspec.benchmark import trace
-    events = trace.load_trace(trace_dir)
     per_gpu = []
     for i, pid in enumerate(sorted(trace.gpu_pids(events))):
-        kinds = {}
-        for e in events:
-            if e.get("ph") == "X" and e.get("pid") == pid:
-                k = kind_of(e["name"])
-                kinds[k] = kinds.get(k, 0.0) + e.get("dur", 0) / steps / 1e3
-        per_gpu.append(kinds)
-        print(f"   device ms a step, GPU {i} ({label}): total {sum(kinds.values()):.3f}; "
-              + ", ".join(f"{k} {ms:.3f}" for k, ms in sorted(kinds.items(),
-                                                            key=lambda kv: -kv[1])), flush=True)
+        spans = [(e["name"], e["ts"], e.get("dur", 0)) for e in events
+                 if e.get("ph") == "X" and e.get("pid") == pid]
+        per_gpu.append(dict(table(f"{label}, GPU {i}", wall_ms, spans, steps, top=8)["by_kind"]))
     return per_gpu
 
 
@@ -382,12 +380,10 @@ _LAUNCH = {"graphs": re.compile(r"^cu(da)?GraphLaunch"),
            "kernels": re.compile(r"^cu(da)?LaunchKernel")}
 
 
-def host_launches(trace_dir, steps, label):
-    """{graphs, kernels}: the host's CUDA graph and kernel launches a step, from the trace's
+def host_launches(events, steps, label):
+    """{graphs, kernels}: the host's CUDA graph and kernel launches a step, from a trace's
     runtime-API events: a collective outside the command buffers splits the step's graph and
     launches its kernels one by one."""
-    from jaxspec.benchmark import trace
-    events = trace.load_trace(trace_dir)
     got = {k: sum(1 for e in events if e.get("ph") == "X" and rx.match(str(e.get("name", ""))))
            / steps for k, rx in _LAUNCH.items()}
     print(f"   host launches a step ({label}): {got['graphs']:g} graphs, {got['kernels']:g} "

@@ -66,32 +66,25 @@ def allreduce(x, axis_name, num_devices: int):
 
 def oneshot(x, axis_name):
     """The kernel: x [...] (a multiple of TILE elements) -> its sum over the two devices."""
-
+    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     flat = x.reshape(-1)
 
-    def oneshot_allreduce(x_ref, y_ref, ready, done):   # the name profiles show
-        _kernel(x_ref, y_ref, ready, done, axis_name=axis_name, tiles=flat.size // TILE)
+    def oneshot_allreduce(x_ref, y_ref, ready, done):   # named for profiles
+        """x_ref, y_ref [flat.size] in GMEM; ready, done: semaphores the peer signals."""
+        peer = {axis_name: 1 - lax.axis_index(axis_name)}
+        pl.semaphore_signal(ready, device_id=peer)
+        pl.semaphore_wait(ready)
+        x_peer = plgpu.remote_ref(x_ref, peer)
+        for i in range(flat.size // TILE):   # at most MAX_BYTES: a few tiles, unrolled
+            at = pl.ds(i * TILE, TILE)
+            total = x_ref[at].astype(jnp.float32) + x_peer[at].astype(jnp.float32)
+            y_ref[at] = total.astype(y_ref.dtype)
+        pl.semaphore_signal(done, device_id=peer)
+        pl.semaphore_wait(done)
+
     call = plgpu.kernel(
         oneshot_allreduce, out_type=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
         scratch_types=[plgpu.SemaphoreType.REGULAR, plgpu.SemaphoreType.REGULAR])
     return call(flat).reshape(x.shape)
-
-
-def _kernel(x_ref, y_ref, ready, done, *, axis_name, tiles: int):
-    """x_ref, y_ref [tiles * TILE] in GMEM; ready, done: semaphores the peer signals."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    peer = {axis_name: 1 - lax.axis_index(axis_name)}
-    pl.semaphore_signal(ready, device_id=peer)
-    pl.semaphore_wait(ready)
-    x_peer = plgpu.remote_ref(x_ref, peer)
-
-    for i in range(tiles):   # at most MAX_BYTES: a few tiles, unrolled
-        at = pl.ds(i * TILE, TILE)
-        total = x_ref[at].astype(jnp.float32) + x_peer[at].astype(jnp.float32)
-        y_ref[at] = total.astype(y_ref.dtype)
-    pl.semaphore_signal(done, device_id=peer)
-    pl.semaphore_wait(done)

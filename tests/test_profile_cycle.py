@@ -34,6 +34,7 @@ def test_tp_device_time_splits_each_gpu_by_kind(tmp_path):
     import gzip
     import json
     from bench.bench_parallel import host_launches, tp_device_time
+    from jaxspec.benchmark.trace import load_trace
     meta = [{"ph": "M", "name": "process_name", "pid": p, "args": {"name": n}}
             for p, n in ((1, "/host:CPU"), (7, "/device:GPU:0"), (9, "/device:GPU:1"))]
     spans = []
@@ -52,7 +53,8 @@ def test_tp_device_time_splits_each_gpu_by_kind(tmp_path):
                   {"ph": "X", "pid": 1, "name": "cudaGraphLaunch", "ts": t + 11, "dur": 5.0}]
     with gzip.open(tmp_path / "host.trace.json.gz", "wt") as f:
         json.dump({"traceEvents": meta + spans}, f)
-    got = tp_device_time(str(tmp_path), 2, "synthetic")
+    events = load_trace(str(tmp_path))
+    got = tp_device_time(events, 2, "synthetic", wall_ms=0.9)
     assert got == [{"gemm": 0.3, "collective": 0.04, "fusion": 0.01},
                    {"gemm": 0.3, "collective": 0.025, "fusion": 0.01}]
-    assert host_launches(str(tmp_path), 2, "synthetic") == {"graphs": 2, "kernels": 2}
+    assert host_launches(events, 2, "synthetic") == {"graphs": 2, "kernels": 2}

@@ -112,6 +112,14 @@ def check_shardable(cfg: ModelConfig, m: int, schedule: str = "megatron") -> Non
                           f"{cfg.intermediate_size} to be a multiple of {m}")
 
 
+def check_allreduce(schedule: str, allreduce: str) -> None:
+    if allreduce not in ALLREDUCES:
+        raise ConfigError(f"allreduce must be one of {', '.join(ALLREDUCES)}, got {allreduce!r}")
+    if allreduce == "oneshot" and schedule != "replicated_attention":
+        raise ConfigError("allreduce='oneshot' needs schedule='replicated_attention' (the "
+                          f"kernel serves the MLP's one all-reduce a layer), got {schedule!r}")
+
+
 # ------------------------------------------------------------------------------------ layout
 
 
@@ -316,12 +324,7 @@ class TensorParallel(OneDevice):
             raise ConfigError(f"TensorParallel needs a mesh with a {AXIS!r} axis (make_mesh), "
                               f"got axes {mesh.axis_names}")
         check_shardable(cfg, mesh.shape[AXIS], schedule)
-        if allreduce not in ALLREDUCES:
-            raise ConfigError(f"allreduce must be one of {', '.join(ALLREDUCES)}, got "
-                              f"{allreduce!r}")
-        if allreduce == "oneshot" and schedule != "replicated_attention":
-            raise ConfigError("allreduce='oneshot' needs schedule='replicated_attention' (the "
-                              f"kernel serves the MLP's one all-reduce a layer), got {schedule!r}")
+        check_allreduce(schedule, allreduce)
         self.axis = AXIS
         if schedule == "replicated_attention":
             self.axis = ONESHOT_AXIS if allreduce == "oneshot" else MLP_AXIS
